@@ -1,0 +1,42 @@
+"""`harness` console script: one module per subcommand.
+
+Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
+``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
+plus one line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = [
+    "harness.cli.run",
+    "harness.cli.validate",
+    "harness.cli.backends",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="harness",
+        description="Day-0 model bring-up regression harness: suites -> pytest items -> results -> issues.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Build the model a suite describes: pruned, seeded, in a dtype, on a device.
+
+Weights are always created on the CPU in float32 from the seed and then cast and moved, so every
+backend and dtype starts from the same numbers (what makes cross-backend comparisons meaningful).
+Local weights load through safetensors only; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from harness.models.config import ModelConfig, architecture_class, build_config, use_eager_experts
+from harness.suite.loader import LoadedSuite
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+class AdapterError(Exception):
+    pass
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def model_config(ls: LoadedSuite, *, pruned: bool = True) -> ModelConfig:
+    m = ls.suite.model
+    return build_config(ls.raw_config, ls.suite.prune if pruned else None, architecture=m.architecture,
+                        trust_remote_code=m.trust_remote_code)
+
+
+def load_adapter(spec: str) -> Callable:
+    """``package.module:callable`` -> the callable, with an error that says what went wrong."""
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise AdapterError(f"model.adapter {spec!r}: cannot import {mod_name!r}: {e}") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise AdapterError(f"model.adapter {spec!r}: {mod_name} has no callable {attr!r}")
+    return fn
+
+
+def instantiate(ls: LoadedSuite, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The bare module, on CPU, weights from the current RNG state."""
+    if dtype == torch.float64:
+        use_eager_experts(mc.config)
+    adapter = ls.suite.model.adapter
+    if adapter == "hf":
+        model = architecture_class(mc.architecture)(mc.config)
+    else:
+        model = load_adapter(adapter)(mc.config, dtype=torch.float32, device="cpu")
+        if not isinstance(model, torch.nn.Module):
+            raise AdapterError(f"model.adapter {adapter!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> list[str]:
+    """Load local safetensors (a file or every *.safetensors in a directory). Returns notes on
+    missing/unexpected keys rather than failing, since a pruned model only uses part of them."""
+    from safetensors.torch import load_file
+
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise AdapterError(f"model.weights: no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    result = model.load_state_dict(state, strict=False)
+    notes = []
+    if result.missing_keys:
+        notes.append(f"{len(result.missing_keys)} parameters not in the weights (kept random), "
+                     f"e.g. {result.missing_keys[0]}")
+    if result.unexpected_keys:
+        notes.append(f"{len(result.unexpected_keys)} tensors in the weights unused, e.g. {result.unexpected_keys[0]}")
+    return notes
+
+
+def build_model(ls: LoadedSuite, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                seed: int = 0, mc: ModelConfig | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+    """Pruned model for ``ls`` with seeded weights, cast to ``dtype`` and moved to ``device``."""
+    dt = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    mc = mc or model_config(ls)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = instantiate(ls, mc, dt)
+    if ls.weights_path is not None:
+        mc.notes.extend(load_weights(model, ls.weights_path))
+    model = model.to(device=device, dtype=dt)
+    return model, mc
+
+
+def seeded_tokens(vocab_size: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Token ids [batch, seq] from a private generator: identical on every rank and backend."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=g)

@@ -1,0 +1,147 @@
+"""Load suite TOML files into validated ``Suite`` objects.
+
+Every error names the file, the field path and what was expected, e.g.
+``suites/kimi-k2.toml: prune.num_hidden_layers: must be >= 1, got 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+from pydantic import BaseModel, ValidationError
+
+from harness.suite.schema import Suite
+
+
+class SuiteError(Exception):
+    """A malformed suite. ``str()`` is the full human message (file: field: problem)."""
+
+    def __init__(self, path: Path | str, problems: list[str]):
+        self.path = Path(path)
+        self.problems = problems
+        shown = _display(self.path)
+        super().__init__("\n".join(f"{shown}: {p}" for p in problems))
+
+
+@dataclass(frozen=True)
+class LoadedSuite:
+    path: Path  # the suite file
+    name: str  # suite name (file stem unless model.name says otherwise)
+    suite: Suite
+    config_path: Path  # resolved path of the real config.json
+    raw_config: dict  # config.json as published
+
+    @property
+    def weights_path(self) -> Path | None:
+        w = self.suite.model.weights
+        return (self.path.parent / w).resolve() if w else None
+
+
+def _display(path: Path) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
+
+
+def _fmt_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (("." if out else "") + str(part))
+    return out or "(top level)"
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Known keys of the table an unknown key sits in, for 'expected one of' hints."""
+    cur: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        field = cur.model_fields.get(str(part)) if cur else None
+        ann = field.annotation if field else None
+        cur = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return sorted(cur.model_fields) if cur else []
+
+
+def _explain(err: dict) -> str:
+    kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "extra_forbidden":
+        known = _fields_at(Suite, err["loc"])
+        return "unknown key" + (f" (expected one of: {', '.join(known)})" if known else "")
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        return f"must be {op} {bound}, got {got!r}"
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return f"{err['msg'].lower()}, got {type(got).__name__} {got!r}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {got!r}"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return msg
+
+
+def load_suite(path: str | Path) -> LoadedSuite:
+    path = Path(path).resolve()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SuiteError(path, [f"cannot read suite file: {e.strerror}"]) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SuiteError(path, [f"not valid TOML: {e}"]) from None
+    try:
+        suite = Suite.model_validate(data)
+    except ValidationError as e:
+        raise SuiteError(path, [f"{_fmt_loc(err['loc'])}: {_explain(err)}" for err in e.errors()]) from None
+
+    problems = []
+    config_path = (path.parent / suite.model.config).resolve()
+    raw: dict = {}
+    if not config_path.is_file():
+        problems.append(f"model.config: file not found: {_display(config_path)}")
+    else:
+        try:
+            raw = json.loads(config_path.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError("top level is not a JSON object")
+        except (ValueError, OSError) as e:
+            problems.append(f"model.config: {_display(config_path)} is not a valid config.json: {e}")
+    if raw and not (raw.get("architectures") or suite.model.architecture):
+        problems.append("model.config: config.json has no 'architectures'; set model.architecture")
+    if suite.model.weights:
+        w = (path.parent / suite.model.weights).resolve()
+        if not w.exists():
+            problems.append(f"model.weights: not found: {_display(w)}")
+        elif w.is_file() and w.suffix != ".safetensors":
+            problems.append(f"model.weights: only safetensors weights are loaded (never pickles), got {w.name}")
+    if problems:
+        raise SuiteError(path, problems)
+    return LoadedSuite(path, suite.model.name or path.stem, suite, config_path, raw)
+
+
+def discover(root: str | Path = "suites") -> list[Path]:
+    """Suite files under ``root`` (not recursive: suites/configs holds the JSON configs)."""
+    return sorted(Path(root).glob("*.toml"))
+
+
+def resolve_names(names: list[str], root: str | Path = "suites") -> list[Path]:
+    """Turn CLI arguments (suite names or paths) into suite files; unknown names raise SuiteError."""
+    out = []
+    for n in names:
+        p = Path(n)
+        if p.suffix == ".toml" or p.exists():
+            out.append(p)
+            continue
+        cand = Path(root) / f"{n}.toml"
+        if not cand.exists():
+            known = ", ".join(x.stem for x in discover(root)) or "none"
+            raise SuiteError(cand, [f"no such suite {n!r} (known: {known})"])
+        out.append(cand)
+    return out
