@@ -1,0 +1,179 @@
+"""What harness needs to know about a device backend, and the registry that holds them.
+
+A backend is data plus a few probes. Built-ins (builtin.py) and a vendor's own backends register
+the same way: an entry point in the ``harness.backends`` group whose target is
+``register(registry)``, or a ``[[backends]]`` table in ``harness.toml`` (custom.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+PROBE_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class Backend:
+    name: str  # what suites and --backend say: cpu, cuda, npu, ...
+    device_type: str  # torch device type: cpu, cuda, xpu, mps, npu (PrivateUse1 renamed), ...
+    collective: str  # torch.distributed backend: gloo, nccl, xccl, hccl, mccl, cncl, ...
+    module: str | None = None  # out-of-tree package to import first (torch_npu, ...)
+    dispatch_key: str | None = None  # dispatcher key of its kernels (CUDA, XPU, PrivateUse1, ...)
+    description: str = ""
+    source: str = "builtin"  # where it was registered from
+    _avail: tuple[bool, str] | None = field(default=None, repr=False)
+
+    # --- availability -------------------------------------------------------------------------
+    def availability(self) -> tuple[bool, str]:
+        """(available, reason). Importing the vendor module happens here, once."""
+        if self._avail is None:
+            self._avail = self._probe_availability()
+        return self._avail
+
+    def available(self) -> bool:
+        return self.availability()[0]
+
+    def _probe_availability(self) -> tuple[bool, str]:
+        if self.module:
+            try:
+                importlib.import_module(self.module)
+            except Exception as e:  # ImportError, or a vendor module failing on a machine without its driver
+                return False, f"backend {self.name}: module {self.module!r} not importable ({type(e).__name__}: {e})"
+        if self.device_type == "cpu":
+            return True, "cpu is always available"
+        mod = getattr(torch, self.device_type, None)
+        if mod is None or not hasattr(mod, "is_available"):
+            return False, f"backend {self.name}: torch has no '{self.device_type}' device module"
+        try:
+            ok = bool(mod.is_available())
+        except Exception as e:
+            return False, f"backend {self.name}: torch.{self.device_type}.is_available() raised {e!r}"
+        if not ok:
+            return False, f"backend {self.name}: torch.{self.device_type}.is_available() is False (no device or driver)"
+        return True, f"{self.device_count()} device(s)"
+
+    # --- devices ------------------------------------------------------------------------------
+    def _mod(self):
+        return getattr(torch, self.device_type, None)
+
+    def device_count(self) -> int:
+        if self.device_type == "cpu":
+            return 1
+        mod = self._mod()
+        return int(mod.device_count()) if mod and hasattr(mod, "device_count") else 1
+
+    def device(self) -> torch.device:
+        """This process's device. Under pytest-xdist, worker gwN takes device N % count so that a
+        multi-device machine runs one shard per device."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        idx = int(worker[2:]) if worker[2:].isdigit() else 0
+        return torch.device(self.device_type, idx % max(self.device_count(), 1))
+
+    def device_name(self) -> str:
+        """The device generation, for per-generation tolerances and the machine fingerprint."""
+        if self.device_type == "cpu":
+            import platform
+
+            return platform.processor() or platform.machine() or "cpu"
+        mod = self._mod()
+        try:
+            return str(mod.get_device_name(self.device()))
+        except Exception:
+            return self.device_type
+
+    def synchronize(self) -> None:
+        mod = self._mod()
+        if self.device_type != "cpu" and mod is not None and hasattr(mod, "synchronize"):
+            mod.synchronize()
+
+    # --- memory -------------------------------------------------------------------------------
+    def reset_peak_memory(self) -> None:
+        if self.device_type == "cpu":
+            # Linux: writing 5 to clear_refs resets VmHWM, the process's peak-RSS counter.
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+            return
+        mod = self._mod()
+        if mod is not None and hasattr(mod, "reset_peak_memory_stats"):
+            mod.reset_peak_memory_stats(self.device())
+
+    def peak_memory(self) -> int | None:
+        """Bytes: the allocator's high-water mark, or on CPU the process peak RSS (VmHWM)."""
+        if self.device_type == "cpu":
+            try:
+                with open("/proc/self/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            return int(line.split()[1]) * 1024
+            except OSError:
+                pass
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mod = self._mod()
+        if mod is not None and hasattr(mod, "max_memory_allocated"):
+            return int(mod.max_memory_allocated(self.device()))
+        return None
+
+    # --- dtypes -------------------------------------------------------------------------------
+    @functools.cached_property
+    def supported_dtypes(self) -> dict[str, str]:
+        """Probed, not assumed: dtype -> "ok" or the reason it fails (a matmul and a softmax are
+        the smallest thing a transformer needs)."""
+        out = {}
+        if not self.available():
+            return {d: self.availability()[1] for d in PROBE_DTYPES}
+        dev = self.device()
+        for name in PROBE_DTYPES:
+            dt = getattr(torch, name)
+            try:
+                x = torch.ones(4, 4, dtype=dt, device=dev)
+                y = torch.softmax(x @ x, dim=-1).sum()
+                self.synchronize()
+                if not torch.isfinite(y.float().cpu()):
+                    raise RuntimeError("non-finite result")
+                out[name] = "ok"
+            except Exception as e:
+                out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return out
+
+    def supports(self, dtype: str) -> tuple[bool, str]:
+        r = self.supported_dtypes.get(dtype, f"dtype {dtype} not probed")
+        return r == "ok", r
+
+
+class Registry:
+    def __init__(self):
+        self._backends: dict[str, Backend] = {}
+
+    def add(self, backend: Backend, *, replace: bool = False) -> Backend:
+        if backend.name in self._backends and not replace:
+            raise ValueError(f"backend {backend.name!r} registered twice "
+                             f"({self._backends[backend.name].source} and {backend.source})")
+        self._backends[backend.name] = backend
+        return backend
+
+    def get(self, name: str) -> Backend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise KeyError(f"unknown backend {name!r} (registered: {', '.join(self._backends)})") from None
+
+    def names(self) -> list[str]:
+        return list(self._backends)
+
+    def __iter__(self):
+        return iter(self._backends.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._backends

@@ -1,0 +1,191 @@
+"""Read the JUnit XML of every shard (as pytest's ``--junitxml`` writes it) and merge them.
+
+Bad input never raises: a missing shard, a file that is not XML, or a file cut off mid-write (a
+runner killed by the OOM killer) each add a plain-language line to ``Results.problems`` and the
+test cases that could be read are kept, so the report is partial rather than absent.
+
+The same test id may appear several times: pytest-rerunfailures, a retried CI attempt, or two
+attempt folders passed together. Mixed outcomes make the test *flaky*; its final outcome is
+``passed`` if any attempt passed.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+from junitparser import Error, Failure, JUnitXml, JUnitXmlError, Properties, Skipped, TestCase, TestSuite
+
+from harness.metrics import parse_properties
+
+# Surefire-style rerun children (pytest-rerunfailures and others use them): the case was retried.
+_RERUN_TAGS = {"rerunFailure", "rerunError", "flakyFailure", "flakyError"}
+_LOG_LIMIT = 4000  # characters of failure text kept per case; the issue body shows excerpts
+
+
+@dataclass(slots=True)
+class Case:
+    key: str  # "<classname>::<name>", unique across the run
+    name: str
+    classname: str
+    outcome: str  # passed | failed | error | skipped
+    suite: str
+    check: str
+    backend: str
+    dtype: str
+    device: str
+    variant: str
+    metrics: dict[str, float]
+    tolerances: dict[str, float]
+    details: dict[str, str]
+    message: str = ""
+    log: str = ""
+    time: float = 0.0
+    flaky: bool = False
+    attempts: int = 1
+
+
+@dataclass
+class Results:
+    cases: dict[str, Case] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def suites(self) -> set[str]:
+        return {c.suite for c in self.cases.values()}
+
+    def groups_present(self) -> set[tuple[str, str]]:
+        return {(c.suite, c.backend) for c in self.cases.values()}
+
+
+def expand(paths: list[str]) -> list[str]:
+    """Directories become every ``*.xml`` below them (sorted); globs are expanded; a path that does
+    not exist is kept so that :func:`read_results` reports it as a missing shard."""
+    out: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            out.extend(sorted(glob.glob(os.path.join(p, "**", "*.xml"), recursive=True)))
+        elif any(ch in p for ch in "*?["):
+            out.extend(sorted(glob.glob(p)))
+        else:
+            out.append(p)
+    return out
+
+
+def read_results(paths: list[str], expect_shards: int | None = None) -> Results:
+    res = Results()
+    files = expand(paths)
+    # The objects built here hold no reference cycles, yet the cyclic collector keeps rescanning the
+    # growing heap: pausing it cuts reading 100,000 cases by a third.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _read_all(files, res)
+    finally:
+        if was_enabled:
+            gc.enable()
+    if not files:
+        res.problems.append(f"no JUnit XML files found in {', '.join(paths) or '(nothing given)'}")
+    if expect_shards is not None and len(res.files) < expect_shards:
+        res.problems.append(f"expected {expect_shards} shard files but found {len(res.files)}: "
+                            "a shard is missing, its results are not in this report")
+    return res
+
+
+def _read_all(files: list[str], res: Results) -> None:
+    for path in files:
+        res.files.append(path)
+        for case in _read_file(path, res.problems):
+            _merge(res.cases, case)
+
+
+
+def _read_file(path: str, problems: list[str]) -> list[Case]:
+    if not os.path.exists(path):
+        problems.append(f"{path}: shard missing (file does not exist); its tests count as not run")
+        return []
+    try:
+        xml = JUnitXml.fromfile(path)
+    except ET.ParseError as e:
+        cases = _salvage(path)
+        problems.append(f"{path}: malformed or truncated XML ({e}); kept the {len(cases)} complete "
+                        "test cases before the damage")
+        return cases
+    except JUnitXmlError:
+        problems.append(f"{path}: well-formed XML but not JUnit (no <testsuites>/<testsuite> root)")
+        return []
+    except OSError as e:
+        problems.append(f"{path}: cannot read ({e.strerror or e})")
+        return []
+    # junitparser wraps a lone <testsuite> root in <testsuites>, so one loop serves both shapes.
+    return [_case(tc) for s in xml if isinstance(s, TestSuite) for tc in s]
+
+
+def _salvage(path: str) -> list[Case]:
+    """Keep every ``<testcase>`` that closed before the parse error."""
+    out: list[Case] = []
+    try:
+        for _event, elem in ET.iterparse(path, events=("end",)):
+            if elem.tag == "testcase":
+                out.append(_case(TestCase.fromelem(elem)))
+    except ET.ParseError:
+        pass
+    return out
+
+
+def _case(tc: TestCase) -> Case:
+    props_elem = tc.child(Properties)
+    # Read the <property> elements directly: wrapping each in a junitparser Property object costs
+    # more than the XML parse itself at 100,000 cases (see benchmarks/bench_compare.py).
+    props = ([(e.get("name", ""), e.get("value", "")) for e in props_elem._elem]
+             if props_elem is not None else [])
+    parsed = parse_properties(props)
+    meta = parsed["meta"]
+    classname = tc.classname or ""
+    name = tc.name or ""
+    outcome, message, log = "passed", "", ""
+    for r in tc.result:
+        if isinstance(r, Error):
+            outcome = "error"
+        elif isinstance(r, Failure) and outcome != "error":
+            outcome = "failed"
+        elif isinstance(r, Skipped) and outcome == "passed":
+            outcome = "skipped"
+        if not isinstance(r, Skipped) or outcome == "skipped":
+            message = message or (r.message or "")
+            log = log or (r.text or "")
+    reruns = sum(1 for child in tc._elem if child.tag in _RERUN_TAGS)
+    return Case(
+        key=f"{classname}::{name}", name=name, classname=classname, outcome=outcome,
+        suite=meta.get("suite") or _suite_from_classname(classname),
+        check=meta.get("check") or name.split("[", 1)[0],
+        backend=meta.get("backend", "unknown"), dtype=meta.get("dtype", ""),
+        device=meta.get("device", ""), variant=meta.get("variant", ""),
+        metrics=parsed["metrics"], tolerances=parsed["tolerances"], details=parsed["details"],
+        message=message[:_LOG_LIMIT], log=log[-_LOG_LIMIT:], time=tc.time or 0.0,
+        flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns,
+    )
+
+
+def _suite_from_classname(classname: str) -> str:
+    # pytest writes "suites.kimi-k2.toml" for suites/kimi-k2.toml
+    stem = classname[: -len(".toml")] if classname.endswith(".toml") else classname
+    return stem.split(".", 1)[1] if stem.startswith("suites.") else stem or "unknown"
+
+
+def _merge(cases: dict[str, Case], new: Case) -> None:
+    old = cases.get(new.key)
+    if old is None:
+        cases[new.key] = new
+        return
+    passed = [c for c in (old, new) if c.outcome == "passed"]
+    bad = [c for c in (old, new) if c.outcome in ("failed", "error")]
+    keep = passed[-1] if passed else new
+    keep.attempts = old.attempts + new.attempts
+    keep.flaky = old.flaky or new.flaky or bool(passed and bad)
+    if keep.flaky and bad and not keep.log:
+        keep.message, keep.log = bad[-1].message, bad[-1].log  # show what the failed attempt said
+    cases[new.key] = keep

@@ -1,0 +1,75 @@
+"""Project-level settings: ``harness.toml`` at the repository root (or the file named by the
+``HARNESS_CONFIG`` environment variable). Every key is declared with type, default and description.
+
+Example::
+
+    suites_dir = "suites"
+    [[backends]]             # a vendor backend harness does not ship
+    name = "mydev"
+    module = "torch_mydev"   # imported first; absent -> items skip with the import error
+    device_type = "mydev"
+    collective = "mccl"
+    dispatch_key = "PrivateUse1"
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class CustomBackend(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="Name used by suites and --backend.")
+    device_type: str = Field(description="torch device type (after any PrivateUse1 rename).")
+    collective: str = Field("gloo", description="torch.distributed backend for parallel checks.")
+    module: str | None = Field(None, description="Python module to import before use (the vendor's torch plugin).")
+    dispatch_key: str | None = Field(None, description="Dispatcher key of its kernels, e.g. PrivateUse1.")
+    description: str = Field("", description="Free text shown by `harness backends`.")
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    suites_dir: str = Field("suites", description="Where suite TOML files live.")
+    golden_dir: str = Field("golden", description="Where goldens live.")
+    results_dir: str = Field("results", description="Where `harness run` writes JUnit XML and summaries.")
+    backends: list[CustomBackend] = Field(default_factory=list, description="Custom backends.")
+
+
+class SettingsError(Exception):
+    pass
+
+
+def settings_path() -> Path | None:
+    env = os.environ.get("HARNESS_CONFIG")
+    if env:
+        return Path(env)
+    p = Path("harness.toml")
+    return p if p.exists() else None
+
+
+@functools.cache
+def _load(path: str | None) -> Settings:
+    if path is None:
+        return Settings()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise SettingsError(f"{p}: cannot read harness settings: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"{p}: not valid TOML: {e}") from None
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        msgs = [f"{p}: {'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise SettingsError("\n".join(msgs)) from None
+
+
+def load_settings() -> Settings:
+    p = settings_path()
+    return _load(str(p) if p else None)
