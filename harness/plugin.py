@@ -11,6 +11,7 @@ the JUnit XML (naming convention: harness/metrics.py).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        # pytest-xdist: N workers x default torch threads oversubscribe the cores, and small
+        # kernels then spend their time spinning. Share the cores out instead.
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(config.workerinput["workercount"])))
     for name in checks.registry().names():
         config.addinivalue_line("markers", f"{name}: harness '{name}' check items")
 
@@ -66,9 +73,9 @@ class SuiteFile(pytest.File):
                     continue
                 backend = breg.get(bname) if bname in breg else None
                 variants = check.variants(ls, backend) if backend and backend.available() else [None]
-                for dtype in ls.suite.dtypes:
-                    if want_d and dtype not in want_d:
-                        continue
+                # --harness-dtype replaces the suite's dtypes (a vendor may need float16 where the
+                # suite author only listed float32/bfloat16); backends and checks only filter.
+                for dtype in sorted(want_d) if want_d else ls.suite.dtypes:
                     for variant in variants:
                         vid = f"-{variant}" if variant else ""
                         yield HarnessItem.from_parent(

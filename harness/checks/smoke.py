@@ -11,6 +11,7 @@ Per suite x backend x dtype, on the pruned model with seeded weights and seeded 
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -126,7 +127,10 @@ class SmokeCheck:
             torch.stack([p.grad.float().norm() for _, p in trainable])).item())
 
         # 3. a few optimizer steps on the same batch must lower the loss ------------------------
-        opt = torch.optim.AdamW([p for _, p in trainable], lr=cfg.lr)
+        # eps must survive the parameter dtype: AdamW's default 1e-8 is 0 in float16, and then
+        # a zero second moment gives 0/0 = nan on the first step.
+        eps = max(1e-8, 2 * torch.finfo(trainable[0][1].dtype).tiny)
+        opt = torch.optim.AdamW([p for _, p in trainable], lr=cfg.lr, eps=eps)
         opt.step()  # step 1 uses the gradient we already have
         t = time.perf_counter()
         for _ in range(cfg.steps - 1):
@@ -139,6 +143,9 @@ class SmokeCheck:
         with torch.no_grad():
             loss1 = ctx.metric("loss_final", model(input_ids=ids, labels=ids).loss.item())
         ctx.metric("loss_drop", loss0 - loss1)
+        if not math.isfinite(loss1):
+            raise CheckFailure(f"{cfg.steps} optimizer steps made the loss non-finite", metric="loss_final",
+                               expected="finite", observed=loss1)
         if not loss1 < loss0:
             raise CheckFailure(f"{cfg.steps} optimizer steps on a fixed batch did not lower the loss",
                                metric="loss_final", expected=f"< {loss0:.6g} (loss_initial)", observed=f"{loss1:.6g}")

@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a bare `--` is passed through untouched (e.g. to pytest by `harness run`).
+    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.passthrough = passthrough
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,0 +1,54 @@
+"""`harness run [SUITE...] [--backend B] [--dtype D] [--check C]`: the main job."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from harness.settings import load_settings
+from harness.suite.schema import DTYPES
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="run suites through pytest; progress, summary table, results/",
+                       epilog="Arguments after -- go to pytest, e.g. harness run kimi-k2 -- -x --maxfail 1.",
+                       description="Run suites (default: all) on backends (default: every available one).")
+    p.add_argument("suites", nargs="*", help="suite names (kimi-k2) or paths; default: every suite")
+    p.add_argument("--backend", "-b", action="append", default=[], help="backend (repeatable)")
+    p.add_argument("--dtype", "-d", action="append", default=[], choices=list(DTYPES),
+                   help="dtype (repeatable); replaces the suites' own dtype lists")
+    p.add_argument("--check", "-c", action="append", default=[], help="check (repeatable)")
+    p.add_argument("--workers", "-n", default=None, help="pytest-xdist workers (a number or 'auto')")
+    p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    p.add_argument("--results", type=Path, default=None, help="results directory (default: results/)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from rich.console import Console
+
+    from harness import runner
+    from harness.backends import registry
+    from harness.suite.loader import SuiteError, discover, resolve_names
+
+    # Not a terminal (CI logs): rich would wrap the table at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    settings = load_settings()
+    try:
+        suites = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)
+    except SuiteError as e:
+        console.print(f"[red]{e}")
+        return 2
+    if not suites:
+        console.print(f"[red]no suites found in {settings.suites_dir}/")
+        return 2
+    reg = registry()
+    unknown = [b for b in args.backend if b not in reg]
+    if unknown:
+        console.print(f"[red]unknown backend(s) {', '.join(unknown)} (registered: {', '.join(reg.names())})")
+        return 2
+    backends = args.backend or [b.name for b in reg if b.available()]
+    extra = args.passthrough
+    return runner.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
+                      results=args.results or Path(settings.results_dir), workers=args.workers,
+                      keyword=args.keyword, extra=extra, console=console)

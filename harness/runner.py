@@ -1,0 +1,166 @@
+"""``harness run``: the suites through pytest (same items, same JUnit XML), with a progress bar,
+a summary table and ``results/``.
+
+pytest does the work in-process; ``RunObserver`` is a small pytest plugin that follows the reports
+(under pytest-xdist the controller receives every worker's reports, user_properties included).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from harness import metrics
+
+
+@dataclass
+class Row:
+    nodeid: str
+    outcome: str  # passed / failed / skipped / error
+    props: dict = field(default_factory=dict)
+    message: str = ""
+    duration: float = 0.0
+
+    @property
+    def parsed(self) -> dict:
+        return metrics.parse_properties(self.props)
+
+
+class RunObserver:
+    """Collects one Row per item and drives the progress bar."""
+
+    def __init__(self, console: Console, show_progress: bool = True):
+        self.rows: dict[str, Row] = {}
+        self.console = console
+        self.progress = Progress(TextColumn("[bold]harness"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"),
+                                 console=console, transient=True, disable=not show_progress)
+        self.task = None
+
+    def _start(self, total: int) -> None:
+        if self.task is None:
+            self.progress.start()
+            self.task = self.progress.add_task("", total=total)
+
+    def pytest_collection_finish(self, session) -> None:
+        if not hasattr(session.config, "workerinput"):
+            self._start(len(session.items))
+
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        self._start(len(ids))
+
+    def pytest_runtest_logreport(self, report) -> None:
+        row = self.rows.setdefault(report.nodeid, Row(report.nodeid, "passed"))
+        row.props.update(dict(report.user_properties))
+        row.duration += report.duration
+        if report.failed:
+            row.outcome = "failed" if report.when == "call" else "error"
+            row.message = _first_line(report.longreprtext)
+        elif report.skipped and row.outcome == "passed":
+            row.outcome = "skipped"
+            row.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            row.message = row.message.removeprefix("Skipped: ")
+        if report.when == "teardown" and self.task is not None:
+            self.progress.update(self.task, advance=1, description=report.nodeid.split("/")[-1][:60])
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:  # a malformed suite: report it as a row, the run goes on
+            self.rows[report.nodeid] = Row(report.nodeid, "error", message=_first_line(report.longreprtext))
+
+    def pytest_sessionfinish(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def build_args(suites: list[Path], backends: list[str], dtypes: list[str], checks: list[str],
+               junit: Path, workers: int | None, keyword: str | None, extra: list[str]) -> list[str]:
+    args = [str(p) for p in suites] + [f"--junitxml={junit}", "-p", "no:cacheprovider",
+                                       "-p", "no:terminal"]
+    # Items of backends that are not asked for are not generated at all (not skipped).
+    args += [f"--harness-backend={b}" for b in backends]
+    args += [f"--harness-dtype={d}" for d in dtypes]
+    args += [f"--harness-check={c}" for c in checks]
+    if workers:
+        args += ["-n", str(workers)]
+    if keyword:
+        args += ["-k", keyword]
+    return args + extra
+
+
+def summary_table(rows: list[Row]) -> Table:
+    t = Table(title="harness results", show_lines=False)
+    for col in ("suite", "check", "backend", "dtype", "outcome", "loss", "time", "peak mem", "detail"):
+        t.add_column(col, overflow="fold", max_width=60 if col == "detail" else None)
+    style = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow"}
+    for r in sorted(rows, key=lambda r: r.nodeid):
+        p = r.parsed
+        meta, m = p["meta"], p["metrics"]
+        suite = meta.get("suite") or r.nodeid.split("::")[0].split("/")[-1].removesuffix(".toml")
+        name = r.nodeid.split("::")[-1]
+        check = meta.get("check") or name.split("[")[0]
+        params = name[name.find("[") + 1:-1].split("-", 1) if "[" in name else ["", ""]
+        loss = (f"{m['loss_initial']:.3f}->{m['loss_final']:.3f}"
+                if "loss_initial" in m and "loss_final" in m else "")
+        t.add_row(suite, check, meta.get("backend", params[0]), meta.get("dtype", params[-1]),
+                  f"[{style.get(r.outcome, '')}]{r.outcome}", loss, _fmt(m.get("wall_time_s"), "s"),
+                  _fmt(m.get("peak_memory_bytes"), "B"), r.message)
+    return t
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None or not math.isfinite(v):
+        return ""
+    if unit == "B":
+        return f"{v / 2**20:.0f} MiB"
+    return f"{v:.2f} s"
+
+
+def counts(rows: list[Row]) -> dict[str, int]:
+    out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for r in rows:
+        out[r.outcome] = out.get(r.outcome, 0) + 1
+    return out
+
+
+def write_results(results: Path, rows: list[Row]) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "summary.json").write_text(json.dumps(
+        {"counts": counts(rows), "items": [asdict(r) for r in rows]}, indent=1))
+    text = Console(record=True, width=160, file=io.StringIO())
+    text.print(summary_table(rows))
+    (results / "summary.txt").write_text(text.export_text())
+
+
+def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: list[str], results: Path,
+        workers: int | None = None, keyword: str | None = None, extra: list[str] | None = None,
+        console: Console | None = None) -> int:
+    console = console or Console()
+    results.mkdir(parents=True, exist_ok=True)
+    junit = results / "junit.xml"
+    observer = RunObserver(console, show_progress=console.is_terminal)
+    args = build_args(suites, backends, dtypes, checks, junit, workers, keyword, extra or [])
+    code = pytest.main(args, plugins=[observer])
+    rows = list(observer.rows.values())
+    console.print(summary_table(rows))
+    c = counts(rows)
+    console.print(f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
+                  f" -> {junit}")
+    write_results(results, rows)
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        console.print("[red]no items matched: check the suite names and --backend/--dtype/--check")
+    return int(code)
