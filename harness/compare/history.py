@@ -23,7 +23,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS runs(id INTEGER PRIMARY KEY, run_key TEXT UNIQUE, commit_sha TEXT,
                                 created REAL, url TEXT, machine TEXT);
-CREATE TABLE IF NOT EXISTS tests(id INTEGER PRIMARY KEY, key TEXT UNIQUE);
+CREATE TABLE IF NOT EXISTS tests(id INTEGER PRIMARY KEY, key TEXT UNIQUE, suite TEXT, backend TEXT);
 CREATE TABLE IF NOT EXISTS outcomes(run_id INT, test_id INT, outcome TEXT,
                                     PRIMARY KEY(run_id, test_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS metrics(run_id INT, test_id INT, name TEXT, value REAL,
@@ -66,10 +66,11 @@ class History:
             "ORDER BY id DESC LIMIT ?", (exclude_key, limit)).fetchall()
         return [RunInfo(*r) for r in reversed(rows)]
 
-    def outcomes(self, run_id: int) -> dict[str, str]:
-        return dict(self.db.execute(
-            "SELECT t.key, o.outcome FROM outcomes o JOIN tests t ON t.id = o.test_id "
-            "WHERE o.run_id = ?", (run_id,)))
+    def outcomes(self, run_id: int) -> dict[str, tuple[str, str, str]]:
+        """``test key -> (outcome, suite, backend)`` of one run."""
+        return {k: (o, s, b) for k, o, s, b in self.db.execute(
+            "SELECT t.key, o.outcome, t.suite, t.backend FROM outcomes o JOIN tests t "
+            "ON t.id = o.test_id WHERE o.run_id = ?", (run_id,))}
 
     def metric_series(self, run_ids: list[int]) -> dict[tuple[str, str], list[float]]:
         """``(test key, metric) -> values``, oldest first, over the given runs (missing skipped)."""
@@ -95,10 +96,9 @@ class History:
             n += 1
         return n
 
-    def issue(self, fingerprint: str) -> tuple[int, str] | None:
-        row = self.db.execute("SELECT number, state FROM issues WHERE fingerprint = ?",
-                              (fingerprint,)).fetchone()
-        return (row[0], row[1]) if row else None
+    def issues(self) -> dict[str, tuple[int, str]]:
+        """``fingerprint -> (issue number, state)`` as last seen or set by harness."""
+        return {fp: (n, s) for fp, n, s in self.db.execute("SELECT fingerprint, number, state FROM issues")}
 
     # ---- writing -------------------------------------------------------------------------------
     def record(self, run_key: str, results: Results, groups: dict[str, bool], commit: str = "",
@@ -110,8 +110,8 @@ class History:
             self._delete_runs([old[0]])
         run_id = db.execute("INSERT INTO runs(run_key, commit_sha, created, url, machine) "
                             "VALUES(?,?,?,?,?)", (run_key, commit, time.time(), url, machine)).lastrowid
-        db.executemany("INSERT OR IGNORE INTO tests(key) VALUES(?)",
-                       ((k,) for k in results.cases))
+        db.executemany("INSERT OR IGNORE INTO tests(key, suite, backend) VALUES(?,?,?)",
+                       ((k, c.suite, c.backend) for k, c in results.cases.items()))
         ids = dict(db.execute("SELECT key, id FROM tests"))
         db.executemany("INSERT INTO outcomes VALUES(?,?,?)",
                        ((run_id, ids[k], c.outcome) for k, c in results.cases.items()))

@@ -17,12 +17,14 @@ import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-from junitparser import Error, Failure, JUnitXml, JUnitXmlError, Properties, Skipped, TestCase, TestSuite
+from junitparser import JUnitXml, JUnitXmlError, TestCase, TestSuite
 
 from harness.metrics import parse_properties
 
 # Surefire-style rerun children (pytest-rerunfailures and others use them): the case was retried.
 _RERUN_TAGS = {"rerunFailure", "rerunError", "flakyFailure", "flakyError"}
+_RESULT_RANK = {"skipped": 1, "failure": 2, "error": 3}  # an error outranks a failure
+_OUTCOME = {"skipped": "skipped", "failure": "failed", "error": "error"}
 _LOG_LIMIT = 4000  # characters of failure text kept per case; the issue body shows excerpts
 
 
@@ -137,27 +139,29 @@ def _salvage(path: str) -> list[Case]:
 
 
 def _case(tc: TestCase) -> Case:
-    props_elem = tc.child(Properties)
-    # Read the <property> elements directly: wrapping each in a junitparser Property object costs
+    # junitparser finds the test cases; their few children are read straight off the element
+    # junitparser wraps (``_elem``): building a wrapper object per <property> and per result costs
     # more than the XML parse itself at 100,000 cases (see benchmarks/bench_compare.py).
-    props = ([(e.get("name", ""), e.get("value", "")) for e in props_elem._elem]
-             if props_elem is not None else [])
+    elem = tc._elem
+    props: list[tuple[str, str]] = []
+    outcome, message, log, reruns = "passed", "", "", 0
+    for child in elem:
+        tag = child.tag
+        if tag == "properties":
+            props = [(p.get("name", ""), p.get("value", "")) for p in child]
+        elif tag in _RESULT_RANK:
+            if _RESULT_RANK[tag] > _RESULT_RANK.get(outcome, 0) or outcome == "passed":
+                outcome = _OUTCOME[tag]
+                message, log = child.get("message", ""), child.text or ""
+        elif tag in _RERUN_TAGS:
+            reruns += 1
     parsed = parse_properties(props)
     meta = parsed["meta"]
-    classname = tc.classname or ""
-    name = tc.name or ""
-    outcome, message, log = "passed", "", ""
-    for r in tc.result:
-        if isinstance(r, Error):
-            outcome = "error"
-        elif isinstance(r, Failure) and outcome != "error":
-            outcome = "failed"
-        elif isinstance(r, Skipped) and outcome == "passed":
-            outcome = "skipped"
-        if not isinstance(r, Skipped) or outcome == "skipped":
-            message = message or (r.message or "")
-            log = log or (r.text or "")
-    reruns = sum(1 for child in tc._elem if child.tag in _RERUN_TAGS)
+    classname, name = elem.get("classname", ""), elem.get("name", "")
+    try:
+        duration = float(elem.get("time", 0) or 0)
+    except ValueError:
+        duration = 0.0
     return Case(
         key=f"{classname}::{name}", name=name, classname=classname, outcome=outcome,
         suite=meta.get("suite") or _suite_from_classname(classname),
@@ -165,7 +169,7 @@ def _case(tc: TestCase) -> Case:
         backend=meta.get("backend", "unknown"), dtype=meta.get("dtype", ""),
         device=meta.get("device", ""), variant=meta.get("variant", ""),
         metrics=parsed["metrics"], tolerances=parsed["tolerances"], details=parsed["details"],
-        message=message[:_LOG_LIMIT], log=log[-_LOG_LIMIT:], time=tc.time or 0.0,
+        message=message[:_LOG_LIMIT], log=log[-_LOG_LIMIT:], time=duration,
         flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns,
     )
 

@@ -1,0 +1,116 @@
+"""``harness compare RESULTS...``: classify the shards' JUnit XML, file/update/close issues.
+
+Exit status: 0 when the comparison ran (even with regressions: the issues are the signal),
+1 with ``--fail-on-regression`` when a confirmed regression was found, 2 when no test case could
+be read at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from harness.compare.classify import Config
+from harness.compare.issues import FILED_KINDS, GROUP_BY
+from harness.compare.pipeline import Options, run_compare
+from harness.compare.report import summary_markdown, write_step_summary
+
+DEFAULT_HISTORY = "harness-history.sqlite"
+DEFAULT_MUTES = "harness-mutes.toml"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options shared with ``harness report``."""
+    p.add_argument("results", nargs="+", metavar="RESULTS",
+                   help="JUnit XML files, folders of them, or globs (one per shard)")
+    p.add_argument("--baseline", action="append", metavar="B",
+                   help="JUnit XML of the baseline run (file, folder or glob; repeatable)")
+    p.add_argument("--history", default=DEFAULT_HISTORY, metavar="DB",
+                   help=f"SQLite history of earlier runs (default {DEFAULT_HISTORY}; '' for none)")
+    p.add_argument("--threshold", type=float, default=0.10,
+                   help="relative change that counts as a metric regression (default 0.10)")
+    p.add_argument("--metric-threshold", action="append", default=[], metavar="[SUITE:]METRIC=REL",
+                   help="a suite's or metric's own threshold, e.g. kimi-k2:wall_time_s=0.25")
+    p.add_argument("--drift-fraction", type=float, default=0.5,
+                   help="precision drift: share of the baseline's headroom to the tolerance used up")
+    p.add_argument("--min-bad-runs", type=int, default=2,
+                   help="consecutive bad runs before a metric regression is confirmed (default 2)")
+    p.add_argument("--collected", metavar="FILE",
+                   help="test ids the suites define now (pytest --collect-only -q); a vanished "
+                        "test missing from it was dropped on purpose")
+    p.add_argument("--expect-shards", type=int, help="number of shard files expected")
+
+
+def junit_key(nodeid: str) -> str:
+    """pytest node id -> the ``classname::name`` key its junitxml writes (pytest's own mangling)."""
+    names = nodeid.split("::")
+    names[0] = names[0].replace("/", ".").removesuffix(".py")
+    return ".".join(names[:-1]) + "::" + names[-1]
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    thresholds = {}
+    for item in args.metric_threshold:
+        key, _, value = item.partition("=")
+        thresholds[key.strip()] = float(value)
+    collected = None
+    if args.collected:
+        with open(args.collected, encoding="utf-8") as f:
+            collected = {junit_key(line.strip()) for line in f if "::" in line}
+    return Config(threshold=args.threshold, thresholds=thresholds, drift_fraction=args.drift_fraction,
+                  min_bad_runs=args.min_bad_runs, collected=collected)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("compare", help="compare results with baseline and history; file issues",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p)
+    p.add_argument("--sink", choices=["github", "file", "stdout"], default="stdout")
+    p.add_argument("--out-dir", default="harness-issues", help="folder of the file sink")
+    p.add_argument("--dry-run", action="store_true", help="print the planned issue actions only")
+    p.add_argument("--repo", help="OWNER/NAME (default: $GITHUB_REPOSITORY)")
+    p.add_argument("--api-url", help="REST API root (default: $GITHUB_API_URL or api.github.com)")
+    p.add_argument("--github-url", help="GitHub Enterprise base URL, e.g. https://ghe.example.com")
+    p.add_argument("--max-api-calls", type=int, default=100)
+    p.add_argument("--run-id", help="key of this run in the history (default from GitHub Actions)")
+    p.add_argument("--commit", default="", help="commit under test (default: $GITHUB_SHA)")
+    p.add_argument("--baseline-commit", default="")
+    p.add_argument("--run-url", default="", help="default: built from GitHub Actions' environment")
+    p.add_argument("--mute-file", default=DEFAULT_MUTES, help=f"default {DEFAULT_MUTES} if present")
+    p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes")
+    p.add_argument("--file-kinds", default=",".join(FILED_KINDS),
+                   help="kinds that open issues (also: flaky, improvement)")
+    p.add_argument("--group-by", default=",".join(GROUP_BY),
+                   help="fields that make one issue (suite, backend, kind, dtype, check, device)")
+    p.add_argument("--summary", help="also write the markdown summary here "
+                                     "(it always goes to $GITHUB_STEP_SUMMARY when set)")
+    p.add_argument("--fail-on-regression", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = Options(
+        results=args.results, baseline=args.baseline, history=args.history or None, sink=args.sink,
+        out_dir=args.out_dir, dry_run=args.dry_run, repo=args.repo, api_url=args.api_url,
+        enterprise_url=args.github_url, max_api_calls=args.max_api_calls, run_key=args.run_id,
+        commit=args.commit, baseline_commit=args.baseline_commit, run_url=args.run_url,
+        mute_file=args.mute_file, close_after=args.close_after,
+        filed_kinds=tuple(k for k in args.file_kinds.split(",") if k),
+        group_by=tuple(k for k in args.group_by.split(",") if k),
+        expect_shards=args.expect_shards, config=config_from(args))
+    outcome = run_compare(opts)
+    text = summary_markdown(outcome)
+    for p in outcome.problems:
+        print(f"harness compare: {p}", file=sys.stderr)
+    print(text)
+    if args.summary:
+        with open(args.summary, "w", encoding="utf-8") as f:
+            f.write(text)
+    write_step_summary(text)
+    if not outcome.current.cases:
+        print("harness compare: no test case could be read", file=sys.stderr)
+        return 2
+    if args.fail_on_regression and any(f.regression and f.confirmed for f in
+                                       outcome.classification.findings):
+        return 1
+    return 0

@@ -1,0 +1,53 @@
+"""``harness report RESULTS``: a static HTML page with the tables and the plots.
+
+Reads the same inputs as ``harness compare`` (and the history, read-only) and writes one
+self-contained HTML file: findings, error per layer of failing precision items, and the history
+of every metric that moved, with its change point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+
+from harness.cli.compare import add_common, config_from
+from harness.compare.history import History
+from harness.compare.pipeline import Options, run_compare
+from harness.compare.report import html_report
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("report", help="write a static HTML report with tables and plots",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p)
+    p.add_argument("-o", "--output", default="harness-report.html")
+    p.add_argument("--title", default="harness report")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    history = args.history if args.history and os.path.exists(args.history) else None
+    # dry_run: read the history, never write it; the stdout sink with no issues prints nothing.
+    opts = Options(results=args.results, baseline=args.baseline, history=history, dry_run=True,
+                   config=config_from(args))
+    outcome = run_compare(opts, sink=_NoIssues(), out=io.StringIO())
+    series = {}
+    if history:
+        h = History(history)
+        series = h.metric_series([r.id for r in h.runs(opts.config.history_window)])
+        h.close()
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(html_report(outcome, series, args.title))
+    for p in outcome.problems:
+        print(f"harness report: {p}", file=sys.stderr)
+    print(f"harness report: wrote {args.output} ({len(outcome.current.cases)} test cases)")
+    return 0 if outcome.current.cases else 2
+
+
+class _NoIssues:
+    calls = 0
+
+    def list_issues(self, label, state="open"):
+        return []

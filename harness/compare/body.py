@@ -1,0 +1,188 @@
+"""The markdown body of one issue: what regressed, where, since when, and how to reproduce it.
+
+GitHub refuses bodies over 65,536 characters; the body is built section by section against a
+budget and says visibly what it left out. Every piece of text that came from a test run goes
+through :func:`harness.compare.scrub.scrub` (mentions, secrets).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass
+
+from harness.compare.issues import Group
+from harness.compare.scrub import code_fence, scrub
+
+MAX_BODY = 65_536
+_BUDGET = MAX_BODY - 2_000  # room for the marker, the truncation note and the footer
+_MAX_ROWS = 200
+_LOG_CHARS = 3_000
+
+
+@dataclass
+class RunContext:
+    commit: str = ""
+    baseline_commit: str = ""
+    run_url: str = ""
+    machine: str = ""
+
+    @classmethod
+    def from_env(cls, commit: str = "", baseline_commit: str = "", run_url: str = "") -> RunContext:
+        env = os.environ
+        if not run_url and env.get("GITHUB_RUN_ID") and env.get("GITHUB_REPOSITORY"):
+            run_url = (f"{env.get('GITHUB_SERVER_URL', 'https://github.com')}/"
+                       f"{env['GITHUB_REPOSITORY']}/actions/runs/{env['GITHUB_RUN_ID']}")
+            if env.get("GITHUB_RUN_ATTEMPT"):
+                run_url += f"/attempts/{env['GITHUB_RUN_ATTEMPT']}"
+        return cls(commit or env.get("GITHUB_SHA", ""), baseline_commit, run_url, machine_fingerprint())
+
+    def run_line(self) -> str:
+        parts = [self.run_url or "this run"]
+        if self.commit:
+            parts.append(f"commit {self.commit[:12]}")
+        return ", ".join(parts)
+
+
+def machine_fingerprint() -> str:
+    runner = os.environ.get("RUNNER_NAME", "")
+    bits = [platform.system(), platform.machine(), platform.python_version(), f"{os.cpu_count()} cpus"]
+    return " / ".join(b for b in [runner, *bits] if b)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return ""
+    if math.isinf(v) or math.isnan(v):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def _cell(text: str) -> str:
+    return scrub(str(text)).replace("|", "\\|").replace("\n", " ")
+
+
+def _rows(group: Group) -> list[str]:
+    rows = []
+    for f in sorted(group.findings, key=lambda f: (f.key, f.metric)):
+        name = f.case.name if f.case is not None else f.key
+        if f.metric:
+            change = "" if f.change is None else (f"{f.change:+.1%}" if math.isfinite(f.change) else "new")
+            rows.append(f"| `{_cell(name)}` | {_cell(f.metric)} | {_fmt(f.baseline)} | "
+                        f"{_fmt(f.current)} | {change} | {_cell(f.threshold)} |")
+        else:
+            before = {"still_failing": "failed"}.get(f.category, "passed")
+            current = {"vanished": "missing"}.get(f.category, f.case.outcome if f.case else "")
+            label = f.category.replace("_", " ")
+            rows.append(f"| `{_cell(name)}` | outcome | {before} | {_cell(current)} | {label} | |")
+    return rows
+
+
+def _precision(group: Group) -> list[str]:
+    out = []
+    for f in group.findings:
+        d = f.case.details if f.case is not None else {}
+        if "first_divergent_module" not in d:
+            continue
+        dtype = f.case.dtype if f.case else ""
+        out.append(f"**`{_cell(f.case.name)}`** ({_cell(dtype)}): first divergent module "
+                   f"`{_cell(d['first_divergent_module'])}`")
+        try:
+            layers = json.loads(d.get("layer_table", "[]"))
+        except ValueError:
+            layers = []
+        if layers:
+            out.append("\n<details><summary>per-layer error</summary>\n\n"
+                       "| module | max abs err | rel RMSE | cosine | tolerance | ok |\n|---|---|---|---|---|---|")
+            for row in layers[:_MAX_ROWS]:
+                out.append("| `{}` | {} | {} | {} | {} | {} |".format(
+                    _cell(row.get("module", "")), *(_fmt(_num(row.get(k))) for k in
+                                                     ("max_abs_err", "rel_rmse", "cosine", "tolerance")),
+                    "yes" if row.get("ok") else "**no**"))
+            out.append("\n</details>\n")
+    return out
+
+
+def _num(v) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def repro(group: Group) -> str:
+    names = sorted({f.case.name for f in group.findings if f.case is not None})
+    suite = group.fields.get("suite") or (group.findings[0].suite if group.findings else "")
+    expr = " or ".join(names[:10]) or "<test>"
+    return f'tox -e model-{suite} -- -k "{expr}"'
+
+
+def render(group: Group, ctx: RunContext, reopened: bool = False) -> str:
+    f0 = group.findings[0] if group.findings else None
+    cases = [f.case for f in group.findings if f.case is not None]
+    dtypes = ", ".join(sorted({c.dtype for c in cases if c.dtype})) or "n/a"
+    devices = ", ".join(sorted({c.device for c in cases if c.device})) or "n/a"
+    head = []
+    if reopened:
+        head.append(f"> **Reopened**: regressed again in {_cell(ctx.run_line())}.\n")
+    head += [
+        f"**{len(group.items())} regressed item(s)** of kind **{group.kind}** in suite "
+        f"**{_cell(group.fields.get('suite', f0.suite if f0 else ''))}** on backend "
+        f"**{_cell(group.fields.get('backend', f0.backend if f0 else ''))}**.\n",
+        "| | |\n|---|---|",
+        f"| dtype | {_cell(dtypes)} |", f"| device | {_cell(devices)} |",
+        f"| commit | `{_cell(ctx.commit[:12] or 'unknown')}` |",
+        f"| baseline commit | `{_cell(ctx.baseline_commit[:12] or 'unknown')}` |",
+        f"| run | {_cell(ctx.run_url or 'n/a')} |", f"| machine | {_cell(ctx.machine or 'n/a')} |",
+        "", "### Regressions", "",
+        "| test | metric | baseline | current | change | threshold |", "|---|---|---|---|---|---|",
+    ]
+    rows = _rows(group)
+    dropped: list[str] = []
+    shown, size = [], sum(len(h) + 1 for h in head)
+    for r in rows[:_MAX_ROWS]:
+        if size + len(r) > _BUDGET // 2:  # leave room for precision tables and logs
+            break
+        shown.append(r)
+        size += len(r) + 1
+    if len(rows) > len(shown):
+        dropped.append(f"{len(rows) - len(shown)} table rows")
+    sections = ["\n".join(head + shown)]  # the rows belong to the table: no blank line before them
+    used = len(sections[0])
+    for section in ("\n".join(_precision(group)),
+                    f"### Reproduce\n\n```\n{repro(group)}\n```"):
+        if not section:
+            continue
+        if used + len(section) > _BUDGET:
+            dropped.append("a section (" + section[:40].splitlines()[0] + ")")
+            continue
+        sections.append(section)
+        used += len(section)
+    logs, n_logs = [], 0
+    for c in cases:
+        if not (c.log or c.message):
+            continue
+        text = c.log if c.message and c.message in c.log else f"{c.message}\n{c.log}"
+        text = scrub(text.strip()[-_LOG_CHARS:])
+        fence = code_fence(text)
+        block = (f"<details><summary>log: {_cell(c.name)}</summary>\n\n{fence}\n{text}\n{fence}\n"
+                 "\n</details>")
+        if used + len(block) > _BUDGET:
+            dropped.append(f"{sum(1 for x in cases if x.log or x.message) - n_logs} log excerpts")
+            break
+        logs.append(block)
+        used += len(block)
+        n_logs += 1
+    if logs:
+        sections.append("### Logs\n\n" + "\n".join(logs))
+    if dropped:
+        sections.append(f"> **Truncated** to stay under GitHub's {MAX_BODY:,}-character limit: "
+                        f"{'; '.join(dropped)} not shown. The full results are in the run's artifacts.")
+    sections.append("---\n<sub>Filed by `harness compare`. Mute it with the `harness:muted` label or "
+                    "an entry in the mute file.</sub>")
+    body = "\n\n".join(sections)
+    if len(body) > _BUDGET:  # a pathological single section: cut hard, but say so
+        body = body[:_BUDGET] + "\n\n> **Truncated**: body cut at the size limit."
+    return body

@@ -1,0 +1,234 @@
+"""Classify the current run against the baseline run and the history of earlier runs.
+
+Categories (``Finding.category``) and the issue kind each one files under (``Finding.kind``):
+
+=================  ==================================================================  ============
+category           meaning                                                             kind
+=================  ==================================================================  ============
+new_failure        fails now, passed (or did not exist) in the baseline / last run     failure, error
+                                                                                       or precision
+still_failing      failed before too                                                   (same)
+fixed              passes now, failed before                                           info
+flaky              failed in one attempt, passed in another (or on a rerun)            flaky
+new_test           not in the baseline nor the last run                                info
+vanished           in the baseline but not now, while its suite x backend did run      vanished
+dropped            vanished, but no longer collected (``collected``): the suite dropped it  info
+not_run            its whole suite x backend has no results (a missing shard)          info
+precision_drift    a metric with a tolerance used up ``drift_fraction`` of its          precision
+                   headroom to the tolerance, against the baseline
+metric_regression  past the threshold the wrong way vs the baseline, or a change point  performance
+improvement        the same the good way: time to update the golden / baseline         improvement
+=================  ==================================================================  ============
+
+``error`` (the test could not run: setup crash, import error) is kept apart from ``failure`` (it
+ran and an assertion said no). Metric findings are only ``confirmed`` once ``min_bad_runs`` runs in
+a row are bad; an unconfirmed one is reported as *suspected* and never files an issue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+from harness.compare import changepoint as cpt
+from harness.compare.history import History
+from harness.compare.junit import Case, Results
+from harness.metrics import direction
+
+REGRESSIONS = {"new_failure", "still_failing", "vanished", "precision_drift", "metric_regression"}
+_BAD = ("failed", "error")
+
+
+@dataclass
+class Config:
+    threshold: float = 0.10  # relative, for metrics with no specific threshold
+    thresholds: dict[str, float] = field(default_factory=dict)  # "metric" or "suite:metric"
+    drift_fraction: float = 0.5
+    min_bad_runs: int = 2
+    history_window: int = 30
+    collected: set[str] | None = None  # test ids the suites still define, when known
+
+    def threshold_for(self, suite: str, metric: str) -> float:
+        return self.thresholds.get(f"{suite}:{metric}", self.thresholds.get(metric, self.threshold))
+
+
+@dataclass
+class Finding:
+    category: str
+    kind: str
+    key: str
+    suite: str
+    backend: str
+    case: Case | None = None
+    metric: str = ""
+    baseline: float | None = None
+    current: float | None = None
+    change: float | None = None  # relative change
+    threshold: str = ""
+    confirmed: bool = True
+    bad_runs: int = 1
+    note: str = ""
+
+    @property
+    def regression(self) -> bool:
+        return self.category in REGRESSIONS
+
+    @property
+    def item_id(self) -> str:
+        """Identifies the finding across runs (for 'what changed' comments)."""
+        return f"{self.key}|{self.metric}" if self.metric else self.key
+
+
+@dataclass
+class Classification:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def by_category(self, category: str) -> list[Finding]:
+        return [f for f in self.findings if f.category == category]
+
+
+def classify(current: Results, baseline: Results | None, history: History | None,
+             config: Config, run_key: str | None = None) -> Classification:
+    out = Classification()
+    base = _usable_baseline(current, baseline, out.notes)
+    runs = history.runs(config.history_window, exclude_key=run_key) if history else []
+    prev = history.outcomes(runs[-1].id) if runs else {}
+    series = history.metric_series([r.id for r in runs]) if runs else {}
+    ref_keys = set(base) | set(prev)
+    for key, case in current.cases.items():
+        _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys))
+        if case.outcome == "passed":
+            _metric_findings(out, case, base.get(key), series, config)
+    _missing_findings(out, current, base, prev, config)
+    return out
+
+
+def _usable_baseline(current: Results, baseline: Results | None, notes: list[str]) -> dict[str, Case]:
+    if baseline is None:
+        return {}
+    cur, old = current.suites(), baseline.suites()
+    common = cur & old
+    if not baseline.cases:
+        notes.append("the baseline has no readable test cases; compared with the history only")
+        return {}
+    if not common:
+        notes.append(f"the baseline covers suites {sorted(old)} but this run covers {sorted(cur)}: "
+                     "different suite sets, so nothing was compared against the baseline "
+                     "(history only)")
+        return {}
+    if old - cur:
+        notes.append(f"baseline suites not in this run, ignored: {sorted(old - cur)}")
+    return {k: c for k, c in baseline.cases.items() if c.suite in common}
+
+
+def _failure_kind(case: Case) -> str:
+    if case.outcome == "error":
+        return "error"
+    if case.check == "precision" or "first_divergent_module" in case.details:
+        return "precision"
+    return "failure"
+
+
+def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: str,
+                      have_ref: bool) -> None:
+    def add(category: str, kind: str, **kw) -> None:
+        out.findings.append(Finding(category, kind, case.key, case.suite, case.backend, case, **kw))
+
+    was_bad = (base is not None and base.outcome in _BAD) or prev in _BAD
+    if case.flaky:
+        add("flaky", "flaky", note=f"{case.attempts} attempts")
+    if case.outcome in _BAD:
+        add("still_failing" if was_bad else "new_failure", _failure_kind(case))
+    elif case.outcome == "passed" and was_bad:
+        add("fixed", "info")
+    if have_ref and base is None and not prev:
+        add("new_test", "info")
+
+
+def _metric_findings(out: Classification, case: Case, base: Case | None,
+                     series: dict[tuple[str, str], list[float]], config: Config) -> None:
+    for name, value in case.metrics.items():
+        d = direction(name)
+        if d == "none" or math.isnan(value):
+            continue
+        earlier = series.get((case.key, name), [])
+        base_v = base.metrics.get(name) if base is not None else None
+        thr = config.threshold_for(case.suite, name)
+        sign = "+" if d == "lower" else "-"
+
+        def add(category: str, kind: str, old: float, bad_runs: int, threshold: str,
+                note: str = "", _name: str = name, _value: float = value) -> None:
+            out.findings.append(Finding(
+                category, kind, case.key, case.suite, case.backend, case, metric=_name,
+                baseline=old, current=_value, change=cpt.rel_change(old, _value), threshold=threshold,
+                confirmed=bad_runs >= config.min_bad_runs, bad_runs=bad_runs, note=note))
+
+        if name in case.tolerances and base_v is not None:
+            # Precision metrics are judged against their tolerance, not a relative threshold.
+            tol = case.tolerances[name]
+            limit = config.drift_fraction * abs(tol - base_v)
+            if _drifted(value, base_v, d, limit):
+                bad = partial(_drifted, base=base_v, direction=d, limit=limit)
+                add("precision_drift", "precision", base_v, _streak(earlier, bad),
+                    f"{config.drift_fraction:.0%} of headroom to tol {tol:g}")
+            continue
+        judged = False
+        if base_v is not None:
+            for category, kind, test in (("metric_regression", "performance", cpt.is_worse),
+                                         ("improvement", "improvement", cpt.is_better)):
+                if test(base_v, value, d, thr):
+                    bad = partial(_against, test, base_v, direction=d, threshold=thr)
+                    add(category, kind, base_v, _streak(earlier, bad), f"{sign}{thr:.0%}")
+                    judged = True
+                    break
+        if judged:
+            continue
+        # In line with the baseline (or none): let the history speak.
+        cp = cpt.detect(earlier + [value], d, thr, config.min_bad_runs)
+        if cp is not None:
+            add("metric_regression" if cp.regression else "improvement",
+                "performance" if cp.regression else "improvement", cp.before, cp.runs_after,
+                f"{sign}{thr:.0%}", note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})")
+
+
+def _drifted(v: float, base: float, direction: str, limit: float) -> bool:
+    return limit > 0 and ((v - base) if direction == "lower" else (base - v)) > limit
+
+
+def _against(test, base: float, v: float, direction: str, threshold: float) -> bool:
+    return test(base, v, direction, threshold)
+
+
+def _streak(earlier: list[float], bad) -> int:
+    """1 (this run) + how many of the latest earlier runs in a row were also bad."""
+    n = 1
+    for v in reversed(earlier):
+        if not bad(v):
+            break
+        n += 1
+    return n
+
+
+def _missing_findings(out: Classification, current: Results, base: dict[str, Case],
+                      prev: dict[str, tuple[str, str, str]], config: Config) -> None:
+    present = current.groups_present()
+    ref = {k: (c.suite, c.backend) for k, c in base.items()} if base else {
+        k: (s, b) for k, (_o, s, b) in prev.items()}
+    absent: dict[tuple[str, str], int] = {}
+    for key, (suite, backend) in ref.items():
+        if key in current.cases:
+            continue
+        if (suite, backend) not in present:
+            absent[(suite, backend)] = absent.get((suite, backend), 0) + 1
+            continue
+        dropped = config.collected is not None and key not in config.collected
+        out.findings.append(Finding("dropped" if dropped else "vanished",
+                                    "info" if dropped else "vanished", key, suite, backend,
+                                    base.get(key)))
+    for (suite, backend), n in sorted(absent.items()):
+        out.notes.append(f"{suite} on {backend}: no results in this run for {n} tests that the "
+                         "reference run had (a shard may be missing); they count as not run")
+        out.findings.append(Finding("not_run", "info", f"{suite}/{backend}", suite, backend,
+                                    note=f"{n} tests"))

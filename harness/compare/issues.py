@@ -1,0 +1,201 @@
+"""From findings to a plan of issue actions: one issue per group, never one per test case.
+
+A *group* is ``suite x backend x kind`` by default (``group_by`` can add ``dtype``, ``check``,
+``device`` or drop fields). Its *fingerprint* is a hash of those values, written into the issue
+body as a hidden HTML comment, so the next run finds the issue again whatever its title became.
+
+The plan, for each group:
+
+* bad now, no issue known            -> ``create``
+* bad now, open issue, same items    -> nothing (three runs of one regression = one issue, silence)
+* bad now, open issue, items changed -> ``update``: new body + one comment saying only what changed
+* bad now, issue closed (history)    -> ``reopen`` with the new body
+* clean ``close_after`` runs in a row, issue open -> ``close`` with a comment
+* an issue labelled ``harness:muted`` is never touched
+
+Every action costs at most two API calls; the listing of open issues is one call per run.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+
+from harness.compare.classify import Classification, Finding
+from harness.compare.junit import Results
+
+LABEL = "harness"
+MUTED_LABEL = "harness:muted"
+FILED_KINDS = ("failure", "error", "precision", "performance", "vanished")
+GROUP_BY = ("suite", "backend", "kind")
+_FP = re.compile(r"<!-- harness:fingerprint=([0-9a-f]+) -->")
+_STATE = re.compile(r"<!-- harness:state=([A-Za-z0-9+/=]*) -->")
+_MAX_ITEMS_IN_MARKER = 500
+
+
+@dataclass
+class Group:
+    fingerprint: str
+    fields: dict[str, str]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.fields.get("kind", self.findings[0].kind if self.findings else "regression")
+
+    @property
+    def title(self) -> str:
+        extra = [v for k, v in self.fields.items() if k not in ("suite", "backend", "kind")]
+        tail = f" ({', '.join(extra)})" if extra else ""
+        return (f"[harness] {self.kind} regression: {self.fields.get('suite', '*')} on "
+                f"{self.fields.get('backend', '*')}{tail}")
+
+    @property
+    def labels(self) -> list[str]:
+        out = [LABEL, f"kind:{self.kind}"]
+        for k in ("suite", "backend"):
+            if k in self.fields:
+                out.append(f"{k}:{self.fields[k]}"[:50])  # GitHub's label length limit
+        return out
+
+    def items(self) -> list[str]:
+        return sorted({f.item_id for f in self.findings})
+
+
+@dataclass
+class IssueRef:
+    """An existing issue as the sink sees it."""
+    number: int
+    title: str
+    body: str
+    state: str
+    labels: list[str]
+
+    @property
+    def fingerprint(self) -> str | None:
+        m = _FP.search(self.body or "")
+        return m.group(1) if m else None
+
+
+@dataclass
+class Action:
+    op: str  # create | update | reopen | close
+    fingerprint: str
+    title: str
+    labels: list[str]
+    body: str = ""
+    comment: str = ""
+    number: int | None = None
+    reason: str = ""
+
+
+def fingerprint(fields: dict[str, str]) -> str:
+    text = ";".join(f"{k}={v}" for k, v in sorted(fields.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _fields(f: Finding, group_by: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for k in group_by:
+        out[k] = f.kind if k == "kind" else str(getattr(f, k, "") or getattr(f.case, k, "") or "")
+    return out
+
+
+def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
+                 group_by=GROUP_BY) -> tuple[dict[str, Group], dict[str, bool]]:
+    """Bad groups (confirmed regressions of a filed kind), and ``fingerprint -> bad`` for every
+    group that ran in this run (the history needs the clean ones to count clean runs)."""
+    groups: dict[str, Group] = {}
+    for f in cls.findings:
+        if not (f.regression and f.confirmed and f.kind in filed_kinds):
+            continue
+        fields = _fields(f, group_by)
+        fp = fingerprint(fields)
+        groups.setdefault(fp, Group(fp, fields)).findings.append(f)
+    status: dict[str, bool] = {}
+    seen: set[tuple] = set()
+    for c in current.cases.values():
+        sig = tuple(getattr(c, k, "") for k in group_by if k != "kind")
+        if sig in seen:
+            continue
+        seen.add(sig)
+        for kind in filed_kinds:
+            fields = {k: (kind if k == "kind" else str(getattr(c, k, "") or "")) for k in group_by}
+            status[fingerprint(fields)] = False
+    for fp in groups:
+        status[fp] = True
+    return groups, status
+
+
+def marker(group: Group) -> str:
+    items = group.items()
+    state = {"digest": hashlib.sha256("\n".join(items).encode()).hexdigest()[:16],
+             "items": items[:_MAX_ITEMS_IN_MARKER]}
+    encoded = base64.b64encode(json.dumps(state, separators=(",", ":")).encode()).decode()
+    return f"<!-- harness:fingerprint={group.fingerprint} -->\n<!-- harness:state={encoded} -->\n"
+
+
+def read_state(body: str) -> dict:
+    m = _STATE.search(body or "")
+    if not m:
+        return {"digest": "", "items": []}
+    try:
+        return json.loads(base64.b64decode(m.group(1)))
+    except ValueError:
+        return {"digest": "", "items": []}
+
+
+def what_changed(old: list[str], new: list[str], run_line: str) -> str:
+    added, gone = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    lines = [f"Changed in {run_line}:"]
+    for title, items in (("newly regressed", added), ("no longer regressed", gone)):
+        if items:
+            shown = ", ".join(f"`{i}`" for i in items[:20])
+            more = f" and {len(items) - 20} more" if len(items) > 20 else ""
+            lines.append(f"- {title} ({len(items)}): {shown}{more}")
+    lines.append(f"- still regressed: {len(set(new) & set(old))}")
+    return "\n".join(lines)
+
+
+def plan(groups: dict[str, Group], status: dict[str, bool], existing: list[IssueRef], render,
+         run_line: str, known_closed: dict[str, int], clean_streaks: dict[str, int],
+         close_after: int = 2) -> list[Action]:
+    """``render(group, reopened: bool) -> body`` (without the marker); ``known_closed`` maps
+    fingerprints to closed issue numbers from the history; ``clean_streaks`` counts this run."""
+    open_by_fp: dict[str, IssueRef] = {}
+    for issue in sorted(existing, key=lambda i: i.number):
+        fp = issue.fingerprint
+        if fp and issue.state == "open":
+            open_by_fp.setdefault(fp, issue)  # the oldest wins if a human duplicated one
+    actions: list[Action] = []
+    for fp, g in sorted(groups.items(), key=lambda kv: kv[1].title):
+        issue = open_by_fp.get(fp)
+        if issue is not None and MUTED_LABEL in issue.labels:
+            continue
+        if issue is not None:
+            old = read_state(issue.body)
+            body = marker(g) + render(g, False)
+            if old.get("digest") == read_state(body)["digest"]:
+                continue
+            actions.append(Action("update", fp, g.title, g.labels, body,
+                                  what_changed(old.get("items", []), g.items(), run_line),
+                                  issue.number, "the set of regressed items changed"))
+        elif fp in known_closed:
+            actions.append(Action("reopen", fp, g.title, g.labels, marker(g) + render(g, True),
+                                  number=known_closed[fp], reason="regressed again"))
+        else:
+            actions.append(Action("create", fp, g.title, g.labels, marker(g) + render(g, False),
+                                  reason=f"{len(g.findings)} regressed items"))
+    for fp, issue in sorted(open_by_fp.items()):
+        if fp in groups or MUTED_LABEL in issue.labels or status.get(fp) is not False:
+            continue  # still bad, muted, or did not run this time (a missing shard proves nothing)
+        if clean_streaks.get(fp, 0) >= close_after:
+            actions.append(Action(
+                "close", fp, issue.title, issue.labels, number=issue.number,
+                comment=f"No longer regressed: clean in the last {clean_streaks[fp]} runs "
+                        f"(latest: {run_line}). Closing; harness reopens it if it comes back.",
+                reason=f"{clean_streaks[fp]} clean runs"))
+    return actions

@@ -1,0 +1,131 @@
+"""One comparison run, start to end: read, classify, record, plan, apply, summarise.
+
+The CLI (:mod:`harness.cli.compare`) only turns arguments into :class:`Options`; tests and the
+benchmark call :func:`run_compare` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from harness.compare import body, mutes
+from harness.compare.classify import Classification, Config, classify
+from harness.compare.history import History
+from harness.compare.issues import FILED_KINDS, GROUP_BY, LABEL, Action, build_groups, plan
+from harness.compare.junit import Results, read_results
+from harness.compare.sinks import FileSink, StdoutSink, execute
+
+
+@dataclass
+class Options:
+    results: list[str]
+    baseline: list[str] | None = None
+    history: str | None = None
+    sink: str = "stdout"  # github | file | stdout
+    out_dir: str = "harness-issues"
+    dry_run: bool = False
+    repo: str | None = None
+    api_url: str | None = None
+    enterprise_url: str | None = None
+    max_api_calls: int = 100
+    run_key: str | None = None
+    commit: str = ""
+    baseline_commit: str = ""
+    run_url: str = ""
+    mute_file: str | None = None
+    close_after: int = 2
+    filed_kinds: tuple[str, ...] = FILED_KINDS
+    group_by: tuple[str, ...] = GROUP_BY
+    expect_shards: int | None = None
+    config: Config = field(default_factory=Config)
+
+
+@dataclass
+class Outcome:
+    current: Results
+    baseline: Results | None
+    classification: Classification
+    groups: dict
+    status: dict[str, bool]
+    actions: list[Action]
+    log: list[dict]
+    api_calls: int
+    problems: list[str]
+    muted: list
+    context: body.RunContext
+    timings: dict[str, float]
+
+
+def default_run_key() -> str:
+    env = os.environ
+    if env.get("GITHUB_RUN_ID"):
+        return f"gha-{env['GITHUB_RUN_ID']}-{env.get('GITHUB_RUN_ATTEMPT', '1')}"
+    return f"local-{time.time():.6f}"
+
+
+def make_sink(opts: Options, out: TextIO):
+    if opts.sink == "github":
+        from harness.github_client import GitHubClient  # the only networked module
+        return GitHubClient.from_env(opts.repo, api_url=opts.api_url or None,
+                                     enterprise_url=opts.enterprise_url, max_calls=opts.max_api_calls)
+    if opts.sink == "file":
+        return FileSink(opts.out_dir)
+    return StdoutSink(out)
+
+
+def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
+    out = out or sys.stdout
+    t = {"start": time.perf_counter()}
+    current = read_results(opts.results, opts.expect_shards)
+    baseline = read_results(opts.baseline) if opts.baseline else None
+    problems = list(current.problems) + [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
+    t["read"] = time.perf_counter()
+    history = History(opts.history) if opts.history else None
+    run_key = opts.run_key or default_run_key()
+    cls = classify(current, baseline, history, opts.config, run_key)
+    active, mute_notes = mutes.load(opts.mute_file)
+    kept, muted = mutes.apply(cls.findings, active)
+    problems += cls.notes + mute_notes
+    groups, status = build_groups(Classification(kept, cls.notes), current, opts.filed_kinds,
+                                  opts.group_by)
+    ctx = body.RunContext.from_env(opts.commit, opts.baseline_commit, opts.run_url)
+    t["classify"] = time.perf_counter()
+    record = history is not None and not opts.dry_run and bool(current.cases)
+    if record:
+        history.record(run_key, current, status, ctx.commit, ctx.run_url, ctx.machine)
+    t["history"] = time.perf_counter()
+    actions: list[Action] = []
+    log: list[dict] = []
+    try:
+        sink = sink if sink is not None else make_sink(opts, out)
+        existing = sink.list_issues(LABEL, "open")
+    except Exception as e:  # noqa: BLE001 - no sink means no issues, never no report
+        problems.append(f"issue sink unavailable, no issue actions this run: {type(e).__name__}: {e}")
+        sink, existing = None, []
+    if sink is not None:
+        known = history.issues() if history else {}
+        open_fps = {i.fingerprint for i in existing if i.fingerprint}
+        if record:
+            for i in existing:
+                if i.fingerprint:
+                    history.set_issue(i.fingerprint, i.number, "open")
+        known_closed = {fp: n for fp, (n, _s) in known.items() if fp not in open_fps}
+        streaks = {}
+        for fp, bad in status.items():
+            if not bad and history is not None:
+                # the current run is in the table unless it was not recorded (dry run)
+                streaks[fp] = history.clean_streak(fp) + (0 if record else 1)
+        actions = plan(groups, status, existing, lambda g, reopened: body.render(g, ctx, reopened),
+                       ctx.run_line(), known_closed, streaks, opts.close_after)
+        on_issue = (lambda fp, n, s: history.set_issue(fp, n, s)) if record else None
+        log = execute(actions, sink, opts.dry_run, out, on_issue)
+    t["issues"] = time.perf_counter()
+    if history is not None:
+        history.close()
+    timings = {k: t[k] - t["start"] for k in t if k != "start"}
+    return Outcome(current, baseline, cls, groups, status, actions, log,
+                   getattr(sink, "calls", 0) if sink is not None else 0, problems, muted, ctx, timings)

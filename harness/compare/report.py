@@ -1,0 +1,166 @@
+"""Reports people look at: the job summary markdown and a static HTML page with plots.
+
+* :func:`summary_markdown` -- counts, confirmed regressions, suspects, improvements, flakes, input
+  problems and the issue actions; written to ``$GITHUB_STEP_SUMMARY`` when that is set.
+* :func:`html_report` -- one self-contained HTML file (plots embedded as PNG): the same tables, the
+  error per layer of every failing precision item, and the history of every metric that regressed
+  or improved, with its change point marked.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+from collections import Counter
+
+from harness.compare.classify import Finding
+from harness.compare.scrub import scrub
+
+_MAX_ROWS = 50
+_ORDER = ["new_failure", "still_failing", "vanished", "precision_drift", "metric_regression",
+          "improvement", "flaky", "fixed", "new_test", "dropped", "not_run"]
+
+
+def _row(f: Finding) -> list[str]:
+    name = f.case.name if f.case is not None else f.key
+    change = "" if f.change is None or not math.isfinite(f.change) else f"{f.change:+.1%}"
+    state = "" if f.confirmed else f"suspected ({f.bad_runs} bad run)"
+    return [f.category.replace("_", " "), f.suite, f.backend, name, f.metric,
+            "" if f.baseline is None else f"{f.baseline:.4g}",
+            "" if f.current is None else f"{f.current:.4g}", change, state or f.note]
+
+
+_HEAD = ["category", "suite", "backend", "test", "metric", "baseline", "current", "change", "note"]
+
+
+def _sorted(findings: list[Finding]) -> list[Finding]:
+    rank = {c: i for i, c in enumerate(_ORDER)}
+    return sorted(findings, key=lambda f: (rank.get(f.category, 99), not f.confirmed, f.suite, f.key))
+
+
+def summary_markdown(outcome) -> str:
+    cls, cur = outcome.classification, outcome.current
+    counts = Counter(f.category for f in cls.findings)
+    outcomes = Counter(c.outcome for c in cur.cases.values())
+    lines = ["## harness compare", "",
+             f"{len(cur.cases)} test cases from {len(cur.files)} files: "
+             + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())), ""]
+    if outcome.problems:
+        lines += ["### Input problems (this report is partial)", ""]
+        lines += [f"- {scrub(p)}" for p in outcome.problems] + [""]
+    lines += ["| " + " | ".join(c.replace("_", " ") for c in _ORDER) + " |",
+              "|" + "---|" * len(_ORDER), "| " + " | ".join(str(counts.get(c, 0)) for c in _ORDER) + " |", ""]
+    shown = [f for f in _sorted(cls.findings) if f.category not in ("new_test", "not_run")]
+    if shown:
+        lines += ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
+        for f in shown[:_MAX_ROWS]:
+            lines.append("| " + " | ".join(scrub(x).replace("|", "\\|") for x in _row(f)) + " |")
+        if len(shown) > _MAX_ROWS:
+            lines.append(f"\n_{len(shown) - _MAX_ROWS} more rows not shown._")
+        lines.append("")
+    if outcome.muted:
+        lines += [f"{len(outcome.muted)} findings muted by the mute file.", ""]
+    if outcome.actions or outcome.log:
+        lines += ["### Issue actions", ""]
+        lines += [f"- {e['op']} {('#' + str(e['number'])) if e.get('number') else ''} "
+                  f"{scrub(e['title'])}: {e['status']}" for e in outcome.log]
+        lines += ["", f"{outcome.api_calls} API calls."]
+    return "\n".join(lines) + "\n"
+
+
+def write_step_summary(text: str) -> str | None:
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return None
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _layer_plot(f: Finding) -> str | None:
+    try:
+        layers = json.loads(f.case.details.get("layer_table", "[]"))
+    except ValueError:
+        return None
+    if not layers:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3))
+    x = range(len(layers))
+    ax.semilogy(x, [max(float(r.get("max_abs_err", 0) or 0), 1e-30) for r in layers], "o-", label="max abs err")
+    tols = [r.get("tolerance") for r in layers]
+    if all(t is not None for t in tols):
+        ax.semilogy(x, [float(t) for t in tols], "--", label="tolerance")
+    ax.set_xticks(list(x), [str(r.get("module", ""))[-24:] for r in layers], rotation=60, fontsize=7)
+    ax.set_title(f"error per layer: {f.case.name}", fontsize=9)
+    ax.legend(fontsize=7)
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def _history_plot(f: Finding, series: list[float]) -> str | None:
+    if len(series) < 2:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 2.5))
+    ax.plot(range(len(series)), series, "o-")
+    # bad_runs counts the runs at the new level (change point or streak vs the baseline)
+    if 0 < f.bad_runs < len(series):
+        ax.axvline(len(series) - f.bad_runs - 0.5, color="red", linestyle="--", label="change point")
+        ax.legend(fontsize=7)
+    if f.baseline is not None:
+        ax.axhline(f.baseline, color="gray", linestyle=":", label="baseline / earlier level")
+    ax.set_title(f"{f.metric}: {f.case.name if f.case else f.key}", fontsize=9)
+    ax.set_xlabel("run (oldest first)")
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def html_report(outcome, series: dict[tuple[str, str], list[float]] | None = None, title: str = "harness report") -> str:
+    cls = outcome.classification
+    esc = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>"
+             "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
+             "td,th{border:1px solid #ccc;padding:3px 6px}th{background:#eee}.bad{color:#b00}"
+             "</style></head><body>", f"<h1>{esc(title)}</h1>"]
+    summary = summary_markdown(outcome)
+    parts.append(f"<pre>{esc(summary.split('| new failure')[0])}</pre>")
+    rows = _sorted([f for f in cls.findings if f.category not in ("new_test",)])
+    parts.append("<h2>Findings</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in _HEAD) + "</tr>")
+    for f in rows[:2000]:
+        klass = " class='bad'" if f.regression and f.confirmed else ""
+        parts.append(f"<tr{klass}>" + "".join(f"<td>{esc(x)}</td>" for x in _row(f)) + "</tr>")
+    parts.append("</table>")
+    parts.append("<h2>Precision: error per layer</h2>")
+    for f in [f for f in cls.findings if f.case is not None and "layer_table" in f.case.details
+              and f.category in ("new_failure", "still_failing", "precision_drift")][:20]:
+        img = _layer_plot(f)
+        module = f.case.details.get("first_divergent_module", "?")
+        parts.append(f"<h3>{esc(f.case.name)} ({esc(f.case.dtype)}): first divergent module "
+                     f"<code>{esc(module)}</code></h3>")
+        if img:
+            parts.append(f"<img src='data:image/png;base64,{img}'>")
+    parts.append("<h2>Performance history</h2>")
+    for f in [f for f in cls.findings if f.metric and f.category in ("metric_regression", "improvement")][:20]:
+        s = (series or {}).get((f.key, f.metric), []) + ([f.current] if f.current is not None else [])
+        img = _history_plot(f, s)
+        if img:
+            parts.append(f"<h3>{esc(f.metric)} of {esc(f.key)}</h3><img src='data:image/png;base64,{img}'>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,114 @@
+"""harness.github_client against the local GitHub server, through github3.py itself."""
+
+from __future__ import annotations
+
+import time
+
+import github3
+import pytest
+
+from harness.github_client import CallBudgetExceeded, GitHubClient, GitHubConfigError
+
+from .github_server import TOKEN
+
+
+def client(server, **kw) -> tuple[GitHubClient, list[float]]:
+    slept: list[float] = []
+    kw.setdefault("sleep", slept.append)  # record the back-off instead of waiting it out
+    return GitHubClient("acme/models", TOKEN, enterprise_url=server.url, **kw), slept
+
+
+def test_create_list_comment_close_reopen(github):
+    c, _ = client(github)
+    n = c.create("[harness] failure regression: s on cpu", "body <!-- x -->", ["harness", "kind:failure"])
+    c.create("unrelated", "b", ["bug"])
+    listed = c.list_issues("harness")
+    assert [(i.number, i.title, i.state) for i in listed] == [(n, "[harness] failure regression: s on cpu", "open")]
+    assert listed[0].labels == ["harness", "kind:failure"]
+    c.comment(n, "what changed")
+    c.edit(n, state="closed")
+    assert github.state.issues[n]["state"] == "closed"
+    assert c.list_issues("harness") == []
+    fresh, _ = client(github)  # a new run: the closed issue is fetched by number, then reopened
+    fresh.edit(n, body="new body", state="open")
+    assert github.state.issues[n]["state"] == "open" and github.state.issues[n]["body"] == "new body"
+    assert [x["body"] for x in github.state.issues[n]["comments"]] == ["what changed"]
+    # edit sends only what changed: a title edited by a person survives
+    assert github.state.issues[n]["title"] == "[harness] failure regression: s on cpu"
+
+
+def test_listing_paginates_and_counts_calls(github):
+    c, _ = client(github)
+    for i in range(150):
+        github.state.issues[i + 1] = {"title": f"t{i}", "body": "", "labels": ["harness"], "state": "open",
+                                      "comments": []}
+    before = c.calls
+    assert len(c.list_issues("harness")) == 150
+    assert c.calls - before == 2  # github3 asks for 100 per page
+
+
+def test_rate_limit_403_with_reset_is_waited_out_and_retried(github):
+    c, slept = client(github)
+    github.state.fail_next(403, {"X-RateLimit-Remaining": "0", "X-RateLimit-Reset": str(int(time.time()) + 3)})
+    assert c.list_issues("harness") == []
+    assert len(slept) == 1 and 1.0 <= slept[0] <= 5.0
+    assert c.calls == 2
+
+
+def test_rate_limit_429_retry_after(github):
+    c, slept = client(github)
+    github.state.fail_next(429, {"Retry-After": "7"})
+    c.create("t", "b", ["harness"])
+    assert slept == [7.0]
+
+
+def test_server_error_500_backs_off_then_succeeds(github):
+    c, slept = client(github)
+    github.state.fail_next(500, times=2)
+    n = c.create("t", "b", ["harness"])  # repository lookup retried twice, then create
+    assert n == 1 and slept == [1.0, 2.0]
+
+
+def test_persistent_500_gives_up_with_github3_error(github):
+    c, slept = client(github, retries=2)
+    github.state.fail_next(500, times=10)
+    with pytest.raises(github3.exceptions.ServerError):
+        c.list_issues("harness")
+    assert len(slept) == 2 and c.calls == 3
+
+
+def test_plain_403_is_not_retried(github):
+    c, slept = client(github)
+    github.state.fail_next(403, {"X-RateLimit-Remaining": "4000"})
+    with pytest.raises(github3.exceptions.ForbiddenError):
+        c.list_issues("harness")
+    assert slept == []
+
+
+def test_call_budget_is_a_hard_cap(github):
+    c, _ = client(github, max_calls=2)
+    c.create("a", "b", ["harness"])  # repository + create
+    with pytest.raises(CallBudgetExceeded):
+        c.create("c", "d", ["harness"])
+    assert len(github.state.requests) == 2
+
+
+def test_api_url_layout_and_bad_token(github, monkeypatch):
+    c = GitHubClient("acme/models", TOKEN, api_url=github.url + "/")
+    assert c.list_issues("harness") == []
+    assert github.state.requests[-1] == ("GET", "/repos/acme/models/issues")
+    wrong = GitHubClient("acme/models", "ghp_wrong", enterprise_url=github.url)
+    with pytest.raises(github3.exceptions.AuthenticationFailed) as e:
+        wrong.list_issues("harness")
+    assert "ghp_wrong" not in str(e.value)
+
+
+def test_config_errors_are_clear(monkeypatch):
+    monkeypatch.delenv("GITHUB_TOKEN", raising=False)
+    monkeypatch.delenv("GITHUB_REPOSITORY", raising=False)
+    with pytest.raises(GitHubConfigError, match="GITHUB_REPOSITORY"):
+        GitHubClient.from_env()
+    with pytest.raises(GitHubConfigError, match="GITHUB_TOKEN"):
+        GitHubClient.from_env("acme/models")
+    with pytest.raises(GitHubConfigError, match="OWNER/NAME"):
+        GitHubClient("nope", "t")
