@@ -15,6 +15,8 @@ SUBCOMMANDS = [
     "harness.cli.run",
     "harness.cli.validate",
     "harness.cli.backends",
+    "harness.cli.compare",
+    "harness.cli.report",
 ]
 
 
