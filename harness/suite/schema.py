@@ -104,8 +104,66 @@ class SmokeCheck(_Strict):
         "logits' top-2 gap is below this (a near tie), per dtype.")
 
 
+class Tolerance(_Strict):
+    """Precision tolerances. Unset fields fall back to the next less specific entry, then to the
+    built-in defaults for the dtype (harness/precision/tolerance.py)."""
+
+    rel_rmse: float | None = Field(None, ge=0, description="Max relative RMSE (||a-r||/||r||) of every "
+                                   "captured module output and of the logits.")
+    min_cosine: float | None = Field(None, le=1, description="Min cosine similarity of every captured output.")
+    max_abs_err: float | None = Field(None, ge=0, description="Max absolute error of the logits (unset: recorded only).")
+    min_within_1e3: float | None = Field(None, ge=0, le=1, description="Min share of logits within 1e-3 "
+                                         "relative error (unset: recorded only).")
+    logprob_atol: float | None = Field(None, ge=0, description="Max |logprob difference| of greedy tokens "
+                                       "where target and reference agree.")
+    tie_margin: float | None = Field(None, ge=0, description="A greedy token mismatch is accepted only where "
+                                     "the reference's logprob gap between the two tokens is below this.")
+
+
+class ToleranceOverride(Tolerance):
+    dtype: str | None = Field(None, description="Applies to this run dtype (unset: any).")
+    backend: str | None = Field(None, description="Applies to this backend (unset: any).")
+    device: str | None = Field(None, description="Applies to device names matching this glob, e.g. "
+                               "'NVIDIA H100*' (a device generation; unset: any).")
+
+
+class QuantizationBudget(_Strict):
+    scheme: Literal["auto", "fp8", "int8", "none"] = Field(
+        "auto", description="'auto': fp8 when config.json declares an fp8 quantization_config; "
+        "'fp8' (e4m3, block scales) or 'int8' (per-channel) forces it; 'none' disables the check.")
+    block_size: list[int] = Field(default_factory=lambda: [128, 128], description="FP8 weight block (rows, cols).")
+    compute_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Dtype activations run in.")
+    rel_rmse: float = Field(0.25, ge=0, description="Budget: max relative RMSE of the logits vs the golden.")
+    min_cosine: float = Field(0.97, le=1, description="Budget: min cosine similarity of the logits.")
+    min_top1_agreement: float = Field(0.7, ge=0, le=1, description="Budget: min share of positions whose "
+                                      "argmax token equals the golden's.")
+
+
+class PrecisionCheck(_Strict):
+    enabled: bool = Field(True, description="Compare against the golden (harness golden generate).")
+    batch_size: int = Field(2, ge=1, description="Sequences in the golden input.")
+    seq_len: int = Field(16, ge=2, description="Tokens per sequence in the golden input.")
+    seed: int = Field(0, description="Weight seed (the golden input ids are stored, not regenerated).")
+    generate_tokens: int = Field(4, ge=0, description="Greedy tokens stored with their logprobs.")
+    reference: str = Field("cpu:float64", description="BACKEND:DTYPE the golden is made with.")
+    capture: list[str] | None = Field(None, description="Regexes of module names to capture (unset: "
+                                      "embeddings, rotary, each layer, norms, attention, MLP/MoE, router, final norm).")
+    golden_mode: Literal["full", "sampled"] = Field(
+        "full", description="'sampled' stores per-tensor statistics and a fixed sample of elements instead "
+        "of whole tensors (for large models).")
+    sample_size: int = Field(4096, ge=16, description="Elements kept per tensor in 'sampled' mode.")
+    layer_report: Literal["on_failure", "always"] = Field("on_failure", description="When to write the "
+                                                          "layer table and error plot.")
+    tolerances: dict[str, Tolerance] = Field(default_factory=dict, description="Per dtype overrides of the defaults.")
+    overrides: list[ToleranceOverride] = Field(default_factory=list, description="Per backend / device "
+                                               "generation overrides; the most specific match wins, field by field.")
+    quantization: QuantizationBudget = Field(default_factory=QuantizationBudget,
+                                             description="Quantized-weights error budget.")
+
+
 class Checks(_Strict):
     smoke: SmokeCheck = Field(default_factory=SmokeCheck, description="Pruned-model smoke check.")
+    precision: PrecisionCheck = Field(default_factory=PrecisionCheck, description="Golden-output precision check.")
 
 
 class Suite(_Strict):

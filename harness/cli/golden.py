@@ -1,0 +1,141 @@
+"""`harness golden generate|diff|verify SUITE...`: make, compare and verify goldens (docs/precision.md)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("golden", help="generate, diff and verify golden reference outputs")
+    gs = p.add_subparsers(dest="golden_command", metavar="ACTION")
+    g = gs.add_parser("generate", help="run the reference and write golden/<suite>/")
+    g.add_argument("suites", nargs="*", help="suite names or paths; default: every suite")
+    g.add_argument("--reference", default=None, metavar="BACKEND:DTYPE",
+                   help="reference run (default: the suite's checks.precision.reference, cpu:float64)")
+    g.add_argument("--update", action="store_true", help="replace an existing golden")
+    g.add_argument("--golden-dir", default=None, help="golden root (default: harness.toml golden_dir)")
+    g.set_defaults(func=generate)
+    d = gs.add_parser("diff", help="what an update would change: a fresh reference run vs the stored golden")
+    d.add_argument("suites", nargs="*")
+    d.add_argument("--reference", default=None, metavar="BACKEND:DTYPE")
+    d.add_argument("--golden-dir", default=None)
+    d.set_defaults(func=diff)
+    v = gs.add_parser("verify", help="check sha256, sizes, config hash and input spec of stored goldens")
+    v.add_argument("suites", nargs="*")
+    v.add_argument("--golden-dir", default=None)
+    v.set_defaults(func=verify)
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def _suites(args):
+    from harness.settings import load_settings
+    from harness.suite.loader import discover, load_suite, resolve_names
+
+    root = load_settings().suites_dir
+    paths = resolve_names(args.suites, root) if args.suites else discover(root)
+    return [load_suite(p) for p in paths]
+
+
+def _guard(fn):
+    def run(args) -> int:
+        from harness.golden.generate import ReferenceError
+        from harness.golden.store import GoldenError
+        from harness.suite.loader import SuiteError
+
+        try:
+            return fn(args)
+        except (GoldenError, SuiteError, ReferenceError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+@_guard
+def generate(args) -> int:
+    from harness.golden.generate import generate as gen
+    from harness.golden.store import GoldenError
+
+    bad = 0
+    for ls in _suites(args):
+        try:
+            path = gen(ls, args.golden_dir, args.reference, update=args.update)
+        except GoldenError as e:
+            print(f"error: {e}", file=sys.stderr)
+            bad += 1
+            continue
+        size = sum(f.stat().st_size for f in path.iterdir())
+        print(f"wrote {path} ({size / 1024:.0f} KiB)")
+    return 1 if bad else 0
+
+
+@_guard
+def diff(args) -> int:
+    from harness.golden import store
+    from harness.golden.generate import build_golden
+    from harness.precision.compare import tensor_metrics
+
+    changed = 0
+    for ls in _suites(args):
+        path = store.golden_dir(ls.name, args.golden_dir)
+        old = store.load_golden_dir(path)
+        same_inputs = old.manifest.get("input_spec") == store.input_spec(ls)
+        manifest, files = build_golden(ls, args.reference, old.inputs if same_inputs else None)
+        print(f"{ls.name}: {path}")
+        for key in ("config_hash", "input_spec", "versions", "reference"):
+            a, b = old.manifest.get(key), manifest.get(key)
+            if key == "reference":
+                a, b = {k: v for k, v in (a or {}).items() if k != "notes"}, {k: v for k, v in b.items() if k != "notes"}
+            if a != b:
+                print(f"  {key}: {a} -> {b}")
+        new_mods = files["modules"]
+        names = list(dict.fromkeys(old.order + manifest["order"]))
+        n_changed = 0
+        for n in names:
+            if n not in old.modules:
+                print(f"  + {n} (new)")
+                n_changed += 1
+            elif n not in new_mods:
+                print(f"  - {n} (removed)")
+                n_changed += 1
+            elif old.modules[n].shape != new_mods[n].shape:
+                print(f"  ~ {n}: shape {list(old.modules[n].shape)} -> {list(new_mods[n].shape)}")
+                n_changed += 1
+            elif not old.modules[n].is_floating_point():
+                eq = (old.modules[n] == new_mods[n]).double().mean().item()
+                if eq < 1:
+                    print(f"  ~ {n}: {1 - eq:.1%} of chosen experts differ")
+                    n_changed += 1
+            else:
+                m = tensor_metrics(new_mods[n], old.modules[n])
+                if m["max_abs_err"] > 0:
+                    n_changed += 1
+                    print(f"  ~ {n}: max_abs {m['max_abs_err']:.3g} max_rel {m['max_rel_err']:.3g} "
+                          f"cosine {m['cosine']:.9f} rel_rmse {m['rel_rmse']:.3g}")
+        for k, v in files["generation"].items():
+            if k in old.generation and not torch_equal(old.generation[k], v):
+                print(f"  ~ generation.{k} differs")
+                n_changed += 1
+        print(f"  {n_changed} tensor(s) would change" if n_changed else "  no change")
+        changed += bool(n_changed)
+    return 1 if changed else 0
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+@_guard
+def verify(args) -> int:
+    from harness.golden.store import GoldenError, load_golden
+
+    bad = 0
+    for ls in _suites(args):
+        try:
+            g = load_golden(ls, args.golden_dir)
+            print(f"ok    {g.path} ({len(g.order)} tensors, torch {g.manifest['versions']['torch']})")
+        except GoldenError as e:
+            print(f"error: {e}", file=sys.stderr)
+            bad += 1
+    return 1 if bad else 0

@@ -1,0 +1,95 @@
+"""Run the reference (default CPU float64) on the suite's stored inputs and build a golden."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from harness.golden import store
+from harness.golden.capture import capture_forward, greedy
+from harness.suite.loader import LoadedSuite
+
+
+class ReferenceError(Exception):
+    pass
+
+
+def parse_reference(spec: str) -> tuple[str, str]:
+    backend, sep, dtype = spec.partition(":")
+    from harness.models.build import DTYPES
+
+    if not sep or not backend or dtype not in DTYPES:
+        raise ReferenceError(f"reference {spec!r}: expected BACKEND:DTYPE with DTYPE one of {', '.join(DTYPES)}")
+    return backend, dtype
+
+
+def reference_outputs(ls: LoadedSuite, ids: torch.Tensor, reference: str | None = None, transform=None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(module outputs incl. logits, generation, reference info) of the reference run."""
+    from harness.backends import get
+    from harness.models.build import build_model
+
+    p = ls.suite.checks.precision
+    bname, dtype = parse_reference(reference or p.reference)
+    be = get(bname)
+    ok, why = be.availability()
+    if not ok:
+        raise ReferenceError(f"reference backend {bname}: {why}")
+    dev = be.device()
+    model, mc = build_model(ls, dtype, dev, seed=p.seed)
+    if transform is not None:
+        model = transform(model)
+    model.eval()
+    outs = capture_forward(model, ids.to(dev), p.capture)
+    gen = greedy(model, ids.to(dev), p.generate_tokens)
+    info = {"backend": bname, "dtype": dtype, "device": be.device_name(), "notes": mc.notes,
+            "architecture": mc.architecture}
+    return outs, gen, info
+
+
+def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tensor | None = None,
+                 transform=None) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(manifest without files, {file stem: tensors}) for the suite."""
+    import safetensors
+    import transformers
+
+    from harness.models.build import model_config, seeded_tokens
+
+    p = ls.suite.checks.precision
+    if ids is None:
+        vocab = model_config(ls).config.vocab_size
+        ids = seeded_tokens(vocab, p.batch_size, p.seq_len, p.seed + 1)
+    t = time.perf_counter()
+    outs, gen, info = reference_outputs(ls, ids, reference, transform)
+    packed, meta = store.pack(outs, p.golden_mode, p.sample_size)
+    manifest = {
+        "format": store.FORMAT, "suite": ls.name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "safetensors": safetensors.__version__, "python": platform.python_version()},
+        "reference": info, "config_hash": store.config_hash(ls), "input_spec": store.input_spec(ls),
+        "order": list(outs), "tensors": meta, "reference_seconds": round(time.perf_counter() - t, 3),
+    }
+    files = {"inputs": {"input_ids": ids.cpu().to(torch.int64).contiguous()}, "modules": packed,
+             "generation": {k: v.contiguous() for k, v in gen.items()}}
+    return manifest, files
+
+
+def generate(ls: LoadedSuite, root: str | Path | None = None, reference: str | None = None,
+             update: bool = False, transform=None) -> Path:
+    path = store.golden_dir(ls.name, root)
+    if path.exists() and not update:  # refuse before spending time on the reference
+        raise store.GoldenError(f"{store._display(path)}: a golden already exists; pass --update to replace it "
+                                "(see `harness golden diff` for what would change)")
+    ids = None
+    if update and path.exists():
+        try:  # keep the stored inputs when they still fit the spec
+            old = store.load_golden_dir(path)
+            if old.manifest.get("input_spec") == store.input_spec(ls):
+                ids = old.inputs
+        except store.GoldenError:
+            pass
+    manifest, files = build_golden(ls, reference, ids, transform)
+    return store.write_golden(path, manifest, files, update=update)

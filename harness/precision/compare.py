@@ -1,0 +1,147 @@
+"""Error metrics between a target tensor and its reference, and the per-module comparison of a
+target run with a golden.
+
+For each float tensor pair (target ``a``, reference ``r``, both taken to float64):
+
+* ``max_abs_err``  max |a - r|
+* ``max_rel_err``  max |a - r| / max(|r|, 1e-6 * max|r|)  (the floor keeps exact zeros finite)
+* ``cosine``       <a, r> / (|a| |r|)
+* ``rel_rmse``     |a - r| / |r|  (L2 norms: the RMS error relative to the RMS of the reference)
+* ``within_1e3``   share of elements whose relative error (as in max_rel_err) is <= 1e-3
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+METRIC_KEYS = ("max_abs_err", "max_rel_err", "cosine", "rel_rmse", "within_1e3")
+
+
+def _metrics_tensor(a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    a = a.reshape(-1).double()
+    r = r.reshape(-1).double()
+    d = a - r
+    ad = d.abs()
+    ar = r.abs()
+    rmax = ar.max()
+    rel = ad / torch.maximum(ar, rmax * 1e-6).clamp_min(torch.finfo(torch.float64).tiny)
+    rn, an, dn = r.norm(), a.norm(), d.norm()
+    cos = (a @ r) / (an * rn).clamp_min(torch.finfo(torch.float64).tiny)
+    cos = torch.where((an == 0) & (rn == 0), torch.ones_like(cos), cos)
+    rel_rmse = torch.where(rn > 0, dn / rn.clamp_min(torch.finfo(torch.float64).tiny), dn)
+    return torch.stack([ad.max(), rel.max(), cos, rel_rmse, (rel <= 1e-3).double().mean()])
+
+
+def tensor_metrics(a: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
+    if a.numel() == 0:
+        return dict(zip(METRIC_KEYS, (0.0, 0.0, 1.0, 0.0, 1.0), strict=True))
+    vals = _metrics_tensor(a, r).tolist()
+    if not torch.isfinite(a).all():
+        vals = [math.inf, math.inf, -1.0, math.inf, 0.0]
+    return dict(zip(METRIC_KEYS, vals, strict=True))
+
+
+@dataclass
+class ModuleResult:
+    module: str
+    metrics: dict[str, float]
+    ok: bool
+    reason: str = ""  # why not ok
+
+
+@dataclass
+class Comparison:
+    rows: list[ModuleResult] = field(default_factory=list)
+    logits: dict[str, float] = field(default_factory=dict)
+    expert_agreement: dict[str, float] = field(default_factory=dict)  # router -> share of equal choices
+    generation: dict[str, float] = field(default_factory=dict)
+    generation_failure: str | None = None
+    problems: list[str] = field(default_factory=list)  # structural: missing modules, shape changes
+
+    @property
+    def first_divergent(self) -> ModuleResult | None:
+        return next((r for r in self.rows if not r.ok), None)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(r.ok for r in self.rows) and self.generation_failure is None
+
+
+def _target_view(golden, name: str, t: torch.Tensor) -> torch.Tensor:
+    idx = golden.indices.get(name)
+    return t.reshape(-1)[idx] if idx is not None else t
+
+
+def compare_modules(golden, outputs: dict[str, torch.Tensor], tol: dict) -> Comparison:
+    """Every captured tensor of the golden, in execution order, against the target's."""
+    res = Comparison()
+    rel_tol, cos_tol = tol["rel_rmse"], tol["min_cosine"]
+    shapes = golden.manifest["tensors"]
+    for name in golden.order:
+        ref = golden.modules[name]
+        got = outputs.get(name)
+        if got is None:
+            res.problems.append(f"module {name} is in the golden but the target did not produce it")
+            continue
+        if list(got.shape) != shapes[name]["shape"]:
+            res.problems.append(f"module {name}: shape {list(got.shape)} != golden {shapes[name]['shape']}")
+            continue
+        got = _target_view(golden, name, got)
+        if not ref.is_floating_point():
+            res.expert_agreement[name] = (got.to(ref.dtype) == ref).double().mean().item()
+            continue
+        m = tensor_metrics(got, ref)
+        reasons = []
+        if not m["rel_rmse"] <= rel_tol:
+            reasons.append(f"rel_rmse {m['rel_rmse']:.3g} > {rel_tol:.3g}")
+        if not m["cosine"] >= cos_tol:
+            reasons.append(f"cosine {m['cosine']:.6g} < {cos_tol:.6g}")
+        if name == "logits":
+            res.logits = dict(m)
+            if tol.get("max_abs_err") is not None and not m["max_abs_err"] <= tol["max_abs_err"]:
+                reasons.append(f"max_abs_err {m['max_abs_err']:.3g} > {tol['max_abs_err']:.3g}")
+            if tol.get("min_within_1e3") is not None and not m["within_1e3"] >= tol["min_within_1e3"]:
+                reasons.append(f"within_1e3 {m['within_1e3']:.3g} < {tol['min_within_1e3']:.3g}")
+            if name not in golden.indices:
+                res.logits["top1_agreement"] = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
+        res.rows.append(ModuleResult(name, m, not reasons, "; ".join(reasons)))
+    return res
+
+
+def compare_generation(golden, gen: dict[str, torch.Tensor], tol: dict, res: Comparison) -> None:
+    """Greedy tokens: equal, or different only where the reference's candidates were near-tied
+    (the reference's logprob gap between its token and the target's is <= tie_margin); after a
+    (tolerated) divergence the rest of that sequence is conditioned on other tokens and not compared.
+    Logprobs of agreeing tokens must be within logprob_atol."""
+    ref = golden.generation
+    if not ref or ref["tokens"].shape[1] == 0:
+        return
+    rt, rl, rti, rtl = ref["tokens"], ref["logprobs"], ref["top_ids"], ref["top_logprobs"]
+    tt, tl = gen["tokens"].cpu(), gen["logprobs"].cpu().double()
+    n_b, n_t = rt.shape
+    agree, compared, lp_diff, ties = 0, 0, 0.0, 0
+    for b in range(n_b):
+        for t in range(n_t):
+            compared += 1
+            if tt[b, t] == rt[b, t]:
+                agree += 1
+                lp_diff = max(lp_diff, abs(tl[b, t].item() - rl[b, t].item()))
+                continue
+            hit = (rti[b, t] == tt[b, t]).nonzero()
+            gap = (rl[b, t] - rtl[b, t, hit[0, 0]]).item() if len(hit) else math.inf
+            if gap <= tol["tie_margin"]:
+                ties += 1
+            elif res.generation_failure is None:
+                res.generation_failure = (
+                    f"greedy token {t} of sequence {b}: target {tt[b, t].item()} vs reference {rt[b, t].item()} "
+                    f"(reference logprob gap {gap:.3g} > tie_margin {tol['tie_margin']:.3g})")
+            compared += n_t - 1 - t
+            break
+    res.generation = {"top1_agreement": agree / max(compared, 1), "logprob_max_abs_diff": lp_diff,
+                      "near_tie_mismatches": float(ties)}
+    if lp_diff > tol["logprob_atol"] and res.generation_failure is None:
+        res.generation_failure = (f"greedy-token logprobs differ by {lp_diff:.3g} > logprob_atol "
+                                  f"{tol['logprob_atol']:.3g}")
