@@ -100,13 +100,15 @@ def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
     t["history"] = time.perf_counter()
     actions: list[Action] = []
     log: list[dict] = []
+    usable = False
     try:
         sink = sink if sink is not None else make_sink(opts, out)
         existing = sink.list_issues(LABEL, "open")
+        usable = True
     except Exception as e:  # noqa: BLE001 - no sink means no issues, never no report
         problems.append(f"issue sink unavailable, no issue actions this run: {type(e).__name__}: {e}")
-        sink, existing = None, []
-    if sink is not None:
+        existing = []
+    if usable:
         known = history.issues() if history else {}
         open_fps = {i.fingerprint for i in existing if i.fingerprint}
         if record:
