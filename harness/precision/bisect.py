@@ -80,9 +80,12 @@ def _first_float_dtype(obj):
 
 
 def substitute(module: torch.nn.Module, impl: torch.nn.Module, dtype: torch.dtype, device) -> None:
-    """Make ``module`` compute with ``impl`` (inputs converted to dtype/device, outputs back)."""
+    """Make ``module`` compute with ``impl`` (inputs converted to dtype/device, outputs back to the
+    dtype of the first float input, or of the module's own weights when it has none: embeddings)."""
+    own = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
     def forward(*args, **kwargs):
-        back = _first_float_dtype((args, kwargs))
+        back = _first_float_dtype((args, kwargs)) or own
         home = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
         a, k = _convert((args, kwargs), dtype, device)
         with torch.no_grad():

@@ -1,0 +1,40 @@
+"""Shared helpers for the precision tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.backends import get
+from harness.checks import CheckContext, CheckFailure
+from harness.checks.precision import run_precision
+from harness.suite.loader import load_suite
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "golden"
+SUITES = ["deepseek-v3", "kimi-k2", "llama-3.1-8b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-8b"]
+
+
+def suite(name: str):
+    return load_suite(REPO / "suites" / f"{name}.toml")
+
+
+def run_check(name_or_ls, dtype: str, tmp_path: Path, *, transform=None, context=None, golden_root=GOLDEN,
+              force_report=False):
+    """(ctx, failure or None) of the precision check on CPU."""
+    ls = suite(name_or_ls) if isinstance(name_or_ls, str) else name_or_ls
+    ctx = CheckContext(ls, get("cpu"), dtype)
+    try:
+        run_precision(ctx, transform=transform, context=context, golden_root=golden_root,
+                      results_dir=tmp_path / "results", force_report=force_report)
+    except CheckFailure as f:
+        return ctx, f
+    return ctx, None
+
+
+def props(ctx) -> dict:
+    return dict(ctx.properties)
+
+
+def layer_table(ctx) -> list[dict]:
+    return json.loads(props(ctx)["harness.detail.layer_table"])
