@@ -30,6 +30,9 @@ class CustomBackend(BaseModel):
     module: str | None = Field(None, description="Python module to import before use (the vendor's torch plugin).")
     dispatch_key: str | None = Field(None, description="Dispatcher key of its kernels, e.g. PrivateUse1.")
     description: str = Field("", description="Free text shown by `harness backends`.")
+    op_list: str | None = Field(
+        None, description="Declared operator list (one aten overload per line, see docs/inspect.md), relative "
+        "to this file; used by `harness inspect` and the ops check when the backend is not installed.")
 
 
 class Settings(BaseModel):

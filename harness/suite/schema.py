@@ -161,8 +161,21 @@ class PrecisionCheck(_Strict):
                                              description="Quantized-weights error budget.")
 
 
+class OpsCheck(_Strict):
+    enabled: bool = Field(
+        False, description="Generate one conformance item per aten op of the pruned model (opt-in: the "
+        "op inventory is traced once per suite and cached on disk).")
+    examples: int = Field(6, ge=0, description="Hypothesis examples per op beyond the model's own inputs "
+                          "(zeros, large magnitudes, negatives, denormals).")
+    tolerance: dict[str, float] = Field(
+        default_factory=lambda: {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 3e-3},
+        description="Max |out - ref| / max(|ref|, 1) per dtype against the CPU float64 reference.")
+    skip: list[str] = Field(default_factory=list, description="Ops not to generate items for (aten.x.overload).")
+
+
 class Checks(_Strict):
     smoke: SmokeCheck = Field(default_factory=SmokeCheck, description="Pruned-model smoke check.")
+    ops: OpsCheck = Field(default_factory=OpsCheck, description="Per-op conformance against CPU float64.")
     precision: PrecisionCheck = Field(default_factory=PrecisionCheck, description="Golden-output precision check.")
 
 

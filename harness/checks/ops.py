@@ -1,0 +1,272 @@
+"""Op conformance check (``ops``): one item per aten overload the pruned model executes.
+
+Variants come from the op inventory of the pruned model (a real CPU trace of one forward + backward
+per suite dtype, cached on disk: see :func:`harness.inspect.trace.suite_op_names`), so items read
+``ops[cpu-float32-aten.mm.default]`` and shard and report like every other check.
+
+Each item:
+
+1. classifies the op for the backend (:mod:`harness.inspect.coverage`). A ``missing`` op fails
+   with the op, the reason and the modules that need it; one listed under the suite's
+   ``known_gaps.<backend>`` is an expected failure (tracked, not silent);
+2. runs the op on the backend with the inputs the model itself passed it (its own shapes, dtypes
+   and values: the pruned model *is* the scaled-down shape) and compares with a CPU float64
+   reference (the same op, floating inputs upcast; ops without a float64 CPU kernel, such as
+   ``_grouped_mm``, fall back to the CPU in the run dtype, noted);
+3. lets hypothesis vary the floating inputs (zeros, large magnitudes, negatives, denormals,
+   normal values; ``[checks.ops] examples`` of them, derandomized so that every backend sees the
+   same values) and compares again.
+
+Error: ``max |out - ref| / max(max |ref|, 1)`` with non-finite values required at the same places.
+It must be within ``[checks.ops] tolerance[dtype]``, or no worse than twice the CPU's own error in
+the same dtype (so that a backend is not blamed for what the dtype itself cannot represent).
+Integer outputs must match exactly (except the indices of sort/topk, where ties are legal);
+uninitialized or random outputs (``empty*``, ``new_empty*``) are compared by shape and dtype only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from harness import metrics
+from harness.backends.base import Backend
+from harness.checks import CheckContext, CheckFailure, CheckRegistry
+from harness.suite.loader import LoadedSuite
+
+metrics.declare("op_max_rel_error", "", "lower", "worst max|out-ref|/max(|ref|,1) of an op over its inputs")
+metrics.declare("op_cases", "", "none", "inputs an op was compared on (model's own + hypothesis examples)")
+
+# Outputs that are uninitialized memory or random: shape and dtype only.
+UNDEFINED_OUTPUT = ("aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+                    "aten.rand", "aten.randn", "aten.randint", "aten.bernoulli", "aten.native_dropout")
+# Ops whose index outputs may legally differ at ties; and ops whose results are discrete functions of
+# float inputs (bins, ranks) and so are only checked on the model's own inputs.
+TIE_INDICES = ("aten.sort", "aten.topk", "aten.max", "aten.min", "aten.argsort", "aten.kthvalue", "aten.mode")
+DISCRETE = TIE_INDICES + ("aten.histc", "aten.argmax", "aten.argmin", "aten.bucketize", "aten.searchsorted",
+                          "aten.floor_divide", "aten.eq", "aten.ne", "aten.gt", "aten.lt", "aten.ge", "aten.le")
+VALUE_KINDS = ("model", "zeros", "normal", "large", "negative", "denormal")
+MAX_VARIED_NUMEL = 1 << 21
+
+
+def _base(op: str) -> str:
+    return op.rsplit(".", 1)[0]
+
+
+def resolve_op(op: str):
+    ns, name, overload = op.split(".", 2)
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def _to(x, device, float_dtype=None):
+    if isinstance(x, torch.Tensor):
+        dt = float_dtype if float_dtype is not None and x.is_floating_point() else x.dtype
+        return x.detach().to(device=device, dtype=dt, copy=True)  # in-place ops must not touch the sample
+    if isinstance(x, torch.device):
+        return torch.device(device)
+    return x
+
+
+def _execute(func, args, kwargs, device, float_dtype=None):
+    a, k = tree_map(lambda x: _to(x, device, float_dtype), (args, kwargs))
+    out = func(*a, **k)
+    return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, out)
+
+
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out-ref| / max(max|ref|, 1) on a common float64 view; inf if non-finite patterns differ."""
+    ref_c = ref.to(out.dtype).double() if out.is_floating_point() else ref.double()
+    o = out.double()
+    if o.shape != ref_c.shape:
+        return math.inf
+    fo, fr = torch.isfinite(o), torch.isfinite(ref_c)
+    if not torch.equal(fo, fr):
+        return math.inf
+    nf = ~fr
+    if nf.any() and not torch.equal(o[nf].nan_to_num(0.0), ref_c[nf].nan_to_num(0.0)):  # inf signs, nan places
+        return math.inf
+    if not fr.any():
+        return 0.0
+    scale = max(ref_c[fr].abs().max().item(), 1.0)
+    return (o[fr] - ref_c[fr]).abs().max().item() / scale
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def compare_outputs(op: str, out, ref) -> float:
+    """Worst float error; raises _Mismatch for structural/integer differences."""
+    fo, _ = tree_flatten(out)
+    fr, _ = tree_flatten(ref)
+    if len(fo) != len(fr):
+        raise _Mismatch(f"{len(fo)} outputs vs {len(fr)} in the reference")
+    worst = 0.0
+    undefined = _base(op) in UNDEFINED_OUTPUT
+    for i, (o, r) in enumerate(zip(fo, fr, strict=True)):
+        if not isinstance(o, torch.Tensor):
+            if isinstance(o, (int, float, bool)) and o != r and not (isinstance(o, float) and math.isclose(o, r)):
+                raise _Mismatch(f"output {i}: {o!r} vs reference {r!r}")
+            continue
+        if tuple(o.shape) != tuple(r.shape):
+            raise _Mismatch(f"output {i}: shape {tuple(o.shape)} vs reference {tuple(r.shape)}")
+        if undefined:
+            continue
+        if o.is_floating_point() or o.is_complex():
+            worst = max(worst, _error(o, r))
+        elif _base(op) in TIE_INDICES:
+            continue
+        elif not torch.equal(o, r.to(o.dtype)):
+            n = (o != r.to(o.dtype)).sum().item()
+            raise _Mismatch(f"output {i} ({o.dtype}): {n} of {o.numel()} elements differ from the reference")
+    return worst
+
+
+def _vary(t: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
+    if kind == "model" or not t.is_floating_point():
+        return t
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(t.shape, generator=g, dtype=torch.float64)
+    fi = torch.finfo(t.dtype)
+    if kind == "zeros":
+        v = torch.zeros_like(base)
+    elif kind == "normal":
+        v = base
+    elif kind == "large":
+        v = base * (1e2 if fi.max < 1e5 else 1e3)
+    elif kind == "negative":
+        v = -base.abs()
+    else:  # denormal: below the smallest normal, above zero
+        v = torch.rand(t.shape, generator=g, dtype=torch.float64) * fi.smallest_normal
+    v = v.to(t.dtype)
+    try:  # keep the model's memory layout (transposed views reach other kernels)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(v)
+    except RuntimeError:
+        return v
+
+
+class OpsCheck:
+    name = "ops"
+
+    def enabled(self, suite: LoadedSuite) -> bool:
+        return suite.suite.checks.ops.enabled
+
+    def variants(self, suite: LoadedSuite, backend: Backend) -> list[str | None]:
+        from harness.inspect.trace import suite_op_names
+
+        names = suite_op_names(suite, list(suite.suite.dtypes))
+        skip = set(suite.suite.checks.ops.skip)
+        return sorted({op for ops in names.values() for op in ops} - skip)
+
+    def run(self, ctx: CheckContext) -> None:
+        import pytest
+
+        from harness.inspect.coverage import MISSING, backend_source, canonical, classify_op
+        from harness.inspect.trace import real_inventory
+
+        op, cfg, be = ctx.variant, ctx.suite.suite.checks.ops, ctx.backend
+        if not op:
+            raise CheckFailure("the ops check needs an op variant (ops[<backend>-<dtype>-aten.x.overload])")
+        inv = real_inventory(ctx.suite, ctx.dtype)
+        rec = inv.ops.get(op)
+        if rec is None:
+            pytest.skip(f"{op} is not executed by the model in {ctx.dtype}")
+        modules = inv.modules_of(op)
+        ctx.detail("modules", "; ".join(modules))
+        key, oplist, source = backend_source(be.name)
+        status, how = classify_op(op, dispatch_key=key, op_list=oplist)
+        ctx.detail("coverage", f"{status} ({how}; {source})")
+        if status == MISSING:
+            msg = (f"{op} is missing on backend {be.name}: {how} [{source}]; "
+                   f"needed by {len(modules)} module(s): {', '.join(modules)}")
+            gaps = {canonical(g) for g in ctx.suite.suite.known_gaps.get(be.name, [])}
+            if op in gaps or f"{_base(op)}.*" in gaps:
+                pytest.xfail(f"known gap (suite known_gaps.{be.name}): {msg}")
+            raise CheckFailure(msg, metric="op_status", expected="native, composite or cpu-fallback",
+                               observed=MISSING, details="modules:\n  " + "\n  ".join(modules))
+
+        func = resolve_op(op)
+        tol = cfg.tolerance.get(ctx.dtype, 1e-5)
+        ctx.tolerance("op_max_rel_error", tol)
+        dev = ctx.device
+        state = {"worst": 0.0, "cases": 0, "notes": set()}
+
+        def check_case(sample, kinds: tuple[str, ...], seeds: tuple[int, ...]):
+            it = iter(zip(kinds, seeds, strict=False))
+
+            def vary(x):
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    k, s = next(it, ("model", 0))
+                    return _vary(x, k, s)
+                return x
+
+            args, kwargs = tree_map(vary, (sample.args, sample.kwargs))
+            label = f"inputs {sample.signature}" + (f" with values {list(kinds)}" if any(
+                k != "model" for k in kinds) else " (the model's own values)")
+            try:
+                out = _execute(func, args, kwargs, dev)
+            except Exception as e:
+                raise CheckFailure(f"{op} raised on {be.name} for {label}: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:300]}", metric="op_runs", expected="runs",
+                                   observed="raises", details="modules:\n  " + "\n  ".join(modules)) from None
+            try:
+                ref = _execute(func, args, kwargs, "cpu", torch.float64)
+                ref_name = "cpu float64"
+            except Exception as e:
+                ref = _execute(func, args, kwargs, "cpu")
+                ref_name = f"cpu {ctx.dtype}"
+                state["notes"].add(f"{op}: no float64 CPU reference ({type(e).__name__}); compared with cpu "
+                                   f"{ctx.dtype}")
+            try:
+                err = compare_outputs(op, out, ref)
+                if err > tol and ref_name == "cpu float64":  # no worse than the dtype itself allows
+                    own = compare_outputs(op, _execute(func, args, kwargs, "cpu"), ref)
+                    if err <= 2 * own + tol:
+                        state["notes"].add(f"{op}: error {err:.3g} > tolerance but within 2x the CPU's own "
+                                           f"{ctx.dtype} error {own:.3g}")
+                        err = min(err, tol)
+            except _Mismatch as m:
+                raise CheckFailure(f"{op} on {be.name} differs from the {ref_name} reference for {label}: {m}",
+                                   metric="op_output", expected="equal", observed=str(m)) from None
+            state["cases"] += 1
+            state["worst"] = max(state["worst"], err)
+            if err > tol:
+                raise CheckFailure(f"{op} on {be.name} is off the {ref_name} reference for {label}",
+                                   metric="op_max_rel_error", expected=f"<= {tol}", observed=f"{err:.6g}",
+                                   tolerance=tol)
+
+        for sample in inv.samples.get(op, []):
+            n_float = sum(1 for x in tree_flatten((sample.args, sample.kwargs))[0]
+                          if isinstance(x, torch.Tensor) and x.is_floating_point())
+            check_case(sample, ("model",) * n_float, (0,) * n_float)
+            numel = sum(x.numel() for x in tree_flatten((sample.args, sample.kwargs))[0]
+                        if isinstance(x, torch.Tensor))
+            if not n_float or not cfg.examples or _base(op) in DISCRETE or numel > MAX_VARIED_NUMEL:
+                continue
+            self._hypothesis(check_case, sample, n_float, cfg.examples)
+
+        ctx.metric("op_max_rel_error", state["worst"])
+        ctx.metric("op_cases", state["cases"])
+        ctx.notes.extend(sorted(state["notes"]))
+
+    @staticmethod
+    def _hypothesis(check_case, sample, n_float: int, examples: int) -> None:
+        from hypothesis import HealthCheck, Phase, given, settings
+        from hypothesis import strategies as st
+
+        kinds = st.lists(st.sampled_from(VALUE_KINDS[1:]), min_size=n_float, max_size=n_float)
+        seeds = st.lists(st.integers(0, 2**31 - 1), min_size=n_float, max_size=n_float)
+
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(kinds, seeds)
+        def prop(k, s):
+            check_case(sample, tuple(k), tuple(s))
+
+        prop()
+
+
+def register(registry: CheckRegistry) -> None:
+    registry.add(OpsCheck())

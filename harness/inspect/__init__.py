@@ -1,0 +1,11 @@
+"""Day-0 model inspection: what a model is and what it needs from a backend, before any weights.
+
+* :mod:`harness.inspect.params` - the unpruned model on the meta device: parameters total/activated,
+  per module kind, checkpoint bytes per dtype (FP8 block-quantized included);
+* :mod:`harness.inspect.flops` - FLOPs per token (prefill/decode) and KV-cache bytes per token;
+* :mod:`harness.inspect.trace` - the aten operator inventory of one forward + backward;
+* :mod:`harness.inspect.coverage` - that inventory classified for a backend (native, composite,
+  CPU fallback, missing);
+* :mod:`harness.inspect.prune` - pruning chosen from the architecture (``harness init``);
+* :mod:`harness.inspect.report` - text/JSON rendering used by ``harness inspect``.
+"""

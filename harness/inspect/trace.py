@@ -1,0 +1,362 @@
+"""The operator inventory: every aten overload one forward + one backward of the model calls.
+
+A ``TorchDispatchMode`` sees each op *after* autograd and after ``CompositeImplicitAutograd``
+decompositions, i.e. the ops a backend must actually provide. A module tracker (torch's
+``ModuleTracker`` with fully qualified names) says which module each call came from, in the
+forward and in the backward.
+
+On the meta device nothing is computed, so the full trillion-parameter model traces in seconds.
+Where ATen's choice depends on the *device* (``scaled_dot_product_attention`` picks its fused
+kernel per device type), the meta trace asks the target device type's selector (``cpu`` by default)
+which kernel it would pick and calls that one, so that a meta trace equals the real trace on that
+device. Python-level device branches in model code (transformers feeds ``histc`` floats on
+cpu/mps and ints elsewhere) see ``meta`` as a non-CPU device: same overloads, other dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.module_tracker import ModuleTracker
+
+TRACE_FORMAT = 1
+MAX_SIGNATURES = 8  # distinct input signatures kept per op in the inventory
+MAX_SAMPLES = 2  # real input samples kept per op (for the conformance check)
+
+_SHORT = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
+          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+          torch.bool: "b8", torch.float8_e4m3fn: "f8e4m3", torch.complex64: "c64"}
+
+
+def short_dtype(dt: torch.dtype) -> str:
+    return _SHORT.get(dt, str(dt).replace("torch.", ""))
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{short_dtype(x.dtype)}[{','.join(map(str, x.shape))}]"
+    if isinstance(x, (list, tuple)):
+        inner = ",".join(_fmt(v) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    if isinstance(x, torch.dtype):
+        return short_dtype(x)
+    if isinstance(x, torch.device):
+        return "device"
+    if isinstance(x, torch.memory_format | torch.layout):
+        return str(x).replace("torch.", "")
+    return repr(x)
+
+
+def signature(args: tuple, kwargs: dict) -> str:
+    parts = [_fmt(a) for a in args] + [f"{k}={_fmt(v)}" for k, v in kwargs.items() if k != "device"]
+    return "(" + ", ".join(parts) + ")"
+
+
+def op_name(func) -> str:
+    """``aten.mm.default``: what the inventory, the op lists and the ``ops`` items call an overload."""
+    return str(func)
+
+
+def general_module(fqn: str) -> str:
+    """``model.layers.3.mlp.experts`` -> ``model.layers.*.mlp.experts``."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+
+
+@dataclass
+class OpRecord:
+    name: str
+    count: int = 0
+    forward: int = 0
+    backward: int = 0
+    signatures: Counter = field(default_factory=Counter)
+    dtypes: set[str] = field(default_factory=set)
+    modules: set[str] = field(default_factory=set)  # "model.layers.*.mlp.experts [DeepseekV3Experts]"
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "forward": self.forward, "backward": self.backward,
+                "signatures": dict(self.signatures.most_common(MAX_SIGNATURES)),
+                "distinct_signatures": len(self.signatures),
+                "dtypes": sorted(self.dtypes), "modules": sorted(self.modules)}
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> OpRecord:
+        return cls(name, d["count"], d["forward"], d["backward"], Counter(d["signatures"]), set(d["dtypes"]),
+                   set(d["modules"]))
+
+
+@dataclass
+class Sample:
+    """One real call of an op: inputs as the model passed them (cloned before the call), on CPU."""
+
+    args: tuple
+    kwargs: dict
+    signature: str
+    module: str
+
+
+@dataclass
+class Inventory:
+    ops: dict[str, OpRecord]
+    meta: dict = field(default_factory=dict)  # model, device, dtype, batch, seq, versions, wall time
+    samples: dict[str, list[Sample]] = field(default_factory=dict, repr=False)  # only for real traces
+
+    def names(self) -> list[str]:
+        return sorted(self.ops)
+
+    def to_dict(self) -> dict:
+        return {"format": TRACE_FORMAT, "meta": self.meta,
+                "ops": {k: self.ops[k].to_dict() for k in sorted(self.ops)}}
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Inventory:
+        return cls({k: OpRecord.from_dict(k, v) for k, v in d["ops"].items()}, d.get("meta", {}))
+
+    def modules_of(self, op: str) -> list[str]:
+        rec = self.ops.get(op)
+        return sorted(rec.modules) if rec else []
+
+
+class _FqnTracker(ModuleTracker):
+    """torch's ModuleTracker (forward and backward), naming modules by their fqn in ``model``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.names = {m: (n or "<root>") for n, m in model.named_modules()}
+        self.classes = {(n or "<root>"): type(m).__name__ for n, m in model.named_modules()}
+
+    def _get_mod_name(self, mod):
+        return self.names.get(mod, type(mod).__name__)
+
+    def innermost(self) -> str:
+        best, depth = "<root>", -1
+        for p in self.parents:
+            if p == "Global" or p not in self.classes:
+                continue
+            d = 0 if p == "<root>" else p.count(".") + 1
+            if d > depth:
+                best, depth = p, d
+        return best
+
+    def label(self, fqn: str) -> str:
+        return f"{general_module(fqn)} [{self.classes.get(fqn, '?')}]"
+
+
+def _clone_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    return x
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, tracker: _FqnTracker, keep_samples: bool):
+        super().__init__()
+        self.tracker, self.keep = tracker, keep_samples
+        self.ops: dict[str, OpRecord] = {}
+        self.samples: dict[str, list[Sample]] = defaultdict(list)
+        # Backward attribution: an op's autograd node is created just before the op is dispatched,
+        # so the sequence number seen at forward dispatch names the node; in backward the node being
+        # run (torch._C._current_autograd_node) leads back to the forward module that made it.
+        self.seq_module: dict[int, str] = {}
+
+    def current_module(self) -> tuple[str, bool]:
+        bw = self.tracker.is_bw
+        if not bw:
+            mod = self.tracker.innermost()
+            self.seq_module.setdefault(torch._C._autograd._get_sequence_nr(), mod)
+            return mod, False
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            mod = self.seq_module.get(node._sequence_nr() + 1)
+            if mod is not None:
+                return mod, True
+        return self.tracker.innermost(), True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        rec = self.ops.get(name)
+        if rec is None:
+            rec = self.ops[name] = OpRecord(name)
+        sig = signature(args, kwargs)
+        mod, bw = self.current_module()
+        rec.count += 1
+        if bw:
+            rec.backward += 1
+        else:
+            rec.forward += 1
+        rec.signatures[sig] += 1
+        flat, _ = tree_flatten((args, kwargs))
+        rec.dtypes.update(short_dtype(t.dtype) for t in flat if isinstance(t, torch.Tensor))
+        rec.modules.add(self.tracker.label(mod))
+        if self.keep and len(self.samples[name]) < MAX_SAMPLES and all(s.signature != sig for s in self.samples[name]):
+            a, k = tree_map(_clone_cpu, (args, kwargs))
+            self.samples[name].append(Sample(a, k, sig, self.tracker.label(mod)))
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            out = _meta_fallback(func, args, kwargs)
+            if out is None:
+                raise
+            return out
+
+
+def _meta_fallback(func, args, kwargs):
+    """Shape rules for ops whose meta kernel is narrower than the CPU kernel. torch's meta
+    ``_grouped_mm`` insists on bfloat16 (a CUDA constraint) while the CPU kernel takes float32."""
+    if func is not torch.ops.aten._grouped_mm.default or not args or args[0].device.type != "meta":
+        return None
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    dtype = kwargs.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    else:
+        return None
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+# --- device emulation on meta ---------------------------------------------------------------------
+_SDP_FLASH = 1  # torch._fused_sdp_choice: 0 math, 1 flash, 2 efficient, 3 cudnn, 4 overrideable
+
+
+@contextlib.contextmanager
+def emulate_device(target: str = "cpu"):
+    """On meta tensors, make ``F.scaled_dot_product_attention`` take the kernel ``target`` would."""
+    F = torch.nn.functional
+    orig = F.scaled_dot_product_attention
+    if target != "cpu":  # only the CPU selector can be asked on a machine without the device
+        yield
+        return
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta":
+            return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        with _disable_current_modes():
+            def real(t):
+                return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
+
+            choice = torch._fused_sdp_choice(real(query), real(key), real(value), real(attn_mask), dropout_p,
+                                             is_causal, scale=scale, enable_gqa=enable_gqa)
+        if choice != _SDP_FLASH:
+            return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        mask = attn_mask
+        if mask is not None and mask.dtype == torch.bool:  # as ATen's convert_boolean_attn_mask
+            mask = torch.where(mask.logical_not(), torch.scalar_tensor(float("-inf"), dtype=query.dtype,
+                                                                       device=query.device),
+                               torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+def trace_model(model: torch.nn.Module, vocab_size: int, *, batch: int = 1, seq: int = 16, seed: int = 1,
+                backward: bool = True, keep_samples: bool = False, target: str = "cpu",
+                meta: dict | None = None) -> Inventory:
+    """Run one forward (with labels, so the loss is included) and one backward under the recorder."""
+    from harness.models.build import seeded_tokens
+
+    device = next(iter(model.parameters())).device
+    ids = seeded_tokens(vocab_size, batch, seq, seed).to(device)
+    tracker = _FqnTracker(model)
+    rec = _Recorder(tracker, keep_samples)
+    model.train()
+    t = time.perf_counter()
+    with emulate_device(target), tracker, rec:
+        out = model(input_ids=ids, labels=ids)
+        if backward:
+            out.loss.backward()
+    info = dict(meta or {})
+    info.update({"device": device.type, "batch": batch, "seq": seq, "backward": backward,
+                 "emulated_target": target if device.type == "meta" else None,
+                 "torch": torch.__version__, "trace_s": round(time.perf_counter() - t, 3)})
+    return Inventory(rec.ops, info, dict(rec.samples))
+
+
+# --- inventories of a suite, cached ---------------------------------------------------------------
+def cache_dir() -> Path:
+    d = os.environ.get("HARNESS_CACHE_DIR")
+    if d:
+        return Path(d)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness"
+
+
+def suite_key(ls, dtype: str, extra: str = "") -> str:
+    import transformers
+
+    blob = json.dumps({"raw": ls.raw_config, "suite": ls.suite.model_dump(mode="json", exclude={"checks"}),
+                       "dtype": dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+                       "format": TRACE_FORMAT, "extra": extra}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+_REAL: dict[tuple[str, str], Inventory] = {}
+
+
+def real_inventory(ls, dtype: str, *, batch: int = 2, seq: int = 16) -> Inventory:
+    """Trace the pruned model for real on CPU (values, samples): once per process per suite x dtype."""
+    from harness.models.build import build_model
+
+    key = (str(ls.path), dtype)
+    inv = _REAL.get(key)
+    if inv is None:
+        seed = ls.suite.checks.smoke.seed
+        model, mc = build_model(ls, dtype, "cpu", seed=seed)
+        inv = trace_model(model, mc.config.vocab_size, batch=batch, seq=seq, seed=seed + 1, keep_samples=True,
+                          meta={"model": ls.name, "dtype": dtype, "pruned": True})
+        del model
+        _REAL[key] = inv
+    return inv
+
+
+def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16) -> dict[str, list[str]]:
+    """dtype -> op names of the pruned model's real CPU trace, from an on-disk cache keyed by the
+    config, the suite's model/prune sections, dtype and the torch/transformers versions."""
+    out = {}
+    for dtype in dtypes:
+        path = cache_dir() / "ops" / f"{ls.path.stem}-{dtype}-{suite_key(ls, dtype, f'{batch}x{seq}')}.json"
+        try:
+            out[dtype] = json.loads(path.read_text())["ops"]
+            continue
+        except (OSError, ValueError, KeyError):
+            pass
+        names = real_inventory(ls, dtype, batch=batch, seq=seq).names()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"ops": names}))
+            tmp.replace(path)
+        except OSError:
+            pass
+        out[dtype] = names
+    return out
