@@ -144,7 +144,7 @@ def _case(tc: TestCase) -> Case:
     # more than the XML parse itself at 100,000 cases (see benchmarks/bench_compare.py).
     elem = tc._elem
     props: list[tuple[str, str]] = []
-    outcome, message, log, reruns = "passed", "", "", 0
+    outcome, message, log, output, reruns = "passed", "", "", "", 0
     for child in elem:
         tag = child.tag
         if tag == "properties":
@@ -155,6 +155,8 @@ def _case(tc: TestCase) -> Case:
                 message, log = child.get("message", ""), child.text or ""
         elif tag in _RERUN_TAGS:
             reruns += 1
+        elif tag in ("system-out", "system-err") and child.text:
+            output += child.text[-_LOG_LIMIT:] + "\n"  # pytest -o junit_logging=...
     parsed = parse_properties(props)
     meta = parsed["meta"]
     classname, name = elem.get("classname", ""), elem.get("name", "")
@@ -169,7 +171,8 @@ def _case(tc: TestCase) -> Case:
         backend=meta.get("backend", "unknown"), dtype=meta.get("dtype", ""),
         device=meta.get("device", ""), variant=meta.get("variant", ""),
         metrics=parsed["metrics"], tolerances=parsed["tolerances"], details=parsed["details"],
-        message=message[:_LOG_LIMIT], log=log[-_LOG_LIMIT:], time=duration,
+        message=message[:_LOG_LIMIT], time=duration,
+        log=(log + ("\n--- captured output ---\n" + output if output and outcome != "passed" else ""))[-_LOG_LIMIT:],
         flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns,
     )
 

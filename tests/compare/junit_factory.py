@@ -76,7 +76,8 @@ def run_pytest_suite(folder, items: list[dict], junit_path) -> str:
         f.write(f"spec = '''{spec}'''\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_"))}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:harness",
-                    "-p", "no:xdist", f"--junitxml={junit_path}", "-o", "junit_family=xunit1",
+                    "-p", "no:xdist", "-p", "no:hypothesispytest", f"--junitxml={junit_path}", "-o", "junit_family=xunit1",
+                    "-o", "junit_logging=system-out",
                     "suites"], cwd=folder, env=env, capture_output=True, check=False, timeout=120)
     assert os.path.exists(junit_path), "pytest wrote no JUnit XML"
     return os.fspath(junit_path)
