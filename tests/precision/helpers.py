@@ -38,3 +38,18 @@ def props(ctx) -> dict:
 
 def layer_table(ctx) -> list[dict]:
     return json.loads(props(ctx)["harness.detail.layer_table"])
+
+
+def cli(argv: list[str]) -> int:
+    """Run `harness golden ...` / `harness precision ...` through their own parsers (independent of
+    the other subcommands registered in harness.cli)."""
+    import argparse
+
+    from harness.cli import golden, precision
+
+    parser = argparse.ArgumentParser(prog="harness")
+    sub = parser.add_subparsers()
+    golden.register(sub)
+    precision.register(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

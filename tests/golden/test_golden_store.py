@@ -1,0 +1,192 @@
+"""Golden files: atomic writes, no silent overwrite, sha256 verification, clear errors, sampling."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from precision.helpers import GOLDEN, REPO, SUITES, cli, run_check, suite
+
+from harness.golden import store
+from harness.golden.generate import build_golden, generate
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_committed_goldens_verify(name):
+    ls = suite(name)
+    g = store.load_golden(ls, GOLDEN)
+    mf = g.manifest
+    assert mf["reference"]["backend"] == "cpu" and mf["reference"]["dtype"] == "float64"
+    assert {"torch", "transformers"} <= set(mf["versions"])
+    assert g.inputs.dtype == torch.int64 and list(g.inputs.shape) == [2, 16]
+    assert g.order[-1] == "logits" and g.order[0] == "model.embed_tokens"
+    assert any(n.endswith("self_attn") for n in g.order) and "model.norm" in g.order
+    if "moe" in name.lower() or name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2"):
+        assert any(n.endswith(".gate") for n in g.order) and any(n.endswith("chosen_experts") for n in g.order)
+    assert g.generation["tokens"].shape == (2, 4)
+    for f, meta in mf["files"].items():
+        assert len((g.path / f).read_bytes()) == meta["bytes"]
+    assert sum(m["bytes"] for m in mf["files"].values()) < 400_000  # the repo stays small
+
+
+def test_sample_indices_fixed_and_unique():
+    a = store.sample_indices(10_000, 512)
+    assert torch.equal(a, store.sample_indices(10_000, 512))
+    assert len(set(a.tolist())) == 512 and a.max() < 10_000
+    assert torch.equal(store.sample_indices(10, 512), torch.arange(10))
+
+
+@pytest.fixture
+def one_golden(tmp_path):
+    ls = suite("qwen3-8b")
+    root = tmp_path / "golden"
+    shutil.copytree(GOLDEN / ls.name, root / ls.name)
+    return ls, root
+
+
+def test_no_overwrite_without_update(one_golden):
+    ls, root = one_golden
+    before = (root / ls.name / "manifest.json").read_bytes()
+    with pytest.raises(store.GoldenError, match="already exists; pass --update"):
+        generate(ls, root)
+    assert (root / ls.name / "manifest.json").read_bytes() == before
+
+
+def test_update_is_atomic_and_keeps_inputs(one_golden):
+    ls, root = one_golden
+    old = store.load_golden(ls, root)
+    generate(ls, root, update=True)
+    new = store.load_golden(ls, root)
+    assert torch.equal(old.inputs, new.inputs)
+    assert torch.equal(old.modules["logits"], new.modules["logits"])  # deterministic reference
+    assert sorted(p.name for p in root.iterdir()) == [ls.name]  # no temp or .old leftovers
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("flip", "corrupt golden file (sha256"),
+    ("truncate", "truncated or corrupt golden file"),
+    ("delete", "cannot read golden file"),
+    ("manifest", "corrupt manifest"),
+])
+def test_damaged_golden_reported_clearly(one_golden, damage, message, tmp_path):
+    ls, root = one_golden
+    f = root / ls.name / "modules.safetensors"
+    data = f.read_bytes()
+    if damage == "flip":
+        f.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
+    elif damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "delete":
+        f.unlink()
+    else:
+        (root / ls.name / "manifest.json").write_text("{not json")
+    with pytest.raises(store.GoldenError, match=message.replace("(", r"\(")) as e:
+        store.load_golden(ls, root)
+    assert "\n" not in str(e.value)
+    shown = "manifest.json" if damage == "manifest" else "modules.safetensors"
+    assert shown in str(e.value)
+    # the check reports it as a failure with the message, not a traceback
+    ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
+    assert failure is not None and failure.metric == "golden" and message.split(" (")[0] in failure.message
+    assert "Traceback" not in failure.report("x")
+
+
+def test_missing_golden(tmp_path):
+    ls = suite("qwen3-8b")
+    with pytest.raises(store.GoldenError, match="no golden for this suite; create it with `harness golden generate"):
+        store.load_golden(ls, tmp_path)
+    ctx, failure = run_check(ls, "bfloat16", tmp_path, golden_root=tmp_path)
+    assert failure is not None and "no golden" in failure.message
+    assert not (tmp_path / "qwen3-8b").exists()  # the check never writes a golden
+
+
+def test_golden_from_another_config(tmp_path, one_golden):
+    ls, root = one_golden
+    # Another suite's golden under this suite's name: the manifest's config hash differs.
+    shutil.rmtree(root / ls.name)
+    shutil.copytree(GOLDEN / "llama-3.1-8b", root / ls.name)
+    with pytest.raises(store.GoldenError, match="made by another config"):
+        store.load_golden(ls, root)
+    ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
+    assert failure is not None and "another config" in failure.message
+
+
+def test_changed_prune_is_another_config(write_suite, tmp_path):
+    body = (REPO / "suites" / "qwen3-8b.toml").read_text()
+    a = suite("qwen3-8b")
+    from harness.suite.loader import load_suite
+
+    b = load_suite(write_suite("qwen3-8b", body.replace("intermediate_size = 128", "intermediate_size = 96")))
+    assert store.config_hash(a) != store.config_hash(b)
+    ctx, failure = run_check(b, "float32", tmp_path)
+    assert failure is not None and "another config" in failure.message
+
+
+def test_cli_errors_are_one_line(one_golden, capsys):
+    ls, root = one_golden
+    (root / ls.name / "inputs.safetensors").write_bytes(b"garbage")
+    assert cli(["golden", "verify", "qwen3-8b", "--golden-dir", str(root)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "inputs.safetensors" in err and "truncated or corrupt" in err
+    assert cli(["golden", "generate", "qwen3-8b", "--golden-dir", str(root)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already exists" in err
+    assert (root / ls.name / "inputs.safetensors").read_bytes() == b"garbage"  # not overwritten
+
+
+def test_cli_generate_and_diff(tmp_path, capsys):
+    root = tmp_path / "g"
+    assert cli(["golden", "generate", "qwen3-8b", "--golden-dir", str(root)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert cli(["golden", "diff", "qwen3-8b", "--golden-dir", str(root)]) == 0
+    assert "no change" in capsys.readouterr().out
+    # a golden made in float32 differs from the float64 reference: diff shows metrics per tensor
+    assert cli(["golden", "generate", "qwen3-8b", "--golden-dir", str(root), "--update",
+                     "--reference", "cpu:float32"]) == 0
+    capsys.readouterr()
+    assert cli(["golden", "diff", "qwen3-8b", "--golden-dir", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "reference:" in out and "~ logits: max_abs" in out and "rel_rmse" in out
+    assert cli(["golden", "generate", "qwen3-8b", "--reference", "cpu:float99", "--golden-dir",
+                     str(root), "--update"]) == 2
+
+
+def test_sampled_mode(write_suite, tmp_path):
+    body = (REPO / "suites" / "llama-3.1-8b.toml").read_text()
+    body = body.replace("[prune]", "[checks.precision]\ngolden_mode = \"sampled\"\nsample_size = 256\n\n[prune]")
+    from harness.suite.loader import load_suite
+
+    ls = load_suite(write_suite("llama-3.1-8b", body))
+    root = tmp_path / "g"
+    path = generate(ls, root)
+    full = sum(f.stat().st_size for f in (GOLDEN / "llama-3.1-8b").iterdir())
+    assert sum(f.stat().st_size for f in path.iterdir()) < full / 3
+    g = store.load_golden(ls, root)
+    assert g.sampled and g.modules["logits"].numel() == 256 and "logits" in g.indices
+    st = g.manifest["tensors"]["logits"]
+    assert st["sampled"] == 256 and st["shape"] == [2, 16, 512] and {"mean", "std", "absmax", "l2"} <= set(st["stats"])
+    ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
+    assert failure is None
+    from precision import faults
+
+    ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root, transform=faults.rmsnorm_eps(1))
+    assert failure is not None and "model.layers.1.input_layernorm" in failure.message
+
+
+def test_manifest_records_shapes_dtypes_hashes():
+    mf = json.loads((GOLDEN / "mixtral-8x7b" / "manifest.json").read_text())
+    t = mf["tensors"]["model.layers.1.mlp.gate.chosen_experts"]
+    assert t["dtype"] == "int64" and t["shape"] == [32, 2]
+    assert mf["tensors"]["logits"]["dtype"] == "float64"
+    assert set(mf["files"]) == {"inputs.safetensors", "modules.safetensors", "generation.safetensors"}
+    assert len(mf["config_hash"]) == 64 and mf["input_spec"]["seq_len"] == 16
+
+
+def test_build_golden_is_deterministic():
+    ls = suite("qwen3-8b")
+    m1, f1 = build_golden(ls)
+    g = store.load_golden(ls, GOLDEN)
+    assert torch.equal(f1["inputs"]["input_ids"], g.inputs)
+    assert torch.equal(f1["modules"]["logits"], g.modules["logits"])
