@@ -1,0 +1,134 @@
+"""The precision and quantization checks: bundled suites pass on CPU in float32 and bfloat16
+against the committed float64 goldens; metrics, tolerance resolution, recorded tolerances."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from precision.helpers import GOLDEN, REPO, SUITES, cli, props, run_check, suite
+
+from harness import checks
+from harness.backends import get
+from harness.checks import CheckContext, CheckFailure
+from harness.checks.precision import QuantizationCheck, quant_scheme, quantize_weights
+from harness.precision import tolerance
+from harness.precision.compare import tensor_metrics
+from harness.suite.schema import PrecisionCheck
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", SUITES)
+def test_bundled_suites_pass(name, dtype, tmp_path):
+    ctx, failure = run_check(name, dtype, tmp_path)
+    assert failure is None, failure.report(name)
+    p = props(ctx)
+    tol = tolerance.DEFAULTS[dtype]
+    assert float(p["metric.worst_module_rel_rmse"]) < tol["rel_rmse"] / 3  # margin, not luck
+    assert float(p["metric.logits_cosine"]) > tol["min_cosine"]
+    assert float(p["metric.generation_top1_agreement"]) == 1.0
+    assert float(p["tolerance.rel_rmse"]) == tol["rel_rmse"]  # tolerances are recorded with the result
+    assert p["harness.detail.tolerance_source"].startswith("rel_rmse=default[")
+
+
+def test_registered_and_collected(pytester):
+    assert {"precision", "quantization"} <= set(checks.registry().names())
+    pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
+    r = pytester.runpytest(str(REPO / "suites" / "qwen3-8b.toml"), str(REPO / "suites" / "kimi-k2.toml"),
+                           "--harness-backend", "cpu", "--harness-check", "precision,quantization",
+                           "--collect-only", "-q")
+    out = r.stdout.str()
+    assert "precision[cpu-bfloat16]" in out and "quantization[cpu-float32]" in out
+    assert out.count("quantization[") == 2  # only kimi-k2 declares FP8 weights
+
+
+def test_metrics_known_values():
+    r = torch.tensor([1.0, 2.0, 0.0, -4.0], dtype=torch.float64)
+    m = tensor_metrics(r, r)
+    assert m["max_abs_err"] == 0 and m["rel_rmse"] == 0 and m["within_1e3"] == 1 and m["cosine"] == pytest.approx(1)
+    a = r + torch.tensor([0.0, 0.002, 0.0, 0.0], dtype=torch.float64)
+    m = tensor_metrics(a, r)
+    assert m["max_abs_err"] == pytest.approx(0.002)
+    assert m["max_rel_err"] == pytest.approx(0.001)
+    assert m["rel_rmse"] == pytest.approx(0.002 / math.sqrt(21))
+    assert m["within_1e3"] == 1.0
+    m = tensor_metrics(-r, r)
+    assert m["cosine"] == pytest.approx(-1)
+    bad = tensor_metrics(torch.tensor([float("nan"), 1.0]), torch.tensor([1.0, 1.0]))
+    assert bad["rel_rmse"] == math.inf and bad["cosine"] == -1
+
+
+def test_tolerance_resolution_most_specific_wins():
+    pc = PrecisionCheck.model_validate({
+        "tolerances": {"bfloat16": {"rel_rmse": 0.05}},
+        "overrides": [
+            {"backend": "npu", "rel_rmse": 0.06, "logprob_atol": 0.3},
+            {"backend": "npu", "device": "Ascend910B*", "dtype": "bfloat16", "rel_rmse": 0.08},
+            {"dtype": "bfloat16", "tie_margin": 0.15},
+        ]})
+    tol, src = tolerance.resolve(pc, "cpu", "x86_64", "bfloat16")
+    assert tol["rel_rmse"] == 0.05 and src["rel_rmse"] == "suite[bfloat16]"
+    assert tol["tie_margin"] == 0.15 and tol["min_cosine"] == tolerance.DEFAULTS["bfloat16"]["min_cosine"]
+    tol, src = tolerance.resolve(pc, "npu", "Ascend910B2", "bfloat16")
+    assert tol["rel_rmse"] == 0.08 and "device=Ascend910B*" in src["rel_rmse"]
+    assert tol["logprob_atol"] == 0.3 and src["logprob_atol"] == "override[backend=npu]"  # field-wise fallback
+    tol, _ = tolerance.resolve(pc, "npu", "Ascend310", "bfloat16")
+    assert tol["rel_rmse"] == 0.06
+    tol, src = tolerance.resolve(pc, "npu", "Ascend910B2", "float32")
+    assert tol["rel_rmse"] == 0.06 and tol["tie_margin"] == tolerance.DEFAULTS["float32"]["tie_margin"]
+
+
+def test_suite_tolerance_override_applies(write_suite, tmp_path):
+    body = (REPO / "suites" / "qwen3-8b.toml").read_text()
+    body = body.replace("[prune]", "[[checks.precision.overrides]]\nbackend = \"cpu\"\ndtype = \"bfloat16\"\n"
+                        "rel_rmse = 1e-4\n\n[prune]")
+    from harness.suite.loader import load_suite
+
+    ls = load_suite(write_suite("qwen3-8b", body))
+    # same config hash: overrides do not change the golden
+    from harness.golden.store import config_hash
+
+    assert config_hash(ls) == config_hash(suite("qwen3-8b"))
+    ctx, failure = run_check(ls, "bfloat16", tmp_path)
+    assert failure is not None and failure.tolerance == 1e-4
+    assert props(ctx)["harness.detail.tolerance_source"].startswith("rel_rmse=override[dtype=bfloat16,backend=cpu]")
+
+
+def test_quantization_budget(tmp_path):
+    ls = suite("deepseek-v3")
+    assert quant_scheme(ls) == "fp8" and quant_scheme(suite("llama-3.1-8b")) is None
+    ctx = CheckContext(ls, get("cpu"), "bfloat16")
+    QuantizationCheck().run(ctx, golden_root=GOLDEN)
+    p = props(ctx)
+    assert float(p["metric.quant_logits_rel_rmse"]) < float(p["tolerance.quant_logits_rel_rmse"])
+    assert float(p["metric.quant_top1_agreement"]) >= 0.7
+    # a budget tighter than FP8 can meet fails with the metric named
+    tight = ls.suite.model_copy(deep=True)
+    tight.checks.precision.quantization.rel_rmse = 1e-4
+    ls2 = type(ls)(ls.path, ls.name, tight, ls.config_path, ls.raw_config)
+    with pytest.raises(CheckFailure) as e:
+        QuantizationCheck().run(CheckContext(ls2, get("cpu"), "bfloat16"), golden_root=GOLDEN)
+    assert e.value.metric == "quant_logits_rel_rmse"
+
+
+def test_quantize_weights_fp8_and_int8():
+    lin = torch.nn.Sequential()
+    lin.add_module("proj", torch.nn.Linear(300, 200, bias=False))
+    w = lin.proj.weight.detach().clone()
+    assert quantize_weights(lin, "fp8", [128, 128]) == 1
+    err = (lin.proj.weight - w).norm() / w.norm()
+    assert 0 < err < 0.05
+    lin.proj.weight.data.copy_(w)
+    quantize_weights(lin, "int8", [128, 128])
+    assert 0 < (lin.proj.weight - w).norm() / w.norm() < 0.02
+
+
+def test_cli_precision_check_and_bisect(capsys):
+    assert cli(["precision", "check", "qwen3-8b", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.self_attn" in out and "precision ok" in out and "growth" in out
+    assert cli(["precision", "bisect", "qwen3-8b", "--dtype", "bfloat16"]) == 0
+    assert "nothing to bisect" in capsys.readouterr().out
+    assert cli(["precision", "check", "no-such-suite"]) == 2
+    assert "no such suite" in capsys.readouterr().err
