@@ -13,11 +13,11 @@ import os
 import platform
 from dataclasses import dataclass
 
-from harness.compare.issues import Group
+from harness.compare.issues import MARKER_MAX, Group
 from harness.compare.scrub import code_fence, scrub
 
 MAX_BODY = 65_536
-_BUDGET = MAX_BODY - 2_000  # room for the marker, the truncation note and the footer
+_BUDGET = MAX_BODY - MARKER_MAX - 2_000  # room for the marker, the truncation note and the footer
 _MAX_ROWS = 200
 _LOG_CHARS = 3_000
 

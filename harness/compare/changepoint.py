@@ -2,11 +2,12 @@
 
 A single slow run is noise; a shift that every one of the last ``min_bad`` runs shares is a change.
 The test looks for the split of the series (earliest run first, current run last) that best
-separates two levels (a two-sample t statistic of the means, the noise estimated robustly from
-the earlier segment), and accepts it only if
+separates two levels (least squares: the smallest sum of squared deviations from the two segment
+means), among the splits that satisfy
 
 1. at least ``min_before`` runs precede the split and at least ``min_bad`` follow it,
-2. the shift is large against the noise (``t >= min_t``) and past the relative ``threshold``,
+2. the shift is large against the noise (a two-sample t statistic ``>= min_t``, the noise estimated
+   robustly from the earlier segment) and past the relative ``threshold``,
 3. *every* run after the split is past the threshold on the same side of the earlier level.
 
 Rule 3 is what keeps one noisy run from ever opening an issue. The side decides: with the metric's
@@ -61,7 +62,7 @@ def detect(series: list[float], direction: str, threshold: float, min_bad: int =
             or is_better(max(earlier) if direction == "lower" else min(earlier), cur, direction,
                          threshold)):
         return None
-    best: ChangePoint | None = None
+    best: tuple[float, ChangePoint] | None = None
     for k in range(min_before, n - min_bad + 1):
         before, after = series[:k], series[k:]
         m0, m1 = fmean(before), fmean(after)
@@ -74,10 +75,10 @@ def detect(series: list[float], direction: str, threshold: float, min_bad: int =
         t = math.inf if scale == 0 else abs(m1 - m0) / scale
         if t < min_t:
             continue
-        cp = ChangePoint(k, m0, m1, rel_change(m0, m1), t, len(after), all(worse))
-        if best is None or cp.t > best.t or (cp.t == best.t and cp.index < best.index):
-            best = cp
-    return best
+        cost = sum((v - m0) ** 2 for v in before) + sum((v - m1) ** 2 for v in after)
+        if best is None or cost < best[0]:
+            best = (cost, ChangePoint(k, m0, m1, rel_change(m0, m1), t, len(after), all(worse)))
+    return best[1] if best else None
 
 
 def _noise(values: list[float]) -> float:

@@ -33,7 +33,7 @@ FILED_KINDS = ("failure", "error", "precision", "performance", "vanished")
 GROUP_BY = ("suite", "backend", "kind")
 _FP = re.compile(r"<!-- harness:fingerprint=([0-9a-f]+) -->")
 _STATE = re.compile(r"<!-- harness:state=([A-Za-z0-9+/=]*) -->")
-_MAX_ITEMS_IN_MARKER = 500
+MARKER_MAX = 17_000  # characters; the body renderer keeps this much room for the marker
 
 
 @dataclass
@@ -132,8 +132,13 @@ def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
 
 def marker(group: Group) -> str:
     items = group.items()
-    state = {"digest": hashlib.sha256("\n".join(items).encode()).hexdigest()[:16],
-             "items": items[:_MAX_ITEMS_IN_MARKER]}
+    kept, size = [], 0
+    for i in items:  # base64 grows text by 4/3: stay under MARKER_MAX once encoded
+        size += len(i) + 3
+        if size > (MARKER_MAX - 200) * 3 // 4:
+            break
+        kept.append(i)
+    state = {"digest": hashlib.sha256("\n".join(items).encode()).hexdigest()[:16], "items": kept}
     encoded = base64.b64encode(json.dumps(state, separators=(",", ":")).encode()).decode()
     return f"<!-- harness:fingerprint={group.fingerprint} -->\n<!-- harness:state={encoded} -->\n"
 

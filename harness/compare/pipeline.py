@@ -123,7 +123,8 @@ def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
                 streaks[fp] = history.clean_streak(fp) + (0 if record else 1)
         actions = plan(groups, status, existing, lambda g, reopened: body.render(g, ctx, reopened),
                        ctx.run_line(), known_closed, streaks, opts.close_after)
-        on_issue = (lambda fp, n, s: history.set_issue(fp, n, s)) if record else None
+        keep_numbers = record and getattr(sink, "persistent", True)
+        on_issue = (lambda fp, n, s: history.set_issue(fp, n, s)) if keep_numbers else None
         log = execute(actions, sink, opts.dry_run, out, on_issue)
     t["issues"] = time.perf_counter()
     if history is not None:

@@ -83,6 +83,8 @@ class FileSink:
 class StdoutSink:
     """Prints what it is asked to do; remembers nothing, so every bad group reads as new."""
 
+    persistent = False  # its issue numbers are made up: never record them in the history
+
     def __init__(self, out: TextIO | None = None):
         self.out = out or sys.stdout
         self.calls = 0

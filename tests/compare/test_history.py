@@ -1,0 +1,52 @@
+"""The SQLite history: round trip, pruning, clean streaks, issue numbers."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from harness.compare.history import History
+from harness.compare.junit import read_results
+
+from .junit_factory import item, write_junit
+
+
+def res(tmp_path, name, v, fail=""):
+    return read_results([write_junit(tmp_path / f"{name}.xml", [
+        item("s", "perf", metrics={"wall_time_s": v, "some_counter": 3.0}, fail=fail)])])
+
+
+def test_round_trip_prune_and_replace(tmp_path):
+    h = History(str(tmp_path / "h.sqlite"))
+    for i in range(5):
+        h.record(f"r{i}", res(tmp_path, f"r{i}", float(i)), {"fp": i % 2 == 0}, commit=f"c{i}", keep=3)
+    runs = h.runs()
+    assert [r.run_key for r in runs] == ["r2", "r3", "r4"] and runs[-1].commit == "c4"
+    series = h.metric_series([r.id for r in runs])
+    assert series == {("suites.s.toml::perf[cpu-float32]", "wall_time_s"): [2.0, 3.0, 4.0]}  # no direction, not kept
+    h.record("r4", res(tmp_path, "again", 9.0), {}, keep=3)  # the same run recorded twice replaces
+    assert [r.run_key for r in h.runs()] == ["r2", "r3", "r4"]
+    assert h.outcomes(h.runs()[-1].id) == {"suites.s.toml::perf[cpu-float32]": ("passed", "s", "cpu")}
+    assert h.runs(exclude_key="r4")[-1].run_key == "r3"
+
+
+def test_clean_streak_skips_runs_where_the_group_did_not_run(tmp_path):
+    h = History(str(tmp_path / "h.sqlite"))
+    r = res(tmp_path, "x", 1.0)
+    for key, groups in (("a", {"fp": True}), ("b", {"fp": False}), ("c", {}), ("d", {"fp": False})):
+        h.record(key, r, groups)
+    assert h.clean_streak("fp") == 2 and h.clean_streak("unknown") == 0
+    h.set_issue("fp", 12, "closed")
+    assert h.issues() == {"fp": (12, "closed")}
+
+
+def test_foreign_schema_is_refused_clearly(tmp_path):
+    path = tmp_path / "h.sqlite"
+    History(str(path)).close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value='99' WHERE key='schema'")
+    db.commit()
+    db.close()
+    with pytest.raises(ValueError, match="history schema 99"):
+        History(str(path))

@@ -1,0 +1,55 @@
+"""File and stdout sinks: no token needed; the file sink keeps state like GitHub would."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from harness.compare.pipeline import Options, run_compare
+from harness.compare.sinks import FileSink
+
+from .junit_factory import item, write_junit
+
+
+def run(tmp_path, items, n, sink="file", **kw):
+    cur = write_junit(tmp_path / f"cur{n}.xml", items)
+    base = write_junit(tmp_path / "base.xml", [item("s", "a"), item("s", "b")])
+    out = io.StringIO()
+    o = run_compare(Options(results=[cur], baseline=[base], history=str(tmp_path / "h.sqlite"), sink=sink,
+                            out_dir=str(tmp_path / "issues"), run_key=f"r{n}", **kw), out=out)
+    return o, out.getvalue()
+
+
+def test_file_sink_lifecycle_and_action_log(tmp_path, monkeypatch):
+    monkeypatch.delenv("GITHUB_TOKEN", raising=False)
+    bad = [item("s", "a", fail="x"), item("s", "b")]
+    good = [item("s", "a"), item("s", "b")]
+    for n, items in enumerate([bad, bad, bad, good, good, bad]):
+        run(tmp_path, items, n)
+    state = json.loads((tmp_path / "issues" / "issues.json").read_text())
+    assert list(state) == ["1"] and state["1"]["state"] == "open"
+    log = json.loads((tmp_path / "issues" / "actions.json").read_text())
+    assert [e["op"] for e in log] == ["create", "comment", "edit", "edit"]  # create, close (2), reopen
+    assert (tmp_path / "issues" / "issue-1.md").read_text().startswith("# [harness] failure regression: s on cpu")
+    assert FileSink(str(tmp_path / "issues")).list_issues("harness")[0].fingerprint
+
+
+def test_stdout_sink_prints_issue_and_dry_run_prints_plan(tmp_path):
+    bad = [item("s", "a", fail="x"), item("s", "b")]
+    o, printed = run(tmp_path, bad, 0, sink="stdout")
+    assert "=== new issue: [harness] failure regression: s on cpu" in printed and o.api_calls == 0
+    o, printed = run(tmp_path, bad, 1, sink="file", dry_run=True)
+    assert "[dry-run] would create issue" in printed and not (tmp_path / "issues" / "issues.json").exists()
+
+
+def test_group_by_dtype_splits_issues(tmp_path):
+    items = [item("s", "a", dtype="float32", fail="x"), item("s", "a", dtype="bfloat16", fail="y")]
+    base = write_junit(tmp_path / "b.xml", [item("s", "a", dtype="float32"), item("s", "a", dtype="bfloat16")])
+    cur = write_junit(tmp_path / "c.xml", items)
+    o = run_compare(Options(results=[cur], baseline=[base], history=None, sink="file",
+                            out_dir=str(tmp_path / "i"), group_by=("suite", "backend", "dtype", "kind")),
+                    out=io.StringIO())
+    assert sorted(a.title for a in o.actions) == [
+        "[harness] failure regression: s on cpu (bfloat16)", "[harness] failure regression: s on cpu (float32)"]
+    one = run_compare(Options(results=[cur], baseline=[base], history=None, sink="stdout"), out=io.StringIO())
+    assert len(one.actions) == 1  # default grouping: one issue, never one per test case
