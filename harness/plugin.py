@@ -57,9 +57,25 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     return None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A malformed suite errors in setup, where pytest would print a traceback: the loader's
+    # message (file: field: problem) is the whole story.
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, SuiteError):
+        report.longrepr = str(call.excinfo.value)
+    return report
+
+
 class SuiteFile(pytest.File):
     def collect(self):
-        ls = load_suite(self.path)  # SuiteError -> repr_failure below, no traceback
+        try:
+            ls = load_suite(self.path)
+        except SuiteError as e:
+            # One erroring item instead of a collection error: pytest would stop the whole session
+            # on a collection error, and the other suites' results (and JUnit XML) would be lost.
+            yield SuiteLoadItem.from_parent(self, name="load", error=e)
+            return
         opt = self.config.getoption
         want_b, want_d, want_c = (_split(opt("harness_backend")), _split(opt("harness_dtype")),
                                   _split(opt("harness_check")))
@@ -82,10 +98,23 @@ class SuiteFile(pytest.File):
                             self, name=f"{check.name}[{bname}-{dtype}{vid}]", suite=ls, check=check,
                             backend_name=bname, dtype=dtype, variant=variant)
 
-    def repr_failure(self, excinfo, style=None):
-        if isinstance(excinfo.value, SuiteError):
-            return str(excinfo.value)
-        return super().repr_failure(excinfo, style=style)
+
+
+class SuiteLoadItem(pytest.Item):
+    """Stands for a suite file that does not load: errors in setup with the loader's message."""
+
+    def __init__(self, *, error: SuiteError, **kw):
+        super().__init__(**kw)
+        self.error = error
+
+    def setup(self) -> None:
+        raise self.error
+
+    def runtest(self) -> None:  # never reached
+        raise self.error
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name}::load"
 
 
 class HarnessItem(pytest.Item):

@@ -1,0 +1,110 @@
+"""The smoke check on real pruned models, passing and with faults injected by the test."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from tests_support import REPO_SUITES, TINY_PRUNE
+
+from harness.checks import CheckFailure, run_one
+from harness.suite.loader import load_suite
+
+# Adapters the tests inject: each builds the real transformers model, then breaks one thing.
+FAULTS = '''
+import torch
+from harness.models.config import architecture_class
+
+
+def _real(config):
+    return architecture_class(config.architectures[0])(config)
+
+
+def nan_in_layer1(config, dtype, device):
+    model = _real(config)
+    model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: out * float("nan"))
+    return model
+
+
+def nondeterministic(config, dtype, device):
+    model = _real(config)
+    # unseeded noise: two identical runs can no longer agree
+    model.model.norm.register_forward_hook(lambda m, a, out: out + 1e-3 * torch.randn(out.shape, dtype=out.dtype))
+    return model
+
+
+def cache_breaks_generation(config, dtype, device):
+    model = _real(config)
+
+    def hook(m, args, kwargs, out):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] == 1:  # only the KV-cache path feeds one new position
+            out.logits[..., 0] += 1e4
+        return out
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    return model
+'''
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    (tmp_path / "harness_faults.py").write_text(FAULTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def tiny(write_suite, name="tiny", adapter="hf", extra=""):
+    return load_suite(write_suite(name, textwrap.dedent(f"""
+        [model]
+        config = "configs/Llama-3.1-8B.json"
+        adapter = "{adapter}"
+        """) + TINY_PRUNE + extra))
+
+
+def props(ctx):
+    return dict(ctx.properties)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smoke_passes_and_records_metrics(write_suite, dtype):
+    ctx = run_one(tiny(write_suite), "smoke", "cpu", dtype)
+    p = props(ctx)
+    assert float(p["metric.loss_final"]) < float(p["metric.loss_initial"])
+    assert float(p["metric.loss_drop"]) > 0
+    assert p["metric.logits_bitwise_equal"] == "1.0"
+    assert p["metric.generation_match"] == "1.0"
+    assert float(p["metric.parameters"]) > 0
+
+
+def test_moe_mla_suite_passes_smoke():
+    ctx = run_one(load_suite(REPO_SUITES / "deepseek-v3.toml"), "smoke", "cpu", "float32")
+    assert float(props(ctx)["metric.loss_drop"]) > 0
+
+
+def test_nan_at_one_layer_names_the_first_nonfinite_module(write_suite, faults):
+    ls = tiny(write_suite, "nan", "harness_faults:nan_in_layer1")
+    with pytest.raises(CheckFailure) as e:
+        run_one(ls, "smoke", "cpu", "float32")
+    assert "first non-finite module output: model.layers.1.mlp.down_proj" in str(e.value)
+    assert e.value.metric == "nonfinite_logits" and e.value.observed > 0
+
+
+def test_nondeterminism_is_caught_on_cpu(write_suite, faults):
+    ls = tiny(write_suite, "nd", "harness_faults:nondeterministic")
+    with pytest.raises(CheckFailure, match="two identical runs gave different logits on CPU") as e:
+        run_one(ls, "smoke", "cpu", "float32")
+    assert e.value.observed > 0
+
+
+def test_kv_cache_generation_mismatch_is_caught(write_suite, faults):
+    ls = tiny(write_suite, "kv", "harness_faults:cache_breaks_generation")
+    with pytest.raises(CheckFailure, match="generation with KV cache differs") as e:
+        run_one(ls, "smoke", "cpu", "float32")
+    assert e.value.metric == "generation_tie_gap"
+
+
+def test_loss_that_does_not_fall_fails(write_suite):
+    ls = tiny(write_suite, "lr", extra="[checks.smoke]\nlr = 1e-30\nsteps = 2\n")
+    with pytest.raises(CheckFailure, match="did not lower the loss") as e:
+        run_one(ls, "smoke", "cpu", "float32")
+    assert e.value.metric == "loss_final"

@@ -1,0 +1,38 @@
+"""Shared test setup: offline hub, the pytester fixture, and helpers to write suites in tmp dirs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "suites" / "configs"
+
+
+@pytest.fixture
+def suite_dir(tmp_path: Path) -> Path:
+    """tmp/suites with the real configs copied beside it, like the repository's layout."""
+    d = tmp_path / "suites"
+    shutil.copytree(CONFIGS, d / "configs")
+    return d
+
+
+@pytest.fixture
+def write_suite(suite_dir: Path):
+    """write_suite(name, body) -> path of suites/<name>.toml (body is dedented TOML)."""
+
+    def write(name: str, body: str) -> Path:
+        p = suite_dir / f"{name}.toml"
+        p.write_text(textwrap.dedent(body))
+        return p
+
+    return write

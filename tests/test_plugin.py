@@ -1,0 +1,129 @@
+"""The pytest plugin end to end: suite files -> items -> outcomes -> JUnit properties."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+from tests_support import REPO_SUITES, TINY_PRUNE
+
+TINY = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n' + TINY_PRUNE
+
+
+@pytest.fixture(scope="module")
+def warm_imports(tmp_path_factory):
+    """pytester's in-process runs drop every module they imported afterwards, which leaves
+    transformers' lazy modules half-initialised for the next run. Importing what a smoke run
+    needs here, once, keeps those modules in the outer process."""
+    from harness.checks import run_one
+    from harness.suite.loader import load_suite
+
+    d = tmp_path_factory.mktemp("warm") / "suites"
+    shutil.copytree(REPO_SUITES / "configs", d / "configs")
+    (d / "w.toml").write_text(TINY)
+    run_one(load_suite(d / "w.toml"), "smoke", "cpu", "float32")
+
+
+@pytest.fixture
+def project(pytester, warm_imports):
+    """pytester's directory laid out like the repository: suites/ with the real configs. Only the
+    smoke check is generated (other checks have their own tests)."""
+    shutil.copytree(REPO_SUITES / "configs", pytester.path / "suites" / "configs")
+    pytester.makeini("[pytest]\naddopts = --harness-check=smoke -p no:cacheprovider\n")
+    return pytester
+
+
+def write(pytester, name, body):
+    p = pytester.path / "suites" / f"{name}.toml"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def junit_cases(path):
+    root = ET.parse(path).getroot()
+    out = {}
+    for tc in root.iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
+        out[tc.get("name")] = (tc, props)
+    return out
+
+
+def test_items_ids_and_junit_properties(project):
+    write(project, "tiny", TINY)
+    r = project.runpytest("suites", "--harness-backend=cpu", "--junitxml=j.xml", "-v")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["*suites/tiny.toml::smoke?cpu-float32? PASSED*",
+                            "*suites/tiny.toml::smoke?cpu-bfloat16? PASSED*"])
+    cases = junit_cases(project.path / "j.xml")
+    tc, props = cases["smoke[cpu-float32]"]
+    assert tc.get("classname") == "suites.tiny.toml"
+    assert props["harness.suite"] == "tiny" and props["harness.check"] == "smoke"
+    assert props["harness.backend"] == "cpu" and props["harness.dtype"] == "float32"
+    assert float(props["metric.loss_final"]) < float(props["metric.loss_initial"])
+    assert float(props["metric.wall_time_s"]) > 0 and float(props["metric.peak_memory_bytes"]) > 0
+
+
+def test_uninstalled_backend_items_skip_with_reason(project):
+    write(project, "npu", 'backends = ["npu", "cpu"]\ndtypes = ["float32"]\n' + TINY)
+    r = project.runpytest("suites", "-rs", "--junitxml=j.xml")
+    r.assert_outcomes(passed=1, skipped=1)
+    r.stdout.fnmatch_lines(["*SKIPPED*backend npu: module 'torch_npu' not importable*"])
+
+
+def test_unregistered_backend_skips(project):
+    write(project, "x", 'backends = ["tpu9"]\ndtypes = ["float32"]\n' + TINY)
+    r = project.runpytest("suites", "-rs")
+    r.assert_outcomes(skipped=1)
+    r.stdout.fnmatch_lines(["*backend 'tpu9' is not registered*"])
+
+
+def test_custom_backend_declared_in_configuration_runs(project, monkeypatch):
+    (project.path / "harness_vendordev.py").write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(project.path))
+    (project.path / "harness.toml").write_text(textwrap.dedent("""
+        [[backends]]
+        name = "vendordev"
+        module = "harness_vendordev"
+        device_type = "cpu"
+        collective = "gloo"
+        dispatch_key = "CPU"
+    """))
+    monkeypatch.setenv("HARNESS_CONFIG", str(project.path / "harness.toml"))
+    write(project, "v", 'backends = ["vendordev"]\ndtypes = ["float32"]\n' + TINY)
+    r = project.runpytest("suites", "--junitxml=j.xml", "-v")
+    r.assert_outcomes(passed=1)
+    _, props = junit_cases(project.path / "j.xml")["smoke[vendordev-float32]"]
+    assert props["harness.backend"] == "vendordev"
+
+
+def test_malformed_suite_is_reported_and_the_rest_still_runs(project):
+    write(project, "good", 'dtypes = ["float32"]\nbackends = ["cpu"]\n' + TINY)
+    write(project, "broken", TINY.replace("num_hidden_layers = 2", "num_hidden_layers = 0"))
+    r = project.runpytest("suites", "--junitxml=j.xml")
+    r.assert_outcomes(passed=1, errors=1)
+    r.stdout.fnmatch_lines(["*suites/broken.toml: prune.num_hidden_layers: must be >= 1, got 0*"])
+    assert "Traceback" not in r.stdout.str()
+    assert (project.path / "j.xml").exists()
+
+
+def test_filters_and_dtype_override(project):
+    write(project, "tiny", TINY)
+    r = project.runpytest("suites", "--harness-dtype=float16", "--harness-backend=cpu",
+                          "--collect-only", "-q")
+    r.stdout.fnmatch_lines(["suites/tiny.toml::smoke[[]cpu-float16[]]", "1 test collected*"])
+
+
+def test_check_failure_report_shows_metric_expected_observed(project):
+    write(project, "flat", 'dtypes = ["float32"]\nbackends = ["cpu"]\n' + TINY + "[checks.smoke]\nlr = 1e-30\n")
+    r = project.runpytest("suites")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*smoke check failed for flat on cpu in float32: 3 optimizer steps*",
+                            "*metric:*loss_final*", "*expected:*< *(loss_initial)*", "*observed:*"])
+
+
+def test_non_suite_toml_files_are_ignored(project):
+    (project.path / "other.toml").write_text("[tool]\nx = 1\n")
+    r = project.runpytest(".", "--collect-only", "-q")
+    assert "other.toml" not in r.stdout.str()
