@@ -15,6 +15,8 @@ SUBCOMMANDS = [
     "harness.cli.run",
     "harness.cli.validate",
     "harness.cli.backends",
+    "harness.cli.inspect",
+    "harness.cli.init",
     "harness.cli.golden",
     "harness.cli.precision",
     "harness.cli.compare",

@@ -33,6 +33,7 @@ class FlopsReport:
     decode_flops_per_token: float
     attention_flops_per_context_token: float  # per token of context, all layers
     kv_cache_bytes_per_token: dict[str, int] = field(default_factory=dict)  # layout -> bytes
+    decode_flops_per_token_hf: float | None = None  # MLA as transformers runs it (re-expands the cache)
     kv_dtype_bytes: int = 2
     notes: list[str] = field(default_factory=list)
 
@@ -74,14 +75,14 @@ def compute_flops(cfg, params: ParamReport, prefill_len: int = 4096, decode_cont
         kv["decompressed per-head K and V (no absorption)"] = layers * heads * (d_qk + d_v) * kv_dtype_bytes
         extra_decode = 2.0 * layers * cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         notes.append("MLA: transformers re-expands the compressed cache through kv_b_proj over the whole "
-                     "context at every step; decode FLOPs include that (an absorbed-MLA engine does not pay it)")
+                     "context at every step; decode_flops_per_token_hf includes that, decode_flops_per_token "
+                     "does not (an absorbed-MLA engine does not pay it)")
     else:
         kv["k and v per kv head"] = layers * 2 * kv_heads * d_qk * kv_dtype_bytes
         if kv_heads != heads:
             notes.append(f"GQA: {heads} query heads share {kv_heads} KV heads ({heads // kv_heads}:1)")
     prefill = matmul + attn_per_ctx * (prefill_len + 1) / 2
-    if extra_decode:  # prefill expands the latent once per token as well
-        prefill += extra_decode
-    decode = matmul + attn_per_ctx * decode_context + extra_decode * decode_context
-    return FlopsReport(prefill_len, decode_context, matmul, prefill, decode, attn_per_ctx, kv, kv_dtype_bytes,
+    decode = matmul + attn_per_ctx * decode_context
+    hf = decode + extra_decode * decode_context if extra_decode else None
+    return FlopsReport(prefill_len, decode_context, matmul, prefill, decode, attn_per_ctx, kv, hf, kv_dtype_bytes,
                        notes)

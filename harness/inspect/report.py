@@ -1,0 +1,165 @@
+"""Run the whole inspection and render it: plain text for people, JSON for tools."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.inspect.coverage import FALLBACK, MISSING, UNKNOWN, Coverage, coverage
+from harness.inspect.flops import FlopsReport, compute_flops
+from harness.inspect.params import ParamReport, Target, count_parameters, meta_model
+from harness.inspect.trace import Inventory, trace_model
+
+
+@dataclass
+class InspectReport:
+    target: str
+    architecture: str
+    model_type: str
+    params: ParamReport
+    flops: FlopsReport
+    inventory: Inventory | None
+    coverages: list[Coverage] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "architecture": self.architecture, "model_type": self.model_type,
+                "params": self.params.to_dict(), "flops": self.flops.to_dict(),
+                "inventory": self.inventory.to_dict() if self.inventory else None,
+                "coverage": [c.to_dict() for c in self.coverages], "notes": self.notes, "timings": self.timings}
+
+
+def inspect(target: Target, *, backends: list[str] | None = None, trace: str = "full", batch: int = 1,
+            seq: int = 16, prefill_len: int = 4096, decode_context: int = 4096,
+            dtype: torch.dtype = torch.bfloat16) -> InspectReport:
+    """``trace``: ``full`` (unpruned model on meta), ``pruned`` (the suite's pruned model on meta) or
+    ``none``."""
+    t0 = time.perf_counter()
+    timings = {}
+    model, mc = meta_model(target, pruned=False, dtype=dtype)
+    timings["build_meta_s"] = time.perf_counter() - t0
+    params = count_parameters(model, mc)
+    flops = compute_flops(mc.config, params, prefill_len, decode_context)
+    timings["params_s"] = time.perf_counter() - t0 - timings["build_meta_s"]
+    inv = None
+    if trace != "none":
+        t = time.perf_counter()
+        if trace == "pruned":
+            if target.suite is None:
+                raise ValueError("--trace pruned needs a suite (a bare config.json has no pruning); use --trace full")
+            del model
+            model, _ = meta_model(target, pruned=True, dtype=dtype)
+        inv = trace_model(model, model.config.vocab_size, batch=batch, seq=seq,
+                          meta={"model": target.name, "dtype": str(dtype).replace("torch.", ""),
+                                "pruned": trace == "pruned"})
+        timings["trace_s"] = time.perf_counter() - t
+    del model
+    covs = []
+    if inv is not None:
+        gaps = target.suite.suite.known_gaps if target.suite is not None else {}
+        covs = [coverage(inv, b, gaps.get(b)) for b in backends or []]
+    timings = {k: round(v, 3) for k, v in timings.items()}
+    return InspectReport(target.name, mc.architecture, mc.model_type, params, flops, inv, covs, list(mc.notes),
+                         timings)
+
+
+# --- text -----------------------------------------------------------------------------------------
+def _n(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3f}{unit}"
+    return f"{x:.0f}"
+
+
+def _bytes(x: float) -> str:
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*map(str, r)) for r in rows]
+
+
+def coverage_text(cov: Coverage, max_modules: int = 4) -> list[str]:
+    lines = [f"Coverage on backend {cov.backend} (source: {cov.source})"]
+    counts = cov.counts()
+    lines.append("  " + ", ".join(f"{k}: {v}" for k, v in counts.items()))
+    miss = cov.by_status(MISSING)
+    if miss:
+        lines.append(f"  MISSING ({len(miss)}):")
+        for o in miss:
+            tag = " [known gap, tracked]" if o.known_gap else ""
+            mods = ", ".join(o.modules[:max_modules]) + (f" (+{len(o.modules) - max_modules})"
+                                                          if len(o.modules) > max_modules else "")
+            lines.append(f"    {o.op}{tag}: {o.how}; needed by {mods}")
+    for status in (UNKNOWN, FALLBACK):
+        items = cov.by_status(status)
+        if items:
+            lines.append(f"  {status} ({len(items)}): " + ", ".join(o.op for o in items))
+    lines += [f"  note: {n}" for n in cov.notes]
+    return lines
+
+
+def inventory_table(inv: Inventory, max_modules: int = 3) -> list[str]:
+    rows = []
+    for name in sorted(inv.ops, key=lambda k: (-inv.ops[k].count, k)):
+        r = inv.ops[name]
+        sig = r.signatures.most_common(1)[0][0] if r.signatures else ""
+        if len(sig) > 60:
+            sig = sig[:57] + "..."
+        mods = sorted(r.modules)
+        m = ", ".join(x.split(" [")[0] for x in mods[:max_modules]) + (f" (+{len(mods) - max_modules})"
+                                                                      if len(mods) > max_modules else "")
+        rows.append([name, r.count, r.forward, r.backward, ",".join(sorted(r.dtypes)), sig, m])
+    return _table(rows, ["op", "calls", "fwd", "bwd", "dtypes", "most common inputs", "modules"])
+
+
+def render_text(rep: InspectReport, show_inventory: bool = True) -> str:
+    p, f = rep.params, rep.flops
+    out: list[str] = [f"== {rep.target}: {rep.architecture} (model_type {rep.model_type or '?'}) =="]
+    for cov in rep.coverages:  # what is missing leads
+        out += coverage_text(cov) + [""]
+    out += [f"note: {n}" for n in rep.notes + p.notes + f.notes]
+    out += ["", "Parameters (unpruned, meta device; buffers excluded)",
+            f"  total                     {_n(p.total):>10}   ({p.total:,})",
+            f"  activated per token       {_n(p.activated):>10}   excl. input embedding, incl. lm_head "
+            "(DeepSeek/Moonshot convention)",
+            f"  activated incl. embedding {_n(p.activated_with_embedding):>10}   (Qwen/Mistral convention)",
+            f"  non-embedding             {_n(p.non_embedding):>10}   (excl. embedding and lm_head)",
+            f"  layers {p.num_layers}, routed experts {p.num_experts or '-'}, top-k {p.experts_per_token or '-'}"
+            f"{', tied embeddings' if p.tied_embeddings else ''}", ""]
+    out += ["  " + line for line in _table(
+        [[k, _n(v), _n(p.activated_by_kind.get(k, 0)), f"{100 * v / p.total:.1f}%"] for k, v in p.by_kind.items()],
+        ["module kind", "params", "activated", "share"])]
+    out += ["", "Checkpoint bytes"]
+    for scen, parts in p.bytes.items():
+        out.append(f"  {scen}: {_bytes(parts['total'])}")
+        if len(parts) > 2:
+            out += [f"    {k}: {_bytes(v)}" for k, v in parts.items() if k != "total"]
+    out += ["", f"FLOPs per token (multiply-add = 2): matmuls {_n(f.matmul_flops_per_token)}, "
+            f"prefill ({f.prefill_len} tokens) {_n(f.prefill_flops_per_token)}, "
+            f"decode (context {f.decode_context}) {_n(f.decode_flops_per_token)}"
+            + (f" (as transformers runs MLA: {_n(f.decode_flops_per_token_hf)})" if f.decode_flops_per_token_hf else ""),
+            f"KV cache per token ({f.kv_dtype_bytes}-byte elements):"]
+    out += [f"  {k}: {_bytes(v)}" for k, v in f.kv_cache_bytes_per_token.items()]
+    if rep.inventory is not None:
+        m = rep.inventory.meta
+        out += ["", f"Operator inventory: {len(rep.inventory.ops)} aten overloads, "
+                f"{sum(r.count for r in rep.inventory.ops.values())} calls; one forward + backward of the "
+                f"{'pruned' if m.get('pruned') else 'full'} model on {m.get('device')} in {m.get('dtype')}, "
+                f"batch {m.get('batch')} x {m.get('seq')} tokens"]
+        if show_inventory:
+            out += ["  " + line for line in inventory_table(rep.inventory)]
+    out += ["", "timings: " + ", ".join(f"{k} {v}" for k, v in rep.timings.items())]
+    return "\n".join(out)
+
+
+def missing_summary(covs: list[Coverage]) -> list[str]:
+    return [f"{c.backend}: {o.op}" for c in covs for o in c.missing(include_known=False)]
