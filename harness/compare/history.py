@@ -1,8 +1,14 @@
 """The history of earlier runs: one SQLite file that CI carries between runs (cache or artifact).
 
-What is kept, per run: every test's outcome, every metric that has a direction, and whether each
-issue group was bad. Plus, across runs, which GitHub issue number belongs to which group
-fingerprint, so a closed issue can be reopened without searching GitHub for it.
+Kept per run: every test's outcome and every metric that has a direction, whether each issue
+group was bad, and (across runs) which GitHub issue number belongs to which group fingerprint, so
+a closed issue can be reopened without searching GitHub for it.
+
+Layout, chosen for 100,000-test runs: tests are numbered once (``tests``), and a run stores one
+array per column -- outcomes as bytes, each metric as float64 -- indexed by test number. Writing a
+run is a handful of rows, and reading 30 runs of a metric is 30 array loads instead of millions of
+rows. A parsed baseline is cached the same way (``kind='baseline'``, keyed by a digest of its
+files), so the same baseline XML is parsed once, not on every run.
 
 Losing the file is safe: classification falls back to the baseline alone, regressions need two
 more runs to confirm, and a recurrence opens a new issue instead of reopening the old one.
@@ -10,28 +16,30 @@ more runs to confirm, and a recurrence opens a new issue instead of reopening th
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
-from harness.compare.junit import Results
+import numpy as np
+
+from harness.compare.junit import Case, Results
 from harness.metrics import direction
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS runs(id INTEGER PRIMARY KEY, run_key TEXT UNIQUE, commit_sha TEXT,
-                                created REAL, url TEXT, machine TEXT);
+                                created REAL, url TEXT, machine TEXT, kind TEXT, inputs TEXT);
 CREATE TABLE IF NOT EXISTS tests(id INTEGER PRIMARY KEY, key TEXT UNIQUE, suite TEXT, backend TEXT);
-CREATE TABLE IF NOT EXISTS outcomes(run_id INT, test_id INT, outcome TEXT,
-                                    PRIMARY KEY(run_id, test_id)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS metrics(run_id INT, test_id INT, name TEXT, value REAL,
-                                   PRIMARY KEY(run_id, test_id, name)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS outcomes(run_id INTEGER PRIMARY KEY, codes BLOB);
+CREATE TABLE IF NOT EXISTS metrics(run_id INT, name TEXT, vals BLOB, PRIMARY KEY(run_id, name));
 CREATE TABLE IF NOT EXISTS groups(run_id INT, fingerprint TEXT, bad INT,
                                   PRIMARY KEY(run_id, fingerprint)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS issues(fingerprint TEXT PRIMARY KEY, number INT, state TEXT);
 """
+_CODES = ["", "passed", "failed", "error", "skipped"]  # 0: the test was not in the run
+_CODE = {o: i for i, o in enumerate(_CODES)}
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,21 @@ class RunInfo:
     url: str
 
 
+class SeriesView:
+    """``(test key, metric) -> values`` of earlier runs, oldest first, built column by column
+    on demand from the per-run arrays (most tests are never asked for)."""
+
+    def __init__(self, ids: dict[str, int], matrices: dict[str, np.ndarray]):
+        self._ids, self._m = ids, matrices
+
+    def get(self, key: tuple[str, str], default=()):
+        test, name = key
+        m, i = self._m.get(name), self._ids.get(test)
+        if m is None or i is None or i >= m.shape[1]:
+            return list(default)
+        return [v for v in m[:, i].tolist() if not math.isnan(v)]
+
+
 class History:
     def __init__(self, path: str):
         self.path = path
@@ -52,38 +75,48 @@ class History:
         if row is None:
             self.db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
         elif row[0] != SCHEMA_VERSION:
-            raise ValueError(f"{path}: history schema {row[0]}, this harness reads {SCHEMA_VERSION}")
+            raise ValueError(f"{path}: history schema {row[0]}, this harness reads {SCHEMA_VERSION}; "
+                             "start a new history file")
         self.db.commit()
+        self._ids: dict[str, int] | None = None
 
     def close(self) -> None:
         self.db.close()
 
+    def _test_ids(self) -> dict[str, int]:
+        if self._ids is None:
+            self._ids = dict(self.db.execute("SELECT key, id FROM tests"))
+        return self._ids
+
     # ---- reading -------------------------------------------------------------------------------
     def runs(self, limit: int = 30, exclude_key: str | None = None) -> list[RunInfo]:
-        """The latest ``limit`` runs, oldest first."""
+        """The latest ``limit`` runs, oldest first (cached baselines are not runs)."""
         rows = self.db.execute(
-            "SELECT id, run_key, commit_sha, created, url FROM runs WHERE run_key IS NOT ? "
-            "ORDER BY id DESC LIMIT ?", (exclude_key, limit)).fetchall()
+            "SELECT id, run_key, commit_sha, created, url FROM runs WHERE kind = 'run' "
+            "AND run_key IS NOT ? ORDER BY id DESC LIMIT ?", (exclude_key, limit)).fetchall()
         return [RunInfo(*r) for r in reversed(rows)]
 
     def outcomes(self, run_id: int) -> dict[str, tuple[str, str, str]]:
         """``test key -> (outcome, suite, backend)`` of one run."""
-        return {k: (o, s, b) for k, o, s, b in self.db.execute(
-            "SELECT t.key, o.outcome, t.suite, t.backend FROM outcomes o JOIN tests t "
-            "ON t.id = o.test_id WHERE o.run_id = ?", (run_id,))}
+        row = self.db.execute("SELECT codes FROM outcomes WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            return {}
+        codes = np.frombuffer(row[0], dtype=np.uint8)
+        present = set(np.nonzero(codes)[0].tolist())
+        return {k: (_CODES[codes[i]], s, b) for i, k, s, b in
+                self.db.execute("SELECT id, key, suite, backend FROM tests") if i in present}
 
-    def metric_series(self, run_ids: list[int]) -> dict[tuple[str, str], list[float]]:
-        """``(test key, metric) -> values``, oldest first, over the given runs (missing skipped)."""
-        series: dict[tuple[str, str], list[float]] = defaultdict(list)
-        if not run_ids:
-            return series
-        keys = dict(self.db.execute("SELECT id, key FROM tests"))
-        marks = ",".join("?" * len(run_ids))
-        for _run, test_id, name, value in self.db.execute(
-                f"SELECT run_id, test_id, name, value FROM metrics WHERE run_id IN ({marks}) "
-                "ORDER BY run_id", run_ids):
-            series[(keys[test_id], name)].append(value)
-        return series
+    def metric_series(self, run_ids: list[int]) -> SeriesView:
+        width = max(self._test_ids().values(), default=0) + 1
+        columns: dict[str, list[np.ndarray]] = {}
+        for rank, run_id in enumerate(run_ids):
+            for name, blob in self.db.execute("SELECT name, vals FROM metrics WHERE run_id = ?", (run_id,)):
+                rows = columns.setdefault(name, [np.full(width, np.nan)] * len(run_ids))
+                v = np.frombuffer(blob, dtype=np.float64)
+                row = np.full(width, np.nan)
+                row[: len(v)] = v
+                rows[rank] = row
+        return SeriesView(self._test_ids(), {n: np.vstack(rows) for n, rows in columns.items()})
 
     def clean_streak(self, fingerprint: str) -> int:
         """How many of the latest recorded runs in a row had this group clean (runs in which the
@@ -100,30 +133,64 @@ class History:
         """``fingerprint -> (issue number, state)`` as last seen or set by harness."""
         return {fp: (n, s) for fp, n, s in self.db.execute("SELECT fingerprint, number, state FROM issues")}
 
+    def cached_baseline(self, inputs: str) -> Results | None:
+        """A baseline parsed before from files with this digest, or None."""
+        row = self.db.execute("SELECT id FROM runs WHERE kind = 'baseline' AND inputs = ?",
+                              (inputs,)).fetchone()
+        if row is None:
+            return None
+        codes = np.frombuffer(self.db.execute("SELECT codes FROM outcomes WHERE run_id = ?",
+                                              (row[0],)).fetchone()[0], dtype=np.uint8)
+        metrics = {name: np.frombuffer(blob, dtype=np.float64) for name, blob in self.db.execute(
+            "SELECT name, vals FROM metrics WHERE run_id = ?", (row[0],))}
+        res = Results(files=[f"(cached baseline {inputs[:12]})"])
+        for i, key, suite, backend in self.db.execute("SELECT id, key, suite, backend FROM tests"):
+            if i >= len(codes) or not codes[i]:
+                continue
+            vals = {n: float(v[i]) for n, v in metrics.items() if i < len(v) and not math.isnan(v[i])}
+            classname, _, name = key.partition("::")
+            res.cases[key] = Case(key, name, classname, _CODES[codes[i]], suite, "", backend, "", "", "",
+                                  vals, {}, {})
+        return res
+
     # ---- writing -------------------------------------------------------------------------------
     def record(self, run_key: str, results: Results, groups: dict[str, bool], commit: str = "",
-               url: str = "", machine: str = "", keep: int = 60) -> int:
+               url: str = "", machine: str = "", keep: int = 60, kind: str = "run",
+               inputs: str = "") -> int:
         """Store one run (replacing an earlier record under the same key) and prune to ``keep``."""
         db = self.db
         old = db.execute("SELECT id FROM runs WHERE run_key = ?", (run_key,)).fetchone()
         if old:
             self._delete_runs([old[0]])
-        run_id = db.execute("INSERT INTO runs(run_key, commit_sha, created, url, machine) "
-                            "VALUES(?,?,?,?,?)", (run_key, commit, time.time(), url, machine)).lastrowid
-        db.executemany("INSERT OR IGNORE INTO tests(key, suite, backend) VALUES(?,?,?)",
-                       ((k, c.suite, c.backend) for k, c in results.cases.items()))
-        ids = dict(db.execute("SELECT key, id FROM tests"))
-        db.executemany("INSERT INTO outcomes VALUES(?,?,?)",
-                       ((run_id, ids[k], c.outcome) for k, c in results.cases.items()))
+        run_id = db.execute("INSERT INTO runs(run_key, commit_sha, created, url, machine, kind, inputs) "
+                            "VALUES(?,?,?,?,?,?,?)",
+                            (run_key, commit, time.time(), url, machine, kind, inputs)).lastrowid
+        ids = self._test_ids()
+        new = [(k, c.suite, c.backend) for k, c in results.cases.items() if k not in ids]
+        db.executemany("INSERT INTO tests(key, suite, backend) VALUES(?,?,?)", new)
+        if new:
+            self._ids = None
+            ids = self._test_ids()
+        width = max(ids.values(), default=0) + 1
+        codes = np.zeros(width, dtype=np.uint8)
+        columns: dict[str, np.ndarray] = {}
         wanted: dict[str, bool] = {}
-        db.executemany("INSERT INTO metrics VALUES(?,?,?,?)", (
-            (run_id, ids[k], name, value)
-            for k, c in results.cases.items() for name, value in c.metrics.items()
-            if wanted.setdefault(name, direction(name) != "none")))
+        for k, c in results.cases.items():
+            i = ids[k]
+            codes[i] = _CODE.get(c.outcome, 0)
+            for name, value in c.metrics.items():
+                if wanted.setdefault(name, direction(name) != "none"):
+                    col = columns.get(name)
+                    if col is None:
+                        col = columns[name] = np.full(width, np.nan)
+                    col[i] = value
+        db.execute("INSERT INTO outcomes VALUES(?,?)", (run_id, codes.tobytes()))
+        db.executemany("INSERT INTO metrics VALUES(?,?,?)",
+                       ((run_id, n, col.tobytes()) for n, col in columns.items()))
         db.executemany("INSERT INTO groups VALUES(?,?,?)",
                        ((run_id, fp, int(bad)) for fp, bad in groups.items()))
-        stale = [r for (r,) in db.execute("SELECT id FROM runs ORDER BY id DESC LIMIT -1 OFFSET ?",
-                                          (keep,))]
+        stale = [r for (r,) in db.execute("SELECT id FROM runs WHERE kind = ? ORDER BY id DESC "
+                                          "LIMIT -1 OFFSET ?", (kind, keep))]
         self._delete_runs(stale)
         db.commit()
         return run_id

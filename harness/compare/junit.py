@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import hashlib
 import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -75,6 +76,18 @@ def expand(paths: list[str]) -> list[str]:
         else:
             out.append(p)
     return out
+
+
+def digest(paths: list[str]) -> str:
+    """Content digest of the files behind ``paths`` (order does not matter); '' if any is missing."""
+    parts = []
+    for path in expand(paths):
+        try:
+            with open(path, "rb") as f:
+                parts.append(hashlib.file_digest(f, "sha256").hexdigest())
+        except OSError:
+            return ""
+    return hashlib.sha256("".join(sorted(parts)).encode()).hexdigest() if parts else ""
 
 
 def read_results(paths: list[str], expect_shards: int | None = None) -> Results:

@@ -16,7 +16,7 @@ from harness.compare import body, mutes
 from harness.compare.classify import Classification, Config, classify
 from harness.compare.history import History
 from harness.compare.issues import FILED_KINDS, GROUP_BY, LABEL, Action, build_groups, plan
-from harness.compare.junit import Results, read_results
+from harness.compare.junit import Results, digest, read_results
 from harness.compare.sinks import FileSink, StdoutSink, execute
 
 
@@ -77,14 +77,29 @@ def make_sink(opts: Options, out: TextIO):
     return StdoutSink(out)
 
 
+def _baseline(opts: Options, history: History | None) -> Results | None:
+    """The baseline's XML, parsed -- or the copy cached in the history the last time these very
+    files were the baseline (a PR pipeline compares against the same main results many times)."""
+    if not opts.baseline:
+        return None
+    key = digest(opts.baseline) if history is not None else ""
+    cached = history.cached_baseline(key) if key else None
+    if cached is not None:
+        return cached
+    baseline = read_results(opts.baseline)
+    if key and not baseline.problems and baseline.cases and not opts.dry_run:
+        history.record(f"baseline-{key[:16]}", baseline, {}, kind="baseline", inputs=key, keep=2)
+    return baseline
+
+
 def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
     out = out or sys.stdout
     t = {"start": time.perf_counter()}
     current = read_results(opts.results, opts.expect_shards)
-    baseline = read_results(opts.baseline) if opts.baseline else None
+    history = History(opts.history) if opts.history else None
+    baseline = _baseline(opts, history)
     problems = list(current.problems) + [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
     t["read"] = time.perf_counter()
-    history = History(opts.history) if opts.history else None
     run_key = opts.run_key or default_run_key()
     cls = classify(current, baseline, history, opts.config, run_key)
     active, mute_notes = mutes.load(opts.mute_file)

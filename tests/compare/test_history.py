@@ -24,7 +24,9 @@ def test_round_trip_prune_and_replace(tmp_path):
     runs = h.runs()
     assert [r.run_key for r in runs] == ["r2", "r3", "r4"] and runs[-1].commit == "c4"
     series = h.metric_series([r.id for r in runs])
-    assert series == {("suites.s.toml::perf[cpu-float32]", "wall_time_s"): [2.0, 3.0, 4.0]}  # no direction, not kept
+    assert series.get(("suites.s.toml::perf[cpu-float32]", "wall_time_s")) == [2.0, 3.0, 4.0]
+    assert series.get(("suites.s.toml::perf[cpu-float32]", "some_counter")) == []  # no direction: not kept
+    assert series.get(("nope", "wall_time_s")) == []
     h.record("r4", res(tmp_path, "again", 9.0), {}, keep=3)  # the same run recorded twice replaces
     assert [r.run_key for r in h.runs()] == ["r2", "r3", "r4"]
     assert h.outcomes(h.runs()[-1].id) == {"suites.s.toml::perf[cpu-float32]": ("passed", "s", "cpu")}
@@ -50,3 +52,17 @@ def test_foreign_schema_is_refused_clearly(tmp_path):
     db.close()
     with pytest.raises(ValueError, match="history schema 99"):
         History(str(path))
+
+
+def test_baseline_cache_round_trip_and_not_a_run(tmp_path):
+    h = History(str(tmp_path / "h.sqlite"))
+    base = read_results([write_junit(tmp_path / "b.xml", [
+        item("s", "a", metrics={"wall_time_s": 1.5}), item("s", "b", fail="x", backend="npu")])])
+    assert h.cached_baseline("d1") is None
+    h.record("baseline-d1", base, {}, kind="baseline", inputs="d1", keep=2)
+    assert h.runs() == []  # a cached baseline is not part of the run history
+    cached = h.cached_baseline("d1")
+    assert {k: (c.outcome, c.suite, c.backend, c.metrics) for k, c in cached.cases.items()} == {
+        "suites.s.toml::a[cpu-float32]": ("passed", "s", "cpu", {"wall_time_s": 1.5}),
+        "suites.s.toml::b[npu-float32]": ("failed", "s", "npu", {})}
+    assert cached.cases["suites.s.toml::a[cpu-float32]"].name == "a[cpu-float32]"

@@ -13,9 +13,11 @@ from .junit_factory import item, write_junit
 
 def run(tmp_path, items, n, sink="file", **kw):
     cur = write_junit(tmp_path / f"cur{n}.xml", items)
-    base = write_junit(tmp_path / "base.xml", [item("s", "a"), item("s", "b")])
+    base = tmp_path / "base.xml"
+    if not base.exists():
+        write_junit(base, [item("s", "a"), item("s", "b")])
     out = io.StringIO()
-    o = run_compare(Options(results=[cur], baseline=[base], history=str(tmp_path / "h.sqlite"), sink=sink,
+    o = run_compare(Options(results=[cur], baseline=[str(base)], history=str(tmp_path / "h.sqlite"), sink=sink,
                             out_dir=str(tmp_path / "issues"), run_key=f"r{n}", **kw), out=out)
     return o, out.getvalue()
 
@@ -53,3 +55,16 @@ def test_group_by_dtype_splits_issues(tmp_path):
         "[harness] failure regression: s on cpu (bfloat16)", "[harness] failure regression: s on cpu (float32)"]
     one = run_compare(Options(results=[cur], baseline=[base], history=None, sink="stdout"), out=io.StringIO())
     assert len(one.actions) == 1  # default grouping: one issue, never one per test case
+
+
+def test_baseline_is_parsed_once_then_cached_in_the_history(tmp_path):
+    bad = [item("s", "a", fail="x"), item("s", "b")]
+    first, _ = run(tmp_path, bad, 0)
+    second, _ = run(tmp_path, bad, 1)
+    assert first.baseline.files[0].endswith("base.xml")
+    assert second.baseline.files[0].startswith("(cached baseline")
+    assert [(f.category, f.key) for f in second.classification.findings] == \
+        [("still_failing", "suites.s.toml::a[cpu-float32]")]
+    (tmp_path / "base.xml").write_text((tmp_path / "base.xml").read_text().replace('name="b[', 'name="c['))
+    third, _ = run(tmp_path, bad, 2)  # new content, new digest: parsed again
+    assert third.baseline.files[0].endswith("base.xml")
