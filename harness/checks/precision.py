@@ -201,8 +201,9 @@ class QuantizationCheck:
 
         model, _ = build_model(ls, "float32", "cpu", seed=ls.suite.checks.precision.seed)
         n = quantize_weights(model, scheme, q.block_size)
-        model = model.to(ctx.device, getattr(torch, q.compute_dtype)).eval()
-        ctx.notes.append(f"{scheme} weights ({n} tensors, quantize-dequantize), activations in {q.compute_dtype}")
+        act = q.compute_dtype or ctx.dtype
+        model = model.to(ctx.device, getattr(torch, act)).eval()
+        ctx.notes.append(f"{scheme} weights ({n} tensors, quantize-dequantize), activations in {act}")
         from harness.golden.capture import forward_logits
 
         with torch.no_grad():

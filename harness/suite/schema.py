@@ -132,10 +132,11 @@ class QuantizationBudget(_Strict):
         "auto", description="'auto': fp8 when config.json declares an fp8 quantization_config; "
         "'fp8' (e4m3, block scales) or 'int8' (per-channel) forces it; 'none' disables the check.")
     block_size: list[int] = Field(default_factory=lambda: [128, 128], description="FP8 weight block (rows, cols).")
-    compute_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="Dtype activations run in.")
-    rel_rmse: float = Field(0.25, ge=0, description="Budget: max relative RMSE of the logits vs the golden.")
-    min_cosine: float = Field(0.97, le=1, description="Budget: min cosine similarity of the logits.")
-    min_top1_agreement: float = Field(0.7, ge=0, le=1, description="Budget: min share of positions whose "
+    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="Dtype activations run in (unset: the item's dtype).")
+    rel_rmse: float = Field(0.08, ge=0, description="Budget: max relative RMSE of the logits vs the golden.")
+    min_cosine: float = Field(0.995, le=1, description="Budget: min cosine similarity of the logits.")
+    min_top1_agreement: float = Field(0.8, ge=0, le=1, description="Budget: min share of positions whose "
                                       "argmax token equals the golden's.")
 
 
@@ -159,6 +160,14 @@ class PrecisionCheck(_Strict):
                                                "generation overrides; the most specific match wins, field by field.")
     quantization: QuantizationBudget = Field(default_factory=QuantizationBudget,
                                              description="Quantized-weights error budget.")
+
+    @field_validator("tolerances")
+    @classmethod
+    def _dtype_keys(cls, v: dict) -> dict:
+        bad = [k for k in v if k not in DTYPES]
+        if bad:
+            raise ValueError(f"keys must be dtypes {DTYPES}, got {bad}")
+        return v
 
 
 class OpsCheck(_Strict):
