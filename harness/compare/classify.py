@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 
 from harness.compare import changepoint as cpt
 from harness.compare.history import History
@@ -50,6 +50,8 @@ class Config:
     collected: set[str] | None = None  # test ids the suites still define, when known
 
     def threshold_for(self, suite: str, metric: str) -> float:
+        if not self.thresholds:
+            return self.threshold
         return self.thresholds.get(f"{suite}:{metric}", self.thresholds.get(metric, self.threshold))
 
 
@@ -150,7 +152,7 @@ def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: 
 def _metric_findings(out: Classification, case: Case, base: Case | None,
                      series: dict[tuple[str, str], list[float]], config: Config) -> None:
     for name, value in case.metrics.items():
-        d = direction(name)
+        d = _direction(name)
         if d == "none" or math.isnan(value):
             continue
         earlier = series.get((case.key, name), [])
@@ -191,6 +193,11 @@ def _metric_findings(out: Classification, case: Case, base: Case | None,
             add("metric_regression" if cp.regression else "improvement",
                 "performance" if cp.regression else "improvement", cp.before, cp.runs_after,
                 f"{sign}{thr:.0%}", note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})")
+
+
+@lru_cache(maxsize=1024)
+def _direction(name: str) -> str:
+    return direction(name)
 
 
 def _drifted(v: float, base: float, direction: str, limit: float) -> bool:

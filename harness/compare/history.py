@@ -140,14 +140,17 @@ class History:
         if row is None:
             return None
         codes = np.frombuffer(self.db.execute("SELECT codes FROM outcomes WHERE run_id = ?",
-                                              (row[0],)).fetchone()[0], dtype=np.uint8)
-        metrics = {name: np.frombuffer(blob, dtype=np.float64) for name, blob in self.db.execute(
+                                              (row[0],)).fetchone()[0], dtype=np.uint8).tolist()
+        metrics = {name: np.frombuffer(blob, dtype=np.float64).tolist() for name, blob in self.db.execute(
             "SELECT name, vals FROM metrics WHERE run_id = ?", (row[0],))}
         res = Results(files=[f"(cached baseline {inputs[:12]})"])
         for i, key, suite, backend in self.db.execute("SELECT id, key, suite, backend FROM tests"):
             if i >= len(codes) or not codes[i]:
                 continue
-            vals = {n: float(v[i]) for n, v in metrics.items() if i < len(v) and not math.isnan(v[i])}
+            vals = {}
+            for n, v in metrics.items():
+                if i < len(v) and v[i] == v[i]:  # NaN: the test had no such metric
+                    vals[n] = v[i]
             classname, _, name = key.partition("::")
             res.cases[key] = Case(key, name, classname, _CODES[codes[i]], suite, "", backend, "", "", "",
                                   vals, {}, {})
