@@ -9,13 +9,48 @@ def register(sub) -> None:
     p = sub.add_parser("validate", help="validate suite files (schema, config, model build)")
     p.add_argument("suites", nargs="*", help="suite names or paths; default: every suite")
     p.add_argument("--no-build", action="store_true", help="skip resolving the transformers config")
+    p.add_argument("--schema", action="store_true",
+                   help="print every suite key with type, default and description (markdown) and exit")
     p.set_defaults(func=main)
+
+
+def schema_markdown() -> str:
+    """Every suite key, from the pydantic schema itself, so the reference cannot drift."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    from harness.suite.schema import Suite
+
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            key = f"{prefix}{name}"
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                rows.append(f"| `[{key}]` | table | | {f.description or ''} |")
+                walk(ann, key + ".")
+                continue
+            if f.default is not PydanticUndefined:
+                default = f"`{f.default!r}`"
+            elif f.default_factory is not None:
+                default = f"`{f.default_factory()!r}`"
+            else:
+                default = "required"
+            typ = (getattr(ann, "__name__", None) or str(ann).replace("typing.", "")).replace(" | ", " or ")
+            rows.append(f"| `{key}` | `{typ}` | {default} | {(f.description or '').replace('|', '/')} |")
+
+    walk(Suite, "")
+    return "\n".join(rows)
 
 
 def main(args) -> int:
     from harness.models.build import model_config
     from harness.suite.loader import SuiteError, discover, load_suite, resolve_names
 
+    if args.schema:
+        print(schema_markdown())
+        return 0
     settings = load_settings()
     try:
         paths = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)

@@ -2,8 +2,8 @@
 
 A suite names a real Hugging Face ``config.json`` and says how to prune it, which checks to run
 with which settings, on which backends and dtypes. Every key is declared here with its type,
-default and description (the ``description`` doubles as documentation: ``docs/suites.md`` is
-generated from it by ``harness validate --schema``).
+default and description (the ``description`` doubles as documentation: ``harness validate
+--schema`` prints the full reference as a markdown table, see docs/suites.md).
 
 Later checks add their own section under ``[checks]`` by adding a field to ``Checks``.
 """
@@ -32,7 +32,8 @@ class ModelSection(_Strict):
         "hf", description="'hf' builds with transformers; 'package.module:callable' calls a vendor's "
         "own builder as callable(config, dtype=..., device=...) -> torch.nn.Module.")
     trust_remote_code: bool = Field(
-        False, description="Allow code shipped beside the config (auto_map). Off unless the suite says so.")
+        False, description="Keep the config's auto_map (code shipped beside config.json) instead of dropping it. "
+        "harness never imports remote code itself; off unless the suite says so.")
     architecture: str | None = Field(
         None, description="Override config.json's architectures[0] (class name in transformers).")
 
