@@ -232,6 +232,11 @@ def load_golden_dir(path: Path) -> Golden:
 def load_golden(ls, root: str | Path | None = None) -> Golden:
     """The suite's golden, verified, and checked to come from this suite's config and input spec."""
     path = golden_dir(ls.name, root)
+    if not path.exists() and root is None and not path.is_absolute():
+        # run from elsewhere: the golden dir beside the suites dir (<repo>/suites -> <repo>/golden)
+        beside = ls.path.parent.parent / path
+        if beside.exists():
+            path = beside
     g = load_golden_dir(path)
     mf = _display(path / "manifest.json")
     if g.manifest.get("config_hash") != config_hash(ls):
