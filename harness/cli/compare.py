@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rich.console import Console
+from rich.markdown import Markdown
+
 from harness.compare.classify import Config
 from harness.compare.issues import FILED_KINDS, GROUP_BY
 from harness.compare.pipeline import Options, run_compare
@@ -102,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
     text = summary_markdown(outcome)
     for p in outcome.problems:
         print(f"harness compare: {p}", file=sys.stderr)
-    print(text)
+    # rich renders the summary's tables for the terminal (plain text in CI logs)
+    Console(width=None if sys.stdout.isatty() else 160).print(Markdown(text))
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as f:
             f.write(text)

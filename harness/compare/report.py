@@ -52,8 +52,12 @@ def summary_markdown(outcome) -> str:
     if outcome.problems:
         lines += ["### Input problems (this report is partial)", ""]
         lines += [f"- {scrub(p)}" for p in outcome.problems] + [""]
-    lines += ["| " + " | ".join(c.replace("_", " ") for c in _ORDER) + " |",
-              "|" + "---|" * len(_ORDER), "| " + " | ".join(str(counts.get(c, 0)) for c in _ORDER) + " |", ""]
+    nonzero = [c for c in _ORDER if counts.get(c)]
+    if nonzero:
+        lines += ["| category | count |", "|---|---|"]
+        lines += [f"| {c.replace('_', ' ')} | {counts[c]} |" for c in nonzero] + [""]
+    else:
+        lines += ["Nothing changed against the baseline and the history.", ""]
     shown = [f for f in _sorted(cls.findings) if f.category not in ("new_test", "not_run")]
     if shown:
         lines += ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
@@ -62,6 +66,10 @@ def summary_markdown(outcome) -> str:
         if len(shown) > _MAX_ROWS:
             lines.append(f"\n_{len(shown) - _MAX_ROWS} more rows not shown._")
         lines.append("")
+    improved = counts.get("improvement", 0)
+    if improved:
+        lines += [f"{improved} metric(s) improved past the threshold: update the golden / baseline "
+                  "so later regressions are measured from the new level.", ""]
     if outcome.muted:
         lines += [f"{len(outcome.muted)} findings muted by the mute file.", ""]
     if outcome.actions or outcome.log:
@@ -139,8 +147,15 @@ def html_report(outcome, series: dict[tuple[str, str], list[float]] | None = Non
              "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
              "td,th{border:1px solid #ccc;padding:3px 6px}th{background:#eee}.bad{color:#b00}"
              "</style></head><body>", f"<h1>{esc(title)}</h1>"]
-    summary = summary_markdown(outcome)
-    parts.append(f"<pre>{esc(summary.split('| new failure')[0])}</pre>")
+    cur = outcome.current
+    parts.append(f"<p>{len(cur.cases)} test cases from {len(cur.files)} files.</p>")
+    if outcome.problems:
+        parts.append("<h2>Input problems (this report is partial)</h2><ul>"
+                     + "".join(f"<li>{esc(scrub(p))}</li>" for p in outcome.problems) + "</ul>")
+    counts = Counter(f.category for f in cls.findings)
+    parts.append("<table><tr><th>category</th><th>count</th></tr>" + "".join(
+        f"<tr><td>{esc(c.replace('_', ' '))}</td><td>{counts[c]}</td></tr>" for c in _ORDER if counts.get(c))
+        + "</table>")
     rows = _sorted([f for f in cls.findings if f.category not in ("new_test",)])
     parts.append("<h2>Findings</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in _HEAD) + "</tr>")
     for f in rows[:2000]:
