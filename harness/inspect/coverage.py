@@ -105,9 +105,13 @@ def composite_kind(op: str) -> str | None:
     name = dispatcher_name(op)
     if _has(name, "CompositeImplicitAutograd"):
         return "CompositeImplicitAutograd"
-    for key in ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional"):
-        if _has(name, key):
-            return key
+    if _has(name, "CompositeExplicitAutograd"):
+        return "CompositeExplicitAutograd"
+    # Structured ops (mm, add, ...) also carry a CompositeExplicitAutogradNonFunctional kernel that
+    # only wraps their out= overload, which every backend still has to provide: those have a CPU
+    # kernel of their own. Without one (new_empty_strided, ...) it is a real decomposition.
+    if _has(name, "CompositeExplicitAutogradNonFunctional") and not _has(name, "CPU"):
+        return "CompositeExplicitAutogradNonFunctional"
     return None
 
 

@@ -1,0 +1,123 @@
+"""The ops check: items from the inventory, CPU conformance, missing ops fail with op and modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tests_support import REPO, REPO_SUITES
+
+from harness.checks import CheckFailure, registry, run_one
+from harness.suite.loader import load_suite
+
+CPU_LIST = REPO / "harness" / "oplists" / "cpu.txt"
+
+
+@pytest.fixture(scope="module")
+def ops_suite(tmp_path_factory):
+    """qwen3-30b-a3b (MoE, GQA, explicit head_dim) with the ops check on, cache in tmp. Module-scoped:
+    the real CPU trace is made once per process per suite path and dtype."""
+    tmp = tmp_path_factory.mktemp("ops")
+    body = (REPO_SUITES / "qwen3-30b-a3b.toml").read_text().replace(
+        'config = "configs/', f'config = "{REPO_SUITES}/configs/')
+    body += "\n[checks.ops]\nenabled = true\nexamples = 4\n\n[known_gaps]\ngapdev = [\"aten::silu\"]\n"
+    (tmp / "suites").mkdir()
+    p = tmp / "suites" / "q.toml"
+    p.write_text(body)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HARNESS_CACHE_DIR", str(tmp / "cache"))
+        yield load_suite(p)
+
+
+def test_variants_come_from_the_inventory_and_are_cached(ops_suite):
+    check = registry().get("ops")
+    assert check.enabled(ops_suite) and not check.enabled(load_suite(REPO_SUITES / "qwen3-8b.toml"))
+    ops = check.variants(ops_suite, None)
+    assert {"aten.mm.default", "aten._grouped_mm.default", "aten.histc.default", "aten.silu.default"} <= set(ops)
+    cached = list((ops_suite.path.parent.parent / "cache" / "ops").glob("q-*.json"))
+    assert len(cached) == 2  # float32 and bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["aten.mm.default", "aten._grouped_mm.default", "aten.histc.default",
+                                "aten.rsqrt.default", "aten.topk.default", "aten.index_put_.default",
+                                "aten._softmax.default", "aten.nll_loss_forward.default"])
+def test_cpu_conformance(ops_suite, op, dtype):
+    if op == "aten._softmax.default" and dtype == "bfloat16":
+        pytest.skip("router softmax runs in float32 in both")
+    ctx = run_one(ops_suite, "ops", "cpu", dtype, op)
+    props = dict(ctx.properties)
+    assert float(props["metric.op_max_rel_error"]) <= float(props["tolerance.op_max_rel_error"])
+    assert float(props["metric.op_cases"]) >= 1
+    assert "native" in props["harness.detail.coverage"] or "composite" in props["harness.detail.coverage"]
+
+
+def test_grouped_mm_has_no_float64_cpu_reference_and_says_so(ops_suite):
+    ctx = run_one(ops_suite, "ops", "cpu", "float32", "aten._grouped_mm.default")
+    assert any("no float64 CPU reference" in n for n in ctx.notes)
+
+
+def _testdev(tmp_path, monkeypatch, name="testdev"):
+    lines = [x for x in CPU_LIST.read_text().splitlines() if x.strip() != "aten.silu.default"]
+    (tmp_path / "dev.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "harness.toml").write_text(
+        f'[[backends]]\nname = "{name}"\ndevice_type = "cpu"\nop_list = "dev.txt"\n')
+    monkeypatch.setenv("HARNESS_CONFIG", str(tmp_path / "harness.toml"))
+
+
+def test_missing_op_item_fails_with_op_and_modules(ops_suite, tmp_path, monkeypatch):
+    _testdev(tmp_path, monkeypatch)
+    with pytest.raises(CheckFailure) as e:
+        run_one(ops_suite, "ops", "testdev", "float32", "aten.silu.default")
+    msg = str(e.value)
+    assert "aten.silu.default is missing on backend testdev" in msg
+    assert "model.layers.*.mlp.experts.act_fn [SiLUActivation]" in msg
+    # an op the list has still runs and passes there
+    run_one(ops_suite, "ops", "testdev", "float32", "aten.mm.default")
+
+
+def test_known_gap_is_an_expected_failure(ops_suite, tmp_path, monkeypatch):
+    _testdev(tmp_path, monkeypatch, "gapdev")
+    with pytest.raises(pytest.xfail.Exception, match="known gap"):
+        run_one(ops_suite, "ops", "gapdev", "float32", "aten.silu.default")
+
+
+def test_wrong_kernel_is_caught(ops_suite, monkeypatch):
+    """A backend kernel that is slightly off fails against the float64 reference."""
+    import harness.checks.ops as ops_mod
+
+    real = ops_mod._execute
+
+    def skewed(func, args, kwargs, device, float_dtype=None):
+        out = real(func, args, kwargs, device, float_dtype)
+        # the backend run gets the backend's torch.device; the references get the string "cpu"
+        return out * 1.001 if isinstance(device, torch.device) else out
+
+    monkeypatch.setattr(ops_mod, "_execute", skewed)
+    with pytest.raises(CheckFailure, match="off the cpu float64 reference"):
+        run_one(ops_suite, "ops", "cpu", "float32", "aten.mm.default")
+
+
+def test_items_in_pytest(ops_suite, tmp_path):
+    """Collected as ops[<backend>-<dtype>-<op>] items; a missing op fails with its reason in the report."""
+    _lines = [x for x in CPU_LIST.read_text().splitlines() if x.strip() != "aten.silu.default"]
+    (tmp_path / "dev.txt").write_text("\n".join(_lines) + "\n")
+    (tmp_path / "harness.toml").write_text(textwrap.dedent("""
+        [[backends]]
+        name = "testdev"
+        device_type = "cpu"
+        op_list = "dev.txt"
+        """))
+    env = dict(os.environ, HARNESS_CONFIG=str(tmp_path / "harness.toml"))
+    r = subprocess.run([sys.executable, "-m", "pytest", str(ops_suite.path), "-q", "-p", "no:randomly",
+                        "--harness-backend", "testdev", "--harness-dtype", "float32", "--harness-check", "ops",
+                        "-k", "silu or mm.default"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    out = r.stdout + r.stderr
+    assert "q.toml::ops[testdev-float32-aten.silu.default] - ops" in out, out[-3000:]
+    assert "aten.silu.default is missing on backend testdev" in out and " passed" in out, out[-3000:]
+    assert "model.layers.*.mlp.experts.act_fn [SiLUActivation]" in out
