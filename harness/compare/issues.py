@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from harness.compare.classify import Classification, Finding
 from harness.compare.junit import Results
+from harness.compare.scrub import scrub
 
 LABEL = "harness"
 MUTED_LABEL = "harness:muted"
@@ -50,8 +51,8 @@ class Group:
     def title(self) -> str:
         extra = [v for k, v in self.fields.items() if k not in ("suite", "backend", "kind")]
         tail = f" ({', '.join(extra)})" if extra else ""
-        return (f"[harness] {self.kind} regression: {self.fields.get('suite', '*')} on "
-                f"{self.fields.get('backend', '*')}{tail}")
+        return scrub(f"[harness] {self.kind} regression: {self.fields.get('suite', '*')} on "
+                     f"{self.fields.get('backend', '*')}{tail}")
 
     @property
     def labels(self) -> list[str]:

@@ -147,7 +147,13 @@ def _apply(a: Action, sink) -> tuple[int, str]:
         sink.comment(a.number, a.comment)
         return a.number, "open"
     if a.op == "reopen":
-        sink.edit(a.number, body=a.body, state="open")
+        try:
+            sink.edit(a.number, body=a.body, state="open")
+        except Exception as e:
+            # deleted on GitHub (github3's NotFoundError) or unknown to this sink: open a new one
+            if not isinstance(e, KeyError) and type(e).__name__ != "NotFoundError":
+                raise
+            return sink.create(a.title, a.body, a.labels), "open"
         return a.number, "open"
     if a.op == "close":
         sink.comment(a.number, a.comment)

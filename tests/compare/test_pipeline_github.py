@@ -165,3 +165,17 @@ def test_call_budget_stops_actions_and_says_so(tmp_path, github):
     assert "budget" in res.log[1]["error"] and len(github.state.issues) == 1
     again = compare(tmp_path, github, bad, baseline=base)  # the next run catches up, no duplicate
     assert [a.op for a in again.actions] == ["create", "create"] and len(github.state.issues) == 3
+
+
+def test_reopen_of_a_deleted_issue_opens_a_new_one(tmp_path, github):
+    compare(tmp_path, github, broken(), baseline=clean())
+    for _ in range(2):
+        compare(tmp_path, github, clean(), baseline=clean())
+    del github.state.issues[1]  # someone deleted the closed issue
+    back = compare(tmp_path, github, broken(), baseline=clean())
+    assert [a.op for a in back.actions] == ["reopen"] and back.log[0]["status"] == "done"
+    assert len(github.state.issues) == 1 and len(github.state.open_issues()) == 1
+    assert back.requests[1:] == [("GET", "/repos/acme/models/issues/1"), ("GET", "/repos/acme/models"),
+                                 ("POST", "/repos/acme/models/issues")]  # 404, then a new issue
+    again = compare(tmp_path, github, broken(), baseline=clean())
+    assert again.actions == []  # the new number was recorded: no duplicate next run

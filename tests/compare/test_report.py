@@ -38,3 +38,19 @@ def test_html_has_history_plot_with_change_point(tmp_path):
     page = html_report(o, series, "nightly")
     assert "<h1>nightly</h1>" in page and "Performance history" in page
     assert page.count("data:image/png;base64,") == 1 and "wall_time_s" in page
+
+
+def test_partial_inputs_give_a_partial_report_not_a_crash(tmp_path):
+    good = write_junit(tmp_path / "shard-0.xml", [item("kimi-k2", "smoke", fail="x"), item("kimi-k2", "ops")])
+    cut = tmp_path / "shard-1.xml"
+    full = open(write_junit(tmp_path / "full.xml", [item("kimi-k2", f"op{i}") for i in range(5)])).read()
+    cut.write_text(full[: full.index('name="op3[')])
+    base = write_junit(tmp_path / "base.xml", [item("llama-3.1-8b", "smoke")])
+    o = run_compare(Options(results=[good, str(cut), str(tmp_path / "shard-2.xml")], baseline=[base],
+                            history=None, expect_shards=3), out=io.StringIO())
+    md = summary_markdown(o)
+    assert len(o.current.cases) == 5  # 2 + the 3 complete cases before the cut
+    for needle in ("shard-1.xml: malformed or truncated XML", "shard-2.xml: shard missing",
+                   "different suite sets", "this report is partial", "new failure"):
+        assert needle in md, needle
+    assert "<li>" in html_report(o)
