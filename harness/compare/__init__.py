@@ -4,11 +4,13 @@ Read top to bottom, the pipeline is:
 
 ``junit``     read and merge the shard files (malformed input becomes a message, never a crash)
 ``history``   the SQLite store of earlier runs that CI carries between runs
-``changepoint`` the across-runs test (a mean shift that holds for at least two runs)
+``changepoint`` the across-runs test (a level shift that holds for at least two runs)
 ``classify``  failures, flakes, vanished tests, precision drift and metric regressions
-``issues``    grouping, fingerprints and the plan of issue actions
-``body``      the markdown of an issue (tables, first divergent module, logs; size-capped, scrubbed)
-``sinks``     where the plan goes: GitHub (through :mod:`harness.github_client`), files, stdout
 ``mutes``     the mute file
+``issues``    grouping, fingerprints and the plan of issue actions
+``body``      the markdown of an issue (tables, first divergent module, logs; size-capped)
+``scrub``     @mentions and secrets out of everything posted
+``sinks``     where the plan goes: GitHub (through :mod:`harness.github_client`), files, stdout
 ``report``    the step-summary markdown and the static HTML page
+``pipeline``  one run of all of the above, as ``harness compare`` does it
 """

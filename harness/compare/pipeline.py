@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sqlite3
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,9 +109,15 @@ def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
 def _run(opts: Options, sink, out: TextIO) -> Outcome:
     t = {"start": time.perf_counter()}
     current = read_results(opts.results, opts.expect_shards)
-    history = History(opts.history) if opts.history else None
+    problems = list(current.problems)
+    history = None
+    if opts.history:
+        try:
+            history = History(opts.history)
+        except (sqlite3.Error, ValueError) as e:
+            problems.append(f"history {opts.history} unusable, compared without it: {e}")
     baseline = _baseline(opts, history)
-    problems = list(current.problems) + [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
+    problems += [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
     t["read"] = time.perf_counter()
     run_key = opts.run_key or default_run_key()
     cls = classify(current, baseline, history, opts.config, run_key)
@@ -123,7 +130,11 @@ def _run(opts: Options, sink, out: TextIO) -> Outcome:
     t["classify"] = time.perf_counter()
     record = history is not None and not opts.dry_run and bool(current.cases)
     if record:
-        history.record(run_key, current, status, ctx.commit, ctx.run_url, ctx.machine)
+        try:
+            history.record(run_key, current, status, ctx.commit, ctx.run_url, ctx.machine)
+        except sqlite3.Error as e:  # a full disk must not cost the report
+            problems.append(f"could not record this run in the history: {e}")
+            record = False
     t["history"] = time.perf_counter()
     actions: list[Action] = []
     log: list[dict] = []

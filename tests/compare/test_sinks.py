@@ -68,3 +68,10 @@ def test_baseline_is_parsed_once_then_cached_in_the_history(tmp_path):
     (tmp_path / "base.xml").write_text((tmp_path / "base.xml").read_text().replace('name="b[', 'name="c['))
     third, _ = run(tmp_path, bad, 2)  # new content, new digest: parsed again
     assert third.baseline.files[0].endswith("base.xml")
+
+
+def test_unusable_history_file_is_a_message(tmp_path):
+    (tmp_path / "h.sqlite").write_text("not a database, just text " * 100)
+    o, _ = run(tmp_path, [item("s", "a", fail="x"), item("s", "b")], 0)
+    assert any("history" in p and "unusable" in p for p in o.problems)
+    assert [f.category for f in o.classification.findings] == ["new_failure"]
