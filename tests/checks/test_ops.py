@@ -102,6 +102,7 @@ def test_wrong_kernel_is_caught(ops_suite, monkeypatch):
         run_one(ops_suite, "ops", "cpu", "float32", "aten.mm.default")
 
 
+@pytest.mark.slow  # a pytest subprocess: ~10-25 s on 2 cores
 def test_items_in_pytest(ops_suite, tmp_path):
     """Collected as ops[<backend>-<dtype>-<op>] items; a missing op fails with its reason in the report."""
     _lines = [x for x in CPU_LIST.read_text().splitlines() if x.strip() != "aten.silu.default"]
