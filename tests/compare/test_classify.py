@@ -108,3 +108,9 @@ def test_previous_run_is_the_reference_without_baseline(tmp_path):
     cur = results(tmp_path, "cur", [item("s", "a", fail="x"), item("s", "b", fail="y")])
     assert cats(classify(cur, None, h, Config())) == [
         ("new_failure", "b[cpu-float32]"), ("still_failing", "a[cpu-float32]"), ("vanished", "c[cpu-float32]")]
+
+
+def test_collected_node_ids_map_to_junit_keys():
+    from harness.cli.compare import junit_key
+    assert junit_key("suites/kimi-k2.toml::smoke[cpu-float32]") == "suites.kimi-k2.toml::smoke[cpu-float32]"
+    assert junit_key("tests/test_x.py::TestA::test_b[1]") == "tests.test_x.TestA::test_b[1]"
