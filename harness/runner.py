@@ -104,7 +104,7 @@ def build_args(suites: list[Path], backends: list[str], dtypes: list[str], check
 
 def summary_table(rows: list[Row]) -> Table:
     t = Table(title="harness results", show_lines=False)
-    for col in ("suite", "check", "backend", "dtype", "outcome", "loss", "time", "peak mem", "detail"):
+    for col in ("suite", "check", "backend", "dtype", "outcome", "key metrics", "time", "peak mem", "detail"):
         t.add_column(col, overflow="fold", max_width=60 if col == "detail" else None)
     style = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow"}
     for r in sorted(rows, key=lambda r: r.nodeid):
@@ -114,12 +114,22 @@ def summary_table(rows: list[Row]) -> Table:
         name = r.nodeid.split("::")[-1]
         check = meta.get("check") or name.split("[")[0]
         params = name[name.find("[") + 1:-1].split("-", 1) if "[" in name else ["", ""]
-        loss = (f"{m['loss_initial']:.3f}->{m['loss_final']:.3f}"
-                if "loss_initial" in m and "loss_final" in m else "")
+        loss = headline(check, m)
         t.add_row(suite, check, meta.get("backend", params[0]), meta.get("dtype", params[-1]),
                   f"[{style.get(r.outcome, '')}]{r.outcome}", loss, _fmt(m.get("wall_time_s"), "s"),
                   _fmt(m.get("peak_memory_bytes"), "B"), r.message)
     return t
+
+
+def headline(check_name: str, m: dict[str, float]) -> str:
+    """The few metrics a check names in its ``headline`` attribute, for the summary table."""
+    from harness import checks
+
+    try:
+        names = getattr(checks.registry().get(check_name), "headline", ())
+    except KeyError:
+        return ""
+    return " ".join(f"{n}={m[n]:.4g}" for n in names if n in m)
 
 
 def _fmt(v: float | None, unit: str) -> str:

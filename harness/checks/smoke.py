@@ -74,6 +74,7 @@ def _greedy(model, ids, n, use_cache):
 
 class SmokeCheck:
     name = "smoke"
+    headline = ("loss_initial", "loss_final")  # shown in `harness run`'s table
 
     def enabled(self, suite: LoadedSuite) -> bool:
         return suite.suite.checks.smoke.enabled
