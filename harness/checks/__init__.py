@@ -1,10 +1,10 @@
 """Checks: what a pytest item runs for one suite x backend x dtype (x variant).
 
-A check is a small object with a ``name``, ``enabled(suite)``, ``variants(suite, backend)`` and
-``run(ctx)`` (and optionally ``headline``, the metric names `harness run`'s table shows). ``run`` records metrics through ``ctx.metric`` and raises ``CheckFailure`` (with the
-metric, expected, observed and tolerance) when the model misbehaves. Built-in checks and a vendor's
-own register the same way: an entry point in the ``harness.checks`` group whose target is
-``register(registry)``.
+A check is a small object with a ``name``, ``enabled(suite)``, ``variants(suite, backend)``,
+``run(ctx)`` and optionally ``headline`` (metric names for `harness run`'s table). ``run`` records
+metrics through ``ctx.metric`` and raises ``CheckFailure`` (with the metric, expected, observed and
+tolerance) when the model misbehaves. Built-in checks and a vendor's own register the same way: an
+entry point in the ``harness.checks`` group whose target is ``register(registry)``.
 """
 
 from __future__ import annotations
