@@ -51,7 +51,9 @@ class Group:
     def title(self) -> str:
         extra = [v for k, v in self.fields.items() if k not in ("suite", "backend", "kind")]
         tail = f" ({', '.join(extra)})" if extra else ""
-        return scrub(f"[harness] {self.kind} regression: {self.fields.get('suite', '*')} on "
+        what = {"flaky": "flaky tests", "improvement": "improvement, update the baseline"}.get(
+            self.kind, f"{self.kind} regression")
+        return scrub(f"[harness] {what}: {self.fields.get('suite', '*')} on "
                      f"{self.fields.get('backend', '*')}{tail}")
 
     @property
@@ -111,7 +113,8 @@ def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
     group that ran in this run (the history needs the clean ones to count clean runs)."""
     groups: dict[str, Group] = {}
     for f in cls.findings:
-        if not (f.regression and f.confirmed and f.kind in filed_kinds):
+        # flakes and improvements are not regressions, but may be filed when asked for
+        if not (f.confirmed and f.kind in filed_kinds and (f.regression or f.kind in ("flaky", "improvement"))):
             continue
         fields = _fields(f, group_by)
         fp = fingerprint(fields)

@@ -75,3 +75,14 @@ def test_unusable_history_file_is_a_message(tmp_path):
     o, _ = run(tmp_path, [item("s", "a", fail="x"), item("s", "b")], 0)
     assert any("history" in p and "unusable" in p for p in o.problems)
     assert [f.category for f in o.classification.findings] == ["new_failure"]
+
+
+def test_flaky_is_filed_only_when_asked(tmp_path):
+    base = write_junit(tmp_path / "b.xml", [item("s", "a")])
+    a1 = write_junit(tmp_path / "attempt1.xml", [item("s", "a", fail="timeout")])
+    a2 = write_junit(tmp_path / "attempt2.xml", [item("s", "a")])
+    default = run_compare(Options(results=[a1, a2], baseline=[base], history=None), out=io.StringIO())
+    assert [f.category for f in default.classification.findings] == ["flaky"] and default.actions == []
+    asked = run_compare(Options(results=[a1, a2], baseline=[base], history=None,
+                                filed_kinds=("failure", "flaky")), out=io.StringIO())
+    assert [a.title for a in asked.actions] == ["[harness] flaky tests: s on cpu"]
