@@ -2,8 +2,8 @@
 
 A single slow run is noise; a shift that every one of the last ``min_bad`` runs shares is a change.
 The test looks for the split of the series (earliest run first, current run last) that best
-separates two levels (least squares: the smallest sum of squared deviations from the two segment
-means), among the splits that satisfy
+separates two levels (the smallest sum of squared deviations from the two segment levels, a
+level being the segment's median), among the splits that satisfy
 
 1. at least ``min_before`` runs precede the split and at least ``min_bad`` follow it,
 2. the shift is large against the noise (a two-sample t statistic ``>= min_t``, the noise estimated
@@ -25,8 +25,8 @@ from statistics import fmean, median
 @dataclass(frozen=True)
 class ChangePoint:
     index: int  # position in the series of the first run at the new level
-    before: float  # mean level before
-    after: float  # mean level after
+    before: float  # level (median) before
+    after: float  # level (median) after
     rel_change: float  # (after - before) / |before|
     t: float
     runs_after: int
@@ -65,7 +65,8 @@ def detect(series: list[float], direction: str, threshold: float, min_bad: int =
     best: tuple[float, ChangePoint] | None = None
     for k in range(min_before, n - min_bad + 1):
         before, after = series[:k], series[k:]
-        m0, m1 = fmean(before), fmean(after)
+        # Levels are medians: one old spike must not make today's normal run look like a change.
+        m0, m1 = median(before), median(after)
         worse = [is_worse(m0, v, direction, threshold) for v in after]
         better = [is_better(m0, v, direction, threshold) for v in after]
         if not (all(worse) or all(better)):
@@ -75,7 +76,7 @@ def detect(series: list[float], direction: str, threshold: float, min_bad: int =
         t = math.inf if scale == 0 else abs(m1 - m0) / scale
         if t < min_t:
             continue
-        cost = sum((v - m0) ** 2 for v in before) + sum((v - m1) ** 2 for v in after)
+        cost = sum((v - m0) ** 2 for v in before) + sum((v - m1) ** 2 for v in after)  # least squares
         if best is None or cost < best[0]:
             best = (cost, ChangePoint(k, m0, m1, rel_change(m0, m1), t, len(after), all(worse)))
     return best[1] if best else None
