@@ -149,6 +149,7 @@ def _vary(t: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
 
 class OpsCheck:
     name = "ops"
+    headline = ("op_max_rel_error", "op_cases")  # `harness run`'s table
 
     def enabled(self, suite: LoadedSuite) -> bool:
         return suite.suite.checks.ops.enabled

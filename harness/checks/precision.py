@@ -123,6 +123,7 @@ def run_precision(ctx: CheckContext, *, transform=None, context=None, golden_roo
 
 class PrecisionCheck:
     name = "precision"
+    headline = ("logits_rel_rmse", "worst_module_rel_rmse")  # `harness run`'s table
 
     def enabled(self, suite: LoadedSuite) -> bool:
         return suite.suite.checks.precision.enabled
@@ -185,6 +186,7 @@ def quantize_weights(model: torch.nn.Module, scheme: str, block: list[int]) -> i
 
 class QuantizationCheck:
     name = "quantization"
+    headline = ("quant_logits_rel_rmse", "quant_top1_agreement")
 
     def enabled(self, suite: LoadedSuite) -> bool:
         return suite.suite.checks.precision.enabled and quant_scheme(suite) is not None
