@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 from harness.compare import changepoint as cpt
-from harness.compare.history import History
+from harness.compare.history import History, SeriesView
 from harness.compare.junit import Case, Results
 from harness.metrics import direction
 
@@ -97,7 +97,7 @@ def classify(current: Results, baseline: Results | None, history: History | None
     base = _usable_baseline(current, baseline, out.notes)
     runs = history.runs(config.history_window, exclude_key=run_key) if history else []
     prev = history.outcomes(runs[-1].id) if runs else {}
-    series = history.metric_series([r.id for r in runs]) if runs else {}
+    series = history.metric_series([r.id for r in runs]) if runs else SeriesView({}, {})
     ref_keys = set(base) | set(prev)
     for key, case in current.cases.items():
         _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys))
@@ -149,50 +149,64 @@ def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: 
         add("new_test", "info")
 
 
-def _metric_findings(out: Classification, case: Case, base: Case | None,
-                     series: dict[tuple[str, str], list[float]], config: Config) -> None:
+def _metric_findings(out: Classification, case: Case, base: Case | None, series: SeriesView,
+                     config: Config) -> None:
     for name, value in case.metrics.items():
         d = _direction(name)
         if d == "none" or math.isnan(value):
             continue
-        earlier = series.get((case.key, name), [])
         base_v = base.metrics.get(name) if base is not None else None
         thr = config.threshold_for(case.suite, name)
-        sign = "+" if d == "lower" else "-"
-
-        def add(category: str, kind: str, old: float, bad_runs: int, threshold: str,
-                note: str = "", _name: str = name, _value: float = value) -> None:
-            out.findings.append(Finding(
-                category, kind, case.key, case.suite, case.backend, case, metric=_name,
-                baseline=old, current=_value, change=cpt.rel_change(old, _value), threshold=threshold,
-                confirmed=bad_runs >= config.min_bad_runs, bad_runs=bad_runs, note=note))
-
         if name in case.tolerances and base_v is not None:
             # Precision metrics are judged against their tolerance, not a relative threshold.
             tol = case.tolerances[name]
             limit = config.drift_fraction * abs(tol - base_v)
             if _drifted(value, base_v, d, limit):
                 bad = partial(_drifted, base=base_v, direction=d, limit=limit)
-                add("precision_drift", "precision", base_v, _streak(earlier, bad),
-                    f"{config.drift_fraction:.0%} of headroom to tol {tol:g}")
+                out.findings.append(_finding(
+                    case, "precision_drift", "precision", name, value, base_v,
+                    _streak(series.get((case.key, name), []), bad),
+                    f"{config.drift_fraction:.0%} of headroom to tol {tol:g}", config))
             continue
-        judged = False
+        sign = "+" if d == "lower" else "-"
         if base_v is not None:
-            for category, kind, test in (("metric_regression", "performance", cpt.is_worse),
-                                         ("improvement", "improvement", cpt.is_better)):
-                if test(base_v, value, d, thr):
-                    bad = partial(_against, test, base_v, direction=d, threshold=thr)
-                    add(category, kind, base_v, _streak(earlier, bad), f"{sign}{thr:.0%}")
-                    judged = True
-                    break
-        if judged:
+            if cpt.is_worse(base_v, value, d, thr):
+                category, kind, test = "metric_regression", "performance", cpt.is_worse
+            elif cpt.is_better(base_v, value, d, thr):
+                category, kind, test = "improvement", "improvement", cpt.is_better
+            else:
+                category = ""
+            if category:
+                bad = partial(_against, test, base_v, direction=d, threshold=thr)
+                out.findings.append(_finding(case, category, kind, name, value, base_v,
+                                             _streak(series.get((case.key, name), []), bad),
+                                             f"{sign}{thr:.0%}", config))
+                continue
+        # In line with the baseline (or none): let the history speak -- but only fetch the series
+        # when its range says a change is possible at all (most metrics are flat).
+        lo, hi, n = series.bounds((case.key, name))
+        if n < 2 + config.min_bad_runs or not _may_change(lo, hi, value, d, thr):  # 3 before + bad runs
             continue
-        # In line with the baseline (or none): let the history speak.
-        cp = cpt.detect(earlier + [value], d, thr, config.min_bad_runs)
+        cp = cpt.detect(series.get((case.key, name), []) + [value], d, thr, config.min_bad_runs)
         if cp is not None:
-            add("metric_regression" if cp.regression else "improvement",
-                "performance" if cp.regression else "improvement", cp.before, cp.runs_after,
-                f"{sign}{thr:.0%}", note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})")
+            regression = cp.regression
+            out.findings.append(_finding(
+                case, "metric_regression" if regression else "improvement",
+                "performance" if regression else "improvement", name, value, cp.before, cp.runs_after,
+                f"{sign}{thr:.0%}", config, note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})"))
+
+
+def _finding(case: Case, category: str, kind: str, name: str, value: float, old: float, bad_runs: int,
+             threshold: str, config: Config, note: str = "") -> Finding:
+    return Finding(category, kind, case.key, case.suite, case.backend, case, metric=name, baseline=old,
+                   current=value, change=cpt.rel_change(old, value), threshold=threshold,
+                   confirmed=bad_runs >= config.min_bad_runs, bad_runs=bad_runs, note=note)
+
+
+def _may_change(lo: float, hi: float, value: float, d: str, thr: float) -> bool:
+    """Past the threshold against the best or the worst earlier value: necessary for any split."""
+    best, worst = (lo, hi) if d == "lower" else (hi, lo)
+    return cpt.is_worse(best, value, d, thr) or cpt.is_better(worst, value, d, thr)
 
 
 @lru_cache(maxsize=1024)

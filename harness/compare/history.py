@@ -57,6 +57,16 @@ class SeriesView:
 
     def __init__(self, ids: dict[str, int], matrices: dict[str, np.ndarray]):
         self._ids, self._m = ids, matrices
+        # per metric: each test's lowest and highest earlier value and how many runs had it
+        self._bounds = {n: (np.fmin.reduce(m, axis=0).tolist(), np.fmax.reduce(m, axis=0).tolist(),
+                            (~np.isnan(m)).sum(axis=0).tolist()) for n, m in matrices.items()}
+
+    def bounds(self, key: tuple[str, str]) -> tuple[float | None, float | None, int]:
+        test, name = key
+        b, i = self._bounds.get(name), self._ids.get(test)
+        if b is None or i is None or i >= len(b[2]):
+            return None, None, 0
+        return b[0][i], b[1][i], b[2][i]
 
     def get(self, key: tuple[str, str], default=()):
         test, name = key
@@ -79,13 +89,20 @@ class History:
                              "start a new history file")
         self.db.commit()
         self._ids: dict[str, int] | None = None
+        self._rows: list[tuple[int, str, str, str]] | None = None
 
     def close(self) -> None:
         self.db.close()
 
+    def _tests(self) -> list[tuple[int, str, str, str]]:
+        """``(number, key, suite, backend)`` of every test ever recorded, read once."""
+        if self._rows is None:
+            self._rows = self.db.execute("SELECT id, key, suite, backend FROM tests").fetchall()
+        return self._rows
+
     def _test_ids(self) -> dict[str, int]:
         if self._ids is None:
-            self._ids = dict(self.db.execute("SELECT key, id FROM tests"))
+            self._ids = {k: i for i, k, _s, _b in self._tests()}
         return self._ids
 
     # ---- reading -------------------------------------------------------------------------------
@@ -102,9 +119,9 @@ class History:
         if row is None:
             return {}
         codes = np.frombuffer(row[0], dtype=np.uint8)
-        present = set(np.nonzero(codes)[0].tolist())
-        return {k: (_CODES[codes[i]], s, b) for i, k, s, b in
-                self.db.execute("SELECT id, key, suite, backend FROM tests") if i in present}
+        codes = codes.tolist()
+        n = len(codes)
+        return {k: (_CODES[codes[i]], s, b) for i, k, s, b in self._tests() if i < n and codes[i]}
 
     def metric_series(self, run_ids: list[int]) -> SeriesView:
         width = max(self._test_ids().values(), default=0) + 1
@@ -144,7 +161,7 @@ class History:
         metrics = {name: np.frombuffer(blob, dtype=np.float64).tolist() for name, blob in self.db.execute(
             "SELECT name, vals FROM metrics WHERE run_id = ?", (row[0],))}
         res = Results(files=[f"(cached baseline {inputs[:12]})"])
-        for i, key, suite, backend in self.db.execute("SELECT id, key, suite, backend FROM tests"):
+        for i, key, suite, backend in self._tests():
             if i >= len(codes) or not codes[i]:
                 continue
             vals = {}
@@ -172,7 +189,7 @@ class History:
         new = [(k, c.suite, c.backend) for k, c in results.cases.items() if k not in ids]
         db.executemany("INSERT INTO tests(key, suite, backend) VALUES(?,?,?)", new)
         if new:
-            self._ids = None
+            self._ids = self._rows = None
             ids = self._test_ids()
         width = max(ids.values(), default=0) + 1
         codes = np.zeros(width, dtype=np.uint8)
