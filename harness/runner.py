@@ -102,22 +102,42 @@ def build_args(suites: list[Path], backends: list[str], dtypes: list[str], check
     return args + extra
 
 
+def _key(r: Row) -> tuple[str, str, str, str, str]:
+    """(suite, check, backend, dtype, variant) from the properties, else from the test id
+    (skipped items never ran, so they have no properties)."""
+    meta = r.parsed["meta"]
+    file, _, name = r.nodeid.rpartition("::")
+    inside = name[name.find("[") + 1:-1].split("-", 2) if "[" in name else []
+    inside += [""] * (3 - len(inside))
+    return (meta.get("suite") or file.split("/")[-1].removesuffix(".toml"),
+            meta.get("check") or name.split("[")[0], meta.get("backend") or inside[0],
+            meta.get("dtype") or inside[1], meta.get("variant") or inside[2])
+
+
+SEVERITY = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}
+STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow"}
+
+
 def summary_table(rows: list[Row]) -> Table:
+    """One row per suite x check x backend x dtype; items with variants (one per operator for
+    `ops`) are folded into their row with counts, the worst outcome and the first failure."""
     t = Table(title="harness results", show_lines=False)
     for col in ("suite", "check", "backend", "dtype", "outcome", "key metrics", "time", "peak mem", "detail"):
         t.add_column(col, overflow="fold", max_width=60 if col == "detail" else None)
-    style = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow"}
-    for r in sorted(rows, key=lambda r: r.nodeid):
-        p = r.parsed
-        meta, m = p["meta"], p["metrics"]
-        suite = meta.get("suite") or r.nodeid.split("::")[0].split("/")[-1].removesuffix(".toml")
-        name = r.nodeid.split("::")[-1]
-        check = meta.get("check") or name.split("[")[0]
-        params = name[name.find("[") + 1:-1].split("-", 1) if "[" in name else ["", ""]
-        loss = headline(check, m)
-        t.add_row(suite, check, meta.get("backend", params[0]), meta.get("dtype", params[-1]),
-                  f"[{style.get(r.outcome, '')}]{r.outcome}", loss, _fmt(m.get("wall_time_s"), "s"),
-                  _fmt(m.get("peak_memory_bytes"), "B"), r.message)
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(_key(r)[:4], []).append(r)
+    for (suite, check, backend, dtype), rs in sorted(groups.items()):
+        worst = max(rs, key=lambda r: SEVERITY.get(r.outcome, 0))
+        m = worst.parsed["metrics"]
+        if len(rs) == 1:
+            key_metrics, time_s = headline(check, m), m.get("wall_time_s")
+        else:
+            c = counts(rs)
+            key_metrics = f"{len(rs)} items: " + ", ".join(f"{n} {k}" for k, n in c.items() if n)
+            time_s = sum(r.parsed["metrics"].get("wall_time_s", 0.0) for r in rs)
+        t.add_row(suite, check, backend, dtype, f"[{STYLE.get(worst.outcome, '')}]{worst.outcome}", key_metrics,
+                  _fmt(time_s, "s"), _fmt(m.get("peak_memory_bytes"), "B"), worst.message)
     return t
 
 
