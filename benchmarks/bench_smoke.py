@@ -6,10 +6,10 @@ time in interleaved rounds:
 * bare:    a plain script: config dict -> transformers class -> forward, backward, AdamW steps,
            final loss, second build + forward, greedy generation with and without KV cache;
 * check:   harness.checks.run_one(suite, "smoke") - the same work through harness;
-* item:    the pytest item, through pytest.main on that one suite file (collection, plugin,
-           JUnit properties included).
+* session: every smoke item of all suites in one in-process pytest session, as `harness run` runs
+           them (collection, plugin, reports included), against the sum of the bare runs.
 
-Reports the median of each and the ratios check/bare and item/bare (goal: at most 1.3x).
+Reports medians and the ratios check/bare per suite and session/bare overall (goal: at most 1.3x).
 Usage: python benchmarks/bench_smoke.py [--rounds 5] [--suite kimi-k2 ...]
 """
 
@@ -90,9 +90,10 @@ def bare(ls, dtype: str) -> None:
     assert torch.equal(a, b)
 
 
-def item(ls, dtype: str) -> None:
-    code = pytest.main([str(ls.path), f"--harness-dtype={dtype}", "--harness-backend=cpu",
-                        "--harness-check=smoke", "-p", "no:terminal", "-p", "no:cacheprovider"])
+def session(paths: list[Path], dtypes: list[str]) -> None:
+    """Every smoke item of these suites in one pytest session, as `harness run` runs them."""
+    code = pytest.main([str(p) for p in paths] + [f"--harness-dtype={d}" for d in dtypes] + [
+        "--harness-backend=cpu", "--harness-check=smoke", "-p", "no:terminal", "-p", "no:cacheprovider"])
     assert code == 0, code
 
 
@@ -116,23 +117,32 @@ def main() -> int:
         for dt in dtypes:
             bare(ls, dt)
             run_one(ls, "smoke", "cpu", dt)
-            item(ls, dt)
-    totals = {"bare": 0.0, "check": 0.0, "item": 0.0}
-    print(f"{'suite':<16}{'dtype':<10}{'bare s':>9}{'check s':>9}{'item s':>9}{'check/bare':>12}{'item/bare':>11}")
-    for ls in suites:
-        for dt in dtypes:
-            t = {"bare": [], "check": [], "item": []}
-            for _ in range(args.rounds):  # interleaved, so drift hits all three alike
-                t["bare"].append(timed(bare, ls, dt))
-                t["check"].append(timed(lambda: run_one(ls, "smoke", "cpu", dt)))
-                t["item"].append(timed(item, ls, dt))
-            m = {k: statistics.median(v) for k, v in t.items()}
-            for k in totals:
-                totals[k] += m[k]
-            print(f"{ls.name:<16}{dt:<10}{m['bare']:>9.3f}{m['check']:>9.3f}{m['item']:>9.3f}"
-                  f"{m['check'] / m['bare']:>12.2f}{m['item'] / m['bare']:>11.2f}")
-    print(f"{'all':<26}{totals['bare']:>9.3f}{totals['check']:>9.3f}{totals['item']:>9.3f}"
-          f"{totals['check'] / totals['bare']:>12.2f}{totals['item'] / totals['bare']:>11.2f}")
+    session([ls.path for ls in suites], dtypes)
+
+    per: dict[tuple, dict[str, list[float]]] = {(ls.name, dt): {"bare": [], "check": []}
+                                               for ls in suites for dt in dtypes}
+    rounds = {"bare": [], "session": []}
+    for _ in range(args.rounds):  # interleaved, so drift hits both sides alike
+        total = 0.0
+        for ls in suites:
+            for dt in dtypes:
+                b = timed(bare, ls, dt)
+                total += b
+                per[(ls.name, dt)]["bare"].append(b)
+                per[(ls.name, dt)]["check"].append(timed(lambda ls=ls, dt=dt: run_one(ls, "smoke", "cpu", dt)))
+        rounds["bare"].append(total)
+        rounds["session"].append(timed(session, [ls.path for ls in suites], dtypes))
+
+    print(f"{'suite':<16}{'dtype':<10}{'bare s':>9}{'check s':>9}{'check/bare':>12}")
+    tb = tc = 0.0
+    for (name, dt), t in per.items():
+        b, c = statistics.median(t["bare"]), statistics.median(t["check"])
+        tb, tc = tb + b, tc + c
+        print(f"{name:<16}{dt:<10}{b:>9.3f}{c:>9.3f}{c / b:>12.2f}")
+    print(f"{'sum of medians':<26}{tb:>9.3f}{tc:>9.3f}{tc / tb:>12.2f}")
+    b, s_ = statistics.median(rounds["bare"]), statistics.median(rounds["session"])
+    print(f"\nall smoke items in one pytest session: {s_:.3f} s vs bare {b:.3f} s -> ratio {s_ / b:.2f} "
+          f"(median of {args.rounds} rounds; goal <= 1.3)")
     return 0
 
 
