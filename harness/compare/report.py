@@ -76,7 +76,8 @@ def summary_markdown(outcome) -> str:
         lines += ["### Issue actions", ""]
         lines += [f"- {e['op']} {('#' + str(e['number'])) if e.get('number') else ''} "
                   f"{scrub(e['title'])}: {e['status']}" for e in outcome.log]
-        lines += ["", f"{outcome.api_calls} API calls."]
+        if outcome.api_calls:
+            lines += ["", f"{outcome.api_calls} GitHub API calls."]
     return "\n".join(lines) + "\n"
 
 
