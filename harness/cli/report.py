@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     opts = Options(results=args.results, baseline=args.baseline, history=history, dry_run=True,
                    config=config_from(args))
     outcome = run_compare(opts, sink=_NoIssues(), out=io.StringIO())
-    series = {}
+    series = None
     if history:
         h = History(history)
         series = h.metric_series([r.id for r in h.runs(opts.config.history_window)])

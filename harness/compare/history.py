@@ -61,6 +61,16 @@ class SeriesView:
         self._bounds = {n: (np.fmin.reduce(m, axis=0).tolist(), np.fmax.reduce(m, axis=0).tolist(),
                             (~np.isnan(m)).sum(axis=0).tolist()) for n, m in matrices.items()}
 
+    def run_totals(self, tests: list[str], name: str) -> list[float]:
+        """Per earlier run, the sum of ``name`` over ``tests`` (a suite's total wall time)."""
+        m = self._m.get(name)
+        cols = [i for i in (self._ids.get(t) for t in tests) if i is not None and m is not None
+                and i < m.shape[1]]
+        if not cols:
+            return []
+        sub = m[:, cols]
+        return [float(np.nansum(row)) for row in sub if not np.isnan(row).all()]
+
     def bounds(self, key: tuple[str, str]) -> tuple[float | None, float | None, int]:
         test, name = key
         b, i = self._bounds.get(name), self._ids.get(test)

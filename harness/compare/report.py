@@ -141,7 +141,8 @@ def _history_plot(f: Finding, series: list[float]) -> str | None:
     return data
 
 
-def html_report(outcome, series: dict[tuple[str, str], list[float]] | None = None, title: str = "harness report") -> str:
+def html_report(outcome, series=None, title: str = "harness report") -> str:
+    """``series``: the history's :class:`~harness.compare.history.SeriesView` (or a plain mapping)."""
     cls = outcome.classification
     esc = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>"
@@ -178,5 +179,40 @@ def html_report(outcome, series: dict[tuple[str, str], list[float]] | None = Non
         img = _history_plot(f, s)
         if img:
             parts.append(f"<h3>{esc(f.metric)} of {esc(f.key)}</h3><img src='data:image/png;base64,{img}'>")
+    parts += _suite_time_plots(outcome, series)
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _suite_time_plots(outcome, series) -> list[str]:
+    """Total ``wall_time_s`` of each suite x backend over the runs, with its change point."""
+    if series is None or not hasattr(series, "run_totals"):
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from harness.compare.changepoint import detect
+    groups: dict[tuple[str, str], list] = {}
+    for c in outcome.current.cases.values():
+        if "wall_time_s" in c.metrics:
+            groups.setdefault((c.suite, c.backend), []).append(c)
+    out = ["<h2>Wall time per suite</h2>"] if groups else []
+    for (suite, backend), cases in sorted(groups.items())[:30]:
+        values = series.run_totals([c.key for c in cases], "wall_time_s")
+        values.append(sum(c.metrics["wall_time_s"] for c in cases))
+        fig, ax = plt.subplots(figsize=(6, 2.5))
+        ax.plot(range(len(values)), values, "o-")
+        cp = detect(values, "lower", 0.10)
+        if cp is not None:
+            ax.axvline(cp.index - 0.5, color="red", linestyle="--",
+                       label=f"change point ({cp.rel_change:+.0%})")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{suite} on {backend}: total wall time (s)", fontsize=9)
+        ax.set_xlabel("run (oldest first, this run last)")
+        note = (f"change point {cp.runs_after} runs ago: {cp.before:.4g} s -> {cp.after:.4g} s "
+                f"({cp.rel_change:+.0%})" if cp else "no change point")
+        out.append(f"<h3>{html.escape(suite)} on {html.escape(backend)}: {note}</h3>"
+                   f"<img src='data:image/png;base64,{_png(fig)}'>")
+        plt.close(fig)
+    return out

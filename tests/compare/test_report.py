@@ -36,8 +36,10 @@ def test_html_has_history_plot_with_change_point(tmp_path):
     h = History(hist)
     series = h.metric_series([r.id for r in h.runs()])
     page = html_report(o, series, "nightly")
-    assert "<h1>nightly</h1>" in page and "Performance history" in page
-    assert page.count("data:image/png;base64,") == 1 and "wall_time_s" in page
+    assert "<h1>nightly</h1>" in page and "Performance history" in page and "wall_time_s" in page
+    assert page.count("data:image/png;base64,") == 2  # the test's history + the suite's total
+    assert "Wall time per suite" in page and "s on cpu: change point 2 runs ago: 1 s -> 1.51 s (+51%)" in page
+    assert series.run_totals(["suites.s.toml::perf[cpu-float32]"], "wall_time_s") == [1.0, 1.01, 0.99, 1.0, 1.5]
 
 
 def test_partial_inputs_give_a_partial_report_not_a_crash(tmp_path):
