@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import sqlite3
 import sys
 
 from harness.cli.compare import add_common, config_from
@@ -35,9 +36,13 @@ def main(args: argparse.Namespace) -> int:
     outcome = run_compare(opts, sink=_NoIssues(), out=io.StringIO())
     series = None
     if history:
-        h = History(history)
-        series = h.metric_series([r.id for r in h.runs(opts.config.history_window)])
-        h.close()
+        try:
+            h = History(history)
+            series = h.metric_series([r.id for r in h.runs(opts.config.history_window)])
+            h.close()
+        except (sqlite3.Error, ValueError):
+            pass  # run_compare already listed the history among the problems
+
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(html_report(outcome, series, args.title))
     for p in outcome.problems:
