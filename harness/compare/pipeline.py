@@ -90,7 +90,10 @@ def _baseline(opts: Options, history: History | None) -> Results | None:
         return cached
     baseline = read_results(opts.baseline)
     if key and not baseline.problems and baseline.cases and not opts.dry_run:
-        history.record(f"baseline-{key[:16]}", baseline, {}, kind="baseline", inputs=key, keep=2)
+        try:
+            history.record(f"baseline-{key[:16]}", baseline, {}, kind="baseline", inputs=key, keep=2)
+        except sqlite3.Error:
+            pass  # only a cache: the next run parses the XML again
     return baseline
 
 
@@ -155,8 +158,8 @@ def _run(opts: Options, sink, out: TextIO) -> Outcome:
                     history.set_issue(i.fingerprint, i.number, "open")
         known_closed = {fp: n for fp, (n, _s) in known.items() if fp not in open_fps}
         streaks = {}
-        for fp, bad in status.items():
-            if not bad and history is not None:
+        for fp in open_fps:  # only an open issue can be closed
+            if status.get(fp) is False and history is not None:
                 # the current run is in the table unless it was not recorded (dry run)
                 streaks[fp] = history.clean_streak(fp) + (0 if record else 1)
         actions = plan(groups, status, existing, lambda g, reopened: body.render(g, ctx, reopened),
