@@ -104,6 +104,10 @@ class History:
     def close(self) -> None:
         self.db.close()
 
+    def refresh(self) -> None:
+        """Forget what was read of the tests table (another process may have added to it)."""
+        self._ids = self._rows = None
+
     def _tests(self) -> list[tuple[int, str, str, str]]:
         """``(number, key, suite, backend)`` of every test ever recorded, read once."""
         if self._rows is None:
@@ -162,10 +166,11 @@ class History:
 
     def cached_baseline(self, inputs: str) -> Results | None:
         """A baseline parsed before from files with this digest, or None."""
-        row = self.db.execute("SELECT id FROM runs WHERE kind = 'baseline' AND inputs = ?",
-                              (inputs,)).fetchone()
-        if row is None:
+        rows = self.db.execute("SELECT id FROM runs WHERE kind = 'baseline' AND inputs = ?",
+                               (inputs,)).fetchall()  # fetchall: no read lock left behind
+        if not rows:
             return None
+        row = rows[0]
         codes = np.frombuffer(self.db.execute("SELECT codes FROM outcomes WHERE run_id = ?",
                                               (row[0],)).fetchone()[0], dtype=np.uint8).tolist()
         metrics = {name: np.frombuffer(blob, dtype=np.float64).tolist() for name, blob in self.db.execute(

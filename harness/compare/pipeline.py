@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from harness.compare import body, mutes
+from harness.compare import body, mutes, prefetch
 from harness.compare.classify import Classification, Config, classify
 from harness.compare.history import History
 from harness.compare.issues import FILED_KINDS, GROUP_BY, LABEL, Action, build_groups, plan
@@ -79,15 +79,29 @@ def make_sink(opts: Options, out: TextIO):
     return StdoutSink(out)
 
 
-def _baseline(opts: Options, history: History | None) -> Results | None:
-    """The baseline's XML, parsed -- or the copy cached in the history the last time these very
-    files were the baseline (a PR pipeline compares against the same main results many times)."""
+def _start_baseline(opts: Options, history: History | None):
+    """Either the baseline as cached in the history the last time these very files were the
+    baseline (a PR pipeline compares against the same main results many times), or a child
+    process parsing it into that cache right now (:mod:`harness.compare.prefetch`), or nothing."""
+    if not opts.baseline or history is None:
+        return "", None, None
+    key = digest(opts.baseline)
+    cached = history.cached_baseline(key) if key else None
+    child = prefetch.start(opts.baseline, history.path, key) if key and cached is None \
+        and not opts.dry_run else None
+    return key, cached, child
+
+
+def _finish_baseline(opts: Options, history: History | None, key: str, cached, child) -> Results | None:
     if not opts.baseline:
         return None
-    key = digest(opts.baseline) if history is not None else ""
-    cached = history.cached_baseline(key) if key else None
     if cached is not None:
         return cached
+    if prefetch.finish(child):
+        history.refresh()  # the child added tests and a cached run behind this connection's back
+        cached = history.cached_baseline(key)
+        if cached is not None:
+            return cached
     baseline = read_results(opts.baseline)
     if key and not baseline.problems and baseline.cases and not opts.dry_run:
         try:
@@ -111,15 +125,17 @@ def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
 
 def _run(opts: Options, sink, out: TextIO) -> Outcome:
     t = {"start": time.perf_counter()}
-    current = read_results(opts.results, opts.expect_shards)
-    problems = list(current.problems)
+    problems: list[str] = []
     history = None
     if opts.history:
         try:
             history = History(opts.history)
         except (sqlite3.Error, ValueError) as e:
             problems.append(f"history {opts.history} unusable, compared without it: {e}")
-    baseline = _baseline(opts, history)
+    key, cached, child = _start_baseline(opts, history)
+    current = read_results(opts.results, opts.expect_shards)  # meanwhile the child parses the baseline
+    problems = current.problems + problems
+    baseline = _finish_baseline(opts, history, key, cached, child)
     problems += [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
     t["read"] = time.perf_counter()
     run_key = opts.run_key or default_run_key()

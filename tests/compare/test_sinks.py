@@ -86,3 +86,17 @@ def test_flaky_is_filed_only_when_asked(tmp_path):
     asked = run_compare(Options(results=[a1, a2], baseline=[base], history=None,
                                 filed_kinds=("failure", "flaky")), out=io.StringIO())
     assert [a.title for a in asked.actions] == ["[harness] flaky tests: s on cpu"]
+
+
+def test_baseline_parsed_by_a_child_process_into_the_cache(tmp_path, monkeypatch):
+    from harness.compare import prefetch
+    monkeypatch.setattr(prefetch, "MIN_BYTES", 0)  # force the second process even for a tiny file
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    bad = [item("s", "a", fail="x"), item("s", "b")]
+    first, _ = run(tmp_path, bad, 0)
+    assert first.baseline.files[0].startswith("(cached baseline")  # written by the child
+    assert [f.category for f in first.classification.findings] == ["new_failure"]
+    (tmp_path / "base.xml").write_text("<testsuites><testsuite><testcase name='cut")  # child refuses
+    second, _ = run(tmp_path, bad, 1)
+    assert second.baseline.files[0].endswith("base.xml")
+    assert any("baseline:" in p and "truncated" in p for p in second.problems)
