@@ -4,6 +4,7 @@ Read top to bottom, the pipeline is:
 
 ``junit``     read and merge the shard files (malformed input becomes a message, never a crash)
 ``history``   the SQLite store of earlier runs that CI carries between runs
+``prefetch``  a large baseline parsed by a second process while the current run is parsed
 ``changepoint`` the across-runs test (a level shift that holds for at least two runs)
 ``classify``  failures, flakes, vanished tests, precision drift and metric regressions
 ``mutes``     the mute file
