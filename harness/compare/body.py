@@ -113,7 +113,7 @@ def _num(v) -> float | None:
 
 
 def repro(group: Group) -> str:
-    names = sorted({f.case.name for f in group.findings if f.case is not None})
+    names = sorted({f.case.name if f.case is not None else f.key.split("::")[-1] for f in group.findings})
     suite = group.fields.get("suite") or (group.findings[0].suite if group.findings else "")
     expr = " or ".join(names[:10]) or "<test>"
     return f'tox -e model-{suite} -- -k "{expr}"'

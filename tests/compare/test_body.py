@@ -78,3 +78,8 @@ def test_run_url_and_commit_from_actions_environment(monkeypatch):
     ctx = RunContext.from_env()
     assert ctx.run_url == "https://ghe.example.com/org/repo/actions/runs/77/attempts/2"
     assert ctx.commit == "deadbeef" and ctx.machine
+
+
+def test_repro_for_a_vanished_test_known_only_by_its_id():
+    f = Finding("vanished", "vanished", "suites.kimi-k2.toml::moe[npu-bfloat16]", "kimi-k2", "npu")
+    assert repro(group([f])) == 'tox -e model-kimi-k2 -- -k "moe[npu-bfloat16]"'

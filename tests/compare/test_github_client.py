@@ -112,3 +112,11 @@ def test_config_errors_are_clear(monkeypatch):
         GitHubClient.from_env("acme/models")
     with pytest.raises(GitHubConfigError, match="OWNER/NAME"):
         GitHubClient("nope", "t")
+
+
+def test_from_env_uses_actions_variables(github, monkeypatch):
+    monkeypatch.setenv("GITHUB_API_URL", github.url + "/api/v3")
+    c = GitHubClient.from_env()
+    c.create("t", "b", ["harness"])
+    assert (c.owner, c.name) == ("acme", "models") and github.state.issues[1]["title"] == "t"
+    assert TOKEN not in repr(c.session.auth) and TOKEN not in repr(c.gh)
