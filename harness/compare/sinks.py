@@ -20,7 +20,7 @@ import os
 import sys
 from typing import TextIO
 
-from harness.compare.issues import Action, IssueRef
+from harness.compare.issues import MUTED_LABEL, Action, IssueRef
 
 
 class FileSink:
@@ -148,12 +148,15 @@ def _apply(a: Action, sink) -> tuple[int, str]:
         return a.number, "open"
     if a.op == "reopen":
         try:
-            sink.edit(a.number, body=a.body, state="open")
+            closed = sink.get(a.number)  # on GitHub this fetch is the one the edit needs anyway
         except Exception as e:
             # deleted on GitHub (github3's NotFoundError) or unknown to this sink: open a new one
             if not isinstance(e, KeyError) and type(e).__name__ != "NotFoundError":
                 raise
             return sink.create(a.title, a.body, a.labels), "open"
+        if MUTED_LABEL in closed.labels:
+            return a.number, closed.state  # muted by a person: leave it as it is
+        sink.edit(a.number, body=a.body, state="open")
         return a.number, "open"
     if a.op == "close":
         sink.comment(a.number, a.comment)

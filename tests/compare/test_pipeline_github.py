@@ -179,3 +179,13 @@ def test_reopen_of_a_deleted_issue_opens_a_new_one(tmp_path, github):
                                  ("POST", "/repos/acme/models/issues")]  # 404, then a new issue
     again = compare(tmp_path, github, broken(), baseline=clean())
     assert again.actions == []  # the new number was recorded: no duplicate next run
+
+
+def test_a_muted_closed_issue_is_not_reopened(tmp_path, github):
+    compare(tmp_path, github, broken(), baseline=clean())
+    for _ in range(2):
+        compare(tmp_path, github, clean(), baseline=clean())
+    github.state.issues[1]["labels"].append("harness:muted")
+    back = compare(tmp_path, github, broken(), baseline=clean())
+    assert github.state.issues[1]["state"] == "closed" and len(github.state.issues) == 1
+    assert back.requests == [("GET", "/repos/acme/models/issues"), ("GET", "/repos/acme/models/issues/1")]
