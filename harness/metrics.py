@@ -68,10 +68,11 @@ def direction(name: str) -> Direction:
     s = _REGISTRY.get(name)
     if s is not None:
         return s.direction
-    if name.endswith(("_s", "_bytes", "_error", "_err", "_rmse")):
-        return "lower"
+    # "_per_s" before "_s": tokens_per_s is a throughput, not a time.
     if name.endswith(("_per_s", "_cosine", "_agreement")):
         return "higher"
+    if name.endswith(("_s", "_bytes", "_error", "_err", "_rmse")):
+        return "lower"
     return "none"
 
 

@@ -7,6 +7,7 @@ import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
+
 from tests_support import REPO_SUITES, TINY_PRUNE
 
 TINY = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n' + TINY_PRUNE

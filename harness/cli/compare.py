@@ -51,8 +51,24 @@ def junit_key(nodeid: str) -> str:
     return ".".join(names[:-1]) + "::" + names[-1]
 
 
+def suite_thresholds() -> dict[str, float]:
+    """``suite:metric`` -> threshold from each suite file's ``thresholds`` table (suites are local
+    data; a suite that does not load is skipped here - `harness validate` reports it)."""
+    from harness.settings import load_settings
+    from harness.suite.loader import SuiteError, discover, load_suite
+
+    out = {}
+    for path in discover(load_settings().suites_dir):
+        try:
+            ls = load_suite(path)
+        except SuiteError:
+            continue
+        out.update({f"{ls.name}:{m}": v for m, v in ls.suite.thresholds.items()})
+    return out
+
+
 def config_from(args: argparse.Namespace) -> Config:
-    thresholds = {}
+    thresholds = suite_thresholds()  # the command line wins over the suites
     for item in args.metric_threshold:
         key, _, value = item.partition("=")
         thresholds[key.strip()] = float(value)

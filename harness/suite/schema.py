@@ -198,6 +198,10 @@ class Suite(_Strict):
         description="Backends to run on; '*' means every registered backend (absent ones skip).")
     dtypes: list[Literal["float64", "float32", "bfloat16", "float16"]] = Field(
         default_factory=lambda: ["float32", "bfloat16"], description="Run dtypes.")
+    thresholds: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per metric, the relative change `harness compare` calls a regression for this suite "
+        "(e.g. wall_time_s = 0.25); unset metrics use compare's --threshold.")
     known_gaps: dict[str, list[str]] = Field(
         default_factory=dict, description="Per backend, operators known to be missing (tracked, not silent).")
 

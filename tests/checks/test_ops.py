@@ -9,10 +9,10 @@ import textwrap
 
 import pytest
 import torch
-from tests_support import REPO, REPO_SUITES
 
 from harness.checks import CheckFailure, registry, run_one
 from harness.suite.loader import load_suite
+from tests_support import REPO, REPO_SUITES
 
 CPU_LIST = REPO / "harness" / "oplists" / "cpu.txt"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from tests_support import REPO_SUITES, TINY_PRUNE
 
 from harness.checks import CheckFailure, run_one
 from harness.suite.loader import load_suite
+from tests_support import REPO_SUITES, TINY_PRUNE
 
 # Adapters the tests inject: each builds the real transformers model, then breaks one thing.
 FAULTS = '''

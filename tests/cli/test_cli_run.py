@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests_support import REPO_SUITES, TINY_PRUNE
 
 TINY = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n' + TINY_PRUNE

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from tests_support import REPO, REPO_SUITES
 
 from harness.inspect.coverage import (
     COMPOSITE,
@@ -20,6 +19,7 @@ from harness.inspect.coverage import (
 )
 from harness.inspect.params import load_target, meta_model
 from harness.inspect.trace import trace_model
+from tests_support import REPO, REPO_SUITES
 
 CPU_LIST = REPO / "harness" / "oplists" / "cpu.txt"
 

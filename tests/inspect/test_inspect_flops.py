@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import pytest
-from tests_support import REPO_SUITES
 
 from harness.inspect.flops import compute_flops, head_dims
 from harness.inspect.params import count_parameters, load_target, meta_model
+from tests_support import REPO_SUITES
 
 
 def _flops(name, **kw):

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import tomllib
-from tests_support import REPO_SUITES
 
 from harness.cli import init as cli_init
 from harness.inspect.prune import choose_prune
 from harness.suite.loader import load_suite
+from tests_support import REPO_SUITES
 
 CONFIGS = sorted((REPO_SUITES / "configs").glob("*.json"))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests_support import REPO_SUITES
 
 from harness.inspect.params import count_parameters, load_target, meta_model
+from tests_support import REPO_SUITES
 
 B = 1e9
 # suite, official total, official activated (None: dense), which activated convention the vendor uses

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from tests_support import REPO_SUITES
 
 from harness.inspect.params import load_target, meta_model
 from harness.inspect.trace import Inventory, general_module, signature, trace_model
 from harness.models.build import build_model
+from tests_support import REPO_SUITES
 
 # aten.lift_fresh: the identity op torch.tensor(data) runs for a *CPU* tensor built from Python data
 # (transformers' KV-cache init); building on meta skips it.

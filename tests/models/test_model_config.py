@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from tests_support import REPO_SUITES, TINY_PRUNE
 
 from harness.models.build import AdapterError, build_model, load_adapter
 from harness.models.config import UnknownArchitectureError, build_config
 from harness.suite.loader import load_suite
 from harness.suite.schema import PruneSection
+from tests_support import REPO_SUITES, TINY_PRUNE
 
 CONFIGS = REPO_SUITES / "configs"
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tests_support import REPO_SUITES  # noqa: F401  (see tests/tests_support.py)
 
 from harness.suite.loader import SuiteError, discover, load_suite, resolve_names
+from tests_support import REPO_SUITES  # noqa: F401  (see tests/tests_support.py)
 
 GOOD = """
 [model]
