@@ -35,18 +35,21 @@ class Row:
 
 
 class RunObserver:
-    """Collects one Row per item and drives the progress bar."""
+    """Collects one Row per item and drives the progress bar; without a terminal (CI logs) it
+    prints one line per finished item instead."""
 
     def __init__(self, console: Console, show_progress: bool = True):
         self.rows: dict[str, Row] = {}
         self.console = console
+        self.live, self.total, self.done = show_progress, 0, 0
         self.progress = Progress(TextColumn("[bold]harness"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.description}"),
                                  console=console, transient=True, disable=not show_progress)
         self.task = None
 
     def _start(self, total: int) -> None:
-        if self.task is None:
+        self.total = self.total or total
+        if self.task is None and self.live:
             self.progress.start()
             self.task = self.progress.add_task("", total=total)
 
@@ -68,8 +71,15 @@ class RunObserver:
             row.outcome = "skipped"
             row.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             row.message = row.message.removeprefix("Skipped: ")
-        if report.when == "teardown" and self.task is not None:
+        if report.when != "teardown":
+            return
+        self.done += 1
+        if self.task is not None:
             self.progress.update(self.task, advance=1, description=report.nodeid.split("/")[-1][:60])
+        elif not self.live:
+            self.console.print(f"[{self.done}/{self.total}] {row.outcome:<7} {report.nodeid} ({row.duration:.2f} s)"
+                               + (f"  {row.message}" if row.outcome in ("failed", "error") else ""),
+                               highlight=False, markup=False)
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:  # a malformed suite: report it as a row, the run goes on

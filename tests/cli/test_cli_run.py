@@ -33,6 +33,8 @@ def test_run_writes_results_and_prints_a_table(project):
     r = harness("run", "tiny", "--check", "smoke", cwd=project)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "harness results" in r.stdout and "tiny" in r.stdout
+    # no terminal (as in CI): one progress line per finished item
+    assert "[2/2] passed  suites/tiny.toml::smoke[cpu-" in r.stdout
     assert "2 passed, 0 failed, 0 errors, 0 skipped" in r.stdout
     summary = json.loads((project / "results" / "summary.json").read_text())
     assert summary["counts"]["passed"] == 2
