@@ -36,6 +36,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="a suite's or metric's own threshold, e.g. kimi-k2:wall_time_s=0.25")
     p.add_argument("--drift-fraction", type=float, default=0.5,
                    help="precision drift: share of the baseline's headroom to the tolerance used up")
+    p.add_argument("--time-floor", type=float, default=0.05, metavar="SECONDS",
+                   help="changes of timing metrics smaller than this are noise, never findings (default 0.05)")
     p.add_argument("--min-bad-runs", type=int, default=2,
                    help="consecutive bad runs before a metric regression is confirmed (default 2)")
     p.add_argument("--collected", metavar="FILE",
@@ -77,7 +79,7 @@ def config_from(args: argparse.Namespace) -> Config:
         with open(args.collected, encoding="utf-8") as f:
             collected = {junit_key(line.strip()) for line in f if "::" in line}
     return Config(threshold=args.threshold, thresholds=thresholds, drift_fraction=args.drift_fraction,
-                  min_bad_runs=args.min_bad_runs, collected=collected)
+                  min_bad_runs=args.min_bad_runs, collected=collected, time_floor_s=args.time_floor)
 
 
 def register(subparsers) -> None:

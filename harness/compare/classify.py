@@ -34,7 +34,7 @@ from functools import lru_cache, partial
 from harness.compare import changepoint as cpt
 from harness.compare.history import History, SeriesView
 from harness.compare.junit import Case, Results
-from harness.metrics import direction
+from harness.metrics import direction, spec
 
 REGRESSIONS = {"new_failure", "still_failing", "vanished", "precision_drift", "metric_regression"}
 _BAD = ("failed", "error")
@@ -48,6 +48,7 @@ class Config:
     min_bad_runs: int = 2
     history_window: int = 30
     collected: set[str] | None = None  # test ids the suites still define, when known
+    time_floor_s: float = 0.05  # timing changes smaller than this are scheduler noise, never findings
 
     def threshold_for(self, suite: str, metric: str) -> float:
         if not self.thresholds:
@@ -156,6 +157,8 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
         if d == "none" or math.isnan(value):
             continue
         base_v = base.metrics.get(name) if base is not None else None
+        if _below_time_floor(name, value, base_v, series.bounds((case.key, name)), config.time_floor_s):
+            continue
         thr = config.threshold_for(case.suite, name)
         if name in case.tolerances and base_v is not None:
             # Precision metrics are judged against their tolerance, not a relative threshold.
@@ -203,10 +206,26 @@ def _finding(case: Case, category: str, kind: str, name: str, value: float, old:
                    confirmed=bad_runs >= config.min_bad_runs, bad_runs=bad_runs, note=note)
 
 
+def _below_time_floor(name: str, value: float, base_v: float | None, bounds: tuple, floor: float) -> bool:
+    """A 30 ms item that takes 40 ms is +33% and means nothing: for metrics in seconds, a change
+    below ``floor`` (against the baseline and every earlier run) is not a finding."""
+    if floor <= 0 or not _is_time(name):
+        return False
+    lo, hi, n = bounds
+    refs = [v for v in (base_v, lo if n else None, hi if n else None) if v is not None and not math.isnan(v)]
+    return all(abs(value - r) < floor for r in refs)
+
+
 def _may_change(lo: float, hi: float, value: float, d: str, thr: float) -> bool:
     """Past the threshold against the best or the worst earlier value: necessary for any split."""
     best, worst = (lo, hi) if d == "lower" else (hi, lo)
     return cpt.is_worse(best, value, d, thr) or cpt.is_better(worst, value, d, thr)
+
+
+@lru_cache(maxsize=1024)
+def _is_time(name: str) -> bool:
+    s = spec(name)
+    return s.unit == "s" if s is not None else name.endswith("_s") and not name.endswith("_per_s")
 
 
 @lru_cache(maxsize=1024)

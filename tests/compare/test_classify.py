@@ -71,6 +71,14 @@ def test_metric_direction_and_threshold(tmp_path, metric, base_v, cur_v, expecte
         assert not found[0].confirmed and found[0].bad_runs == 1  # one run never confirms
 
 
+def test_timing_changes_below_the_floor_are_noise(tmp_path):
+    base = results(tmp_path, "base", [item("s", "perf", metrics={"wall_time_s": 0.03, "peak_memory_bytes": 1e6})])
+    cur = results(tmp_path, "cur", [item("s", "perf", metrics={"wall_time_s": 0.045, "peak_memory_bytes": 2e6})])
+    found = [f.metric for f in classify(cur, base, None, Config()).findings]
+    assert found == ["peak_memory_bytes"]  # +50% of 30 ms is noise; +100% memory is not
+    assert "wall_time_s" in [f.metric for f in classify(cur, base, None, Config(time_floor_s=0)).findings]
+
+
 def test_suite_threshold_overrides_default(tmp_path):
     base = results(tmp_path, "base", [item("s", "perf", metrics={"wall_time_s": 1.0})])
     cur = results(tmp_path, "cur", [item("s", "perf", metrics={"wall_time_s": 1.2})])
