@@ -87,4 +87,8 @@ def run(args) -> int:
         return 0
     ok, msg = validate(path)
     print(("ok: " if ok else "FAILED: ") + msg)
+    if ok:
+        name = path.stem
+        print(f"next: `harness golden generate {name}` writes its precision reference (the precision check "
+              f"fails until it exists), then `harness run {name}` or `tox -e model-{name}`")
     return 0 if ok else 1
