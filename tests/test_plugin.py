@@ -113,6 +113,7 @@ def test_filters_and_dtype_override(project):
     write(project, "tiny", TINY)
     r = project.runpytest("suites", "--harness-dtype=float16", "--harness-backend=cpu",
                           "--collect-only", "-q")
+    assert r.ret == 0
     r.stdout.fnmatch_lines(["suites/tiny.toml::smoke[[]cpu-float16[]]", "1 test collected*"])
 
 

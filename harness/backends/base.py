@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.registry import NamedRegistry
+
 PROBE_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
@@ -152,28 +154,5 @@ class Backend:
         return r == "ok", r
 
 
-class Registry:
-    def __init__(self):
-        self._backends: dict[str, Backend] = {}
-
-    def add(self, backend: Backend, *, replace: bool = False) -> Backend:
-        if backend.name in self._backends and not replace:
-            raise ValueError(f"backend {backend.name!r} registered twice "
-                             f"({self._backends[backend.name].source} and {backend.source})")
-        self._backends[backend.name] = backend
-        return backend
-
-    def get(self, name: str) -> Backend:
-        try:
-            return self._backends[name]
-        except KeyError:
-            raise KeyError(f"unknown backend {name!r} (registered: {', '.join(self._backends)})") from None
-
-    def names(self) -> list[str]:
-        return list(self._backends)
-
-    def __iter__(self):
-        return iter(self._backends.values())
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._backends
+class Registry(NamedRegistry[Backend]):
+    kind = "backend"

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from harness import metrics
 from harness.backends.base import Backend
+from harness.registry import NamedRegistry
 from harness.suite.loader import LoadedSuite
 
 
@@ -74,27 +75,8 @@ class Check(Protocol):
     def run(self, ctx: CheckContext) -> None: ...
 
 
-class CheckRegistry:
-    def __init__(self):
-        self._checks: dict[str, Check] = {}
-
-    def add(self, check: Check) -> Check:
-        if check.name in self._checks:
-            raise ValueError(f"check {check.name!r} registered twice")
-        self._checks[check.name] = check
-        return check
-
-    def get(self, name: str) -> Check:
-        try:
-            return self._checks[name]
-        except KeyError:
-            raise KeyError(f"unknown check {name!r} (registered: {', '.join(self._checks)})") from None
-
-    def names(self) -> list[str]:
-        return list(self._checks)
-
-    def __iter__(self):
-        return iter(self._checks.values())
+class CheckRegistry(NamedRegistry[Check]):
+    kind = "check"
 
 
 _REGISTRY: CheckRegistry | None = None

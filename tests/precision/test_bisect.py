@@ -17,11 +17,11 @@ def _setup(name):
 def test_minimal_set_finds_needed_elements():
     calls = []
 
-    def test(s):
+    def needs_c_and_f(s):
         calls.append(list(s))
         return {"c", "f"} <= set(s)
 
-    assert sorted(minimal_set(list("abcdefgh"), test)) == ["c", "f"]
+    assert sorted(minimal_set(list("abcdefgh"), needs_c_and_f)) == ["c", "f"]
     assert minimal_set(list("ab"), lambda s: False) is None
     assert len(calls) < 20
 
