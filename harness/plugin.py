@@ -5,21 +5,25 @@ TOML yields one ``HarnessItem`` per check x backend x dtype (x variant). A ``.to
 suite when it sits in a directory named ``suites`` or is named on the command line.
 
 Options narrow what is generated (``--harness-backend cpu --harness-dtype float32``); ``-k`` works
-as usual on ids like ``smoke[cpu-float32]``. Metrics go to ``user_properties`` and from there into
-the JUnit XML (naming convention: harness/metrics.py).
+as usual on ids like ``smoke[cpu-float32]``. Every item writes its identity (suite, check,
+backend, dtype, variant) as JUnit properties at setup, before anything can skip, and its metrics
+after the run (naming convention: harness/metrics.py), so nothing downstream parses the test id.
+
+Checks never raise pytest exceptions: ``harness.execute`` turns what a check did into an
+``ItemResult`` and :meth:`HarnessItem.runtest` is the one place that maps it to pytest
+(passed / failed / xfailed / skipped / error).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
-from harness import checks, metrics
+from harness import checks
 from harness.backends import registry as backend_registry
-from harness.checks import CheckContext, CheckFailure
+from harness.execute import ItemResult, execute, identity_properties
 from harness.suite.loader import LoadedSuite, SuiteError, load_suite
 
 
@@ -46,24 +50,54 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(config.workerinput["workercount"])))
     for name in checks.registry().names():
         config.addinivalue_line("markers", f"{name}: harness '{name}' check items")
+    _validate_options(config)
+
+
+def _validate_options(config: pytest.Config) -> None:
+    """A typo in --harness-check/--harness-backend/--harness-dtype would silently select nothing."""
+    from harness.suite.schema import DTYPES
+
+    known = {"--harness-check": checks.registry().names(), "--harness-dtype": list(DTYPES)}
+    try:
+        known["--harness-backend"] = backend_registry().names()
+    except Exception as e:  # a bad harness.toml: say so once, in one line
+        raise pytest.UsageError(str(e)) from None
+    for opt, names in known.items():
+        asked = _split(config.getoption(opt.lstrip("-").replace("-", "_"), None)) or set()
+        bad = sorted(asked - set(names))
+        if bad:
+            raise pytest.UsageError(f"{opt}: unknown {opt.split('-')[-1]} {', '.join(map(repr, bad))} "
+                                    f"(known: {', '.join(names)})")
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     if file_path.suffix != ".toml":
         return None
     explicit = any(Path(str(a).split("::")[0]).resolve() == file_path.resolve() for a in parent.config.args)
-    if explicit or file_path.parent.name == "suites":
-        return SuiteFile.from_parent(parent, path=file_path)
-    return None
+    if not (explicit or file_path.parent.name == "suites"):
+        return None
+    nodeid = None
+    try:
+        file_path.resolve().relative_to(parent.config.rootpath.resolve())
+    except ValueError:
+        # Outside the rootdir pytest would give the file an empty id (items read
+        # "::smoke[cpu-float32]"): name it by its folder and file, as it would read in a repository.
+        nodeid = f"{file_path.parent.name}/{file_path.name}"
+    return SuiteFile.from_parent(parent, path=file_path, nodeid=nodeid)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    # A malformed suite errors in setup, where pytest would print a traceback: the loader's
-    # message (file: field: problem) is the whole story.
     report = yield
-    if call.excinfo is not None and isinstance(call.excinfo.value, SuiteError):
-        report.longrepr = str(call.excinfo.value)
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, SuiteError):
+        # A malformed suite errors in setup, where pytest would print a traceback: the loader's
+        # message (file: field: problem) is the whole story.
+        report.longrepr = str(exc)
+    elif isinstance(exc, ItemError) and report.when == "call":
+        # "Could not run" is an error, not a failure of the model: pytest and its JUnit writer call
+        # a failed report an error when it is not the call phase's.
+        report.when = "setup"
     return report
 
 
@@ -71,24 +105,47 @@ class SuiteFile(pytest.File):
     def collect(self):
         try:
             ls = load_suite(self.path)
+            items = list(self._items(ls))
         except SuiteError as e:
             # One erroring item instead of a collection error: pytest would stop the whole session
             # on a collection error, and the other suites' results (and JUnit XML) would be lost.
             yield SuiteLoadItem.from_parent(self, name="load", error=e)
             return
+        except Exception as e:  # anything else while reading one suite costs that suite only
+            err = SuiteError(self.path, [f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"])
+            yield SuiteLoadItem.from_parent(self, name="load", error=err)
+            return
+        yield from items
+
+    def _items(self, ls: LoadedSuite):
         opt = self.config.getoption
         want_b, want_d, want_c = (_split(opt("harness_backend")), _split(opt("harness_dtype")),
                                   _split(opt("harness_check")))
         breg = backend_registry()
-        names = breg.names() if "*" in ls.suite.backends else ls.suite.backends
+        if "*" in ls.suite.backends:
+            names = breg.names()
+        else:
+            unknown = [b for b in ls.suite.backends if b not in breg]
+            if unknown:
+                raise SuiteError(ls.path, [f"backends: unknown backend {', '.join(map(repr, unknown))} "
+                                           f"(registered: {', '.join(breg.names())})"])
+            names = ls.suite.backends
         for check in checks.registry():
             if (want_c and check.name not in want_c) or not check.enabled(ls):
                 continue
+            wanted_variants = list(getattr(check.config(ls), "variants", []) or []) if hasattr(check, "config") else []
             for bname in names:
                 if want_b and bname not in want_b:
                     continue
-                backend = breg.get(bname) if bname in breg else None
-                variants = check.variants(ls, backend) if backend and backend.available() else [None]
+                backend = breg.get(bname)
+                variants = check.variants(ls, backend) if backend.available() else [None]
+                if wanted_variants and variants != [None]:
+                    unknown = sorted(set(wanted_variants) - set(variants))
+                    if unknown:
+                        raise SuiteError(ls.path, [f"checks.{check.name}.variants: unknown variant "
+                                                   f"{', '.join(map(repr, unknown))} (known: "
+                                                   f"{', '.join(str(v) for v in variants)})"])
+                    variants = [v for v in variants if v in wanted_variants]
                 # --harness-dtype replaces the suite's dtypes (a vendor may need float16 where the
                 # suite author only listed float32/bfloat16); backends and checks only filter.
                 for dtype in sorted(want_d) if want_d else ls.suite.dtypes:
@@ -99,13 +156,13 @@ class SuiteFile(pytest.File):
                             backend_name=bname, dtype=dtype, variant=variant)
 
 
-
 class SuiteLoadItem(pytest.Item):
     """Stands for a suite file that does not load: errors in setup with the loader's message."""
 
     def __init__(self, *, error: SuiteError, **kw):
         super().__init__(**kw)
         self.error = error
+        self.user_properties.extend(identity_properties(self.path.stem, "load", "", "", None))
 
     def setup(self) -> None:
         raise self.error
@@ -117,52 +174,64 @@ class SuiteLoadItem(pytest.Item):
         return self.path, None, f"{self.path.name}::load"
 
 
+class ItemFailed(Exception):
+    """The check ran and the model said no (a CheckFailure, or the model raised)."""
+
+    def __init__(self, result: ItemResult):
+        super().__init__(result.message)
+        self.result = result
+
+
+class ItemError(ItemFailed):
+    """harness could not run the check (setup): reported as an error."""
+
+
 class HarnessItem(pytest.Item):
     def __init__(self, *, suite: LoadedSuite, check, backend_name: str, dtype: str,
                  variant: str | None, **kw):
         super().__init__(**kw)
         self.suite, self.check, self.backend_name = suite, check, backend_name
         self.dtype, self.variant = dtype, variant
-        self.ctx: CheckContext | None = None
+        self.result: ItemResult | None = None
         self.add_marker(getattr(pytest.mark, check.name))
 
     def setup(self) -> None:
-        reg = backend_registry()
-        if self.backend_name not in reg:
-            pytest.skip(f"backend {self.backend_name!r} is not registered (registered: {', '.join(reg.names())})")
-        self.backend = reg.get(self.backend_name)
+        # Identity first: a skipped item is still one of this suite's, in the XML and the table.
+        self.user_properties.extend(identity_properties(
+            self.suite.name, self.check.name, self.backend_name, self.dtype, self.variant))
+        self.backend = backend_registry().get(self.backend_name)
         ok, why = self.backend.availability()
         if not ok:
             pytest.skip(why)
+        self.user_properties.append(("harness.device", self.backend.device_name()))
         ok, why = self.backend.supports(self.dtype)
         if not ok:
             pytest.skip(f"backend {self.backend_name} does not support {self.dtype}: {why}")
 
     def runtest(self) -> None:
-        be = self.backend
-        self.user_properties.extend(metrics.meta_properties(
-            self.suite.name, self.check.name, self.backend_name, self.dtype, be.device_name(), self.variant))
-        self.ctx = ctx = CheckContext(self.suite, be, self.dtype, self.variant)
-        be.reset_peak_memory()
-        t = time.perf_counter()
-        try:
-            self.check.run(ctx)
-        finally:
-            be.synchronize()
-            ctx.metric("wall_time_s", time.perf_counter() - t)
-            peak = be.peak_memory()
-            if peak is not None:
-                ctx.metric("peak_memory_bytes", peak)
-            if ctx.notes:
-                ctx.detail("notes", "; ".join(ctx.notes))
-                self.add_report_section("call", "harness notes", "\n".join(ctx.notes))
-            self.user_properties.extend(ctx.properties)
+        self.result = r = execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
+        self.user_properties.extend(r.properties)
+        if r.notes:
+            self.add_report_section("call", "harness notes", "\n".join(r.notes))
+        _to_pytest(r)
 
     def repr_failure(self, excinfo, style=None):
-        if isinstance(excinfo.value, CheckFailure):
-            return excinfo.value.report(f"{self.check.name} check failed for {self.suite.name} "
-                                        f"on {self.backend_name} in {self.dtype}")
+        if isinstance(excinfo.value, ItemFailed):
+            return excinfo.value.result.report or excinfo.value.result.message
         return super().repr_failure(excinfo, style=style or "short")
 
     def reportinfo(self):
         return self.path, None, f"{self.suite.name}::{self.name}"
+
+
+def _to_pytest(r: ItemResult) -> None:
+    """The one place an item's outcome becomes a pytest outcome."""
+    if r.outcome == "passed":
+        return
+    if r.outcome == "skipped":
+        pytest.skip(r.message)
+    if r.outcome == "xfailed":
+        pytest.xfail(r.message)
+    if r.outcome == "error":
+        raise ItemError(r)
+    raise ItemFailed(r)

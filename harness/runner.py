@@ -113,15 +113,13 @@ def build_args(suites: list[Path], backends: list[str], dtypes: list[str], check
 
 
 def _key(r: Row) -> tuple[str, str, str, str, str]:
-    """(suite, check, backend, dtype, variant) from the properties, else from the test id
-    (skipped items never ran, so they have no properties)."""
+    """(suite, check, backend, dtype, variant) from the identity properties every item writes at
+    setup (harness.plugin). Only a collection error has none: it is its file's ``load`` row."""
     meta = r.parsed["meta"]
-    file, _, name = r.nodeid.rpartition("::")
-    inside = name[name.find("[") + 1:-1].split("-", 2) if "[" in name else []
-    inside += [""] * (3 - len(inside))
-    return (meta.get("suite") or file.split("/")[-1].removesuffix(".toml"),
-            meta.get("check") or name.split("[")[0], meta.get("backend") or inside[0],
-            meta.get("dtype") or inside[1], meta.get("variant") or inside[2])
+    if "suite" in meta:
+        return (meta["suite"], meta.get("check", ""), meta.get("backend", ""), meta.get("dtype", ""),
+                meta.get("variant", ""))
+    return (r.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".toml"), "load", "", "", "")
 
 
 SEVERITY = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}

@@ -18,8 +18,9 @@ import functools
 import os
 from pathlib import Path
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from harness import toml
 
 
 class CustomBackend(BaseModel):
@@ -61,10 +62,12 @@ def _load(path: str | None) -> Settings:
         return Settings()
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = toml.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise SettingsError(f"{p}: cannot read harness settings: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except toml.TOMLDecodeError as e:
         raise SettingsError(f"{p}: not valid TOML: {e}") from None
     try:
         return Settings.model_validate(data)

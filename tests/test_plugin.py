@@ -73,11 +73,25 @@ def test_uninstalled_backend_items_skip_with_reason(project):
     r.stdout.fnmatch_lines(["*SKIPPED*backend npu: module 'torch_npu' not importable*"])
 
 
-def test_unregistered_backend_skips(project):
+def test_unknown_backend_in_a_suite_is_an_error_naming_the_known_ones(project):
+    # A typo in `backends` used to make the suite silently run nothing, exit 0.
     write(project, "x", 'backends = ["tpu9"]\ndtypes = ["float32"]\n' + TINY)
-    r = project.runpytest("suites", "-rs")
-    r.assert_outcomes(skipped=1)
-    r.stdout.fnmatch_lines(["*backend 'tpu9' is not registered*"])
+    write(project, "good", 'backends = ["cpu"]\ndtypes = ["float32"]\n' + TINY)
+    r = project.runpytest("suites", "--junitxml=j.xml")
+    r.assert_outcomes(passed=1, errors=1)
+    r.stdout.fnmatch_lines(["*suites/x.toml: backends: unknown backend 'tpu9' (registered: cpu, cuda*"])
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--harness-check=smok", "--harness-check: unknown check 'smok' (known: *smoke*"),
+    ("--harness-backend=cpux", "--harness-backend: unknown backend 'cpux' (known: cpu,*"),
+    ("--harness-dtype=fp32", "--harness-dtype: unknown dtype 'fp32' (known: float64, float32, bfloat16, float16)"),
+])
+def test_unknown_option_values_are_usage_errors(project, option, message):
+    write(project, "tiny", TINY)
+    r = project.runpytest("suites", option)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["*" + message])
 
 
 def test_custom_backend_declared_in_configuration_runs(project, monkeypatch):

@@ -1,112 +1,90 @@
 """Checks: what a pytest item runs for one suite x backend x dtype (x variant).
 
-A check is a small object with a ``name``, ``enabled(suite)``, ``variants(suite, backend)``,
-``run(ctx)`` and optionally ``headline`` (metric names for `harness run`'s table). ``run`` records
-metrics through ``ctx.metric`` and raises ``CheckFailure`` (with the metric, expected, observed and
-tolerance) when the model misbehaves. Built-in checks and a vendor's own register the same way: an
-entry point in the ``harness.checks`` group whose target is ``register(registry)``.
+The contract (``base.py``, ``outcomes.py``; walkthrough in docs/adding-a-check.md):
+
+* a check declares its own ``[checks.<name>]`` table (``config_model``, a ``CheckConfig``);
+* it runs as a short sequence of named steps and says what happened by raising a harness outcome
+  (``CheckFailure``, ``KnownGap``, ``NotApplicable``, ``CouldNotRun``), never a pytest exception;
+* built-in checks and a vendor's own register the same way: an entry point in the
+  ``harness.checks`` group whose target is ``register(registry)``.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol
 
-from harness import metrics
-from harness.backends.base import Backend
+from harness.checks.base import (
+    Check,
+    CheckConfig,
+    CheckContext,
+    add_phase_listener,
+    remove_phase_listener,
+)
+from harness.checks.outcomes import CheckFailure, CheckOutcome, CouldNotRun, KnownGap, NotApplicable
 from harness.registry import NamedRegistry
-from harness.suite.loader import LoadedSuite
 
-
-class CheckFailure(AssertionError):
-    """The model (not harness) failed a check. Every field shows up in the pytest report."""
-
-    def __init__(self, message: str, *, metric: str | None = None, expected: Any = None,
-                 observed: Any = None, tolerance: Any = None, details: str | None = None):
-        super().__init__(message)
-        self.message, self.metric, self.expected = message, metric, expected
-        self.observed, self.tolerance, self.details = observed, tolerance, details
-
-    def report(self, header: str) -> str:
-        lines = [f"{header}: {self.message}"]
-        for label, value in (("metric", self.metric), ("expected", self.expected),
-                             ("observed", self.observed), ("tolerance", self.tolerance)):
-            if value is not None:
-                lines.append(f"  {label + ':':<11}{value}")
-        if self.details:
-            lines += ["", self.details]
-        return "\n".join(lines)
-
-
-@dataclass
-class CheckContext:
-    suite: LoadedSuite
-    backend: Backend
-    dtype: str
-    variant: str | None = None
-    properties: list[tuple[str, str]] = field(default_factory=list)  # -> item.user_properties
-    notes: list[str] = field(default_factory=list)  # shown in the report and summary
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def device(self):
-        return self.backend.device()
-
-    def metric(self, name: str, value: float) -> float:
-        self.properties.append(metrics.metric_property(name, value))
-        return value
-
-    def tolerance(self, name: str, value: float) -> None:
-        self.properties.append(metrics.tolerance_property(name, value))
-
-    def detail(self, key: str, value: str) -> None:
-        self.properties.append(metrics.detail_property(key, value))
-
-
-class Check(Protocol):
-    name: str
-
-    def enabled(self, suite: LoadedSuite) -> bool: ...
-
-    def variants(self, suite: LoadedSuite, backend: Backend) -> list[str | None]: ...
-
-    def run(self, ctx: CheckContext) -> None: ...
+__all__ = ["Check", "CheckConfig", "CheckContext", "CheckFailure", "CheckOutcome", "CheckRegistry",
+           "CouldNotRun", "KnownGap", "NotApplicable", "add_phase_listener", "registry",
+           "remove_phase_listener", "run_one"]
 
 
 class CheckRegistry(NamedRegistry[Check]):
     kind = "check"
 
+    def add(self, item: Check, *, replace: bool = False) -> Check:
+        name = getattr(item, "name", "")
+        if not name or not name.isidentifier():
+            raise ValueError(f"a check needs a name that is a Python identifier (it becomes the "
+                             f"[checks.<name>] table), got {name!r} from {self._describe(item)}")
+        model = getattr(item, "config_model", CheckConfig)
+        if not (isinstance(model, type) and issubclass(model, CheckConfig)):
+            raise ValueError(f"check {name!r}: config_model must be a harness.checks.CheckConfig subclass, "
+                             f"got {model!r}")
+        return super().add(item, replace=replace)
+
 
 _REGISTRY: CheckRegistry | None = None
+
+# Built-ins register through the same entry points a vendor uses; a source tree that was never
+# pip-installed has no entry points, so it registers them from this list instead.
+BUILTIN = ("harness.checks.smoke", "harness.checks.precision", "harness.checks.quantization",
+           "harness.checks.ops")
 
 
 def registry() -> CheckRegistry:
     global _REGISTRY
     if _REGISTRY is None:
+        import importlib
+
         reg = CheckRegistry()
         eps = list(entry_points(group="harness.checks"))
-        if not eps:  # source tree never pip-installed
-            from harness.checks import smoke
-
-            smoke.register(reg)
+        if not any(ep.value.startswith("harness.checks.") for ep in eps):
+            for mod in BUILTIN:
+                importlib.import_module(mod).register(reg)
         for ep in eps:
+            before = set(reg.names())
             ep.load()(reg)
+            for n in set(reg.names()) - before:
+                if ep.dist is not None and not ep.value.startswith("harness."):
+                    reg.get(n).source = f"{ep.dist.name} ({ep.value})"
         _REGISTRY = reg
     return _REGISTRY
 
 
-def run_one(suite: LoadedSuite, check: str = "smoke", backend: str = "cpu", dtype: str = "float32",
+def run_one(suite, check: str = "smoke", backend: str = "cpu", dtype: str = "float32",
             variant: str | None = None) -> CheckContext:
-    """Run one check outside pytest (``harness init`` validates a new suite this way). Raises
-    ``CheckFailure`` when the model fails; returns the context with the recorded properties."""
+    """Run one check outside pytest (``harness init`` validates a new suite this way). Raises the
+    check's outcome (``CheckFailure``, ``KnownGap``, ``NotApplicable``, ``CouldNotRun``) and never a
+    pytest exception; returns the context with the recorded properties when the model passes."""
     from harness.backends import get
 
-    be = get(backend)
+    try:
+        be = get(backend)
+    except KeyError as e:
+        raise CouldNotRun(str(e).strip("'\"")) from None
     ok, why = be.availability()
     if not ok:
-        raise RuntimeError(why)
-    ctx = CheckContext(suite, be, dtype, variant)
+        raise NotApplicable(why)
+    ctx = CheckContext(suite, be, dtype, variant, check=check)
     registry().get(check).run(ctx)
     return ctx

@@ -29,12 +29,19 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
 from torch.utils._pytree import tree_flatten, tree_map
 
 from harness import metrics
-from harness.backends.base import Backend
-from harness.checks import CheckContext, CheckFailure, CheckRegistry
-from harness.suite.loader import LoadedSuite
+from harness.checks import (
+    Check,
+    CheckConfig,
+    CheckContext,
+    CheckFailure,
+    CheckRegistry,
+    KnownGap,
+    NotApplicable,
+)
 
 metrics.declare("op_max_rel_error", "", "lower", "worst max|out-ref|/max(|ref|,1) of an op over its inputs")
 metrics.declare("op_cases", "", "none", "inputs an op was compared on (model's own + hypothesis examples)")
@@ -49,6 +56,25 @@ DISCRETE = TIE_INDICES + ("aten.histc", "aten.argmax", "aten.argmin", "aten.buck
                           "aten.floor_divide", "aten.eq", "aten.ne", "aten.gt", "aten.lt", "aten.ge", "aten.le")
 VALUE_KINDS = ("model", "zeros", "normal", "large", "negative", "denormal")
 MAX_VARIED_NUMEL = 1 << 21
+
+
+class OpsConfig(CheckConfig):
+    """Per-op conformance against CPU float64, one item per aten op of the pruned model."""
+
+    enabled: bool = Field(
+        False, description="Generate one conformance item per aten op of the pruned model (opt-in: the "
+        "op inventory is traced once per suite and cached on disk).")
+    examples: int = Field(6, ge=0, description="Hypothesis examples per op beyond the model's own inputs "
+                          "(zeros, large magnitudes, negatives, denormals).")
+    tolerance: dict[str, float] = Field(
+        default_factory=lambda: {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 3e-3},
+        description="Max |out - ref| / max(|ref|, 1) per dtype against the CPU float64 reference.")
+    skip: list[str] = Field(default_factory=list, description="Ops not to generate items for (aten.x.overload).")
+
+
+def _n_float(sample) -> int:
+    return sum(1 for x in tree_flatten((sample.args, sample.kwargs))[0]
+               if isinstance(x, torch.Tensor) and x.is_floating_point())
 
 
 def _base(op: str) -> str:
@@ -147,110 +173,125 @@ def _vary(t: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
         return v
 
 
-class OpsCheck:
+class OpsCheck(Check):
     name = "ops"
+    config_model = OpsConfig
     headline = ("op_max_rel_error", "op_cases")  # `harness run`'s table
+    steps = ("inventory", "coverage", "model_inputs", "varied_inputs", "record")
+    setup_steps = ("inventory",)
 
-    def enabled(self, suite: LoadedSuite) -> bool:
-        return suite.suite.checks.ops.enabled
-
-    def variants(self, suite: LoadedSuite, backend: Backend) -> list[str | None]:
+    def variants(self, suite, backend) -> list[str | None]:
         from harness.inspect.trace import suite_op_names
 
         names = suite_op_names(suite, list(suite.suite.dtypes))
         skip = set(suite.suite.checks.ops.skip)
         return sorted({op for ops in names.values() for op in ops} - skip)
 
-    def run(self, ctx: CheckContext) -> None:
-        import pytest
+    def new_state(self, ctx: CheckContext):
+        from types import SimpleNamespace
 
-        from harness.inspect.coverage import MISSING, backend_source, canonical, classify_op
+        return SimpleNamespace(worst=0.0, cases=0, notes=set())
+
+    def inventory(self, ctx: CheckContext, st) -> None:
+        """The op's recorded calls in the pruned model (real CPU trace, cached on disk)."""
         from harness.inspect.trace import real_inventory
 
-        op, cfg, be = ctx.variant, ctx.suite.suite.checks.ops, ctx.backend
-        if not op:
+        st.op, st.cfg = ctx.variant, ctx.config
+        if not st.op:
             raise CheckFailure("the ops check needs an op variant (ops[<backend>-<dtype>-aten.x.overload])")
         inv = real_inventory(ctx.suite, ctx.dtype)
-        rec = inv.ops.get(op)
-        if rec is None:
-            pytest.skip(f"{op} is not executed by the model in {ctx.dtype}")
-        modules = inv.modules_of(op)
-        ctx.detail("modules", "; ".join(modules))
+        st.samples = inv.samples.get(st.op, [])
+        if inv.ops.get(st.op) is None:
+            raise NotApplicable(f"{st.op} is not executed by the model in {ctx.dtype}")
+        st.modules = inv.modules_of(st.op)
+        ctx.detail("modules", "; ".join(st.modules))
+
+    def coverage(self, ctx: CheckContext, st) -> None:
+        """Does the backend have a kernel? Missing fails (or is a declared known gap)."""
+        from harness.inspect.coverage import MISSING, backend_source, canonical, classify_op
+
+        op, be = st.op, ctx.backend
         key, oplist, source = backend_source(be.name)
         status, how = classify_op(op, dispatch_key=key, op_list=oplist)
         ctx.detail("coverage", f"{status} ({how}; {source})")
         if status == MISSING:
             msg = (f"{op} is missing on backend {be.name}: {how} [{source}]; "
-                   f"needed by {len(modules)} module(s): {', '.join(modules)}")
+                   f"needed by {len(st.modules)} module(s): {', '.join(st.modules)}")
             gaps = {canonical(g) for g in ctx.suite.suite.known_gaps.get(be.name, [])}
             if op in gaps or f"{_base(op)}.*" in gaps:
-                pytest.xfail(f"known gap (suite known_gaps.{be.name}): {msg}")
+                raise KnownGap(f"known gap (suite known_gaps.{be.name}): {msg}")
             raise CheckFailure(msg, metric="op_status", expected="native, composite or cpu-fallback",
-                               observed=MISSING, details="modules:\n  " + "\n  ".join(modules))
+                               observed=MISSING, details="modules:\n  " + "\n  ".join(st.modules))
+        st.func = resolve_op(op)
+        st.tol = st.cfg.tolerance.get(ctx.dtype, 1e-5)
+        ctx.tolerance("op_max_rel_error", st.tol)
 
-        func = resolve_op(op)
-        tol = cfg.tolerance.get(ctx.dtype, 1e-5)
-        ctx.tolerance("op_max_rel_error", tol)
-        dev = ctx.device
-        state = {"worst": 0.0, "cases": 0, "notes": set()}
+    def model_inputs(self, ctx: CheckContext, st) -> None:
+        """The op on the inputs the model itself passed it (its own shapes, dtypes and values)."""
+        for sample in st.samples:
+            n = _n_float(sample)
+            self._case(ctx, st, sample, ("model",) * n, (0,) * n)
 
-        def check_case(sample, kinds: tuple[str, ...], seeds: tuple[int, ...]):
-            it = iter(zip(kinds, seeds, strict=False))
-
-            def vary(x):
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    k, s = next(it, ("model", 0))
-                    return _vary(x, k, s)
-                return x
-
-            args, kwargs = tree_map(vary, (sample.args, sample.kwargs))
-            label = f"inputs {sample.signature}" + (f" with values {list(kinds)}" if any(
-                k != "model" for k in kinds) else " (the model's own values)")
-            try:
-                out = _execute(func, args, kwargs, dev)
-            except Exception as e:
-                raise CheckFailure(f"{op} raised on {be.name} for {label}: {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:300]}", metric="op_runs", expected="runs",
-                                   observed="raises", details="modules:\n  " + "\n  ".join(modules)) from None
-            try:
-                ref = _execute(func, args, kwargs, "cpu", torch.float64)
-                ref_name = "cpu float64"
-            except Exception as e:
-                ref = _execute(func, args, kwargs, "cpu")
-                ref_name = f"cpu {ctx.dtype}"
-                state["notes"].add(f"{op}: no float64 CPU reference ({type(e).__name__}); compared with cpu "
-                                   f"{ctx.dtype}")
-            try:
-                err = compare_outputs(op, out, ref)
-                if err > tol and ref_name == "cpu float64":  # no worse than the dtype itself allows
-                    own = compare_outputs(op, _execute(func, args, kwargs, "cpu"), ref)
-                    if err <= 2 * own + tol:
-                        state["notes"].add(f"{op}: error {err:.3g} > tolerance but within 2x the CPU's own "
-                                           f"{ctx.dtype} error {own:.3g}")
-                        err = min(err, tol)
-            except _Mismatch as m:
-                raise CheckFailure(f"{op} on {be.name} differs from the {ref_name} reference for {label}: {m}",
-                                   metric="op_output", expected="equal", observed=str(m)) from None
-            state["cases"] += 1
-            state["worst"] = max(state["worst"], err)
-            if err > tol:
-                raise CheckFailure(f"{op} on {be.name} is off the {ref_name} reference for {label}",
-                                   metric="op_max_rel_error", expected=f"<= {tol}", observed=f"{err:.6g}",
-                                   tolerance=tol)
-
-        for sample in inv.samples.get(op, []):
-            n_float = sum(1 for x in tree_flatten((sample.args, sample.kwargs))[0]
-                          if isinstance(x, torch.Tensor) and x.is_floating_point())
-            check_case(sample, ("model",) * n_float, (0,) * n_float)
+    def varied_inputs(self, ctx: CheckContext, st) -> None:
+        """hypothesis varies the floating inputs (zeros, large, negative, denormal, normal)."""
+        for sample in st.samples:
+            n_float = _n_float(sample)
             numel = sum(x.numel() for x in tree_flatten((sample.args, sample.kwargs))[0]
                         if isinstance(x, torch.Tensor))
-            if not n_float or not cfg.examples or _base(op) in DISCRETE or numel > MAX_VARIED_NUMEL:
+            if not n_float or not st.cfg.examples or _base(st.op) in DISCRETE or numel > MAX_VARIED_NUMEL:
                 continue
-            self._hypothesis(check_case, sample, n_float, cfg.examples)
+            self._hypothesis(lambda s, k, seeds: self._case(ctx, st, s, k, seeds), sample, n_float,
+                             st.cfg.examples)
 
-        ctx.metric("op_max_rel_error", state["worst"])
-        ctx.metric("op_cases", state["cases"])
-        ctx.notes.extend(sorted(state["notes"]))
+    def record(self, ctx: CheckContext, st) -> None:
+        ctx.metric("op_max_rel_error", st.worst)
+        ctx.metric("op_cases", st.cases)
+        ctx.notes.extend(sorted(st.notes))
+
+    def _case(self, ctx: CheckContext, st, sample, kinds: tuple[str, ...], seeds: tuple[int, ...]) -> None:
+        op, func, tol, dev, be = st.op, st.func, st.tol, ctx.device, ctx.backend
+        it = iter(zip(kinds, seeds, strict=False))
+
+        def vary(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                k, s = next(it, ("model", 0))
+                return _vary(x, k, s)
+            return x
+
+        args, kwargs = tree_map(vary, (sample.args, sample.kwargs))
+        label = f"inputs {sample.signature}" + (f" with values {list(kinds)}" if any(
+            k != "model" for k in kinds) else " (the model's own values)")
+        try:
+            out = _execute(func, args, kwargs, dev)
+        except Exception as e:
+            raise CheckFailure(f"{op} raised on {be.name} for {label}: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:300] if str(e) else ''}", metric="op_runs",
+                               expected="runs", observed="raises",
+                               details="modules:\n  " + "\n  ".join(st.modules)) from None
+        try:
+            ref = _execute(func, args, kwargs, "cpu", torch.float64)
+            ref_name = "cpu float64"
+        except Exception as e:
+            ref = _execute(func, args, kwargs, "cpu")
+            ref_name = f"cpu {ctx.dtype}"
+            st.notes.add(f"{op}: no float64 CPU reference ({type(e).__name__}); compared with cpu {ctx.dtype}")
+        try:
+            err = compare_outputs(op, out, ref)
+            if err > tol and ref_name == "cpu float64":  # no worse than the dtype itself allows
+                own = compare_outputs(op, _execute(func, args, kwargs, "cpu"), ref)
+                if err <= 2 * own + tol:
+                    st.notes.add(f"{op}: error {err:.3g} > tolerance but within 2x the CPU's own "
+                                 f"{ctx.dtype} error {own:.3g}")
+                    err = min(err, tol)
+        except _Mismatch as m:
+            raise CheckFailure(f"{op} on {be.name} differs from the {ref_name} reference for {label}: {m}",
+                               metric="op_output", expected="equal", observed=str(m)) from None
+        st.cases += 1
+        st.worst = max(st.worst, err)
+        if err > tol:
+            raise CheckFailure(f"{op} on {be.name} is off the {ref_name} reference for {label}",
+                               metric="op_max_rel_error", expected=f"<= {tol}", observed=f"{err:.6g}",
+                               tolerance=tol)
 
     @staticmethod
     def _hypothesis(check_case, sample, n_float: int, examples: int) -> None:
@@ -260,7 +301,7 @@ class OpsCheck:
         kinds = st.lists(st.sampled_from(VALUE_KINDS[1:]), min_size=n_float, max_size=n_float)
         seeds = st.lists(st.integers(0, 2**31 - 1), min_size=n_float, max_size=n_float)
 
-        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
                   phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
         @given(kinds, seeds)
         def prop(k, s):

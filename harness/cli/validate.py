@@ -19,7 +19,7 @@ def schema_markdown() -> str:
     from pydantic import BaseModel
     from pydantic_core import PydanticUndefined
 
-    from harness.suite.schema import Suite
+    from harness.suite.schema import suite_model
 
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
 
@@ -40,7 +40,7 @@ def schema_markdown() -> str:
             typ = (getattr(ann, "__name__", None) or str(ann).replace("typing.", "")).replace(" | ", " or ")
             rows.append(f"| `{key}` | `{typ}` | {default} | {(f.description or '').replace('|', '/')} |")
 
-    walk(Suite, "")
+    walk(suite_model(), "")  # [checks.<name>] tables come from the registered checks
     return "\n".join(rows)
 
 

@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
 from pydantic import BaseModel, ValidationError
 
-from harness.suite.schema import Suite
+from harness import toml
+from harness.suite.schema import Suite, suite_model
 
 
 class SuiteError(Exception):
@@ -70,7 +70,7 @@ def _explain(err: dict) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "extra_forbidden":
-        known = _fields_at(Suite, err["loc"])
+        known = _fields_at(suite_model(), err["loc"])
         return "unknown key" + (f" (expected one of: {', '.join(known)})" if known else "")
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
@@ -89,15 +89,17 @@ def _explain(err: dict) -> str:
 def load_suite(path: str | Path) -> LoadedSuite:
     path = Path(path).resolve()
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise SuiteError(path, [f"cannot read suite file: {e.strerror}"]) from None
+    except UnicodeDecodeError as e:
+        raise SuiteError(path, [f"not UTF-8 text (byte {e.start}: {e.reason}); TOML files must be UTF-8"]) from None
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        data = toml.loads(text)
+    except toml.TOMLDecodeError as e:
         raise SuiteError(path, [f"not valid TOML: {e}"]) from None
     try:
-        suite = Suite.model_validate(data)
+        suite: Suite = suite_model().model_validate(data)
     except ValidationError as e:
         raise SuiteError(path, [f"{_fmt_loc(err['loc'])}: {_explain(err)}" for err in e.errors()]) from None
 
@@ -108,10 +110,11 @@ def load_suite(path: str | Path) -> LoadedSuite:
         problems.append(f"model.config: file not found: {_display(config_path)}")
     else:
         try:
-            raw = json.loads(config_path.read_text())
+            raw = json.loads(config_path.read_text(encoding="utf-8"))
             if not isinstance(raw, dict):
                 raise ValueError("top level is not a JSON object")
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raw = {}
             problems.append(f"model.config: {_display(config_path)} is not a valid config.json: {e}")
     if raw and not (raw.get("architectures") or suite.model.architecture):
         problems.append("model.config: config.json has no 'architectures'; set model.architecture")
@@ -126,13 +129,26 @@ def load_suite(path: str | Path) -> LoadedSuite:
     return LoadedSuite(path, suite.model.name or path.stem, suite, config_path, raw)
 
 
+# `harness init --suites-dir DIR` records DIR here (one absolute path a line) when it is not the
+# configured suites_dir, so that later `harness golden generate NAME` / `harness run NAME` find it.
+SUITE_DIRS_FILE = ".harness/suite-dirs"
+
+
 def discover(root: str | Path = "suites") -> list[Path]:
     """Suite files under ``root`` (not recursive: suites/configs holds the JSON configs)."""
     return sorted(Path(root).glob("*.toml"))
 
 
 def resolve_names(names: list[str], root: str | Path = "suites") -> list[Path]:
-    """Turn CLI arguments (suite names or paths) into suite files; unknown names raise SuiteError."""
+    """Turn CLI arguments (suite names or paths) into suite files; unknown names raise SuiteError.
+
+    A bare name is looked up in ``root``, then in the directories `harness init --suites-dir` wrote
+    to (SUITE_DIRS_FILE), then in those listed in ``HARNESS_SUITES_PATH`` (os.pathsep-separated)."""
+    extra: list[Path] = []
+    rec = Path(SUITE_DIRS_FILE)
+    if rec.is_file():
+        extra += [Path(x) for x in rec.read_text().splitlines() if x.strip()]
+    extra += [Path(x) for x in os.environ.get("HARNESS_SUITES_PATH", "").split(os.pathsep) if x.strip()]
     out = []
     for n in names:
         p = Path(n)
@@ -140,8 +156,10 @@ def resolve_names(names: list[str], root: str | Path = "suites") -> list[Path]:
             out.append(p)
             continue
         cand = Path(root) / f"{n}.toml"
-        if not cand.exists():
+        found = next((d / f"{n}.toml" for d in [Path(root), *extra] if (d / f"{n}.toml").is_file()), None)
+        if found is None:
             known = ", ".join(x.stem for x in discover(root)) or "none"
-            raise SuiteError(cand, [f"no such suite {n!r} (known: {known})"])
-        out.append(cand)
+            where = ", ".join(dict.fromkeys(_display(d) for d in [Path(root), *extra]))
+            raise SuiteError(cand, [f"no such suite {n!r} in {where} (known in {_display(Path(root))}: {known})"])
+        out.append(found)
     return out

@@ -5,14 +5,18 @@ with which settings, on which backends and dtypes. Every key is declared here wi
 default and description (the ``description`` doubles as documentation: ``harness validate
 --schema`` prints the full reference as a markdown table, see docs/suites.md).
 
-Later checks add their own section under ``[checks]`` by adding a field to ``Checks``.
+The ``[checks]`` table is not declared here: each registered check declares its own
+``[checks.<name>]`` table (``Check.config_model``, see harness/checks/base.py) and
+:func:`suite_model` assembles the schema from the check registry, so a vendor's check is validated
+like the built-ins.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
@@ -91,108 +95,11 @@ class PruneSection(_Strict):
         return self
 
 
-class SmokeCheck(_Strict):
-    enabled: bool = Field(True, description="Run the pruned-model smoke check.")
-    batch_size: int = Field(2, ge=1, description="Sequences per batch.")
-    seq_len: int = Field(16, ge=2, description="Tokens per sequence.")
-    steps: int = Field(3, ge=1, description="Optimizer steps on a fixed batch; the loss must fall.")
-    lr: float = Field(1e-2, gt=0, description="AdamW learning rate for the steps.")
-    generate_tokens: int = Field(4, ge=0, description="Greedy tokens generated with and without KV cache.")
-    seed: int = Field(0, description="Seed for weights and inputs.")
-    tie_margin: dict[str, float] = Field(
-        default_factory=lambda: {"float64": 1e-9, "float32": 1e-4, "bfloat16": 0.1, "float16": 0.02},
-        description="A cached/uncached generation mismatch is accepted only where the uncached "
-        "logits' top-2 gap is below this (a near tie), per dtype.")
-
-
-class Tolerance(_Strict):
-    """Precision tolerances. Unset fields fall back to the next less specific entry, then to the
-    built-in defaults for the dtype (harness/precision/tolerance.py)."""
-
-    rel_rmse: float | None = Field(None, ge=0, description="Max relative RMSE (||a-r||/||r||) of every "
-                                   "captured module output and of the logits.")
-    min_cosine: float | None = Field(None, le=1, description="Min cosine similarity of every captured output.")
-    max_abs_err: float | None = Field(None, ge=0, description="Max absolute error of the logits (unset: recorded only).")
-    min_within_1e3: float | None = Field(None, ge=0, le=1, description="Min share of logits within 1e-3 "
-                                         "relative error (unset: recorded only).")
-    logprob_atol: float | None = Field(None, ge=0, description="Max |logprob difference| of greedy tokens "
-                                       "where target and reference agree.")
-    tie_margin: float | None = Field(None, ge=0, description="A greedy token mismatch is accepted only where "
-                                     "the reference's logprob gap between the two tokens is below this.")
-
-
-class ToleranceOverride(Tolerance):
-    dtype: str | None = Field(None, description="Applies to this run dtype (unset: any).")
-    backend: str | None = Field(None, description="Applies to this backend (unset: any).")
-    device: str | None = Field(None, description="Applies to device names matching this glob, e.g. "
-                               "'NVIDIA H100*' (a device generation; unset: any).")
-
-
-class QuantizationBudget(_Strict):
-    scheme: Literal["auto", "fp8", "int8", "none"] = Field(
-        "auto", description="'auto': fp8 when config.json declares an fp8 quantization_config; "
-        "'fp8' (e4m3, block scales) or 'int8' (per-channel) forces it; 'none' disables the check.")
-    block_size: list[int] = Field(default_factory=lambda: [128, 128], description="FP8 weight block (rows, cols).")
-    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="Dtype activations run in (unset: the item's dtype).")
-    rel_rmse: float = Field(0.08, ge=0, description="Budget: max relative RMSE of the logits vs the golden.")
-    min_cosine: float = Field(0.995, le=1, description="Budget: min cosine similarity of the logits.")
-    min_top1_agreement: float = Field(0.8, ge=0, le=1, description="Budget: min share of positions whose "
-                                      "argmax token equals the golden's.")
-
-
-class PrecisionCheck(_Strict):
-    enabled: bool = Field(True, description="Compare against the golden (harness golden generate).")
-    batch_size: int = Field(2, ge=1, description="Sequences in the golden input.")
-    seq_len: int = Field(16, ge=2, description="Tokens per sequence in the golden input.")
-    seed: int = Field(0, description="Weight seed (the golden input ids are stored, not regenerated).")
-    generate_tokens: int = Field(4, ge=0, description="Greedy tokens stored with their logprobs.")
-    reference: str = Field("cpu:float64", description="BACKEND:DTYPE the golden is made with.")
-    capture: list[str] | None = Field(None, description="Regexes of module names to capture (unset: "
-                                      "embeddings, rotary, each layer, norms, attention, MLP/MoE, router, final norm).")
-    golden_mode: Literal["full", "sampled"] = Field(
-        "full", description="'sampled' stores per-tensor statistics and a fixed sample of elements instead "
-        "of whole tensors (for large models).")
-    sample_size: int = Field(4096, ge=16, description="Elements kept per tensor in 'sampled' mode.")
-    layer_report: Literal["on_failure", "always"] = Field("on_failure", description="When to write the "
-                                                          "layer table and error plot.")
-    tolerances: dict[str, Tolerance] = Field(default_factory=dict, description="Per dtype overrides of the defaults.")
-    overrides: list[ToleranceOverride] = Field(default_factory=list, description="Per backend / device "
-                                               "generation overrides; the most specific match wins, field by field.")
-    quantization: QuantizationBudget = Field(default_factory=QuantizationBudget,
-                                             description="Quantized-weights error budget.")
-
-    @field_validator("tolerances")
-    @classmethod
-    def _dtype_keys(cls, v: dict) -> dict:
-        bad = [k for k in v if k not in DTYPES]
-        if bad:
-            raise ValueError(f"keys must be dtypes {DTYPES}, got {bad}")
-        return v
-
-
-class OpsCheck(_Strict):
-    enabled: bool = Field(
-        False, description="Generate one conformance item per aten op of the pruned model (opt-in: the "
-        "op inventory is traced once per suite and cached on disk).")
-    examples: int = Field(6, ge=0, description="Hypothesis examples per op beyond the model's own inputs "
-                          "(zeros, large magnitudes, negatives, denormals).")
-    tolerance: dict[str, float] = Field(
-        default_factory=lambda: {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 3e-3},
-        description="Max |out - ref| / max(|ref|, 1) per dtype against the CPU float64 reference.")
-    skip: list[str] = Field(default_factory=list, description="Ops not to generate items for (aten.x.overload).")
-
-
-class Checks(_Strict):
-    smoke: SmokeCheck = Field(default_factory=SmokeCheck, description="Pruned-model smoke check.")
-    ops: OpsCheck = Field(default_factory=OpsCheck, description="Per-op conformance against CPU float64.")
-    precision: PrecisionCheck = Field(default_factory=PrecisionCheck, description="Golden-output precision check.")
-
-
 class Suite(_Strict):
+    """The suite-level keys. The full schema, ``[checks]`` included, is :func:`suite_model`."""
+
     model: ModelSection = Field(description="Which model, from which real config.")
     prune: PruneSection = Field(default_factory=PruneSection, description="How to shrink it.")
-    checks: Checks = Field(default_factory=Checks, description="Checks and their settings.")
     backends: list[str] = Field(
         default_factory=lambda: ["*"],
         description="Backends to run on; '*' means every registered backend (absent ones skip).")
@@ -213,3 +120,29 @@ class Suite(_Strict):
         if len(set(v)) != len(v):
             raise ValueError(f"has duplicates: {v}")
         return v
+
+
+CHECKS_DESCRIPTION = "Checks and their settings: one table per registered check."
+
+
+def suite_model() -> type[Suite]:
+    """The suite schema with one ``[checks.<name>]`` table per registered check (built-in or a
+    vendor's, through the ``harness.checks`` entry point), each the check's own ``config_model``."""
+    from harness.checks import registry
+
+    return _assemble(tuple((c.name, getattr(c, "config_model", None), getattr(c, "description", ""))
+                           for c in registry()))
+
+
+@functools.cache
+def _assemble(checks: tuple[tuple[str, type[BaseModel] | None, str], ...]) -> type[Suite]:
+    from harness.checks.base import CheckConfig
+
+    fields = {}
+    for name, model, description in checks:
+        model = model or CheckConfig
+        doc = description or (model.__doc__ or "").strip().splitlines()[0] if (description or model.__doc__) else ""
+        fields[name] = (model, Field(default_factory=model, description=doc or f"the {name} check"))
+    checks_model = create_model("Checks", __base__=_Strict, **fields)
+    return create_model("Suite", __base__=Suite,
+                        checks=(checks_model, Field(default_factory=checks_model, description=CHECKS_DESCRIPTION)))

@@ -12,10 +12,10 @@ from precision.helpers import GOLDEN, REPO, SUITES, cli, props, run_check, suite
 from harness import checks
 from harness.backends import get
 from harness.checks import CheckContext, CheckFailure
-from harness.checks.precision import QuantizationCheck, quant_scheme, quantize_weights
+from harness.checks.precision import PrecisionConfig
+from harness.checks.quantization import QuantizationCheck, quant_scheme, quantize_weights
 from harness.precision import tolerance
 from harness.precision.compare import tensor_metrics
-from harness.suite.schema import PrecisionCheck
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -60,7 +60,7 @@ def test_metrics_known_values():
 
 
 def test_tolerance_resolution_most_specific_wins():
-    pc = PrecisionCheck.model_validate({
+    pc = PrecisionConfig.model_validate({
         "tolerances": {"bfloat16": {"rel_rmse": 0.05}},
         "overrides": [
             {"backend": "npu", "rel_rmse": 0.06, "logprob_atol": 0.3},
@@ -105,7 +105,7 @@ def test_quantization_budget(tmp_path):
     assert float(p["metric.quant_top1_agreement"]) >= 0.7
     # a budget tighter than FP8 can meet fails with the metric named
     tight = ls.suite.model_copy(deep=True)
-    tight.checks.precision.quantization.rel_rmse = 1e-4
+    tight.checks.quantization.rel_rmse = 1e-4
     ls2 = type(ls)(ls.path, ls.name, tight, ls.config_path, ls.raw_config)
     with pytest.raises(CheckFailure) as e:
         QuantizationCheck().run(CheckContext(ls2, get("cpu"), "bfloat16"), golden_root=GOLDEN)

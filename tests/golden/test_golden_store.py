@@ -9,6 +9,7 @@ import pytest
 import torch
 from precision.helpers import GOLDEN, REPO, SUITES, cli, run_check, suite
 
+from harness.checks import CouldNotRun
 from harness.golden import store
 from harness.golden.generate import build_golden, generate
 
@@ -87,10 +88,10 @@ def test_damaged_golden_reported_clearly(one_golden, damage, message, tmp_path):
     assert "\n" not in str(e.value)
     shown = "manifest.json" if damage == "manifest" else "modules.safetensors"
     assert shown in str(e.value)
-    # the check reports it as a failure with the message, not a traceback
+    # the check says it could not run (an error, blamed on the golden, not the target), in one line
     ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
-    assert failure is not None and failure.metric == "golden" and message.split(" (")[0] in failure.message
-    assert "Traceback" not in failure.report("x")
+    assert isinstance(failure, CouldNotRun) and failure.step == "golden"
+    assert message.split(" (")[0] in failure.message and "\n" not in failure.message
 
 
 def test_missing_golden(tmp_path):
@@ -98,7 +99,7 @@ def test_missing_golden(tmp_path):
     with pytest.raises(store.GoldenError, match="no golden for this suite; create it with `harness golden generate"):
         store.load_golden(ls, tmp_path)
     ctx, failure = run_check(ls, "bfloat16", tmp_path, golden_root=tmp_path)
-    assert failure is not None and "no golden" in failure.message
+    assert isinstance(failure, CouldNotRun) and "no golden" in failure.message
     assert not (tmp_path / "qwen3-8b").exists()  # the check never writes a golden
 
 
@@ -110,7 +111,7 @@ def test_golden_from_another_config(tmp_path, one_golden):
     with pytest.raises(store.GoldenError, match="made by another config"):
         store.load_golden(ls, root)
     ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
-    assert failure is not None and "another config" in failure.message
+    assert isinstance(failure, CouldNotRun) and "another config" in failure.message
 
 
 def test_changed_prune_is_another_config(write_suite, tmp_path):
@@ -121,7 +122,7 @@ def test_changed_prune_is_another_config(write_suite, tmp_path):
     b = load_suite(write_suite("qwen3-8b", body.replace("intermediate_size = 128", "intermediate_size = 96")))
     assert store.config_hash(a) != store.config_hash(b)
     ctx, failure = run_check(b, "float32", tmp_path)
-    assert failure is not None and "another config" in failure.message
+    assert isinstance(failure, CouldNotRun) and "another config" in failure.message
 
 
 def test_cli_errors_are_one_line(one_golden, capsys):

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from harness.backends import get
-from harness.checks import CheckContext, CheckFailure
+from harness.checks import CheckContext, CheckFailure, CouldNotRun
 from harness.checks.precision import run_precision
 from harness.suite.loader import load_suite
 
@@ -27,7 +27,7 @@ def run_check(name_or_ls, dtype: str, tmp_path: Path, *, transform=None, context
     try:
         run_precision(ctx, transform=transform, context=context, golden_root=golden_root,
                       results_dir=tmp_path / "results", force_report=force_report)
-    except CheckFailure as f:
+    except (CheckFailure, CouldNotRun) as f:  # CouldNotRun: a bad golden, never blamed on the target
         return ctx, f
     return ctx, None
 

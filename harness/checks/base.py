@@ -1,0 +1,168 @@
+"""The check contract: a config table, a context, and a short sequence of named steps.
+
+A check is a class with
+
+* ``name`` - the ``[checks.<name>]`` table, the item id (``<name>[cpu-float32]``), the marker;
+* ``config_model`` - a :class:`CheckConfig` subclass: the table's keys with type, default and
+  description. The suite schema's ``checks`` table is assembled from the registered checks, so a
+  vendor's ``[checks.mycheck]`` is validated with file/field errors like the built-ins;
+* ``steps`` - names of methods ``step(ctx, state)`` run in order (torchtitan's
+  ``apply_tp -> apply_ac -> apply_fsdp`` is the model). ``state`` is one object the steps share
+  (``new_state``). ``setup_steps`` are the ones where an unexpected exception means "could not
+  run" (error) rather than "the model failed";
+* optionally ``variants(suite, backend)`` (one item per variant: an op, a parallel layout) and
+  ``headline`` (metric names for ``harness run``'s table).
+
+Steps record metrics through ``ctx.metric`` and raise the outcomes of :mod:`harness.checks.outcomes`.
+``ctx.step(name)`` marks the phase the item is in (``build``, ``forward``, ...): the run-integrity
+launcher reports it when an item hangs or crashes, and an exception is annotated with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness import metrics
+from harness.checks.outcomes import CheckOutcome, CouldNotRun
+
+if TYPE_CHECKING:
+    from harness.backends.base import Backend
+    from harness.suite.loader import LoadedSuite
+
+
+class CheckConfig(BaseModel):
+    """Base of every ``[checks.<name>]`` table. Subclasses add their own keys (each with type,
+    default and description) and may change the defaults of these two."""
+
+    # extra="forbid": a misspelt key is an error that names the key, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    enabled: bool = Field(True, description="Generate this check's items for the suite.")
+    variants: list[str] = Field(
+        default_factory=list, description="Only these variants of the check (empty: every variant the "
+        "check generates, e.g. every op for `ops`). An unknown name is an error listing the known ones.")
+
+
+# Phase listeners: the run-integrity layer registers one to learn which step an item is in
+# (so a hang can be reported as "hung in forward"). Called with (phase, detail).
+PhaseListener = Callable[[str, str], None]
+_PHASE_LISTENERS: list[PhaseListener] = []
+
+
+def add_phase_listener(fn: PhaseListener) -> None:
+    _PHASE_LISTENERS.append(fn)
+
+
+def remove_phase_listener(fn: PhaseListener) -> None:
+    if fn in _PHASE_LISTENERS:
+        _PHASE_LISTENERS.remove(fn)
+
+
+@dataclass
+class CheckContext:
+    suite: LoadedSuite
+    backend: Backend
+    dtype: str
+    variant: str | None = None
+    check: str = ""
+    properties: list[tuple[str, str]] = field(default_factory=list)  # -> item.user_properties
+    notes: list[str] = field(default_factory=list)  # shown in the report and summary
+    started: float = field(default_factory=time.perf_counter)
+    phase: str = ""
+
+    @property
+    def device(self):
+        return self.backend.device()
+
+    @property
+    def config(self) -> Any:
+        """This check's own ``[checks.<name>]`` table, validated."""
+        return getattr(self.suite.suite.checks, self.check)
+
+    def metric(self, name: str, value: float) -> float:
+        self.properties.append(metrics.metric_property(name, value))
+        return value
+
+    def tolerance(self, name: str, value: float) -> None:
+        self.properties.append(metrics.tolerance_property(name, value))
+
+    def detail(self, key: str, value: str) -> None:
+        self.properties.append(metrics.detail_property(key, value))
+
+    def set_phase(self, phase: str, detail: str = "") -> None:
+        self.phase = phase
+        for fn in list(_PHASE_LISTENERS):
+            fn(phase, detail)
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        self.set_phase(name)
+        try:
+            yield
+        except CheckOutcome:
+            raise
+        except Exception as e:
+            # Which step raised is the first thing a reader needs; add it once.
+            if not getattr(e, "_harness_step", None):
+                e._harness_step = name  # type: ignore[attr-defined]
+            raise
+
+
+class Check:
+    """Base class for checks (built-in and vendor). Subclass, set ``name``, ``config_model`` and
+    ``steps``, and write one method per step."""
+
+    name: ClassVar[str] = ""
+    config_model: ClassVar[type[CheckConfig]] = CheckConfig
+    description: ClassVar[str] = ""  # one line, for the schema reference
+    steps: ClassVar[tuple[str, ...]] = ()
+    setup_steps: ClassVar[tuple[str, ...]] = ()
+    headline: ClassVar[tuple[str, ...]] = ()
+    source: str = "builtin"
+
+    def config(self, suite: LoadedSuite) -> Any:
+        return getattr(suite.suite.checks, self.name)
+
+    def enabled(self, suite: LoadedSuite) -> bool:
+        return bool(self.config(suite).enabled)
+
+    def variants(self, suite: LoadedSuite, backend: Backend) -> list[str | None]:
+        return [None]
+
+    def new_state(self, ctx: CheckContext) -> Any:
+        return SimpleNamespace()
+
+    def run(self, ctx: CheckContext, **options: Any) -> None:
+        """Run the steps in order. ``options`` (e.g. a fault ``transform`` in tests, a
+        ``golden_root``) are set on the state before the first step."""
+        ctx.check = ctx.check or self.name
+        state = self.new_state(ctx)
+        for k, v in options.items():
+            setattr(state, k, v)
+        self.run_steps(ctx, state)
+
+    def run_steps(self, ctx: CheckContext, state: Any) -> None:
+        for name in self.steps:
+            try:
+                with ctx.step(name):
+                    getattr(self, name)(ctx, state)
+            except CheckOutcome:
+                raise
+            except Exception as e:
+                if name in self.setup_steps:
+                    raise CouldNotRun(f"{type(e).__name__}: {_first_line(e)}", step=name) from e
+                raise
+
+
+def _first_line(e: BaseException) -> str:
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""

@@ -1,0 +1,105 @@
+"""Run one item (suite x check x backend x dtype x variant) and say what happened, as data.
+
+``execute`` is the single place where a check's harness outcome (harness/checks/outcomes.py) or an
+unexpected exception becomes an :class:`ItemResult`; the pytest plugin maps an ``ItemResult`` to
+pytest (``harness.plugin``), in-process or from a child process (run integrity), so both paths
+report alike. Nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from harness import metrics
+from harness.checks import CheckContext, CheckFailure, CouldNotRun, KnownGap, NotApplicable, registry
+
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
+
+
+@dataclass
+class ItemResult:
+    outcome: str  # one of OUTCOMES
+    message: str = ""  # one line: what a table row / CI log line shows
+    report: str = ""  # the full text for the failure report (details, layer table, traceback)
+    properties: list[tuple[str, str]] = field(default_factory=list)  # JUnit properties recorded by the check
+    notes: list[str] = field(default_factory=list)
+    phase: str = ""  # the step the item was in when it ended
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ItemResult:
+        d = dict(d)
+        d["properties"] = [tuple(p) for p in d.get("properties", [])]
+        return cls(**d)
+
+
+def describe(verb: str, suite: str, check: str, backend: str, dtype: str) -> str:
+    """'smoke check failed for kimi-k2 on npu in bfloat16': the head line of every report."""
+    return f"{check} check {verb} for {suite} on {backend} in {dtype}"
+
+
+def execute(suite, check_name: str, backend, dtype: str, variant: str | None) -> ItemResult:
+    """Run the check; never raises for what the check or the model did."""
+    check = registry().get(check_name)
+    ctx = CheckContext(suite, backend, dtype, variant, check=check_name)
+    where = (suite.name, check_name, backend.name, dtype)
+    backend.reset_peak_memory()
+    t = time.perf_counter()
+    result: ItemResult
+    try:
+        check.run(ctx)
+        result = ItemResult("passed")
+    except CheckFailure as e:
+        result = ItemResult("failed", e.message, e.report(describe("failed", *where)))
+    except KnownGap as e:
+        result = ItemResult("xfailed", e.message, e.message)
+    except NotApplicable as e:
+        result = ItemResult("skipped", e.message, e.message)
+    except CouldNotRun as e:
+        step = e.step or ctx.phase
+        cause = "".join(traceback.format_exception(e.__cause__)) if e.__cause__ is not None else ""
+        result = ItemResult("error", f"could not run ({step}): {e.message}" if step else f"could not run: {e.message}",
+                            describe("could not run", *where) + (f" (step {step!r})" if step else "") + f": {e.message}"
+                            + (f"\n\n{cause}" if cause else ""))
+    except Exception as e:  # the model or the backend raised: the check ran and the answer is no
+        step = getattr(e, "_harness_step", None) or ctx.phase
+        msg = f"{type(e).__name__}: {_first_line(e)}"
+        result = ItemResult("failed", f"{msg} (in step {step})" if step else msg,
+                            describe("failed", *where) + f": step {step!r} raised {msg}\n\n"
+                            + "".join(traceback.format_exception(e)))
+    finally:
+        try:
+            backend.synchronize()
+        except Exception:  # a dead device must not hide the result we already have
+            pass
+        ctx.metric("wall_time_s", time.perf_counter() - t)
+        peak = backend.peak_memory()
+        if peak is not None:
+            ctx.metric("peak_memory_bytes", peak)
+    if ctx.notes:
+        ctx.detail("notes", "; ".join(ctx.notes))
+    if result.outcome in ("failed", "error") and ctx.phase:
+        ctx.detail("phase", ctx.phase)
+    result.properties = list(ctx.properties)
+    result.notes = list(ctx.notes)
+    result.phase = ctx.phase
+    return result
+
+
+def identity_properties(suite: str, check: str, backend: str, dtype: str, variant: str | None,
+                        device: str | None = None) -> list[tuple[str, str]]:
+    """Written at setup, before anything can skip: nothing needs to parse the test id back."""
+    props = [p for p in metrics.meta_properties(suite, check, backend, dtype, device or "", variant)
+             if p[0] != "harness.device" or device]
+    return props
+
+
+def _first_line(e: BaseException) -> str:
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return ""
