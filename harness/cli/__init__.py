@@ -16,6 +16,7 @@ SUBCOMMANDS = [
     "harness.cli.validate",
     "harness.cli.backends",
     "harness.cli.inspect",
+    "harness.cli.oplist",
     "harness.cli.init",
     "harness.cli.golden",
     "harness.cli.precision",

@@ -18,6 +18,15 @@ Where the answer comes from:
    ``aten.mm.default``, ``aten::mm`` (every overload), ``aten::add.Tensor``, ``add.Tensor`` and
    native_functions.yaml's ``- func: add.Tensor(Tensor self, ...) -> Tensor``; an optional second
    word ``native`` (default), ``fallback`` or ``composite`` says how the backend provides it.
+   Header comments ``# key: value`` carry provenance (``backend``, ``version``, ``source``, ...) and
+   ``# unlisted: fallback`` for plugins whose boxed CPU fallback runs every unlisted op on the host.
+   Several versions of a backend's list may ship (``<backend>-<version>.txt``): the one matching the
+   installed plugin's version is used, else the newest, with a warning when the versions differ.
+
+Known gaps (:func:`known_gap`): a suite's ``known_gaps.<backend>`` entries are ``"aten::histc"`` (any
+version) or ``{ op = "aten::histc", versions = "<2.6" }`` (``packaging`` specifiers against the
+backend's version: the installed plugin's, else the op list's), so that an op a newer plugin provides
+stops being excused and one that disappears again is a regression.
 """
 
 from __future__ import annotations
@@ -64,9 +73,44 @@ def canonical(entry: str) -> str:
     return f"{ns}.{parts[0]}.default"
 
 
-def parse_op_list(path: str | Path) -> dict[str, str]:
-    out: dict[str, str] = {}
+class OpList(dict):
+    """op (``aten.name.overload`` or ``aten.name.*``) -> status, plus the file's header: ``meta``
+    (``backend``, ``version``, ``source`` lines, ...), ``unlisted`` (MISSING or FALLBACK) and ``path``."""
+
+    def __init__(self, *args, meta: dict | None = None, path: Path | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.meta: dict[str, str | list[str]] = meta or {}
+        self.path = path
+
+    @property
+    def unlisted(self) -> str:
+        return FALLBACK if str(self.meta.get("unlisted", "")).lower() in ("fallback", "cpu-fallback") else MISSING
+
+    @property
+    def version(self) -> str | None:
+        v = self.meta.get("version")
+        return str(v) if v else None
+
+    def describe(self) -> str:
+        v = f"{self.meta.get('backend', '?')} {self.version}" if self.version else "unversioned"
+        return f"declared op list {self.path} ({v})"
+
+
+_HEADER = re.compile(r"^#\s*([a-z_]+):\s*(.*)$")
+_MULTI = ("source", "note", "excluded")
+
+
+def parse_op_list(path: str | Path) -> OpList:
+    out = OpList(path=Path(path))
     for raw in Path(path).read_text().splitlines():
+        m = _HEADER.match(raw.strip())
+        if m:
+            k, v = m.group(1), m.group(2).strip()
+            if k in _MULTI:
+                out.meta.setdefault(k, []).append(v)
+            else:
+                out.meta.setdefault(k, v)
+            continue
         line = raw.split("#", 1)[0].strip()
         if not line or line.startswith(("dispatch:", "variants:", "structured", "autogen:", "tags:")):
             continue
@@ -79,8 +123,75 @@ def parse_op_list(path: str | Path) -> dict[str, str]:
     return out
 
 
-def op_list_path(backend_name: str) -> Path | None:
-    """``op_list`` of the backend's harness.toml table, else the bundled ``oplists/<name>.txt``."""
+def _header_value(path: Path, key: str) -> str | None:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.startswith("#"):
+                return None
+            m = _HEADER.match(line.strip())
+            if m and m.group(1) == key:
+                return m.group(2).strip()
+    return None
+
+
+def _version_key(v: str | None):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return (1, Version(v or ""), "")
+    except InvalidVersion:
+        return (0, None, v or "")
+
+
+def bundled_op_lists(backend_name: str | None = None) -> dict[str, list[Path]]:
+    """backend -> its bundled lists, oldest version first (``<backend>.txt`` / ``<backend>-<v>.txt``;
+    the header's ``backend`` decides, so ``cuda-x.txt`` never passes for a backend named ``cuda-x``)."""
+    out: dict[str, list[Path]] = {}
+    for p in sorted(OPLIST_DIR.glob("*.txt")):
+        be = _header_value(p, "backend") or p.stem
+        if backend_name is None or be == backend_name:
+            out.setdefault(be, []).append(p)
+    for ps in out.values():
+        ps.sort(key=lambda p: (_version_key(_header_value(p, "version")), p.name))
+    return out
+
+
+def _base_version(v: str | None) -> str | None:
+    """``2.13.0+cpu`` -> ``2.13.0``; ``1.25.0+torch2.4.1.cxx11.abi`` -> ``1.25.0``: what lists are named by."""
+    return v.split("+", 1)[0] if v else v
+
+
+def installed_version(backend_name: str) -> str | None:
+    """Version of the installed plugin a backend's kernels come from, without importing it: torch's
+    own for cuda / rocm (a HIP build) / xpu / mps / cpu, the vendor distribution's for the others."""
+    from importlib import metadata
+
+    from harness.oplists.generate import BACKENDS
+
+    if backend_name == "rocm" and not torch.version.hip:
+        return None
+    if backend_name == "cuda" and torch.version.hip:
+        return None
+    d = BACKENDS.get(backend_name)
+    module = d.module if d else None
+    if module is None:
+        from harness.backends import registry
+
+        reg = registry()
+        module = reg.get(backend_name).module if backend_name in reg else None
+    if module is None or module == "torch":
+        return torch.__version__
+    for dist in (module, module.replace("_", "-")):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def op_list_path(backend_name: str, version: str | None = None) -> Path | None:
+    """``op_list`` of the backend's harness.toml table, else the bundled list whose version equals
+    ``version`` (the installed plugin's), else the newest bundled list."""
     from harness.settings import load_settings, settings_path
 
     for cb in load_settings().backends:
@@ -90,8 +201,23 @@ def op_list_path(backend_name: str) -> Path | None:
                 sp = settings_path()
                 p = (sp.parent if sp else Path.cwd()) / p
             return p
-    p = OPLIST_DIR / f"{backend_name}.txt"
-    return p if p.is_file() else None
+    paths = bundled_op_lists(backend_name).get(backend_name, [])
+    if not paths:
+        return None
+    want = _base_version(version)
+    for p in paths:
+        if want and _base_version(_header_value(p, "version")) == want:
+            return p
+    return paths[-1]
+
+
+def version_warning(backend_name: str, op_list: OpList, installed: str | None) -> str | None:
+    listed = op_list.version
+    if installed and listed and _base_version(installed) != _base_version(listed):
+        return (f"warning: {backend_name}: the installed plugin is version {installed} but the op list "
+                f"{op_list.path} is for version {listed}; regenerate it from your release's registration file "
+                f"(`harness oplist update --backend {backend_name} --from ...`, docs/inspect.md)")
+    return None
 
 
 def _has(name: str, key: str) -> bool:
@@ -138,6 +264,9 @@ class Coverage:
     source: str  # "dispatcher (CPU)", "op list harness/oplists/x.txt", "none"
     ops: dict[str, OpCoverage] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    version: str | None = None  # the backend version gaps were matched against (installed, else the list's)
+    list_version: str | None = None  # the op list's, when a list decided
+    warnings: list[str] = field(default_factory=list)  # e.g. installed plugin version != list version
 
     def by_status(self, status: str) -> list[OpCoverage]:
         return sorted((o for o in self.ops.values() if o.status == status), key=lambda o: o.op)
@@ -149,7 +278,9 @@ class Coverage:
         return {s: len(self.by_status(s)) for s in STATUS_ORDER if self.by_status(s)}
 
     def to_dict(self) -> dict:
-        return {"backend": self.backend, "source": self.source, "counts": self.counts(), "notes": self.notes,
+        return {"backend": self.backend, "source": self.source, "version": self.version,
+                "list_version": self.list_version, "warnings": self.warnings, "counts": self.counts(),
+                "notes": self.notes,
                 "ops": {k: {"status": v.status, "how": v.how, "known_gap": v.known_gap, "count": v.count,
                             "modules": v.modules} for k, v in sorted(self.ops.items())}}
 
@@ -173,6 +304,8 @@ def classify_op(op: str, *, dispatch_key: str | None = None, op_list: dict[str, 
         comp = composite_kind(op)
         if comp:
             return COMPOSITE, comp
+        if getattr(op_list, "unlisted", MISSING) == FALLBACK:
+            return FALLBACK, "not in the declared op list; the backend's boxed CPU fallback runs it on the host"
         return MISSING, "not in the declared op list, not composite"
     comp = composite_kind(op)
     if comp:
@@ -188,21 +321,83 @@ def backend_source(backend_name: str) -> tuple[str | None, dict[str, str] | None
     be = reg.get(backend_name) if backend_name in reg else None
     if be is not None and be.dispatch_key and be.available():
         return be.dispatch_key, None, f"dispatcher ({be.dispatch_key} kernel table)"
-    path = op_list_path(backend_name)
+    path = op_list_path(backend_name, installed_version(backend_name))
     if path is not None:
-        return None, parse_op_list(path), f"declared op list {path}"
+        ol = parse_op_list(path)
+        return None, ol, ol.describe()
     why = "not registered" if be is None else (be.availability()[1] if not be.available() else "no dispatch_key")
     return None, None, f"none ({why}; declare an op list: see docs/inspect.md)"
 
 
-def coverage(inv: Inventory, backend_name: str, known_gaps: list[str] | None = None) -> Coverage:
+def _gap_op(entry) -> str:
+    return canonical(entry if isinstance(entry, str) else str(entry.get("op", "")))
+
+
+def _gap_applies(entry, version: str | None) -> bool:
+    """Does the entry apply at ``version``? Unversioned entries always do, as does any entry when the
+    version is unknown (nothing to compare with: excused, still tracked)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    spec = "" if isinstance(entry, str) else str(entry.get("versions", "") or "")
+    if not spec or version is None:
+        return True
+    try:
+        return Version(_base_version(version)) in SpecifierSet(spec)
+    except InvalidVersion:
+        return False
+
+
+def _gap_matches(entry, op: str, version: str | None) -> bool:
+    g = _gap_op(entry)
+    if g != op and not (g.endswith(".*") and g == re.sub(r"\.[^.]+$", ".*", op)):
+        return False
+    return _gap_applies(entry, version)
+
+
+def _gaps_of(suite_or_gaps, backend: str) -> list:
+    if suite_or_gaps is None:
+        return []
+    if isinstance(suite_or_gaps, list):
+        return suite_or_gaps
+    s = getattr(suite_or_gaps, "suite", suite_or_gaps)  # LoadedSuite -> Suite
+    gaps = s.known_gaps if hasattr(s, "known_gaps") else suite_or_gaps
+    return list(gaps.get(backend, []))
+
+
+def known_gap(suite, backend: str, op: str, version: str | None = None) -> bool:
+    """Is ``op`` (``aten.x.overload``) a known gap of ``backend`` at ``version`` for ``suite`` (a
+    LoadedSuite, a Suite, its ``known_gaps`` dict, or that backend's entry list)? An entry without
+    ``versions`` applies to every version (and when the version is unknown)."""
+    return any(_gap_matches(e, op, version) for e in _gaps_of(suite, backend))
+
+
+def backend_version(backend_name: str, op_list: OpList | None) -> str | None:
+    """The version known gaps are matched against: the installed plugin's, else the op list's."""
+    return installed_version(backend_name) or (op_list.version if op_list is not None else None)
+
+
+def coverage(inv: Inventory, backend_name: str, known_gaps=None) -> Coverage:
+    """``known_gaps``: the backend's entries (strings or ``{op, versions}`` tables), or a suite."""
     key, oplist, source = backend_source(backend_name)
     cov = Coverage(backend_name, source)
-    gaps = {canonical(g) for g in known_gaps or []}
+    entries = _gaps_of(known_gaps, backend_name)
+    inst = installed_version(backend_name)
+    cov.version = backend_version(backend_name, oplist)
+    if oplist is not None:
+        cov.list_version = oplist.version
+        w = version_warning(backend_name, oplist, inst) if key is None else None
+        if w:
+            cov.warnings.append(w)
     for op, rec in sorted(inv.ops.items()):
         status, how = classify_op(op, dispatch_key=key, op_list=oplist)
-        known = status == MISSING and (op in gaps or re.sub(r"\.[^.]+$", ".*", op) in gaps)
+        known = status == MISSING and known_gap(entries, backend_name, op, cov.version)
         cov.ops[op] = OpCoverage(op, status, how, sorted(rec.modules), rec.count, known)
+    gaps = {_gap_op(e) for e in entries if _gap_applies(e, cov.version)}
+    if oplist is not None:
+        cov.notes.insert(0, "op list: " + "; ".join(
+            [f"{oplist.meta.get('backend', backend_name)} {oplist.version or '(no version)'}"]
+            + [str(x) for x in oplist.meta.get("source", [])[:3]]))
     stale = sorted(g for g in gaps if g not in cov.ops and not g.endswith(".*"))
     if stale:
         cov.notes.append(f"known_gaps.{backend_name} lists ops the model does not use: {', '.join(stale)}")

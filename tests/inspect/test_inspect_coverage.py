@@ -107,6 +107,6 @@ def test_inspect_cli_leads_with_missing(tmp_path, monkeypatch, capsys):
 
 
 def test_uninstalled_backend_without_list_is_unknown(inventories):
-    cov = coverage(inventories["qwen3-8b"], "musa")
+    cov = coverage(inventories["qwen3-8b"], "mps")  # no bundled list for Apple's backend
     assert cov.source.startswith("none")
     assert cov.by_status(UNKNOWN) and not cov.by_status(MISSING)
