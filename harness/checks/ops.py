@@ -208,7 +208,7 @@ class OpsCheck(Check):
 
     def coverage(self, ctx: CheckContext, st) -> None:
         """Does the backend have a kernel? Missing fails (or is a declared known gap)."""
-        from harness.inspect.coverage import MISSING, backend_source, canonical, classify_op
+        from harness.inspect.coverage import MISSING, backend_source, backend_version, classify_op, known_gap
 
         op, be = st.op, ctx.backend
         key, oplist, source = backend_source(be.name)
@@ -217,8 +217,7 @@ class OpsCheck(Check):
         if status == MISSING:
             msg = (f"{op} is missing on backend {be.name}: {how} [{source}]; "
                    f"needed by {len(st.modules)} module(s): {', '.join(st.modules)}")
-            gaps = {canonical(g) for g in ctx.suite.suite.known_gaps.get(be.name, [])}
-            if op in gaps or f"{_base(op)}.*" in gaps:
+            if known_gap(ctx.suite, be.name, op, backend_version(be.name, oplist)):  # version-aware entries
                 raise KnownGap(f"known gap (suite known_gaps.{be.name}): {msg}")
             raise CheckFailure(msg, metric="op_status", expected="native, composite or cpu-fallback",
                                observed=MISSING, details="modules:\n  " + "\n  ".join(st.modules))

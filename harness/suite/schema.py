@@ -109,8 +109,28 @@ class Suite(_Strict):
         default_factory=dict,
         description="Per metric, the relative change `harness compare` calls a regression for this suite "
         "(e.g. wall_time_s = 0.25); unset metrics use compare's --threshold.")
-    known_gaps: dict[str, list[str]] = Field(
-        default_factory=dict, description="Per backend, operators known to be missing (tracked, not silent).")
+    known_gaps: dict[str, list[str | dict[str, str]]] = Field(
+        default_factory=dict, description="Per backend, operators known to be missing (tracked, not silent): "
+        "\"aten::histc\", or { op = \"aten::histc\", versions = \"<2.6\" } for the backend versions it applies to "
+        "(packaging specifiers against the installed plugin's version, else the op list's).")
+
+    @field_validator("known_gaps")
+    @classmethod
+    def _gap_entries(cls, v: dict) -> dict:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+        for backend, entries in v.items():
+            for e in entries:
+                if isinstance(e, str):
+                    continue
+                if "op" not in e or set(e) - {"op", "versions"}:
+                    raise ValueError(f"{backend}: an entry is \"aten::op\" or {{ op = ..., versions = ... }}, got {e}")
+                try:
+                    SpecifierSet(e.get("versions", ""))
+                except InvalidSpecifier:
+                    raise ValueError(f"{backend}: {e['op']}: versions {e['versions']!r} is not a version specifier "
+                                     "(e.g. \"<2.6\" or \">=2.4,<2.6\")") from None
+        return v
 
     @field_validator("backends", "dtypes")
     @classmethod
