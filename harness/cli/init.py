@@ -1,25 +1,45 @@
 """``harness init CONFIG.json [--name N]``: write a working suite for a model the project has never
-seen (pruning chosen from the architecture: harness/inspect/prune.py), then validate it by running
-its smoke check once on the CPU in float32. Exit 0 when the smoke check passes."""
+seen, or refuse in one line saying why.
+
+1. refuse remote-code-only configs and architectures nobody can build (naming what was tried and the
+   knob that fixes it: ``model.architecture``, ``model.adapter``);
+2. prune from the config itself (harness/inspect/prune.py); a multimodal wrapper is tested through its
+   language decoder when transformers has a causal LM for its ``text_config``, else end to end with a
+   tiny vision tower;
+3. size guard: the pruned model is built on the meta device; over ``--max-params`` (5M) nothing is
+   written and the keys that were not reduced are named;
+4. one backward on the pruned model finds parameters that get no gradient by design (a sparse-attention
+   indexer trained apart from the LM loss); they are declared in ``[checks.smoke] no_grad_ok``;
+5. the suite's smoke check runs once on the CPU in float32. Exit 0 when it passes.
+"""
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
 import sys
 from pathlib import Path
 
+DEFAULT_MAX_PARAMS = 5_000_000
+
+
+class InitRefused(Exception):
+    """init will not write a suite; ``str()`` is the one-line reason."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("init", help="write and validate a suite for a new model's config.json",
-                       description=__doc__)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="the model's published config.json")
     p.add_argument("--name", help="suite name (file stem); default: the config's file name, lower-cased")
     p.add_argument("--suites-dir", help="where to write the suite (default: suites_dir of harness.toml)")
     p.add_argument("--force", action="store_true", help="overwrite an existing suite file")
     p.add_argument("--no-validate", action="store_true", help="write the suite without running its smoke check")
+    p.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+                   help=f"refuse a pruned model larger than this (default {DEFAULT_MAX_PARAMS:,})")
     p.set_defaults(func=run)
 
 
@@ -27,34 +47,207 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "model"
 
 
+# Integer keys that are not sizes: a large value here costs no parameters.
+_NOT_SIZE = re.compile(r"token|_id$|ids?$|position|theta|eps|window|max_|seed|factor|scale|chunk|bias|"
+                       r"rope|dtype|version|topk|top_k|step|freq|interval|_index", re.I)
+
+
+def unreduced_keys(raw: dict, text: dict, flat: dict, prefix: str = "") -> list[str]:
+    """Size-like integer keys (>= 256) that pruning left at their published value."""
+    out = []
+    for k, v in text.items():
+        key = prefix + k
+        if isinstance(v, dict) and k != "quantization_config":
+            out += unreduced_keys(raw, v, flat, key + ".")
+        elif (isinstance(v, int) and not isinstance(v, bool) and v >= 256 and key not in flat
+              and k not in flat and not _NOT_SIZE.search(k)):
+            out.append(f"{key}={v}")
+    return out
+
+
+def _plan(raw: dict, config: str):
+    """(Plan, resolved class name) or InitRefused."""
+    from harness.inspect.prune import plan_config
+    from harness.models.config import (
+        UnknownArchitectureError,
+        _registry_class,
+        remote_code_only,
+        resolve_architecture,
+    )
+
+    why_remote = remote_code_only(raw)
+    if why_remote:
+        raise InitRefused(f"{config}: {why_remote}")
+    try:
+        arch, via, notes = resolve_architecture(raw)
+    except UnknownArchitectureError as e:
+        raise InitRefused(f"{config}: {e}") from None
+    import transformers as tf
+
+    cls = getattr(tf, arch)
+    sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
+    part = next((k for k in ("text_config", "language_config", "llm_config") if isinstance(raw.get(k), dict)), None)
+    if part is None and "text_config" in sub and not any(k in raw for k in ("text_config", "vision_config")):
+        raise InitRefused(
+            f"{config}: {notes[0] if notes else arch} but {arch} is a multimodal wrapper that expects "
+            "text_config/vision_config, which this flat config does not have: set model.architecture to a "
+            "transformers class that takes this config, or model.adapter = 'your_package.module:build'")
+    if part is None:
+        plan = plan_config(raw)
+        plan.notes += notes
+        return plan, arch
+    text_mt = raw[part].get("model_type") or ""
+    decoder, label = _registry_class(text_mt)
+    text_arch = (raw[part].get("architectures") or [None])[0]
+    if not (decoder and label == "causal-LM mapping") and text_arch and getattr(tf, text_arch, None) is not None:
+        decoder, label = text_arch, "causal-LM mapping"  # text_config names its own class (Kimi-K2.5)
+    if decoder and label == "causal-LM mapping":
+        plan = plan_config(raw, decoder_only=True)
+        plan.architecture = decoder
+        plan.why.insert(1, f"wrapper {arch}: the suite builds its language decoder {decoder} from {part}")
+    else:
+        plan = plan_config(raw, decoder_only=False)
+        plan.architecture = arch if arch != (raw.get("architectures") or [None])[0] else None
+        plan.why.insert(1, f"wrapper {arch}: transformers has no causal LM for {part} model_type {text_mt!r}, so "
+                           "the whole wrapper runs on text-only input with a 1-layer vision tower")
+    plan.notes += notes
+    return plan, arch
+
+
+def _no_grad_globs(model) -> list[str]:
+    """Globs covering exactly the parameters that get no gradient, at the shallowest module whose
+    parameters all get none (``*.indexer.*`` rather than one line per layer)."""
+    names = {n: p.grad is None for n, p in model.named_parameters() if p.requires_grad}
+    missing = [n for n, none in names.items() if none]
+    globs: list[str] = []
+    for n in missing:
+        if any(fnmatch.fnmatchcase(n, g) for g in globs):
+            continue
+        parts = n.split(".")
+        chosen = None
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i]) + "."
+            if all(names[x] for x in names if x.startswith(prefix)):
+                chosen = parts[i - 1]
+                generic = re.sub(r"\.\d+\.", ".*.", ".".join(parts[:i]) + ".")
+                if not chosen.isdigit():
+                    g = f"*.{chosen}.*"
+                    if not any(fnmatch.fnmatchcase(x, g) for x in names if not names[x]):
+                        globs.append(g)
+                        break
+                globs.append(generic + "*")
+                break
+        else:
+            globs.append(re.sub(r"\.\d+\.", ".*.", n))
+    return globs
+
+
+def _smoke_accepts(key: str) -> bool:
+    """Whether the suite schema has ``[checks.smoke] <key>`` (the lead adds no_grad_ok in #8)."""
+    from pydantic import ValidationError
+
+    from harness.suite.schema import Suite
+
+    try:
+        Suite.model_validate({"model": {"config": "x.json"}, "checks": {"smoke": {key: []}}})
+        return True
+    except ValidationError:
+        return False
+
+
+def probe(path: Path, max_params: int, raw: dict, plan) -> tuple[int, list[str]]:
+    """Size guard on the meta device, then one float32 backward on CPU; returns (params, no-grad globs)."""
+    import torch
+
+    from harness.inspect.params import Target, meta_model
+    from harness.models.build import build_model, seeded_tokens
+    from harness.suite.loader import load_suite
+
+    ls = load_suite(path)
+    model, mc = meta_model(Target(ls.name, ls.raw_config, ls, ls.path), pruned=True, dtype=torch.float32)
+    n = sum(p.numel() for p in model.parameters())
+    if n > max_params:
+        text = raw[plan.part] if plan.part else raw
+        flat = {**{k: 1 for k in plan.prune}, **(plan.prune.get("overrides") or {})}
+        keys = unreduced_keys(raw, text, flat)
+        raise InitRefused(f"{path.name}: the pruned model has {n:,} parameters, over the {max_params:,} budget; "
+                          f"keys not reduced: {', '.join(keys) or 'none found'}; set them in [prune.overrides] "
+                          "(or raise --max-params)")
+    del model
+    model, mc = build_model(ls, "float32", "cpu", seed=0)
+    ids = seeded_tokens(mc.config.vocab_size, 2, 16, 1)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return n, _no_grad_globs(model)
+
+
 def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str | Path | None = None,
-               force: bool = False) -> Path:
-    """Write the suite file; raises ValueError / FileExistsError / UnknownArchitectureError."""
-    from harness.inspect.prune import choose_prune, suite_toml
-    from harness.models.config import architecture_class
+               force: bool = False, max_params: int = DEFAULT_MAX_PARAMS) -> Path:
+    """Write the suite file; raises InitRefused / FileExistsError with a one-line message."""
+    from harness.inspect.prune import suite_toml
+    from harness.models.config import ModelBuildError
     from harness.settings import load_settings
 
     cfg = Path(config).resolve()
     try:
         raw = json.loads(cfg.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{config}: cannot read config.json: {e}") from None
-    if not isinstance(raw, dict) or not raw.get("architectures"):
-        raise ValueError(f"{config}: not a config.json with 'architectures'")
-    architecture_class(raw["architectures"][0])  # unknown architecture: the error says how to plug one in
+        raise InitRefused(f"{config}: cannot read config.json: {e}") from None
+    if not isinstance(raw, dict) or not (raw.get("architectures") or raw.get("model_type")):
+        raise InitRefused(f"{config}: not a config.json with 'architectures' or 'model_type'")
+    plan, arch = _plan(raw, str(config))
     name = slug(name or cfg.stem)
     out_dir = Path(suites_dir or load_settings().suites_dir).resolve()
     out = out_dir / f"{name}.toml"
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists (use --force to overwrite)")
-    prune, why = choose_prune(raw)
     out_dir.mkdir(parents=True, exist_ok=True)
     rel = os.path.relpath(cfg, out_dir).replace(os.sep, "/")
-    notes = []
-    if raw.get("quantization_config"):
+    notes = list(plan.notes)
+    if raw.get("quantization_config") or (raw.get(plan.part or "", {}) or {}).get("quantization_config"):
         notes.append("quantization_config is dropped for the random-weight build (see the smoke item notes)")
-    out.write_text(suite_toml(rel, raw, prune, why, title=name, notes=notes))
+
+    def write(smoke=None, comments=None):
+        out.write_text(suite_toml(rel, raw, plan.prune, plan.why, title=name, notes=notes,
+                                  architecture=plan.architecture, smoke=smoke, smoke_comments=comments))
+
+    write()
+    try:
+        n, globs = probe(out, max_params, raw, plan)
+    except InitRefused:
+        out.unlink()
+        raise
+    except (ModelBuildError, Exception) as e:  # a config transformers rejects: one line, nothing left behind
+        out.unlink()
+        msg = " ".join(str(e).split())
+        raise InitRefused(f"{config}: the pruned model does not build or run: {type(e).__name__}: {msg[:400]}") from None
+    plan.why.append(f"pruned model: {n:,} parameters")
+    if globs:
+        comment = [f"by design these parameters get no gradient from the LM loss (found by one backward at init): "
+                   f"{', '.join(globs)}; anything else without a gradient still fails"]
+        if _smoke_accepts("no_grad_ok"):
+            write({"no_grad_ok": globs}, comment)
+        else:
+            write(None, comment + [f"no_grad_ok = {globs!r}  (needs the smoke check's no_grad_ok knob)"])
+    else:
+        write()
     return out
+
+
+def record_suites_dir(out_dir: Path) -> None:
+    """Remember a --suites-dir outside harness.toml's suites_dir, so that `harness golden generate NAME`
+    and `harness run NAME` find the suite (harness/suite/loader.py resolve_names reads this file)."""
+    from harness.settings import load_settings
+    from harness.suite.loader import SUITE_DIRS_FILE
+
+    out_dir = out_dir.resolve()
+    if out_dir == Path(load_settings().suites_dir).resolve():
+        return
+    f = Path(SUITE_DIRS_FILE)
+    known = f.read_text().splitlines() if f.exists() else []
+    if str(out_dir) not in known:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("\n".join([*known, str(out_dir)]) + "\n")
 
 
 def validate(path: Path) -> tuple[bool, str]:
@@ -65,9 +258,9 @@ def validate(path: Path) -> tuple[bool, str]:
         ls = load_suite(path)
         ctx = run_one(ls, "smoke", "cpu", "float32")
     except (CheckFailure, SuiteError) as e:
-        return False, str(e)
+        return False, " ".join(str(e).split())
     except Exception as e:  # a model that does not even build: say so, do not traceback
-        return False, f"{type(e).__name__}: {e}"
+        return False, f"{type(e).__name__}: {' '.join(str(e).split())}"
     props = dict(ctx.properties)
     return True, (f"smoke[cpu-float32] passed: loss {props.get('metric.loss_initial', '?')} -> "
                   f"{props.get('metric.loss_final', '?')}, {props.get('metric.parameters', '?')} parameters")
@@ -75,13 +268,14 @@ def validate(path: Path) -> tuple[bool, str]:
 
 def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from harness.models.config import UnknownArchitectureError
-
     try:
-        path = init_suite(args.config, name=args.name, suites_dir=args.suites_dir, force=args.force)
-    except (ValueError, FileExistsError, UnknownArchitectureError) as e:
+        path = init_suite(args.config, name=args.name, suites_dir=args.suites_dir, force=args.force,
+                          max_params=args.max_params)
+    except (InitRefused, FileExistsError) as e:
         print(f"harness init: {e}", file=sys.stderr)
         return 2
+    if args.suites_dir:
+        record_suites_dir(Path(args.suites_dir))
     print(f"wrote {path}")
     if args.no_validate:
         return 0

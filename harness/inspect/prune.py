@@ -1,102 +1,402 @@
-"""Pruning chosen from the architecture, for ``harness init`` on a model the project has never seen.
+"""Pruning derived from the config itself, for ``harness init`` on a model the project has never seen.
 
-The pruned model must keep what makes the architecture distinctive while running in seconds:
+Nothing here lists models. Every rule reads the *shape* of the config.json:
 
-* layers: 2; with DeepSeek-style ``first_k_dense_replace`` one dense layer then one MoE layer;
-* width: hidden 64; query/KV heads keep the published GQA ratio (kv 2 for ratios up to 4,
-  kv 1 above; at most 16 query heads); an explicit ``head_dim`` stays explicit (16, so that
-  ``heads x head_dim != hidden`` when it was so in the original);
-* MLA: ranks and head dims shrunk together (q_lora 32, kv_lora 16, nope 16, rope 8, v 16);
-* MoE: 8 routed experts (or fewer if the model has fewer), top-2, one shared expert if it had any,
-  group-limited routing kept as 4 groups / top-2 groups when the model uses groups;
-* vocabulary 512 (token ids in the config are remapped by the loader).
+* **layers**: each layer gets a *kind*, the tuple of everything the config says about that layer:
+  per-layer lists (``layer_types``, ``moe_layer_freq``, ``compress_ratios``, nested ones too), pattern
+  strings (``hybrid_override_pattern``: one character per layer), index lists (``mlp_only_layers``)
+  and the periodic integers transformers turns into per-layer choices (``first_k_dense_replace``,
+  ``decoder_sparse_step``, ``full_attention_interval``, ``interleave_moe_layer_step``, ...). We keep the
+  shortest *prefix* of layers that holds every distinct kind: a prefix keeps absolute layer indices,
+  so every periodic rule transformers applies still gives the same kinds, and every list or pattern
+  is cut to the same length (entries past the layer count, e.g. an MTP layer's, are kept at the end).
+  A ``first_k_*`` count is lowered to 1 when that still leaves every kind and no new one.
+* **widths**: hidden 64; query/KV heads keep the published GQA ratio (2 KV heads up to 4:1, else 1, at
+  most 8 query heads), for every attention flavour the config has (``swa_num_attention_heads``...);
+  all head dims (``head_dim``, ``*_head_dim``, ``rotary_dim``, ``global_head_dim``) shrink by *one*
+  power-of-two factor so that rope/nope/value splits and ``qk_head_dim = nope + rope`` stay consistent,
+  and ``mrope_section`` is rescaled to the new rotary half-width; other head counts and groups
+  (indexer, Mamba, linear attention) shrink by one common factor, keeping their ratios; MLA/LoRA ranks
+  32; MLP widths 128 (dense) / 32 (experts); SSM state 16.
+* **MoE**: 8 routed experts (fewer if the model has fewer), top-2, 1 shared expert if it had any,
+  group-limited routing kept as 4 groups / top-2 groups.
+* **vocabulary** 512 (token ids in the config are remapped by the loader).
+* **nested configs** (``text_config``, ``vision_config``, ...): the text part gets all of the above;
+  other parts get the same width rules with one layer.
+
+The result is a flat mapping: keys the suite schema knows go in ``[prune]``, everything else in
+``[prune.overrides]`` with dotted paths for nested keys (``"rope_parameters.mrope_section"``).
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass, field
 
 from harness.models.config import EXPERT_KEYS
 
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
+VISION_LAYER_KEYS = ("depth", "num_hidden_layers", "vt_num_hidden_layers", "num_layers")
+WIDTH_KEYS = ("hidden_size", "d_model", "n_embd")
+# Periodic integers that decide per-layer kinds, by their (transformers-wide) naming conventions.
+PREFIX_COUNTS = ("first_k_dense_replace", "num_hash_layers", "num_dense_layers", "first_k_dense")
+BELOW_COUNTS = ("max_window_layers",)  # the same "i < k" rule, but never reduced
+EVERY_N = ("decoder_sparse_step", "interleave_moe_layer_step", "full_attention_interval", "sliding_window_pattern")
+EVERY_N0 = ("moe_layer_freq",)  # DeepSeek: MoE where i % freq == 0 (past first_k)
+SKIP_NESTED = ("quantization_config", "auto_map", "rope_scaling", "compression_config")
+TEXT_WIDTH, VISION_WIDTH, HEAD_DIM_TARGET = 64, 32, 32
 
-def _even_head_dim(hidden: int, heads: int) -> int:
-    """A hidden size >= ``hidden`` divisible by ``heads`` with an even head dim (rotary needs pairs)."""
-    hd = max(2, math.ceil(hidden / heads))
-    hd += hd % 2
-    return heads * hd
+
+@dataclass
+class Plan:
+    """What ``init`` writes: prune keys (with ``overrides``), the reasons, and what the suite builds."""
+
+    prune: dict
+    why: list[str]
+    architecture: str | None = None  # model.architecture to write (a wrapper's text decoder), or None
+    part: str | None = None  # "text_config" when the suite tests the decoder of a wrapper
+    notes: list[str] = field(default_factory=list)
+
+
+# --- layers ---------------------------------------------------------------------------------------
+
+def _num_layers(d: dict) -> tuple[str | None, int]:
+    for k in LAYER_KEYS:
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > 0:
+            return k, d[k]
+    return None, 0
+
+
+def _is_ints(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _layer_features(d: dict, n: int, prefix: str = "") -> list[tuple[str, str, object]]:
+    """(dotted key, feature type, value) for everything in ``d`` that varies with the layer index."""
+    out = []
+    for k, v in d.items():
+        key = prefix + k
+        if k in ("architectures",) or k.endswith(("token_id", "token_ids")):
+            continue
+        if isinstance(v, dict) and k not in SKIP_NESTED and not k.endswith("_config"):
+            out += _layer_features(v, n, key + ".")
+        elif isinstance(v, list) and n >= 3 and n <= len(v) <= n + 4:
+            out.append((key, "list", v))
+        elif isinstance(v, str) and n >= 3 and len(v) == n and re.fullmatch(r"[A-Za-z*\-]+", v):
+            out.append((key, "pattern", v))
+        elif _is_ints(v) and "layer" in k and (not v or max(v) < n) and len(v) < n:
+            out.append((key, "index", v))
+        elif isinstance(v, int) and not isinstance(v, bool) and not prefix:
+            if k in PREFIX_COUNTS and v > 0:
+                out.append((key, "below", v))
+            elif k in BELOW_COUNTS and 0 < v < n:
+                out.append((key, "below", v))
+            elif k in EVERY_N and v > 1:
+                out.append((key, "every", v))
+            elif k in EVERY_N0 and v > 1:
+                out.append((key, "every0", v))
+    return out
+
+
+def _feature_at(ftype: str, v, i: int):
+    if ftype in ("list", "pattern"):
+        return v[i]
+    if ftype == "index":
+        return i in v
+    if ftype == "below":
+        return i < v
+    if ftype == "every":
+        return (i + 1) % v == 0
+    return i % v == 0  # every0
+
+
+def _kinds(feats, n: int) -> list[tuple]:
+    return [tuple(_feature_at(t, v, i) for _, t, v in feats) for i in range(n)]
+
+
+def _shortest_prefix(kinds: list[tuple]) -> int:
+    want, seen = set(kinds), set()
+    for i, k in enumerate(kinds):
+        seen.add(k)
+        if seen == want:
+            return i + 1
+    return len(kinds)
+
+
+def plan_layers(d: dict) -> tuple[dict, list[str]]:
+    """Flat updates (dotted keys) cutting ``d`` to the shortest layer prefix holding every kind."""
+    key, n = _num_layers(d)
+    if key is None:
+        return {}, []
+    feats = _layer_features(d, n)
+    kinds = _kinds(feats, n)
+    original = set(kinds)
+    m = _shortest_prefix(kinds)
+    # Lower first_k-style counts to 1 where that keeps every kind and adds none (DeepSeek: 1 dense + 1 MoE).
+    for j, (fk, ft, fv) in enumerate(feats):
+        if ft != "below" or fk not in PREFIX_COUNTS or fv <= 1:
+            continue
+        trial = feats[:j] + [(fk, ft, 1)] + feats[j + 1:]
+        tk = _kinds(trial, n)
+        tm = _shortest_prefix(tk)
+        if set(tk[:tm]) == original and tm < m:
+            feats, kinds, m = trial, tk, tm
+    m = min(n, max(m, 2))
+    up: dict = {key: m}
+    for fk, ft, fv in feats:
+        if ft == "list":
+            up[fk] = list(fv[:m]) + list(fv[n:])
+        elif ft == "pattern":
+            up[fk] = fv[:m]
+        elif ft == "index":
+            up[fk] = [i for i in fv if i < m]
+        elif ft == "below" and fk in PREFIX_COUNTS:
+            up[fk] = min(fv, m)
+        elif ft == "below":
+            up[fk] = min(fv, m)
+    why = [f"layers: the first {m} of {n}, the shortest prefix that holds every distinct layer kind "
+           f"({len(original)} kind{'s' if len(original) != 1 else ''}" +
+           (f" from {', '.join(sorted({f[0] for f in feats}))})" if feats else ")")]
+    for i in range(m):
+        desc = ", ".join(f"{fk}={_show(_feature_at(ft, fv, i), ft, fv)}" for fk, ft, fv in feats)
+        why.append(f"  layer {i}: {desc or 'same kind as every other layer'}")
+    return up, why
+
+
+def _show(val, ftype, fv) -> str:
+    if ftype == "below":
+        return f"{'below' if val else 'at/after'} {fv}"
+    if ftype in ("every", "every0"):
+        return "yes" if val else "no"
+    if ftype == "index":
+        return "listed" if val else "not listed"
+    return str(val)
+
+
+# --- widths ---------------------------------------------------------------------------------------
+
+def _even(x: float, lo: int = 2) -> int:
+    v = max(lo, int(round(x)))
+    return v + v % 2
+
+
+def _head_dim_keys(d: dict) -> list[str]:
+    return [k for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0
+            and (k == "head_dim" or k.endswith("_head_dim") or k in ("rotary_dim", "qk_head_dim")
+                 or k.endswith("head_dim") and k != "head_dim")]
+
+
+def _gqa(heads: int, kv: int) -> tuple[int, int, int]:
+    kv = kv or heads
+    ratio = heads // kv if kv and heads % kv == 0 else 1
+    if ratio > 8:
+        return 8, 1, ratio
+    kvn = 2 if ratio <= 4 else 1
+    return kvn * ratio, kvn, ratio
+
+
+def _rescale_sections(sec: list[int], total: int) -> list[int]:
+    """Largest-remainder rescale of e.g. mrope_section [11, 11, 10] to a new sum (rotary half-width)."""
+    s = sum(sec) or 1
+    raw = [x * total / s for x in sec]
+    out = [int(math.floor(x)) for x in raw]
+    for i in sorted(range(len(sec)), key=lambda i: raw[i] - out[i], reverse=True)[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool = False) -> tuple[dict, list[str]]:
+    up: dict = {}
+    why: list[str] = []
+    for k, v in d.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v > width and (
+                k in WIDTH_KEYS or vision and k.endswith("hidden_size") and "intermediate" not in k):
+            up[k] = TEXT_WIDTH if vision and k.startswith(("text_", "out_")) else width
+    # attention flavours: <prefix>num_attention_heads with <prefix>num_key_value_heads
+    q_scale = None
+    for k, v in d.items():
+        if not (k.endswith("num_attention_heads") and isinstance(v, int) and v > 0):
+            continue
+        pre = k[: -len("num_attention_heads")]
+        kv_key = pre + "num_key_value_heads"
+        kv = d.get(kv_key) if isinstance(d.get(kv_key), int) else v
+        q, kvn, ratio = _gqa(v, kv)
+        up[k] = q
+        if kv_key in d and d[kv_key] is not None:
+            up[kv_key] = kvn
+        q_scale = q_scale or (v, q)
+        if not vision:
+            why.append(f"{k}: {v}:{kv} ({ratio}:1 GQA) -> {q} query / {kvn} KV heads" +
+                       (" (ratio capped at 8:1)" if ratio > 8 else ""))
+    if vision and "num_heads" in d and isinstance(d["num_heads"], int):
+        up["num_heads"] = 2
+    # every other head count / group count shrinks by one common factor (keeps e.g. linear k:v = 1:2)
+    others = {k: v for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1
+              and k not in up and (re.search(r"(^|_)(n_heads|num_heads|heads)$", k) or k.endswith("_num_heads")
+                                   or re.fullmatch(r"(linear|mamba|ssm|index)_num_\w+_heads", k)
+                                   or k in ("n_groups", "o_groups", "mamba_n_groups"))}
+    if others:
+        f = max(1, max(others.values()) // 4)
+        for k, v in others.items():
+            up[k] = max(1, v // f)
+    # head dims: one power-of-two factor for all of them, so splits stay consistent
+    hd_keys = _head_dim_keys(d)
+    explicit = [d[k] for k in hd_keys]
+    implied = None
+    if not explicit and d.get("hidden_size") and d.get("num_attention_heads"):
+        implied = d["hidden_size"] // d["num_attention_heads"]
+    biggest = max(explicit or [implied or 0])
+    s = 1
+    while biggest / (s * 2) >= HEAD_DIM_TARGET:
+        s *= 2
+    for k in hd_keys:
+        up[k] = _even(d[k] / s) if d[k] >= 2 else d[k]
+    if {"qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim"} <= set(hd_keys):
+        up["qk_head_dim"] = up["qk_nope_head_dim"] + up["qk_rope_head_dim"]
+    if hd_keys and not vision:
+        why.append("head dims / " + str(s) + ": " + ", ".join(f"{k} {d[k]} -> {up[k]}" for k in hd_keys))
+    if vision:
+        for k, v in d.items():
+            if k.endswith("num_attention_heads") and isinstance(v, int):
+                up[k] = 2
+    if not hd_keys and "num_attention_heads" in up and "hidden_size" in d and not vision:
+        # head dim implied by hidden / heads: hidden >= width, divisible by the heads, even head dim
+        q = up["num_attention_heads"]
+        hd = max(2, math.ceil(width / q))
+        up["hidden_size"] = q * (hd + hd % 2)
+    rp = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    sec = rp.get("mrope_section") or (d.get("rope_scaling") or {}).get("mrope_section")
+    if _is_ints(sec) and sec:
+        hd_new = up.get("head_dim") or (up.get("hidden_size", width) // max(1, up.get("num_attention_heads", 1)))
+        prf = rp.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0
+        half = max(len(sec), int(hd_new * prf) // 2)
+        where = "rope_parameters.mrope_section" if rp.get("mrope_section") else "rope_scaling.mrope_section"
+        up[where] = _rescale_sections(sec, half)
+        why.append(f"{where} {sec} -> {up[where]} (sums to the new rotary half-width {half})")
+    # ranks, MLP widths, SSM state
+    for k, v in d.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or k in up:
+            continue
+        if k.endswith("lora_rank"):
+            up[k] = min(v, 32)
+        elif "intermediate_size" in k or k.endswith(("ffn_dim", "ffn_hidden_size", "expert_dim", "latent_size")):
+            up[k] = min(v, expert_mlp if re.search(r"moe|expert|shared", k) else mlp)
+        elif k in ("ssm_state_size", "state_size", "mamba_d_state", "d_state", "time_step_rank"):
+            up[k] = min(v, 16)
+        elif k == "vocab_size" or k.startswith("vocab_size"):
+            up[k] = min(v, 512)
+        elif k in ("index_topk",):
+            up[k] = min(v, 8)
+        elif k in ("out_hidden_size", "projection_dim", "text_hidden_size") and vision:
+            up[k] = TEXT_WIDTH
+    return up, why
+
+
+# --- MoE --------------------------------------------------------------------------------------------
+
+def plan_moe(d: dict) -> tuple[dict, list[str]]:
+    n_key = next((k for k in EXPERT_KEYS if isinstance(d.get(k), int) and d[k] > 0), None)
+    if n_key is None:
+        return {}, []
+    n_exp = d[n_key]
+    e = min(n_exp, 8)
+    k = min(int(d.get("num_experts_per_tok") or 2), 2, e)
+    up: dict = {"num_experts": e}
+    if "num_experts_per_tok" in d:
+        up["num_experts_per_tok"] = k
+    if d.get("n_shared_experts"):
+        up["n_shared_experts"] = 1
+    n_group = int(d.get("n_group") or 1)
+    why = []
+    if n_group > 1 and e % 4 == 0:
+        up["n_group"], up["topk_group"] = 4, 2
+        why.append(f"group-limited routing kept: {e} experts in 4 groups, tokens pick 2 groups")
+    elif "n_group" in d and d["n_group"] is not None:
+        up["n_group"], up["topk_group"] = 1, 1
+    why.insert(0, f"MoE: {n_exp} -> {e} routed experts ({n_key}), top-{k}" +
+               (", 1 shared expert" if d.get("n_shared_experts") else ""))
+    return up, why
+
+
+# --- whole configs -----------------------------------------------------------------------------------
+
+def _flatten(up: dict, prefix: str) -> dict:
+    return {prefix + k: v for k, v in up.items()}
+
+
+def plan_text(d: dict) -> tuple[dict, list[str]]:
+    """Flat updates for a decoder config dict (top level of a causal LM, or a wrapper's text_config)."""
+    up, why = plan_layers(d)
+    w, ww = plan_widths(d, width=TEXT_WIDTH, mlp=2 * TEXT_WIDTH, expert_mlp=32)
+    m, mw = plan_moe(d)
+    mtp = {k: False for k, v in d.items() if v is True and re.search(r"(^|_)(mtp|nextn)($|_)", k)}
+    if mtp:
+        ww.append(f"multi-token prediction off ({', '.join(mtp)} = false): transformers builds no MTP "
+                  "layers, and generate() would otherwise try MTP-assisted decoding")
+    return {**w, **m, **mtp, **up}, why + mw + ww
+
+
+def plan_vision(d: dict) -> dict:
+    up = {k: 1 for k in VISION_LAYER_KEYS if isinstance(d.get(k), int) and d[k] > 1}
+    for k, v in d.items():
+        if _is_ints(v) and v and ("index" in k or "layer" in k) and k != "mrope_section":
+            up[k] = [0]  # e.g. deepstack_visual_indexes [8, 16, 24] -> the only layer left
+    w, _ = plan_widths(d, width=VISION_WIDTH, mlp=2 * VISION_WIDTH, expert_mlp=16, vision=True)
+    return {**w, **up}
+
+
+def _text_part(raw: dict) -> str | None:
+    for k in ("text_config", "language_config", "llm_config"):
+        if isinstance(raw.get(k), dict):
+            return k
+    return None
+
+
+def plan_config(raw: dict, *, decoder_only: bool = True) -> Plan:
+    """The whole plan for a published config.json.
+
+    ``decoder_only``: for a multimodal wrapper, prune the text decoder at the top level (the suite
+    then builds the causal LM from ``text_config``); otherwise prune the wrapper with every part
+    nested (dotted keys), for an end-to-end build with a tiny vision tower.
+    """
+    part = _text_part(raw)
+    if part is None:
+        flat, why = plan_text(raw)
+    elif decoder_only:
+        flat, why = plan_text(raw[part])
+        why.insert(0, f"tests the language decoder built from the pruned {part}")
+    else:
+        t, why = plan_text(raw[part])
+        flat = _flatten(t, part + ".")
+        for k, v in raw.items():
+            if k != part and k.endswith("_config") and isinstance(v, dict) and k not in SKIP_NESTED:
+                flat.update(_flatten(plan_vision(v), k + "."))
+                why.append(f"{k}: 1 layer, width {VISION_WIDTH}")
+        why.insert(0, "tests the whole wrapper with a tiny vision tower on text-only input")
+    return Plan(_to_prune(flat), why, part=part if decoder_only else None)
+
+
+# Keys of [prune] itself (the suite schema's PruneSection); everything else goes to [prune.overrides].
+PRUNE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
+                "max_position_embeddings")
+
+
+def _to_prune(flat: dict) -> dict:
+    p = {k: v for k, v in flat.items() if k in PRUNE_FIELDS}
+    ov = {k: v for k, v in flat.items() if k not in PRUNE_FIELDS}
+    if ov:
+        p["overrides"] = ov
+    return p
 
 
 def choose_prune(raw: dict) -> tuple[dict, list[str]]:
     """(prune keys, comments explaining them) for a published config.json dict."""
-    p: dict = {}
-    why: list[str] = []
-    heads = int(raw.get("num_attention_heads") or 8)
-    kv = int(raw.get("num_key_value_heads") or heads)
-    mla = bool(raw.get("kv_lora_rank")) and bool(raw.get("qk_rope_head_dim"))
-    n_exp_key = next((k for k in EXPERT_KEYS if isinstance(raw.get(k), int) and raw[k] > 0), None)
-    n_exp = raw.get(n_exp_key) if n_exp_key else None
-
-    p["num_hidden_layers"] = 2
-    if n_exp and int(raw.get("first_k_dense_replace") or 0) > 0:
-        p["first_k_dense_replace"] = 1
-        why.append("layer 0 dense, layer 1 MoE (first_k_dense_replace = 1), as the real model starts dense")
-    elif n_exp and raw.get("mlp_only_layers"):
-        p["overrides"] = {"mlp_only_layers": [0]}
-        why.append("layer 0 dense (mlp_only_layers), layer 1 MoE")
-    elif n_exp:
-        why.append("both layers MoE, as every layer of the real model is")
-    else:
-        why.append("dense decoder: 2 layers")
-
-    hidden = 64
-    if mla:
-        q_heads = kv_heads = 4
-        why.append("MLA: 4 heads, ranks q_lora 32 / kv_lora 16, head dims nope 16 + rope 8, v 16")
-    else:
-        ratio = max(1, heads // max(kv, 1)) if heads % max(kv, 1) == 0 else 1
-        if ratio > 16:
-            kv_heads, q_heads = 1, 16
-            why.append(f"GQA ratio {ratio}:1 capped at 16:1")
-        else:
-            kv_heads = 2 if ratio <= 4 else 1
-            q_heads = kv_heads * ratio
-            why.append(f"keeps the published GQA ratio {heads}:{kv} = {ratio}:1 ({q_heads} query / {kv_heads} KV heads)")
-    p["num_attention_heads"], p["num_key_value_heads"] = q_heads, kv_heads
-    explicit_hd = raw.get("head_dim")
-    if not mla and explicit_hd and explicit_hd * heads != raw.get("hidden_size"):
-        p["head_dim"] = 16
-        why.append(f"explicit head_dim kept explicit: {explicit_hd} != {raw.get('hidden_size')}/{heads} in the "
-                   "real config; 16 here")
-    elif not mla:
-        hidden = _even_head_dim(hidden, q_heads)
-        if explicit_hd:
-            p["head_dim"] = hidden // q_heads
-    p["hidden_size"] = hidden
-    p["intermediate_size"] = 2 * hidden
-    if mla:
-        if raw.get("q_lora_rank"):
-            p["q_lora_rank"] = 32
-        p.update(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-
-    if n_exp:
-        e = min(int(n_exp), 8)
-        k = min(int(raw.get("num_experts_per_tok") or 2), 2, e)
-        p["num_experts"], p["num_experts_per_tok"] = e, k
-        if raw.get("moe_intermediate_size"):
-            p["moe_intermediate_size"] = 32
-        if raw.get("n_shared_experts"):
-            p["n_shared_experts"] = 1
-        if raw.get("shared_expert_intermediate_size"):
-            p.setdefault("overrides", {})["shared_expert_intermediate_size"] = 32
-        n_group = int(raw.get("n_group") or 1)
-        if n_group > 1 and e % 4 == 0:
-            p["n_group"], p["topk_group"] = 4, 2
-            why.append(f"group-limited routing kept: {e} experts in 4 groups, tokens pick 2 groups, top-{k}")
-        elif n_group > 1 or raw.get("n_group") == 1:
-            p["n_group"], p["topk_group"] = 1, 1
-        why.append(f"{e} routed experts, top-{k}" + (", 1 shared expert" if raw.get("n_shared_experts") else ""))
-    p["vocab_size"] = 512
-    return p, why
+    plan = plan_config(raw)
+    return plan.prune, plan.why
 
 
 def _toml_value(v) -> str:
@@ -109,19 +409,29 @@ def _toml_value(v) -> str:
     return repr(v)
 
 
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
+
+
 def suite_toml(config_rel: str, raw: dict, prune: dict, why: list[str], *, title: str | None = None,
-               notes: list[str] | None = None) -> str:
+               notes: list[str] | None = None, architecture: str | None = None,
+               smoke: dict | None = None, smoke_comments: list[str] | None = None) -> str:
     arch = (raw.get("architectures") or ["?"])[0]
     lines = [f"# {title or config_rel}: generated by `harness init` from {config_rel}",
              f"# architecture {arch}, model_type {raw.get('model_type', '?')!s}. Pruning:"]
     lines += [f"#   - {w}" for w in why]
     lines += [f"# note: {n}" for n in notes or []]
     lines += ["[model]", f"config = {_toml_value(config_rel)}"]
+    if architecture:
+        lines.append(f"architecture = {_toml_value(architecture)}")
     lines += ["", "[prune]"]
     overrides = prune.get("overrides") or {}
     for k, v in prune.items():
         if k != "overrides":
             lines.append(f"{k} = {_toml_value(v)}")
     if overrides:
-        lines += ["", "[prune.overrides]"] + [f"{k} = {_toml_value(v)}" for k, v in overrides.items()]
+        lines += ["", "[prune.overrides]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in overrides.items()]
+    if smoke or smoke_comments:
+        lines += ["", "[checks.smoke]"] + [f"# {c}" for c in smoke_comments or []]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in (smoke or {}).items()]
     return "\n".join(lines) + "\n"

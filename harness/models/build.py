@@ -13,14 +13,20 @@ from pathlib import Path
 
 import torch
 
-from harness.models.config import ModelConfig, architecture_class, build_config, use_eager_experts
+from harness.models.config import (
+    ModelBuildError,
+    ModelConfig,
+    architecture_class,
+    build_config,
+    use_eager_experts,
+)
 from harness.suite.loader import LoadedSuite
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
 
-class AdapterError(Exception):
+class AdapterError(ModelBuildError):
     pass
 
 

@@ -12,6 +12,7 @@ Three things a release-day config does that a plain ``AutoConfig`` call does not
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 from harness.suite.schema import PruneSection
@@ -22,8 +23,16 @@ EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-class UnknownArchitectureError(Exception):
-    pass
+class ModelBuildError(Exception):
+    """Base of every "this suite's model cannot be built" error: one line, never a traceback."""
+
+
+class UnknownArchitectureError(ModelBuildError):
+    """No way to build the model: the message names what was tried and which suite knob fixes it."""
+
+
+class ConfigBuildError(ModelBuildError):
+    """transformers refused the (pruned) config: the message names the keys involved."""
 
 
 @dataclass
@@ -31,9 +40,10 @@ class ModelConfig:
     config: object  # transformers.PretrainedConfig
     architecture: str  # class name in transformers, e.g. DeepseekV3ForCausalLM
     model_type: str  # as published (may be unregistered, e.g. kimi_k2)
-    resolved_via: str  # "model_type" or "architectures"
+    resolved_via: str  # "architectures", "model.architecture", "model_type (causal LM)", ...
     quantization: dict | None = None  # the dropped quantization_config, if any
     notes: list[str] = field(default_factory=list)
+    part: str | None = None  # "text_config" when the model is a wrapper's language decoder
 
 
 def _transformers():
@@ -42,18 +52,89 @@ def _transformers():
     return transformers
 
 
+FIX_HINT = ("set model.architecture = '<a transformers class that runs it>' in the suite, or plug in your own "
+            "builder with model.adapter = 'your_package.module:build' (see docs/adding-a-model.md)")
+
+
 def architecture_class(name: str):
-    """The transformers class named by ``architectures[0]``; a clear error if nobody knows it."""
+    """The transformers class called ``name``; a clear error if nobody knows it."""
     tf = _transformers()
-    cls = getattr(tf, name, None)
+    cls = getattr(tf, name, None) if name and name.isidentifier() else None
     if cls is None:
         raise UnknownArchitectureError(
-            f"architecture {name!r} is not known to transformers {tf.__version__}. "
-            "Plug in your own implementation with a custom adapter: set model.adapter = "
-            "'your_package.module:build' in the suite, where build(config_dict, dtype, device) returns "
-            "a torch.nn.Module whose forward(input_ids, labels=None) returns an object with .logits/.loss "
-            "(see docs/adding-a-model.md).")
+            f"architecture {name!r} is not a class in transformers {tf.__version__}: {FIX_HINT}")
     return cls
+
+
+def _registry_class(model_type: str) -> tuple[str | None, str]:
+    """(class name, which registry) for a registered model_type: causal LM first, then image-text-to-text."""
+    from transformers.models.auto import modeling_auto as ma
+
+    for mapping, label in ((ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal-LM mapping"),
+                           (ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, "image-text-to-text mapping")):
+        name = mapping.get(model_type)
+        if name and getattr(_transformers(), name, None) is not None:
+            return name, label
+    return None, ""
+
+
+def resolve_architecture(raw: dict, override: str | None = None) -> tuple[str, str, list[str]]:
+    """(class name, how it was found, notes) through transformers' own registries.
+
+    Order: ``model.architecture`` when the suite sets it; else ``architectures[0]`` when transformers
+    has that class; else the config's ``model_type`` through the config mapping and the causal-LM /
+    image-text-to-text model mappings (``kimi_k25`` -> ``Kimi_K25ForConditionalGeneration``).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    tf = _transformers()
+    if override:
+        architecture_class(override)
+        return override, "model.architecture", []
+    arch = (raw.get("architectures") or [None])[0]
+    if arch and getattr(tf, arch, None) is not None:
+        return arch, "architectures", []
+    mt = raw.get("model_type") or ""
+    tried = [f"architectures[0] {arch!r}: " + ("no such class" if arch else "absent"),
+             f"model_type {mt!r}: " + ("registered" if mt in CONFIG_MAPPING_NAMES else "not in the config mapping")]
+    if mt in CONFIG_MAPPING_NAMES:
+        name, label = _registry_class(mt)
+        if name:
+            return name, f"model_type ({label})", [
+                f"architectures[0] {arch!r} is not a class in transformers {tf.__version__}; model_type {mt!r} "
+                f"maps to {name} through its {label}"]
+        tried.append(f"model_type {mt!r} has no causal-LM or image-text-to-text model class")
+    remote = ""
+    if raw.get("auto_map"):
+        remote = (f"; its auto_map points at remote code ({', '.join(sorted(set(map(str, raw['auto_map'].values()))))}), "
+                  "which harness never runs")
+    raise UnknownArchitectureError(f"transformers {tf.__version__} cannot build this model (tried {'; '.join(tried)})"
+                                   f"{remote}: {FIX_HINT}")
+
+
+def remote_code_only(raw: dict) -> str | None:
+    """One line saying why a config can only run with its own remote code, or None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    tf = _transformers()
+    arch = (raw.get("architectures") or [None])[0]
+    mt = raw.get("model_type") or ""
+    if not raw.get("auto_map") or (arch and getattr(tf, arch, None) is not None) or mt in CONFIG_MAPPING_NAMES:
+        return None
+    return (f"remote code only: neither architectures[0] {arch!r} nor model_type {mt!r} is in transformers "
+            f"{tf.__version__}, and auto_map points at code shipped beside the config "
+            f"({', '.join(sorted(set(map(str, raw['auto_map'].values()))))}), which harness never runs")
+
+
+def _set_path(d: dict, dotted: str, value) -> None:
+    """``d["a"]["b"] = value`` for ``"a.b"`` (nested config keys in [prune.overrides])."""
+    *parents, last = dotted.split(".")
+    for p in parents:
+        nxt = d.get(p)
+        if not isinstance(nxt, dict):
+            nxt = d[p] = {}
+        d = nxt
+    d[last] = copy.deepcopy(value)
 
 
 def apply_prune(d: dict, prune: PruneSection) -> list[str]:
@@ -67,18 +148,64 @@ def apply_prune(d: dict, prune: PruneSection) -> list[str]:
             notes.append("prune.num_experts ignored: the config has no routed experts")
         for k in keys:
             d[k] = prune.num_experts
-    d.update(copy.deepcopy(prune.overrides))
-    vocab = d.get("vocab_size")
-    if prune.vocab_size is not None and vocab:
-        # Published bos/eos ids point past a pruned vocabulary; map them to the last ids.
-        for i, k in enumerate(TOKEN_ID_KEYS):
-            v = d.get(k)
-            if isinstance(v, int) and v >= vocab:
-                d[k] = vocab - 1 - i
-                notes.append(f"{k} {v} -> {d[k]} (pruned vocab {vocab})")
-            elif isinstance(v, list):
-                d[k] = [x if x < vocab else vocab - 1 - i for x in v]
+    for k, v in prune.overrides.items():
+        _set_path(d, k, v)
+    notes += _remap_token_ids(d, d.get("vocab_size"))
     return notes
+
+
+def _remap_token_ids(d: dict, vocab: int | None, where: str = "") -> list[str]:
+    """Token ids past a (pruned) vocabulary -> the last ids, in ``d`` and its nested configs.
+
+    A wrapper's top-level ids (``image_token_id``) index its text vocabulary."""
+    notes: list[str] = []
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else None
+    if vocab is None and text is not None:
+        vocab = text.get("vocab_size")
+    for k, v in list(d.items()):
+        if isinstance(v, dict) and k.endswith("_config") and k != "quantization_config":
+            notes += _remap_token_ids(v, v.get("vocab_size") or (vocab if k == "text_config" else None), f"{where}{k}.")
+            continue
+        if not vocab or not (k.endswith(("token_id", "token_ids", "token_index")) or k in TOKEN_ID_KEYS):
+            continue
+        i = TOKEN_ID_KEYS.index(k) if k in TOKEN_ID_KEYS else 3
+        last = max(0, vocab - 1 - i)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= vocab:
+            d[k] = last
+            notes.append(f"{where}{k} {v} -> {last} (pruned vocab {vocab})")
+        elif _is_int_list(v) and any(x >= vocab for x in v):
+            d[k] = [x if x < vocab else last for x in v]
+            notes.append(f"{where}{k} {v} -> {d[k]} (pruned vocab {vocab})")
+    return notes
+
+
+def _is_int_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _text_part_for(raw: dict, cls) -> str | None:
+    """The nested config (``text_config``) ``cls`` is built from, when ``cls`` is a wrapper's decoder."""
+    cfg_cls = getattr(cls, "config_class", None)
+    for part in ("text_config", "language_config", "llm_config"):
+        sub = raw.get(part)
+        if not isinstance(sub, dict) or cfg_cls is None:
+            continue
+        top_mt = raw.get("model_type")
+        if (sub.get("architectures") or [None])[0] == cls.__name__:
+            return part
+        if getattr(cfg_cls, "base_config_key", None) == part or (
+                sub.get("model_type") and getattr(cfg_cls, "model_type", None) == sub.get("model_type")
+                and cfg_cls.model_type != top_mt):
+            return part
+    return None
+
+
+def _config_error(e: Exception, d: dict, cfg_name: str) -> ConfigBuildError:
+    msg = " ".join(str(e).split())
+    keys = sorted({k for k in re.findall(r"`?([a-z_][a-z0-9_]{2,})`?", msg) if k in d})
+    hint = f" (keys: {', '.join(keys)})" if keys else ""
+    return ConfigBuildError(f"{cfg_name} rejects the config{hint}: {type(e).__name__}: {msg}; "
+                            "fix the key in [prune] / [prune.overrides]")
 
 
 def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: str | None = None,
@@ -87,31 +214,57 @@ def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: 
     tf = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    arch, via, notes = resolve_architecture(raw, architecture)
+    cls = architecture_class(arch)
     d = copy.deepcopy(raw)
-    notes: list[str] = []
-    arch = architecture or (d.get("architectures") or [None])[0]
-    if arch is None:
-        raise UnknownArchitectureError("config.json has no 'architectures' and the suite sets no model.architecture")
+    part = _text_part_for(raw, cls)
+    if part:
+        # A multimodal wrapper's language decoder: the causal LM built from text_config alone.
+        outer = d
+        d = copy.deepcopy(raw[part])
+        for k in ("tie_word_embeddings", "quantization_config"):
+            if k in outer and k not in d:
+                d[k] = outer[k]
+        notes.append(f"builds the language decoder {arch} from the config's {part}")
     if not trust_remote_code and d.pop("auto_map", None) is not None:
         notes.append("auto_map ignored (trust_remote_code is off)")
     quant = None if keep_quantization else d.pop("quantization_config", None)
+    if quant is None and not keep_quantization and isinstance(d.get("text_config"), dict):
+        quant = d["text_config"].pop("quantization_config", None)
     if quant is not None:
-        notes.append(f"quantization_config dropped for a random-weight build: {quant.get('quant_method')} "
-                     f"{quant.get('fmt', '')} blocks {quant.get('weight_block_size')}")
+        notes.append(f"quantization_config dropped for a random-weight build: {describe_quantization(quant)}")
     if prune is not None:
         notes += apply_prune(d, prune)
 
     model_type = d.pop("model_type", None) or ""
-    if model_type in CONFIG_MAPPING:
-        config_cls, via = CONFIG_MAPPING[model_type], "model_type"
+    cfg_cls = getattr(cls, "config_class", None)
+    if model_type in CONFIG_MAPPING and (cfg_cls is None or CONFIG_MAPPING[model_type] is cfg_cls
+                                         or not part and via == "architectures"):
+        config_cls = CONFIG_MAPPING[model_type]
     else:
-        # Day-0: an unregistered model_type on a known architecture runs as that architecture.
-        config_cls, via = architecture_class(arch).config_class, "architectures"
-        notes.append(f"model_type {model_type!r} is not registered in transformers {tf.__version__}; "
-                     f"running it as {arch} ({config_cls.__name__})")
-    cfg = config_cls(**d)
+        config_cls = cfg_cls
+        if model_type not in CONFIG_MAPPING:
+            # Day-0: an unregistered model_type on a known architecture runs as that architecture.
+            notes.append(f"model_type {model_type!r} is not registered in transformers {tf.__version__}; "
+                         f"running it as {arch} ({config_cls.__name__})")
+    try:
+        cfg = config_cls(**d)
+    except Exception as e:  # transformers validates configs with ValueError/TypeError/AttributeError...
+        raise _config_error(e, d, config_cls.__name__) from None
     cfg.architectures = [arch]
-    return ModelConfig(cfg, arch, model_type, via, quant, notes)
+    if not hasattr(cfg, "vocab_size") and hasattr(cfg, "get_text_config"):
+        # A wrapper built whole: checks size the token ids and logits by config.vocab_size.
+        cfg.vocab_size = cfg.get_text_config().vocab_size
+    return ModelConfig(cfg, arch, raw.get("model_type") or model_type, via, quant, notes, part)
+
+
+def describe_quantization(q: dict) -> str:
+    """One line for a quantization_config: method, format, block/group."""
+    bits = [str(q.get("quant_method") or q.get("quant_algo") or "?")]
+    for k in ("fmt", "format", "quant_algo", "weight_block_size"):
+        if q.get(k) is not None and str(q.get(k)) not in bits:
+            bits.append(f"{k} {q[k]}")
+    return " ".join(bits)
 
 
 def use_eager_experts(cfg) -> None:
