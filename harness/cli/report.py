@@ -38,7 +38,10 @@ def main(args: argparse.Namespace) -> int:
     if history:
         try:
             h = History(history)
-            series = h.metric_series([r.id for r in h.runs(opts.config.history_window)])
+            # the runs before this one: if `harness compare` already recorded these very files,
+            # that record is this run and must not be drawn twice
+            runs = h.runs(opts.config.history_window, exclude_key=outcome.run_key)
+            series = h.metric_series([r.id for r in runs])
             h.close()
         except (sqlite3.Error, ValueError):
             pass  # run_compare already listed the history among the problems

@@ -11,7 +11,7 @@ Read top to bottom, the pipeline is:
 ``issues``    grouping, fingerprints and the plan of issue actions
 ``body``      the markdown of an issue (tables, first divergent module, logs; size-capped)
 ``scrub``     @mentions and secrets out of everything posted
-``sinks``     where the plan goes: GitHub (through :mod:`harness.github_client`), files, stdout
+``sinks``     where the plan goes: GitHub (through :mod:`harness.compare.github_client`), files, stdout
 ``report``    the step-summary markdown and the static HTML page
 ``pipeline``  one run of all of the above, as ``harness compare`` does it
 """

@@ -1,8 +1,11 @@
 """The markdown body of one issue: what regressed, where, since when, and how to reproduce it.
 
-GitHub refuses bodies over 65,536 characters; the body is built section by section against a
-budget and says visibly what it left out. Every piece of text that came from a test run goes
-through :func:`harness.compare.scrub.scrub` (mentions, secrets).
+GitHub refuses bodies over 65,536 characters (422); the body is built section by section against a
+budget and says visibly what it left out. The budget is counted in UTF-8 bytes, which are never
+fewer than characters, and :func:`full` checks the final body (marker included) once more, so no
+mix of names can push it over. Every piece of text that came from a test run goes through
+:func:`harness.compare.scrub.scrub` (mentions, secrets) before anything cuts it, and names are
+shown with :func:`~harness.compare.scrub.md_code` (no Markdown or HTML injection).
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import os
 import platform
 from dataclasses import dataclass
 
-from harness.compare.issues import MARKER_MAX, Group
-from harness.compare.scrub import code_fence, scrub
+from harness.compare.issues import MARKER_MAX, Group, marker
+from harness.compare.scrub import code_fence, md_code, md_text, scrub
 
 MAX_BODY = 65_536
-_BUDGET = MAX_BODY - MARKER_MAX - 2_000  # room for the marker, the truncation note and the footer
+_BUDGET = MAX_BODY - MARKER_MAX - 2_000  # bytes; room for the marker, the truncation note and the footer
 _MAX_ROWS = 200
 _LOG_CHARS = 3_000
 
@@ -61,7 +64,11 @@ def _fmt(v: float | None) -> str:
 
 
 def _cell(text: str) -> str:
-    return scrub(str(text)).replace("|", "\\|").replace("\n", " ")
+    return md_text(text)
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8"))
 
 
 def _rows(group: Group) -> list[str]:
@@ -70,13 +77,13 @@ def _rows(group: Group) -> list[str]:
         name = f.case.name if f.case is not None else f.key
         if f.metric:
             change = "" if f.change is None else (f"{f.change:+.1%}" if math.isfinite(f.change) else "new")
-            rows.append(f"| `{_cell(name)}` | {_cell(f.metric)} | {_fmt(f.baseline)} | "
+            rows.append(f"| {md_code(name)} | {_cell(f.metric)} | {_fmt(f.baseline)} | "
                         f"{_fmt(f.current)} | {change} | {_cell(f.threshold)} |")
         else:
             before = {"still_failing": "failed"}.get(f.category, "passed")
             current = {"vanished": "missing"}.get(f.category, f.case.outcome if f.case else "")
             label = f.category.replace("_", " ")
-            rows.append(f"| `{_cell(name)}` | outcome | {before} | {_cell(current)} | {label} | |")
+            rows.append(f"| {md_code(name)} | outcome | {before} | {_cell(current)} | {label} | |")
     return rows
 
 
@@ -87,18 +94,19 @@ def _precision(group: Group) -> list[str]:
         if "first_divergent_module" not in d:
             continue
         dtype = f.case.dtype if f.case else ""
-        out.append(f"**`{_cell(f.case.name)}`** ({_cell(dtype)}): first divergent module "
-                   f"`{_cell(d['first_divergent_module'])}`")
+        out.append(f"**{md_code(f.case.name)}** ({_cell(dtype)}): first divergent module "
+                   f"{md_code(d['first_divergent_module'])}")
         try:
             layers = json.loads(d.get("layer_table", "[]"))
         except ValueError:
             layers = []
         if layers:
             out.append("\n<details><summary>per-layer error</summary>\n\n"
-                       "| module | max abs err | rel RMSE | cosine | tolerance | ok |\n|---|---|---|---|---|---|")
+                       "| module | max abs err | rel RMSE | cosine | tolerance (rel RMSE) | ok |\n"
+                       "|---|---|---|---|---|---|")
             for row in layers[:_MAX_ROWS]:
-                out.append("| `{}` | {} | {} | {} | {} | {} |".format(
-                    _cell(row.get("module", "")), *(_fmt(_num(row.get(k))) for k in
+                out.append("| {} | {} | {} | {} | {} | {} |".format(
+                    md_code(row.get("module", "")), *(_fmt(_num(row.get(k))) for k in
                                                      ("max_abs_err", "rel_rmse", "cosine", "tolerance")),
                     "yes" if row.get("ok") else "**no**"))
             out.append("\n</details>\n")
@@ -119,6 +127,11 @@ def repro(group: Group) -> str:
     return f'tox -e model-{suite} -- -k "{expr}"'
 
 
+def _fenced(title: str, text: str) -> str:
+    fence = code_fence(text)  # longer than any backtick run in the names
+    return f"{title}\n\n{fence}\n{text}\n{fence}"
+
+
 def render(group: Group, ctx: RunContext, reopened: bool = False) -> str:
     f0 = group.findings[0] if group.findings else None
     cases = [f.case for f in group.findings if f.case is not None]
@@ -126,54 +139,54 @@ def render(group: Group, ctx: RunContext, reopened: bool = False) -> str:
     devices = ", ".join(sorted({c.device for c in cases if c.device})) or "n/a"
     head = []
     if reopened:
-        head.append(f"> **Reopened**: regressed again in {_cell(ctx.run_line())}.\n")
+        head.append(f"> **Reopened**: regressed again in {scrub(ctx.run_line())}.\n")
     head += [
         f"**{len(group.items())} regressed item(s)** of kind **{group.kind}** in suite "
         f"**{_cell(group.fields.get('suite', f0.suite if f0 else ''))}** on backend "
         f"**{_cell(group.fields.get('backend', f0.backend if f0 else ''))}**.\n",
         "| | |\n|---|---|",
         f"| dtype | {_cell(dtypes)} |", f"| device | {_cell(devices)} |",
-        f"| commit | `{_cell(ctx.commit[:12] or 'unknown')}` |",
-        f"| baseline commit | `{_cell(ctx.baseline_commit[:12] or 'unknown')}` |",
-        f"| run | {_cell(ctx.run_url or 'n/a')} |", f"| machine | {_cell(ctx.machine or 'n/a')} |",
+        f"| commit | {md_code(ctx.commit[:12] or 'unknown')} |",
+        f"| baseline commit | {md_code(ctx.baseline_commit[:12] or 'unknown')} |",
+        f"| run | {scrub(ctx.run_url or 'n/a').replace('|', '%7C')} |", f"| machine | {_cell(ctx.machine or 'n/a')} |",
         "", "### Regressions", "",
         "| test | metric | baseline | current | change | threshold |", "|---|---|---|---|---|---|",
     ]
     rows = _rows(group)
     dropped: list[str] = []
-    shown, size = [], sum(len(h) + 1 for h in head)
+    shown, size = [], sum(_size(h) + 1 for h in head)
     for r in rows[:_MAX_ROWS]:
-        if size + len(r) > _BUDGET // 2:  # leave room for precision tables and logs
+        if size + _size(r) > _BUDGET // 2:  # leave room for precision tables and logs
             break
         shown.append(r)
-        size += len(r) + 1
+        size += _size(r) + 1
     if len(rows) > len(shown):
         dropped.append(f"{len(rows) - len(shown)} table rows")
     sections = ["\n".join(head + shown)]  # the rows belong to the table: no blank line before them
-    used = len(sections[0])
+    used = _size(sections[0])
     for section in ("\n".join(_precision(group)),
-                    f"### Reproduce\n\n```\n{repro(group)}\n```"):
+                    _fenced("### Reproduce", scrub(repro(group)))):
         if not section:
             continue
-        if used + len(section) > _BUDGET:
+        if used + _size(section) > _BUDGET:
             dropped.append("a section (" + section[:40].splitlines()[0] + ")")
             continue
         sections.append(section)
-        used += len(section)
+        used += _size(section)
     logs, n_logs = [], 0
     for c in cases:
         if not (c.log or c.message):
             continue
         text = c.log if c.message and c.message in c.log else f"{c.message}\n{c.log}"
-        text = scrub(text.strip()[-_LOG_CHARS:])
+        text = scrub(text.strip())[-_LOG_CHARS:]  # scrub first: a cut must not split a secret
         fence = code_fence(text)
         block = (f"<details><summary>log: {_cell(c.name)}</summary>\n\n{fence}\n{text}\n{fence}\n"
                  "\n</details>")
-        if used + len(block) > _BUDGET:
+        if used + _size(block) > _BUDGET:
             dropped.append(f"{sum(1 for x in cases if x.log or x.message) - n_logs} log excerpts")
             break
         logs.append(block)
-        used += len(block)
+        used += _size(block)
         n_logs += 1
     if logs:
         sections.append("### Logs\n\n" + "\n".join(logs))
@@ -182,7 +195,19 @@ def render(group: Group, ctx: RunContext, reopened: bool = False) -> str:
                         f"{'; '.join(dropped)} not shown. The full results are in the run's artifacts.")
     sections.append("---\n<sub>Filed by `harness compare`. Mute it with the `harness:muted` label or "
                     "an entry in the mute file.</sub>")
-    body = "\n\n".join(sections)
-    if len(body) > _BUDGET:  # a pathological single section: cut hard, but say so
-        body = body[:_BUDGET] + "\n\n> **Truncated**: body cut at the size limit."
-    return body
+    return "\n\n".join(sections)
+
+
+def _cut(text: str, limit: int) -> str:
+    """At most ``limit`` UTF-8 bytes of ``text``, cut on a character boundary."""
+    return text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+
+
+def full(group: Group, ctx: RunContext, reopened: bool = False, pending: str = "") -> str:
+    """Marker + body, checked against GitHub's limit as the final step: whatever the sections
+    did, the text sent is at most ``MAX_BODY`` bytes (so also characters)."""
+    head, body = marker(group, pending), render(group, ctx, reopened)
+    note = "\n\n> **Truncated**: body cut at GitHub's size limit; the full results are in the run's artifacts."
+    if _size(head) + _size(body) > MAX_BODY:  # a pathological single section: cut hard, but say so
+        body = _cut(body, MAX_BODY - _size(head) - _size(note) - 64) + note
+    return head + body

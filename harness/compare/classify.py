@@ -13,7 +13,8 @@ flaky              failed in one attempt, passed in another (or on a rerun)     
 new_test           not in the baseline nor the last run                                info
 vanished           in the baseline but not now, while its suite x backend did run      vanished
 dropped            vanished, but no longer collected (``collected``): the suite dropped it  info
-not_run            its whole suite x backend has no results (a missing shard)          info
+not_run            absent now, and its suite x backend has no results or part of the   info
+                   input could not be read (a shard missing, cut off, not JUnit)
 precision_drift    a metric with a tolerance used up ``drift_fraction`` of its          precision
                    headroom to the tolerance, against the baseline
 metric_regression  past the threshold the wrong way vs the baseline, or a change point  performance
@@ -157,8 +158,7 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
         if d == "none" or math.isnan(value):
             continue
         base_v = base.metrics.get(name) if base is not None else None
-        if _below_time_floor(name, value, base_v, series.bounds((case.key, name)), config.time_floor_s):
-            continue
+        floor = config.time_floor_s if _is_time(name) else 0.0
         thr = config.threshold_for(case.suite, name)
         if name in case.tolerances and base_v is not None:
             # Precision metrics are judged against their tolerance, not a relative threshold.
@@ -173,14 +173,16 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
             continue
         sign = "+" if d == "lower" else "-"
         if base_v is not None:
-            if cpt.is_worse(base_v, value, d, thr):
+            if abs(value - base_v) < floor:
+                category = ""  # below the timing noise floor: never a finding, whatever the history
+            elif cpt.is_worse(base_v, value, d, thr):
                 category, kind, test = "metric_regression", "performance", cpt.is_worse
             elif cpt.is_better(base_v, value, d, thr):
                 category, kind, test = "improvement", "improvement", cpt.is_better
             else:
                 category = ""
             if category:
-                bad = partial(_against, test, base_v, direction=d, threshold=thr)
+                bad = partial(_against, test, base_v, direction=d, threshold=thr, floor=floor)
                 out.findings.append(_finding(case, category, kind, name, value, base_v,
                                              _streak(series.get((case.key, name), []), bad),
                                              f"{sign}{thr:.0%}", config))
@@ -188,10 +190,10 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
         # In line with the baseline (or none): let the history speak -- but only fetch the series
         # when its range says a change is possible at all (most metrics are flat).
         lo, hi, n = series.bounds((case.key, name))
-        if n < 2 + config.min_bad_runs or not _may_change(lo, hi, value, d, thr):  # 3 before + bad runs
+        if n < 2 + config.min_bad_runs or not _may_change(lo, hi, value, d, thr, floor):  # 3 before + bad runs
             continue
         cp = cpt.detect(series.get((case.key, name), []) + [value], d, thr, config.min_bad_runs)
-        if cp is not None:
+        if cp is not None and abs(cp.after - cp.before) >= floor and abs(value - cp.before) >= floor:
             regression = cp.regression
             out.findings.append(_finding(
                 case, "metric_regression" if regression else "improvement",
@@ -206,20 +208,12 @@ def _finding(case: Case, category: str, kind: str, name: str, value: float, old:
                    confirmed=bad_runs >= config.min_bad_runs, bad_runs=bad_runs, note=note)
 
 
-def _below_time_floor(name: str, value: float, base_v: float | None, bounds: tuple, floor: float) -> bool:
-    """A 30 ms item that takes 40 ms is +33% and means nothing: for metrics in seconds, a change
-    below ``floor`` (against the baseline and every earlier run) is not a finding."""
-    if floor <= 0 or not _is_time(name):
-        return False
-    lo, hi, n = bounds
-    refs = [v for v in (base_v, lo if n else None, hi if n else None) if v is not None and not math.isnan(v)]
-    return all(abs(value - r) < floor for r in refs)
-
-
-def _may_change(lo: float, hi: float, value: float, d: str, thr: float) -> bool:
-    """Past the threshold against the best or the worst earlier value: necessary for any split."""
+def _may_change(lo: float, hi: float, value: float, d: str, thr: float, floor: float) -> bool:
+    """Past the threshold (and the noise floor) against the best or the worst earlier value:
+    necessary for any split."""
     best, worst = (lo, hi) if d == "lower" else (hi, lo)
-    return cpt.is_worse(best, value, d, thr) or cpt.is_better(worst, value, d, thr)
+    return ((cpt.is_worse(best, value, d, thr) and abs(value - best) >= floor)
+            or (cpt.is_better(worst, value, d, thr) and abs(value - worst) >= floor))
 
 
 @lru_cache(maxsize=1024)
@@ -237,8 +231,10 @@ def _drifted(v: float, base: float, direction: str, limit: float) -> bool:
     return limit > 0 and ((v - base) if direction == "lower" else (base - v)) > limit
 
 
-def _against(test, base: float, v: float, direction: str, threshold: float) -> bool:
-    return test(base, v, direction, threshold)
+def _against(test, base: float, v: float, direction: str, threshold: float, floor: float = 0.0) -> bool:
+    """An earlier run counts towards the streak only if it too was past the threshold *and* the
+    timing floor: a history of noise must not confirm today's noise."""
+    return abs(v - base) >= floor and test(base, v, direction, threshold)
 
 
 def _streak(earlier: list[float], bad) -> int:
@@ -260,7 +256,9 @@ def _missing_findings(out: Classification, current: Results, base: dict[str, Cas
     for key, (suite, backend) in ref.items():
         if key in current.cases:
             continue
-        if (suite, backend) not in present:
+        # Partial input (a shard missing or cut off): an absent test may simply be in the part
+        # that could not be read. It is "not run", never "vanished".
+        if current.partial or (suite, backend) not in present:
             absent[(suite, backend)] = absent.get((suite, backend), 0) + 1
             continue
         dropped = config.collected is not None and key not in config.collected
@@ -268,7 +266,8 @@ def _missing_findings(out: Classification, current: Results, base: dict[str, Cas
                                     "info" if dropped else "vanished", key, suite, backend,
                                     base.get(key)))
     for (suite, backend), n in sorted(absent.items()):
+        why = "part of the input could not be read" if current.partial else "a shard may be missing"
         out.notes.append(f"{suite} on {backend}: no results in this run for {n} tests that the "
-                         "reference run had (a shard may be missing); they count as not run")
+                         f"reference run had ({why}); they count as not run")
         out.findings.append(Finding("not_run", "info", f"{suite}/{backend}", suite, backend,
                                     note=f"{n} tests"))

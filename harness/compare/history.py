@@ -10,6 +10,15 @@ run is a handful of rows, and reading 30 runs of a metric is 30 array loads inst
 rows. A parsed baseline is cached the same way (``kind='baseline'``, keyed by a digest of its
 files), so the same baseline XML is parsed once, not on every run.
 
+One comparison at a time: a :class:`History` holds an advisory lock (``flock``) on the file from
+open to close, so two ``harness compare`` processes on one history (two workflows, a re-run
+overlapping a scheduled run) run one after the other instead of both filing the same issue or
+racing on the tests table. (SQLite's own locks are POSIX record locks, independent of ``flock`` on
+Linux, so the two never interfere.)
+
+The ``outbox`` table holds the comments a state change still owes (see
+:mod:`harness.compare.sinks`): written before the change, removed once the comment is posted.
+
 Losing the file is safe: classification falls back to the baseline alone, regressions need two
 more runs to confirm, and a recurrence opens a new issue instead of reopening the old one.
 """
@@ -18,8 +27,14 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory lock (CI runners that compare are Linux or macOS)
+    fcntl = None
 
 import numpy as np
 
@@ -37,6 +52,7 @@ CREATE TABLE IF NOT EXISTS metrics(run_id INT, name TEXT, vals BLOB, PRIMARY KEY
 CREATE TABLE IF NOT EXISTS groups(run_id INT, fingerprint TEXT, bad INT,
                                   PRIMARY KEY(run_id, fingerprint)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS issues(fingerprint TEXT PRIMARY KEY, number INT, state TEXT);
+CREATE TABLE IF NOT EXISTS outbox(key TEXT PRIMARY KEY, number INT, fingerprint TEXT, text TEXT);
 """
 _CODES = ["", "passed", "failed", "error", "skipped"]  # 0: the test was not in the run
 _CODE = {o: i for i, o in enumerate(_CODES)}
@@ -87,9 +103,27 @@ class SeriesView:
 
 
 class History:
-    def __init__(self, path: str):
+    def __init__(self, path: str, lock: bool = True):
         self.path = path
-        self.db = sqlite3.connect(path)
+        self._lock = None
+        if lock and fcntl is not None:
+            self._lock = open(path, "ab")  # noqa: SIM115 - held until close(); creates the file
+            try:
+                fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"harness compare: {path} is in use by another comparison; waiting for it",
+                      file=sys.stderr)
+                fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX)
+            except OSError:
+                pass  # a file system without flock: compare without the lock
+        try:
+            self._open(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, path: str) -> None:
+        self.db = sqlite3.connect(path, timeout=60)
         self.db.executescript(_SCHEMA)
         row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         if row is None:
@@ -102,7 +136,12 @@ class History:
         self._rows: list[tuple[int, str, str, str]] | None = None
 
     def close(self) -> None:
-        self.db.close()
+        if getattr(self, "db", None) is not None:
+            self.db.close()
+            self.db = None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
     def refresh(self) -> None:
         """Forget what was read of the tests table (another process may have added to it)."""
@@ -126,6 +165,12 @@ class History:
             "SELECT id, run_key, commit_sha, created, url FROM runs WHERE kind = 'run' "
             "AND run_key IS NOT ? ORDER BY id DESC LIMIT ?", (exclude_key, limit)).fetchall()
         return [RunInfo(*r) for r in reversed(rows)]
+
+    def latest(self) -> tuple[str, str] | None:
+        """``(run_key, inputs digest)`` of the latest recorded run."""
+        row = self.db.execute("SELECT run_key, inputs FROM runs WHERE kind = 'run' ORDER BY id DESC "
+                              "LIMIT 1").fetchone()
+        return (row[0], row[1] or "") if row else None
 
     def outcomes(self, run_id: int) -> dict[str, tuple[str, str, str]]:
         """``test key -> (outcome, suite, backend)`` of one run."""
@@ -160,6 +205,17 @@ class History:
             n += 1
         return n
 
+    def owe(self, key: str, number: int, fingerprint: str, text: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO outbox VALUES(?,?,?,?)", (key, number, fingerprint, text))
+        self.db.commit()
+
+    def settle(self, key: str) -> None:
+        self.db.execute("DELETE FROM outbox WHERE key = ?", (key,))
+        self.db.commit()
+
+    def owed(self) -> list[tuple[str, int, str, str]]:
+        return self.db.execute("SELECT key, number, fingerprint, text FROM outbox").fetchall()
+
     def issues(self) -> dict[str, tuple[int, str]]:
         """``fingerprint -> (issue number, state)`` as last seen or set by harness."""
         return {fp: (n, s) for fp, n, s in self.db.execute("SELECT fingerprint, number, state FROM issues")}
@@ -189,10 +245,11 @@ class History:
         return res
 
     # ---- writing -------------------------------------------------------------------------------
-    def record(self, run_key: str, results: Results, groups: dict[str, bool], commit: str = "",
+    def record(self, run_key: str, results: Results, groups: dict[str, bool | None], commit: str = "",
                url: str = "", machine: str = "", keep: int = 60, kind: str = "run",
                inputs: str = "") -> int:
-        """Store one run (replacing an earlier record under the same key) and prune to ``keep``."""
+        """Store one run (replacing an earlier record under the same key) and prune to ``keep``.
+        A group whose status is None (not known this run) is not recorded either way."""
         db = self.db
         old = db.execute("SELECT id FROM runs WHERE run_key = ?", (run_key,)).fetchone()
         if old:
@@ -223,7 +280,7 @@ class History:
         db.executemany("INSERT INTO metrics VALUES(?,?,?)",
                        ((run_id, n, col.tobytes()) for n, col in columns.items()))
         db.executemany("INSERT INTO groups VALUES(?,?,?)",
-                       ((run_id, fp, int(bad)) for fp, bad in groups.items()))
+                       ((run_id, fp, int(bad)) for fp, bad in groups.items() if bad is not None))
         stale = [r for (r,) in db.execute("SELECT id FROM runs WHERE kind = ? ORDER BY id DESC "
                                           "LIMIT -1 OFFSET ?", (kind, keep))]
         self._delete_runs(stale)

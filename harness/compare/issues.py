@@ -9,11 +9,16 @@ The plan, for each group:
 * bad now, no issue known            -> ``create``
 * bad now, open issue, same items    -> nothing (three runs of one regression = one issue, silence)
 * bad now, open issue, items changed -> ``update``: new body + one comment saying only what changed
-* bad now, issue closed (history)    -> ``reopen`` with the new body
+* bad now, issue closed (history)    -> ``reopen`` with the new body and one comment
 * clean ``close_after`` runs in a row, issue open -> ``close`` with a comment
-* an issue labelled ``harness:muted`` is never touched
+* two open issues of one fingerprint -> the newer is closed as a duplicate of the older
+* an issue labelled ``harness:muted`` is never touched; one whose ``harness`` label a person
+  removed (``detached`` in the history) neither
 
-Every action costs at most two API calls; the listing of open issues is one call per run.
+Every action costs at most three API calls; the listing of open issues is one call per run.
+
+The hidden state marker is base64 of UTF-8 JSON, budgeted in encoded characters (which are
+bytes too: base64 is ASCII), so non-ASCII test names can never push a body past GitHub's limit.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 from harness.compare.classify import Classification, Finding
 from harness.compare.junit import Results
-from harness.compare.scrub import scrub
+from harness.compare.scrub import md_code, scrub
 
 LABEL = "harness"
 MUTED_LABEL = "harness:muted"
@@ -34,7 +39,8 @@ FILED_KINDS = ("failure", "error", "precision", "performance", "vanished")
 GROUP_BY = ("suite", "backend", "kind")
 _FP = re.compile(r"<!-- harness:fingerprint=([0-9a-f]+) -->")
 _STATE = re.compile(r"<!-- harness:state=([A-Za-z0-9+/=]*) -->")
-MARKER_MAX = 17_000  # characters; the body renderer keeps this much room for the marker
+_COMMENT = "<!-- harness:comment={} -->"
+MARKER_MAX = 17_000  # bytes (= characters: ASCII); the body renderer keeps this much room for it
 
 
 @dataclass
@@ -93,6 +99,16 @@ class Action:
     comment: str = ""
     number: int | None = None
     reason: str = ""
+    comment_key: str = ""
+
+
+def comment_marker(key: str) -> str:
+    """The hidden line that identifies a comment, so a run can tell whether it was posted."""
+    return _COMMENT.format(key)
+
+
+def comment_key(fp: str, op: str, run_key: str) -> str:
+    return hashlib.sha256(f"{fp}|{op}|{run_key}".encode()).hexdigest()[:16]
 
 
 def fingerprint(fields: dict[str, str]) -> str:
@@ -134,17 +150,44 @@ def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
     return groups, status
 
 
-def marker(group: Group) -> str:
+def items_digest(items: list[str]) -> str:
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
+
+
+def _encode(state: dict) -> str:
+    return base64.b64encode(json.dumps(state, separators=(",", ":"), ensure_ascii=False).encode()).decode()
+
+
+def state_line(state: dict) -> str:
+    return f"<!-- harness:state={_encode(state)} -->"
+
+
+def marker(group: Group, pending: str = "") -> str:
+    """Fingerprint and state lines; the state keeps as many item ids as fit in ``MARKER_MAX``
+    once encoded (measured, not estimated: a name of 4-byte characters takes 16/3 per character)."""
     items = group.items()
-    kept, size = [], 0
-    for i in items:  # base64 grows text by 4/3: stay under MARKER_MAX once encoded
-        size += len(i) + 3
-        if size > (MARKER_MAX - 200) * 3 // 4:
-            break
-        kept.append(i)
-    state = {"digest": hashlib.sha256("\n".join(items).encode()).hexdigest()[:16], "items": kept}
-    encoded = base64.b64encode(json.dumps(state, separators=(",", ":")).encode()).decode()
-    return f"<!-- harness:fingerprint={group.fingerprint} -->\n<!-- harness:state={encoded} -->\n"
+    state = {"digest": items_digest(items), "items": items, "n": len(items)}
+    if pending:
+        state["pending"] = pending
+    limit = MARKER_MAX - 200
+    if len(_encode(state)) > limit:
+        lo, hi = 0, len(items)  # the most items that fit: binary search on the encoded size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(_encode({**state, "items": items[:mid]})) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        state["items"] = items[:lo]
+    return f"<!-- harness:fingerprint={group.fingerprint} -->\n{state_line(state)}\n"
+
+
+def with_pending(body: str, key: str) -> str:
+    """The same body with ``pending=key`` in its state marker (for a close: the body is kept)."""
+    state = {**read_state(body), "pending": key}
+    if _STATE.search(body or ""):
+        return _STATE.sub(lambda _m: state_line(state), body, count=1)
+    return (body or "") + "\n" + state_line(state)
 
 
 def read_state(body: str) -> dict:
@@ -159,52 +202,67 @@ def read_state(body: str) -> dict:
 
 def what_changed(old: list[str], new: list[str], run_line: str) -> str:
     added, gone = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-    lines = [f"Changed in {run_line}:"]
+    lines = [f"Changed in {scrub(run_line)}:"]
     for title, items in (("newly regressed", added), ("no longer regressed", gone)):
         if items:
-            shown = ", ".join(f"`{i}`" for i in items[:20])
+            shown = ", ".join(md_code(i) for i in items[:20])
             more = f" and {len(items) - 20} more" if len(items) > 20 else ""
             lines.append(f"- {title} ({len(items)}): {shown}{more}")
     lines.append(f"- still regressed: {len(set(new) & set(old))}")
     return "\n".join(lines)
 
 
-def plan(groups: dict[str, Group], status: dict[str, bool], existing: list[IssueRef], render,
+def plan(groups: dict[str, Group], status: dict[str, bool | None], existing: list[IssueRef], render,
          run_line: str, known_closed: dict[str, int], clean_streaks: dict[str, int],
-         close_after: int = 2) -> list[Action]:
-    """``render(group, reopened: bool) -> body`` (without the marker); ``known_closed`` maps
-    fingerprints to closed issue numbers from the history; ``clean_streaks`` counts this run."""
+         close_after: int = 2, run_key: str = "", leave_alone: frozenset[str] = frozenset()) -> list[Action]:
+    """``render(group, reopened: bool, pending: str) -> body`` (marker included, size-checked);
+    ``known_closed`` maps fingerprints to closed issue numbers from the history; ``clean_streaks``
+    counts this run; ``leave_alone``: fingerprints of issues a person detached from harness.
+    ``status[fp]`` is True (bad), False (clean, every regressed item of its issue ran) or None
+    (not known this run: a shard is missing)."""
     open_by_fp: dict[str, IssueRef] = {}
+    actions: list[Action] = []
+
+    def act(op: str, fp: str, title: str, labels: list[str], body: str = "", comment: str = "",
+            number: int | None = None, reason: str = "") -> None:
+        key = comment_key(fp, f"{op}#{number}", run_key) if comment else ""
+        if key and op != "create":
+            body = with_pending(body, key)
+        actions.append(Action(op, fp, title, labels, body, comment, number, reason, key))
+
     for issue in sorted(existing, key=lambda i: i.number):
         fp = issue.fingerprint
-        if fp and issue.state == "open":
-            open_by_fp.setdefault(fp, issue)  # the oldest wins if a human duplicated one
-    actions: list[Action] = []
+        if not fp or issue.state != "open":
+            continue
+        first = open_by_fp.setdefault(fp, issue)  # the oldest is the issue of the group
+        if first is not issue and MUTED_LABEL not in issue.labels:
+            act("close", fp, issue.title, issue.labels, issue.body, number=issue.number,
+                comment=f"Duplicate of #{first.number}, which tracks the same problem group. Closing.",
+                reason=f"duplicate of #{first.number}")
     for fp, g in sorted(groups.items(), key=lambda kv: kv[1].title):
         issue = open_by_fp.get(fp)
-        if issue is not None and MUTED_LABEL in issue.labels:
+        if fp in leave_alone or (issue is not None and MUTED_LABEL in issue.labels):
             continue
         if issue is not None:
             old = read_state(issue.body)
-            body = marker(g) + render(g, False)
-            if old.get("digest") == read_state(body)["digest"]:
+            if old.get("digest") == items_digest(g.items()):
                 continue
-            actions.append(Action("update", fp, g.title, g.labels, body,
-                                  what_changed(old.get("items", []), g.items(), run_line),
-                                  issue.number, "the set of regressed items changed"))
+            act("update", fp, g.title, g.labels, render(g, False), number=issue.number,
+                comment=what_changed(old.get("items", []), g.items(), run_line),
+                reason="the set of regressed items changed")
         elif fp in known_closed:
-            actions.append(Action("reopen", fp, g.title, g.labels, marker(g) + render(g, True),
-                                  number=known_closed[fp], reason="regressed again"))
+            act("reopen", fp, g.title, g.labels, render(g, True), number=known_closed[fp],
+                comment=f"Regressed again in {scrub(run_line)}: {len(g.items())} item(s). Reopening.",
+                reason="regressed again")
         else:
-            actions.append(Action("create", fp, g.title, g.labels, marker(g) + render(g, False),
+            actions.append(Action("create", fp, g.title, g.labels, render(g, False),
                                   reason=f"{len(g.findings)} regressed items"))
     for fp, issue in sorted(open_by_fp.items()):
-        if fp in groups or MUTED_LABEL in issue.labels or status.get(fp) is not False:
-            continue  # still bad, muted, or did not run this time (a missing shard proves nothing)
+        if fp in groups or fp in leave_alone or MUTED_LABEL in issue.labels or status.get(fp) is not False:
+            continue  # still bad, muted, or not known to be clean this time (a missing shard proves nothing)
         if clean_streaks.get(fp, 0) >= close_after:
-            actions.append(Action(
-                "close", fp, issue.title, issue.labels, number=issue.number,
+            act("close", fp, issue.title, issue.labels, issue.body, number=issue.number,
                 comment=f"No longer regressed: clean in the last {clean_streaks[fp]} runs "
-                        f"(latest: {run_line}). Closing; harness reopens it if it comes back.",
-                reason=f"{clean_streaks[fp]} clean runs"))
+                        f"(latest: {scrub(run_line)}). Closing; harness reopens it if it comes back.",
+                reason=f"{clean_streaks[fp]} clean runs")
     return actions

@@ -4,6 +4,14 @@ Bad input never raises: a missing shard, a file that is not XML, or a file cut o
 runner killed by the OOM killer) each add a plain-language line to ``Results.problems`` and the
 test cases that could be read are kept, so the report is partial rather than absent.
 
+A test's identity (suite, check, backend, dtype, variant, device) comes from the ``harness.*``
+JUnit properties every harness item records at setup, before any skip. Only old XML without them
+falls back to reading the test id (``suites.<suite>.toml::<check>[<backend>-<dtype>]``); the dtype
+is the part after the *last* hyphen, so a backend named ``my-npu`` survives that too.
+
+Text from a run (failure messages, logs, captured output) is scrubbed of secrets *before* it is
+cut to size: a cut must never leave the tail of a token behind.
+
 The same test id may appear several times: pytest-rerunfailures, a retried CI attempt, or two
 attempt folders passed together. Mixed outcomes make the test *flaky*; its final outcome is
 ``passed`` if any attempt passed.
@@ -20,6 +28,7 @@ from dataclasses import dataclass, field
 
 from junitparser import JUnitXml, JUnitXmlError, TestCase, TestSuite
 
+from harness.compare.scrub import scrub
 from harness.metrics import parse_properties
 
 # Surefire-style rerun children (pytest-rerunfailures and others use them): the case was retried.
@@ -56,6 +65,9 @@ class Results:
     cases: dict[str, Case] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    # True when some input could not be read whole (a shard missing, cut off, not JUnit, fewer
+    # files than expected): a test absent from this run then counts as not run, never as vanished.
+    partial: bool = False
 
     def suites(self) -> set[str]:
         return {c.suite for c in self.cases.values()}
@@ -104,17 +116,22 @@ def read_results(paths: list[str], expect_shards: int | None = None) -> Results:
             gc.enable()
     if not files:
         res.problems.append(f"no JUnit XML files found in {', '.join(paths) or '(nothing given)'}")
-    if expect_shards is not None and len(res.files) < expect_shards:
-        res.problems.append(f"expected {expect_shards} shard files but found {len(res.files)}: "
+        res.partial = True
+    read = [f for f in res.files if os.path.isfile(f)]  # a named but missing file is not a shard
+    if expect_shards is not None and len(read) < expect_shards:
+        res.problems.append(f"expected {expect_shards} shard files but found {len(read)}: "
                             "a shard is missing, its results are not in this report")
+        res.partial = True
     return res
 
 
 def _read_all(files: list[str], res: Results) -> None:
     for path in files:
         res.files.append(path)
+        before = len(res.problems)
         for case in _read_file(path, res.problems):
             _merge(res.cases, case)
+        res.partial |= len(res.problems) > before  # this file could not be read whole
 
 
 
@@ -169,7 +186,7 @@ def _case(tc: TestCase) -> Case:
         elif tag in _RERUN_TAGS:
             reruns += 1
         elif tag in ("system-out", "system-err") and child.text:
-            output += child.text[-_LOG_LIMIT:] + "\n"  # pytest -o junit_logging=...
+            output += child.text + "\n"  # pytest -o junit_logging=...
     parsed = parse_properties(props)
     meta = parsed["meta"]
     classname, name = elem.get("classname", ""), elem.get("name", "")
@@ -177,23 +194,35 @@ def _case(tc: TestCase) -> Case:
         duration = float(elem.get("time", 0) or 0)
     except ValueError:
         duration = 0.0
+    if outcome != "passed" or (reruns and (message or log)):
+        text = log + ("\n--- captured output ---\n" + output if output and outcome != "passed" else "")
+        message, text = scrub(message)[:_LOG_LIMIT], scrub(text)[-_LOG_LIMIT:]  # scrub, then cut
+    else:
+        message, text = "", ""
+    ident = meta if "backend" in meta else {**_identity_from_id(classname, name), **meta}
     return Case(
         key=f"{classname}::{name}", name=name, classname=classname, outcome=outcome,
-        suite=meta.get("suite") or _suite_from_classname(classname),
-        check=meta.get("check") or name.split("[", 1)[0],
-        backend=meta.get("backend", "unknown"), dtype=meta.get("dtype", ""),
-        device=meta.get("device", ""), variant=meta.get("variant", ""),
+        suite=ident.get("suite") or "unknown", check=ident.get("check") or name.split("[", 1)[0],
+        backend=ident.get("backend") or "unknown", dtype=ident.get("dtype", ""),
+        device=ident.get("device", ""), variant=ident.get("variant", ""),
         metrics=parsed["metrics"], tolerances=parsed["tolerances"], details=parsed["details"],
-        message=message[:_LOG_LIMIT], time=duration,
-        log=(log + ("\n--- captured output ---\n" + output if output and outcome != "passed" else ""))[-_LOG_LIMIT:],
+        message=message, time=duration, log=text,
         flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns,
     )
 
 
-def _suite_from_classname(classname: str) -> str:
-    # pytest writes "suites.kimi-k2.toml" for suites/kimi-k2.toml
+def _identity_from_id(classname: str, name: str) -> dict[str, str]:
+    """Old XML without the identity properties: ``suites.<suite>.toml`` and
+    ``<check>[<backend>-<dtype>]``. The dtype never has a hyphen, the backend may (``my-npu``)."""
     stem = classname[: -len(".toml")] if classname.endswith(".toml") else classname
-    return stem.split(".", 1)[1] if stem.startswith("suites.") else stem or "unknown"
+    out = {"suite": (stem.split(".", 1)[1] if stem.startswith("suites.") else stem) or "unknown"}
+    check, _, params = name.partition("[")
+    out["check"] = check
+    if params.endswith("]"):
+        backend, _, dtype = params[:-1].rpartition("-")
+        if backend:
+            out["backend"], out["dtype"] = backend, dtype
+    return out
 
 
 def _merge(cases: dict[str, Case], new: Case) -> None:

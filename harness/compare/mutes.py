@@ -21,11 +21,7 @@ import fnmatch
 import os
 from dataclasses import dataclass
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
+from harness import toml as tomllib  # tomllib, or tomli on Python 3.10
 from harness.compare.classify import Finding
 
 

@@ -1,7 +1,18 @@
 """One comparison run, start to end: read, classify, record, plan, apply, summarise.
 
-The CLI (:mod:`harness.cli.compare`) only turns arguments into :class:`Options`; tests and the
-benchmark call :func:`run_compare` directly.
+The CLI (:mod:`harness.cli.compare`) only turns arguments into :class:`Options`.
+
+Order matters for correctness:
+
+1. the history is opened (and locked: one comparison at a time) before anything reads it;
+2. the open issues are listed *before* the run is recorded, because whether a group is clean
+   depends on them: a group is clean only when every item its open issue lists ran in this run
+   (a missing or truncated shard makes it *not known*, and not-known runs never count towards
+   closing);
+3. comments owed by earlier runs are posted before the plan is applied (:mod:`harness.compare.sinks`).
+
+The same XML compared twice (a re-run of the compare job, or ``harness report`` after
+``harness compare``) is one run, not two: it replaces the latest record when its digest matches.
 """
 
 from __future__ import annotations
@@ -17,9 +28,19 @@ from typing import TextIO
 from harness.compare import body, mutes, prefetch
 from harness.compare.classify import Classification, Config, classify
 from harness.compare.history import History
-from harness.compare.issues import FILED_KINDS, GROUP_BY, LABEL, Action, build_groups, plan
+from harness.compare.issues import (
+    FILED_KINDS,
+    GROUP_BY,
+    LABEL,
+    Action,
+    IssueRef,
+    build_groups,
+    plan,
+    read_state,
+)
 from harness.compare.junit import Results, digest, read_results
-from harness.compare.sinks import FileSink, StdoutSink, execute
+from harness.compare.scrub import scrub
+from harness.compare.sinks import FileSink, SinkError, StdoutSink, execute
 
 
 @dataclass
@@ -60,6 +81,7 @@ class Outcome:
     muted: list
     context: body.RunContext
     timings: dict[str, float]
+    run_key: str = ""  # this run's key in the history (an earlier key when the same XML came again)
 
 
 def default_run_key() -> str:
@@ -71,7 +93,7 @@ def default_run_key() -> str:
 
 def make_sink(opts: Options, out: TextIO):
     if opts.sink == "github":
-        from harness.github_client import GitHubClient  # the only networked module
+        from harness.compare.github_client import GitHubClient  # the only networked module
         return GitHubClient.from_env(opts.repo, api_url=opts.api_url or None,
                                      enterprise_url=opts.enterprise_url, max_calls=opts.max_api_calls)
     if opts.sink == "file":
@@ -123,22 +145,59 @@ def run_compare(opts: Options, sink=None, out: TextIO | None = None) -> Outcome:
             gc.enable()
 
 
+def _coverage(status: dict[str, bool | None], existing: list[IssueRef], current: Results) -> None:
+    """An open issue's group is clean only if every item it lists ran this run (outcome other than
+    skipped); otherwise its status becomes None, *not known*."""
+    ran = {k for k, c in current.cases.items() if c.outcome != "skipped"}
+    for issue in existing:
+        fp = issue.fingerprint
+        if not fp or status.get(fp) is not False:
+            continue
+        state = read_state(issue.body)
+        items = [i.split("|", 1)[0] for i in state.get("items", [])]
+        truncated = state.get("n", len(items)) > len(items)
+        if any(i not in ran for i in items) or (truncated and current.partial):
+            status[fp] = None
+
+
 def _run(opts: Options, sink, out: TextIO) -> Outcome:
     t = {"start": time.perf_counter()}
     problems: list[str] = []
-    history = None
-    if opts.history:
-        try:
-            history = History(opts.history)
-        except (sqlite3.Error, ValueError) as e:
-            problems.append(f"history {opts.history} unusable, compared without it: {e}")
+    history = _open_history(opts, problems)
+    try:
+        return _compare(opts, sink, out, t, problems, history)
+    finally:
+        if history is not None:
+            history.close()  # and the lock with it
+
+
+def _open_history(opts: Options, problems: list[str]) -> History | None:
+    if not opts.history:
+        return None
+    try:
+        return History(opts.history)
+    except (sqlite3.Error, ValueError, OSError) as e:
+        problems.append(f"history {opts.history} unusable, compared without it: {e}")
+        return None
+
+
+def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
+             history: History | None) -> Outcome:
     key, cached, child = _start_baseline(opts, history)
-    current = read_results(opts.results, opts.expect_shards)  # meanwhile the child parses the baseline
-    problems = current.problems + problems
+    try:
+        current = read_results(opts.results, opts.expect_shards)  # meanwhile the child parses the baseline
+    except BaseException:
+        prefetch.stop(child)
+        raise
+    problems[:0] = current.problems
     baseline = _finish_baseline(opts, history, key, cached, child)
     problems += [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
     t["read"] = time.perf_counter()
     run_key = opts.run_key or default_run_key()
+    inputs = digest(opts.results) if history is not None else ""
+    latest = history.latest() if history is not None else None
+    if latest and inputs and latest[1] == inputs:
+        run_key = latest[0]  # these very files were compared before: the same run, not a new one
     cls = classify(current, baseline, history, opts.config, run_key)
     active, mute_notes = mutes.load(opts.mute_file)
     kept, muted = mutes.apply(cls.findings, active)
@@ -147,24 +206,26 @@ def _run(opts: Options, sink, out: TextIO) -> Outcome:
                                   opts.group_by)
     ctx = body.RunContext.from_env(opts.commit, opts.baseline_commit, opts.run_url)
     t["classify"] = time.perf_counter()
+    existing: list[IssueRef] = []
+    usable = False
+    try:
+        sink = sink if sink is not None else make_sink(opts, out)
+        existing = sink.list_issues(LABEL, "open")
+        usable = True
+    except (SinkError, OSError) as e:  # no sink means no issues, never no report
+        problems.append(f"issue sink unavailable, no issue actions this run: {type(e).__name__}: {e}")
+    _coverage(status, existing, current)
     record = history is not None and not opts.dry_run and bool(current.cases)
     if record:
         try:
-            history.record(run_key, current, status, ctx.commit, ctx.run_url, ctx.machine)
+            history.record(run_key, current, status, scrub(ctx.commit), scrub(ctx.run_url),
+                           scrub(ctx.machine), inputs=inputs)
         except sqlite3.Error as e:  # a full disk must not cost the report
             problems.append(f"could not record this run in the history: {e}")
             record = False
     t["history"] = time.perf_counter()
     actions: list[Action] = []
     log: list[dict] = []
-    usable = False
-    try:
-        sink = sink if sink is not None else make_sink(opts, out)
-        existing = sink.list_issues(LABEL, "open")
-        usable = True
-    except Exception as e:  # noqa: BLE001 - no sink means no issues, never no report
-        problems.append(f"issue sink unavailable, no issue actions this run: {type(e).__name__}: {e}")
-        existing = []
     if usable:
         known = history.issues() if history else {}
         open_fps = {i.fingerprint for i in existing if i.fingerprint}
@@ -172,20 +233,26 @@ def _run(opts: Options, sink, out: TextIO) -> Outcome:
             for i in existing:
                 if i.fingerprint:
                     history.set_issue(i.fingerprint, i.number, "open")
-        known_closed = {fp: n for fp, (n, _s) in known.items() if fp not in open_fps}
+        # "detached": a person removed the harness label; "muted": the label harness:muted on a
+        # closed issue. Neither is fetched or patched again (an open labelled issue is listed and
+        # so managed again: putting the label back hands it back).
+        leave_alone = frozenset(fp for fp, (_n, s) in known.items()
+                                if s in ("detached", "muted") and fp not in open_fps)
+        known_closed = {fp: n for fp, (n, s) in known.items()
+                        if fp not in open_fps and s in ("open", "closed")}
         streaks = {}
         for fp in open_fps:  # only an open issue can be closed
             if status.get(fp) is False and history is not None:
                 # the current run is in the table unless it was not recorded (dry run)
                 streaks[fp] = history.clean_streak(fp) + (0 if record else 1)
-        actions = plan(groups, status, existing, lambda g, reopened: body.render(g, ctx, reopened),
-                       ctx.run_line(), known_closed, streaks, opts.close_after)
+        actions = plan(groups, status, existing,
+                       lambda g, reopened: body.full(g, ctx, reopened),
+                       ctx.run_line(), known_closed, streaks, opts.close_after, run_key, leave_alone)
         keep_numbers = record and getattr(sink, "persistent", True)
         on_issue = (lambda fp, n, s: history.set_issue(fp, n, s)) if keep_numbers else None
-        log = execute(actions, sink, opts.dry_run, out, on_issue)
+        log = execute(actions, sink, opts.dry_run, out, on_issue, history if keep_numbers else None)
     t["issues"] = time.perf_counter()
-    if history is not None:
-        history.close()
     timings = {k: t[k] - t["start"] for k in t if k != "start"}
     return Outcome(current, baseline, cls, groups, status, actions, log,
-                   getattr(sink, "calls", 0) if sink is not None else 0, problems, muted, ctx, timings)
+                   getattr(sink, "calls", 0) if sink is not None else 0,
+                   [scrub(p) for p in problems], muted, ctx, timings, run_key)

@@ -8,6 +8,12 @@ history's baseline cache (:meth:`harness.compare.history.History.record` with
 The child is a plain ``python -m harness.compare.prefetch`` process rather than multiprocessing:
 it must not re-run whatever script started the parent. Any failure (no second core, the child
 cannot start, the baseline has problems) simply means the parent parses the baseline itself.
+
+The child is tied to its parent: it holds the read end of a pipe whose write end only the parent
+has, and a watcher thread ends the child the moment that pipe reports end-of-file -- which the
+kernel does when the parent exits for any reason, ``kill -9`` included. (A killed comparison must
+not leave a process behind that goes on writing into the history.) The child does not take the
+history's lock: its parent holds it for both of them.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ def start(paths: list[str], db_path: str, key: str) -> subprocess.Popen | None:
         return None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
+        # stdin is the lifeline: the parent never writes to it, and never closes it until done
         return subprocess.Popen([sys.executable, "-m", "harness.compare.prefetch", db_path, key, *paths],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
     except OSError:
         return None
 
@@ -43,8 +51,33 @@ def finish(proc: subprocess.Popen | None) -> bool:
     """Wait for the child; True when the baseline is now in the history's cache."""
     if proc is None:
         return False
-    _out, _err = proc.communicate()
+    proc.wait()
+    proc.stdin.close()
     return proc.returncode == 0
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """End the child early (the parent is failing)."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+
+
+def _die_with_parent() -> None:
+    """Block on the lifeline (stdin); end-of-file means the parent is gone: exit at once, without
+    committing anything (SQLite rolls back an unfinished transaction)."""
+    import threading
+
+    def watch() -> None:
+        try:  # os.read on the raw descriptor: no buffered-reader lock to trip over at shutdown
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        os._exit(4)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
@@ -54,11 +87,12 @@ def main(argv: list[str]) -> int:
     from harness.compare.junit import read_results
 
     db_path, key, *paths = argv
+    _die_with_parent()
     gc.disable()  # see harness.compare.pipeline.run_compare
     baseline = read_results(paths)
     if baseline.problems or not baseline.cases:
         return 3  # the parent parses it again and reports the problems itself
-    history = History(db_path)
+    history = History(db_path, lock=False)  # the parent holds the lock for both
     history.record(f"baseline-{key[:16]}", baseline, {}, kind="baseline", inputs=key, keep=2)
     history.close()
     return 0

@@ -18,7 +18,7 @@ import os
 from collections import Counter
 
 from harness.compare.classify import Finding
-from harness.compare.scrub import scrub
+from harness.compare.scrub import md_text, scrub
 
 _MAX_ROWS = 50
 _ORDER = ["new_failure", "still_failing", "vanished", "precision_drift", "metric_regression",
@@ -51,7 +51,7 @@ def summary_markdown(outcome) -> str:
              + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())), ""]
     if outcome.problems:
         lines += ["### Input problems (this report is partial)", ""]
-        lines += [f"- {scrub(p)}" for p in outcome.problems] + [""]
+        lines += [f"- {md_text(p)}" for p in outcome.problems] + [""]
     nonzero = [c for c in _ORDER if counts.get(c)]
     if nonzero:
         lines += ["| category | count |", "|---|---|"]
@@ -62,7 +62,7 @@ def summary_markdown(outcome) -> str:
     if shown:
         lines += ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
         for f in shown[:_MAX_ROWS]:
-            lines.append("| " + " | ".join(scrub(x).replace("|", "\\|") for x in _row(f)) + " |")
+            lines.append("| " + " | ".join(md_text(x) for x in _row(f)) + " |")
         if len(shown) > _MAX_ROWS:
             lines.append(f"\n_{len(shown) - _MAX_ROWS} more rows not shown._")
         lines.append("")
@@ -75,7 +75,7 @@ def summary_markdown(outcome) -> str:
     if outcome.actions or outcome.log:
         lines += ["### Issue actions", ""]
         lines += [f"- {e['op']} {('#' + str(e['number'])) if e.get('number') else ''} "
-                  f"{scrub(e['title'])}: {e['status']}" for e in outcome.log]
+                  f"{md_text(e['title'])}: {e['status']}" for e in outcome.log]
         if outcome.api_calls:
             lines += ["", f"{outcome.api_calls} GitHub API calls."]
     return "\n".join(lines) + "\n"
@@ -96,6 +96,29 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def layer_series(layers: list[dict]) -> tuple[list[int], list[float], list[int], list[float] | None]:
+    """What the per-layer plot draws: the relative RMSE of each layer, the quantity its tolerance
+    bounds (harness.precision.align: ``ok`` is ``rel_rmse <= tolerance``), split into layers with a
+    positive error (drawn on the log axis) and layers with exactly zero error (marked apart: a
+    log axis has no zero, and drawing them at 1e-30 invents a value). Returns
+    ``(x, rel_rmse, x_of_zeros, tolerance or None)``."""
+    x, y, zeros = [], [], []
+    for i, r in enumerate(layers):
+        v = _num(r.get("rel_rmse"))
+        if v is None or math.isnan(v):
+            continue
+        (x.append(i), y.append(v)) if v > 0 else zeros.append(i)
+    tols = [_num(r.get("tolerance")) for r in layers]
+    return x, y, zeros, (tols if all(t is not None for t in tols) else None)
+
+
+def _num(v) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
 def _layer_plot(f: Finding) -> str | None:
     try:
         layers = json.loads(f.case.details.get("layer_table", "[]"))
@@ -106,14 +129,19 @@ def _layer_plot(f: Finding) -> str | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    x, y, zeros, tols = layer_series(layers)
     fig, ax = plt.subplots(figsize=(8, 3))
-    x = range(len(layers))
-    ax.semilogy(x, [max(float(r.get("max_abs_err", 0) or 0), 1e-30) for r in layers], "o-", label="max abs err")
-    tols = [r.get("tolerance") for r in layers]
-    if all(t is not None for t in tols):
-        ax.semilogy(x, [float(t) for t in tols], "--", label="tolerance")
-    ax.set_xticks(list(x), [str(r.get("module", ""))[-24:] for r in layers], rotation=60, fontsize=7)
-    ax.set_title(f"error per layer: {f.case.name}", fontsize=9)
+    ax.set_yscale("log")
+    if x:
+        ax.plot(x, y, "o-", label="rel RMSE")
+    if tols is not None:
+        ax.plot(range(len(layers)), tols, "--", label="tolerance (rel RMSE)")
+    if zeros:  # exact matches: a marker on the axis, not a made-up value
+        ax.plot(zeros, [0] * len(zeros), "v", color="green", label="exact (0)",
+                transform=ax.get_xaxis_transform(), clip_on=False)
+    ax.set_xticks(list(range(len(layers))), [str(r.get("module", ""))[-24:] for r in layers],
+                  rotation=60, fontsize=7)
+    ax.set_title(f"rel RMSE per layer vs its tolerance: {f.case.name}", fontsize=9)
     ax.legend(fontsize=7)
     data = _png(fig)
     plt.close(fig)
@@ -172,7 +200,7 @@ def html_report(outcome, series=None, title: str = "harness report") -> str:
         parts.append(f"<h3>{esc(f.case.name)} ({esc(f.case.dtype)}): first divergent module "
                      f"<code>{esc(module)}</code></h3>")
         if img:
-            parts.append(f"<img src='data:image/png;base64,{img}'>")
+            parts.append(f"<img alt='rel RMSE per layer vs its tolerance' src='data:image/png;base64,{img}'>")
     parts.append("<h2>Performance history</h2>")
     for f in [f for f in cls.findings if f.metric and f.category in ("metric_regression", "improvement")][:20]:
         s = (series or {}).get((f.key, f.metric), []) + ([f.current] if f.current is not None else [])

@@ -5,6 +5,14 @@
 * Anything that looks like a credential is replaced by ``***``: the value of every environment
   variable whose name says token/secret/password/key, and well-known token shapes (GitHub, AWS,
   bearer headers), because logs of failing tests sometimes echo their environment.
+* Names that came from a run (test ids, module names, suites) are shown with :func:`md_text` /
+  :func:`md_code`: every character Markdown or HTML could read as markup becomes a numeric
+  character reference, which GitHub renders as that very character and never as markup. So a test
+  named ``a`<img src=x onerror=alert(1)>`` shows as itself, in a table cell, in ``<summary>`` or
+  in bold, instead of closing a code span or injecting a tag.
+
+Scrub first, cut second: text is scrubbed before anything shortens it, so a token that straddles
+a cut can never leave its tail behind.
 """
 
 from __future__ import annotations
@@ -30,6 +38,22 @@ def scrub(text: str) -> str:
         text = text.replace(v, "***")
     text = _TOKEN_SHAPES.sub("***", text)
     return _MENTION.sub("@" + ZWJ, text)
+
+
+# What Markdown or HTML can read as markup inside a line (code spans, emphasis, links, tags,
+# entities, table cells, escapes, strikethrough), plus the line breaks that would end a table row.
+# Block markers (#, -, >, 1.) only act at the start of a line, where these names never are.
+_MARKUP = re.compile(r"[`*_\[\]<>&|\\~\r\n]")
+
+
+def md_text(text: str) -> str:
+    """Untrusted text, scrubbed, safe anywhere in Markdown or HTML: markup becomes entities."""
+    return _MARKUP.sub(lambda m: "&#32;" if m.group() in "\r\n" else f"&#{ord(m.group())};", scrub(str(text)))
+
+
+def md_code(text: str) -> str:
+    """Untrusted text shown as code (``<code>`` rather than backticks, which a name can close)."""
+    return f"<code>{md_text(text)}</code>"
 
 
 def code_fence(text: str) -> str:

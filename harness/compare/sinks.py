@@ -1,7 +1,9 @@
-"""Where the plan of issue actions goes.
+"""Where the plan of issue actions goes, and how it is applied so that no call is lost or doubled.
 
-Every sink answers the same five questions as :class:`harness.github_client.GitHubClient`
-(``list_issues``, ``create``, ``get``, ``edit``, ``comment``), so the planner cannot tell them apart:
+Every sink answers the same six questions as :class:`harness.compare.github_client.GitHubClient`
+(``list_issues``, ``create``, ``get``, ``edit``, ``comment``, ``comments``), so the planner cannot
+tell them apart, and reports trouble with the errors defined here (:class:`SinkError`; a deleted
+issue is :class:`IssueGone`; an exhausted call budget :class:`BudgetExhausted`):
 
 * ``github`` -- the real thing (needs ``GITHUB_TOKEN``);
 * ``file``   -- one markdown file per issue plus ``issues.json`` (their state) and
@@ -9,7 +11,17 @@ Every sink answers the same five questions as :class:`harness.github_client.GitH
   state between runs exactly as GitHub would, so dedupe/close/reopen behave the same;
 * ``stdout`` -- prints the actions; knows of no earlier issues.
 
-:func:`execute` applies a plan to a sink, or only prints it with ``dry_run``.
+:func:`execute` applies a plan to a sink, or only prints it with ``dry_run``. Its rules, because
+GitHub can apply a request and still answer 5xx, and a run can stop between two calls:
+
+* **create** is never retried blindly: right before the first create of a run, and after a create
+  whose answer was lost, the open issues are listed again and the group's fingerprint looked for;
+* **a state change and its comment**: the change (a PATCH carrying ``pending=<comment key>`` in the
+  hidden state marker) goes first, the comment (carrying the same key) second, and the comment is
+  written to the :class:`Outbox` (the history) before either. A later run finds comments still
+  owed, checks that their state change landed (the key in the body) and that the comment is not
+  already there (the key in the issue's comments), and posts it then: exactly one comment per
+  change, whatever call was lost.
 """
 
 from __future__ import annotations
@@ -20,7 +32,29 @@ import os
 import sys
 from typing import TextIO
 
-from harness.compare.issues import MUTED_LABEL, Action, IssueRef
+from harness.compare.issues import LABEL, MUTED_LABEL, Action, IssueRef, comment_marker, read_state
+from harness.compare.scrub import scrub
+
+
+class SinkError(RuntimeError):
+    """An issue operation failed. ``maybe_applied``: the request may have taken effect anyway
+    (a 5xx or a lost answer to a POST), so it must not simply be sent again."""
+
+    def __init__(self, message: str, status: int | None = None, maybe_applied: bool = False):
+        super().__init__(message)
+        self.status, self.maybe_applied = status, maybe_applied
+
+
+class IssueGone(SinkError):
+    """The issue does not exist (any more): deleted on GitHub (410 Gone), or unknown (404)."""
+
+
+class BudgetExhausted(SinkError):
+    """The per-run API call budget is used up: stop, the next run goes on."""
+
+
+class SinkConfigError(SinkError):
+    """The sink cannot be used at all (no token, no repository)."""
 
 
 class FileSink:
@@ -41,8 +75,14 @@ class FileSink:
                 if label in i["labels"] and state in ("all", i["state"])]
 
     def get(self, number: int) -> IssueRef:
+        if number not in self.issues:
+            raise IssueGone(f"issue #{number} does not exist in {self.folder}")
         i = self.issues[number]
         return IssueRef(number, i["title"], i["body"], i["state"], i["labels"])
+
+    def comments(self, number: int) -> list[str]:
+        self.get(number)
+        return list(self.issues[number]["comments"])
 
     def create(self, title: str, body: str, labels: list[str]) -> int:
         number = max(self.issues, default=0) + 1
@@ -52,6 +92,7 @@ class FileSink:
         return number
 
     def edit(self, number: int, body: str | None = None, state: str | None = None) -> None:
+        self.get(number)
         if body is not None:
             self.issues[number]["body"] = body
         if state is not None:
@@ -59,6 +100,7 @@ class FileSink:
         self._save(number, {"op": "edit", "state": state, "body_changed": body is not None})
 
     def comment(self, number: int, body: str) -> None:
+        self.get(number)
         self.issues[number]["comments"].append(body)
         self._save(number, {"op": "comment", "body": body})
 
@@ -94,7 +136,10 @@ class StdoutSink:
         return []
 
     def get(self, number: int) -> IssueRef:
-        return IssueRef(number, "", "", "closed", [])
+        raise IssueGone(f"the stdout sink knows no issue #{number}")
+
+    def comments(self, number: int) -> list[str]:
+        return []
 
     def create(self, title: str, body: str, labels: list[str]) -> int:
         self._n += 1
@@ -109,57 +154,176 @@ class StdoutSink:
         print(f"\n=== comment on #{number}:\n{body}", file=self.out)
 
 
+class MemoryOutbox:
+    """The outbox of a run without a history: comments owed are retried within the run only."""
+
+    def __init__(self):
+        self.entries: dict[str, tuple[int, str, str]] = {}
+
+    def owe(self, key: str, number: int, fingerprint: str, text: str) -> None:
+        self.entries[key] = (number, fingerprint, text)
+
+    def settle(self, key: str) -> None:
+        self.entries.pop(key, None)
+
+    def owed(self) -> list[tuple[str, int, str, str]]:
+        return [(k, n, fp, t) for k, (n, fp, t) in self.entries.items()]
+
+
+class Executor:
+    """Applies a plan to a sink (see the module docstring for the rules); one per run."""
+
+    def __init__(self, sink, outbox=None, on_issue=None, out: TextIO | None = None):
+        self.sink, self.out = sink, out or sys.stdout
+        self.outbox = outbox if outbox is not None else MemoryOutbox()
+        self.on_issue = on_issue or (lambda fp, n, s: None)
+        self._relisted: dict[str, int] | None = None  # fingerprint -> open issue, listed again
+
+    # ---- comments owed from earlier runs -------------------------------------------------------
+    def settle_owed(self) -> list[dict]:
+        """Post the comments earlier runs owe (their state change landed, the comment did not)."""
+        log = []
+        for key, number, fp, text in self.outbox.owed():
+            entry = {"op": "comment", "title": f"owed comment on #{number}", "number": number,
+                     "fingerprint": fp, "reason": "its state change landed in an earlier run"}
+            try:
+                issue = self.sink.get(number)
+                if read_state(issue.body).get("pending") != key:
+                    self.outbox.settle(key)  # the change never landed: the plan redoes it
+                    continue
+                self._comment(number, key, text)
+                log.append({**entry, "status": "done"})
+            except IssueGone:
+                self.outbox.settle(key)
+            except BudgetExhausted:
+                log.append({**entry, "status": "skipped", "error": "API call budget used up"})
+                raise
+            except SinkError as e:
+                log.append({**entry, "status": "failed", "error": scrub(str(e))})
+        return log
+
+    def _comment(self, number: int, key: str, text: str) -> None:
+        """Post the comment unless it is already there; settle the outbox entry."""
+        mark = comment_marker(key)
+        if any(mark in c for c in self.sink.comments(number)):
+            self.outbox.settle(key)
+            return
+        self.sink.comment(number, text + "\n\n" + mark)
+        self.outbox.settle(key)
+
+    def _change_then_comment(self, a: Action, number: int, **edit) -> None:
+        """One state change and its comment, in the order that survives a lost call."""
+        self.outbox.owe(a.comment_key, number, a.fingerprint, a.comment)
+        self.sink.edit(number, **edit)
+        try:
+            self.sink.comment(number, a.comment + "\n\n" + comment_marker(a.comment_key))
+        except BudgetExhausted:
+            raise
+        except SinkError as e:
+            if e.maybe_applied:
+                return  # maybe posted: the next run looks before posting again
+            raise
+        self.outbox.settle(a.comment_key)
+
+    # ---- creating without duplicates -----------------------------------------------------------
+    def _open_by_fingerprint(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for i in sorted(self.sink.list_issues(LABEL, "open"), key=lambda i: i.number):
+            if i.fingerprint:
+                out.setdefault(i.fingerprint, i.number)
+        return out
+
+    def _create(self, a: Action) -> tuple[int, str]:
+        if self._relisted is None:  # another process (another workflow's history) may have filed it
+            self._relisted = self._open_by_fingerprint()
+        if a.fingerprint in self._relisted:
+            return self._relisted[a.fingerprint], "open"
+        for attempt in range(2):
+            try:
+                number = self.sink.create(a.title, a.body, a.labels)
+                self._relisted[a.fingerprint] = number
+                return number, "open"
+            except SinkError as e:
+                if not e.maybe_applied or isinstance(e, BudgetExhausted):
+                    raise
+                # The answer was lost: look before creating again.
+                self._relisted = self._open_by_fingerprint()
+                if a.fingerprint in self._relisted:
+                    return self._relisted[a.fingerprint], "open"
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    # ---- the plan ------------------------------------------------------------------------------
+    def apply(self, a: Action) -> tuple[int, str]:
+        if a.op == "create":
+            return self._create(a)
+        if a.op == "update":
+            try:
+                self._change_then_comment(a, a.number, body=a.body)
+            except IssueGone:  # deleted since the listing: file it again
+                return self._create(a)
+            return a.number, "open"
+        if a.op == "reopen":
+            try:
+                closed = self.sink.get(a.number)  # on GitHub this fetch is the one the edit needs anyway
+            except IssueGone:  # deleted (410 Gone) or unknown to this sink: open a new one
+                self.on_issue(a.fingerprint, a.number, "gone")
+                return self._create(a)
+            if MUTED_LABEL in closed.labels:
+                return a.number, "muted"  # muted by a person: leave it as it is
+            if LABEL not in closed.labels:
+                # A person took the issue out of harness's hands by removing the label: leave it,
+                # and remember that, so later runs neither fetch nor patch it again.
+                return a.number, "detached"
+            self._change_then_comment(a, a.number, body=a.body, state="open")
+            return a.number, "open"
+        if a.op == "close":
+            try:
+                self._change_then_comment(a, a.number, body=a.body, state="closed")
+            except IssueGone:
+                return a.number, "gone"
+            return a.number, "closed"
+        raise ValueError(f"unknown action {a.op!r}")
+
+
 def execute(actions: list[Action], sink, dry_run: bool = False, out: TextIO | None = None,
-            on_issue=None) -> list[dict]:
-    """Apply each action (at most two calls each); a failure stops only that action. Returns a log
-    entry per action. ``on_issue(fingerprint, number, state)`` records the outcome (history)."""
+            on_issue=None, outbox=None) -> list[dict]:
+    """Apply each action; a failure stops only that action (a used-up budget stops the rest).
+    Returns a log entry per action. ``on_issue(fingerprint, number, state)`` records the outcome
+    (history); ``outbox`` keeps the comments owed across runs (history; in memory without one)."""
     out = out or sys.stdout
-    log = []
+    log: list[dict] = []
+    if dry_run:
+        for a in actions:
+            print(f"[dry-run] would {a.op} {('#' + str(a.number)) if a.number else 'issue'}: "
+                  f"{a.title} ({a.reason})", file=out)
+            log.append({"op": a.op, "title": a.title, "number": a.number, "reason": a.reason,
+                        "fingerprint": a.fingerprint, "status": "planned"})
+        return log
+    ex = Executor(sink, outbox, on_issue, out)
+    try:
+        log += ex.settle_owed()
+    except BudgetExhausted:
+        return log + _skipped(actions)
     for i, a in enumerate(actions):
         entry = {"op": a.op, "title": a.title, "number": a.number, "reason": a.reason,
                  "fingerprint": a.fingerprint}
-        if dry_run:
-            print(f"[dry-run] would {a.op} {('#' + str(a.number)) if a.number else 'issue'}: "
-                  f"{a.title} ({a.reason})", file=out)
-            log.append({**entry, "status": "planned"})
-            continue
         try:
-            number, state = _apply(a, sink)
-            if on_issue is not None:
-                on_issue(a.fingerprint, number, state)
-            log.append({**entry, "number": number, "status": "done"})
-        except Exception as e:  # noqa: BLE001 - one failed action must not stop the others
-            log.append({**entry, "status": "failed", "error": f"{type(e).__name__}: {e}"})
-            print(f"harness compare: could not {a.op} '{a.title}': {type(e).__name__}: {e}", file=out)
-            if type(e).__name__ == "CallBudgetExceeded":
-                for rest in actions[i + 1:]:
-                    log.append({"op": rest.op, "title": rest.title, "status": "skipped",
-                                "error": "API call budget used up; retried next run"})
+            number, state = ex.apply(a)
+            ex.on_issue(a.fingerprint, number, state)
+            log.append({**entry, "number": number, "status": "done" if state in ("open", "closed")
+                        else state})
+        except (SinkError, OSError) as e:  # one failed action must not stop the others
+            msg = scrub(f"{type(e).__name__}: {e}")
+            log.append({**entry, "status": "failed", "error": msg})
+            print(f"harness compare: could not {a.op} '{a.title}': {msg}", file=out)
+            if isinstance(e, BudgetExhausted):
+                log += _skipped(actions[i + 1:])
                 break
     return log
 
 
-def _apply(a: Action, sink) -> tuple[int, str]:
-    if a.op == "create":
-        return sink.create(a.title, a.body, a.labels), "open"
-    if a.op == "update":
-        sink.edit(a.number, body=a.body)
-        sink.comment(a.number, a.comment)
-        return a.number, "open"
-    if a.op == "reopen":
-        try:
-            closed = sink.get(a.number)  # on GitHub this fetch is the one the edit needs anyway
-        except Exception as e:
-            # deleted on GitHub (github3's NotFoundError) or unknown to this sink: open a new one
-            if not isinstance(e, KeyError) and type(e).__name__ != "NotFoundError":
-                raise
-            return sink.create(a.title, a.body, a.labels), "open"
-        if MUTED_LABEL in closed.labels:
-            return a.number, closed.state  # muted by a person: leave it as it is
-        sink.edit(a.number, body=a.body, state="open")
-        return a.number, "open"
-    if a.op == "close":
-        sink.comment(a.number, a.comment)
-        sink.edit(a.number, state="closed")
-        return a.number, "closed"
-    raise ValueError(f"unknown action {a.op!r}")
+def _skipped(actions: list[Action]) -> list[dict]:
+    return [{"op": a.op, "title": a.title, "number": a.number, "fingerprint": a.fingerprint,
+             "status": "skipped", "error": "API call budget used up; retried next run"} for a in actions]

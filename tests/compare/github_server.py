@@ -1,9 +1,20 @@
 """A small GitHub REST server on 127.0.0.1 for the comparator's tests.
 
 It speaks the JSON shapes github3.py reads for the endpoints the comparator uses (repository,
-issues list/create/get/edit, comments, labels), keeps state in memory, checks the token, paginates
-with ``Link`` headers like GitHub, and can be told to answer the next requests with errors
-(``fail_next``) to exercise retries and rate limits. Served under ``/api/v3`` (GitHub Enterprise
+issues list/create/get/edit, comments list/create, labels), keeps state in memory, checks the
+token, and behaves like GitHub where the comparator's correctness depends on it:
+
+* bodies (issue and comment) over 65,536 characters are refused with 422, as GitHub does;
+* a deleted issue answers 410 Gone (``state.delete(n)``), an unknown number 404;
+* listings paginate with ``Link`` headers (``per_page`` default 30, at most 100);
+* faults (``fail_next``): an error answered *instead of* handling the request, or *after* it was
+  applied (``after_apply=True``: the write took effect, the client sees a 5xx, as when GitHub
+  times out behind its load balancer), optionally only for one method / path; a secondary rate
+  limit is ``fail_next(403, {"Retry-After": "1"}, message=SECONDARY)`` (not processed); an error
+  message can echo the credentials it was sent (``echo_auth=True``), as some proxies do.
+
+Every applied change of an issue's state or body is counted in ``issue["changes"]`` (what the
+state machine test checks comments against). Served under ``/api/v3`` (GitHub Enterprise
 layout) and at the root (api.github.com layout).
 """
 
@@ -17,6 +28,8 @@ from urllib.parse import parse_qs, urlparse
 
 OWNER, REPO = "acme", "models"
 TOKEN = "ghp_" + "x" * 36
+MAX_BODY = 65_536  # characters, GitHub's limit for issue and comment bodies
+SECONDARY = "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."
 
 
 def _user(base: str, login: str = "harness-bot") -> dict:
@@ -30,22 +43,54 @@ def _user(base: str, login: str = "harness-bot") -> dict:
             "type": "User", "site_admin": False}
 
 
+class Fault:
+    def __init__(self, status: int, headers: dict | None = None, after_apply: bool = False,
+                 method: str | None = None, path: str | None = None, message: str = "injected failure",
+                 echo_auth: bool = False):
+        self.status, self.headers, self.after_apply = status, headers or {}, after_apply
+        self.method, self.path, self.message, self.echo_auth = method, path, message, echo_auth
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or self.method == method) and (
+            self.path is None or re.fullmatch(self.path, path) is not None)
+
+
 class GitHubState:
     def __init__(self):
         self.issues: dict[int, dict] = {}
-        self.comments: dict[int, list[dict]] = {}
+        self.deleted: set[int] = set()
         self.requests: list[tuple[str, str]] = []
-        self.failures: list[tuple[int, dict]] = []  # answered before any real handling
+        self.failures: list[Fault] = []
         self.lock = threading.Lock()
 
-    def fail_next(self, status: int, headers: dict | None = None, times: int = 1) -> None:
-        self.failures.extend([(status, headers or {})] * times)
+    def fail_next(self, status: int, headers: dict | None = None, times: int = 1, **kw) -> None:
+        self.failures.extend(Fault(status, headers, **kw) for _ in range(times))
+
+    def delete(self, number: int) -> None:
+        """Delete an issue as a repository admin can: it answers 410 Gone from now on."""
+        with self.lock:
+            del self.issues[number]
+            self.deleted.add(number)
 
     def open_issues(self) -> list[dict]:
         return [i for i in self.issues.values() if i["state"] == "open"]
 
     def mutating(self) -> list[tuple[str, str]]:
         return [r for r in self.requests if r[0] != "GET"]
+
+    def _fault(self, method: str, path: str) -> Fault | None:
+        for i, f in enumerate(self.failures):
+            if f.matches(method, path):
+                return self.failures.pop(i)
+        return None
+
+
+def _comment_json(base: str, number: int, c: dict) -> dict:
+    api = f"{base}/repos/{OWNER}/{REPO}/issues/comments/{c['id']}"
+    return {"url": api, "html_url": api, "issue_url": f"{base}/repos/{OWNER}/{REPO}/issues/{number}",
+            "id": c["id"], "node_id": f"C{c['id']}", "body": c["body"], "body_html": "",
+            "body_text": c["body"], "user": _user(base), "author_association": "OWNER",
+            "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z"}
 
 
 def _issue_json(base: str, n: int, issue: dict, full: bool) -> dict:
@@ -116,66 +161,87 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length) or b"null") if length else None
         with st.lock:
             st.requests.append((method, path))
-            if st.failures:
-                status, headers = st.failures.pop(0)
-                return self._send(status, {"message": "injected failure"}, headers)
+            fault = st._fault(method, path)
+        if fault is not None and not fault.after_apply:
+            return self._fail(fault)
         if self.headers.get("Authorization") != f"token {TOKEN}":
             return self._send(401, {"message": "Bad credentials"})
+        status, payload, headers = self._route(method, path, base, url, body)
+        if fault is not None:  # applied, and yet the client hears of a failure
+            return self._fail(fault)
+        return self._send(status, payload, headers)
+
+    def _fail(self, fault: Fault) -> None:
+        message = fault.message
+        if fault.echo_auth:
+            message += f" (request had Authorization: {self.headers.get('Authorization')})"
+        self._send(fault.status, {"message": message}, fault.headers)
+
+    def _route(self, method: str, path: str, base: str, url, body):
+        st = self.state
         prefix = f"/repos/{OWNER}/{REPO}"
         if path == prefix and method == "GET":
-            return self._send(200, _repo_json(base))
-        m = re.fullmatch(prefix + r"/issues(?:/(\d+))?(/comments)?", path)
+            return 200, _repo_json(base), None
         if path == prefix + "/labels" and method == "GET":
             names = sorted({lbl for i in st.issues.values() for lbl in i["labels"]})
-            return self._send(200, [{"name": n, "color": "ededed", "url": f"{base}{prefix}/labels/{n}"}
-                                    for n in names])
+            return 200, [{"name": n, "color": "ededed", "url": f"{base}{prefix}/labels/{n}"} for n in names], None
+        m = re.fullmatch(prefix + r"/issues(?:/(\d+))?(/comments)?", path)
         if not m:
-            return self._send(404, {"message": "Not Found"})
+            return 404, {"message": "Not Found"}, None
         number, comments = (int(m.group(1)) if m.group(1) else None), bool(m.group(2))
+        q = parse_qs(url.query)
         with st.lock:
             if number is None and method == "GET":
-                return self._list(base, parse_qs(url.query))
+                state = q.get("state", ["open"])[0]
+                labels = [x for x in q.get("labels", [""])[0].split(",") if x]
+                found = [n for n, i in sorted(st.issues.items())
+                         if (state == "all" or i["state"] == state) and all(lbl in i["labels"] for lbl in labels)]
+                return self._page(base, path, q, found, lambda n: _issue_json(base, n, st.issues[n], False))
+            if method in ("POST", "PATCH") and len((body or {}).get("body") or "") > MAX_BODY:
+                return 422, {"message": "Validation Failed", "errors": [
+                    {"resource": "Issue", "code": "custom", "field": "body",
+                     "message": f"body is too long (maximum is {MAX_BODY} characters)"}]}, None
             if number is None and method == "POST":
-                n = max(st.issues, default=0) + 1
+                n = max([*st.issues, *st.deleted], default=0) + 1
                 st.issues[n] = {"title": body["title"], "body": body.get("body") or "",
-                                "labels": list(body.get("labels") or []), "state": "open", "comments": []}
-                return self._send(201, _issue_json(base, n, st.issues[n], True))
+                                "labels": list(body.get("labels") or []), "state": "open", "comments": [],
+                                "changes": []}
+                return 201, _issue_json(base, n, st.issues[n], True), None
+            if number in st.deleted:
+                return 410, {"message": "This issue was deleted"}, None
             issue = st.issues.get(number)
             if issue is None:
-                return self._send(404, {"message": "Not Found"})
+                return 404, {"message": "Not Found"}, None
             if comments and method == "POST":
-                c = {"id": len(issue["comments"]) + 1, "body": body["body"]}
+                c = {"id": 1 + sum(len(i["comments"]) for i in st.issues.values()), "body": body["body"]}
                 issue["comments"].append(c)
-                api = f"{base}{prefix}/issues/comments/{c['id']}"
-                return self._send(201, {"url": api, "html_url": api, "issue_url": f"{base}{prefix}/issues/{number}",
-                                        "id": c["id"], "body": c["body"], "body_html": "", "body_text": c["body"],
-                                        "user": _user(base), "author_association": "OWNER",
-                                        "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z"})
+                return 201, _comment_json(base, number, c), None
             if comments and method == "GET":
-                return self._send(200, [{"id": c["id"], "body": c["body"]} for c in issue["comments"]])
+                cs = {c["id"]: c for c in issue["comments"]}
+                return self._page(base, path, q, list(cs), lambda i: _comment_json(base, number, cs[i]))
             if method == "PATCH":
+                before = (issue["state"], issue["body"])
                 for k in ("title", "body", "state", "labels"):
                     if k in body and body[k] is not None:
                         issue[k] = body[k]
-                return self._send(200, _issue_json(base, number, issue, True))
+                if (issue["state"], issue["body"]) != before:
+                    issue.setdefault("changes", []).append((before[0], issue["state"]))
+                return 200, _issue_json(base, number, issue, True), None
             if method == "GET":
-                return self._send(200, _issue_json(base, number, issue, True))
-        return self._send(405, {"message": "Method Not Allowed"})
+                return 200, _issue_json(base, number, issue, True), None
+        return 405, {"message": "Method Not Allowed"}, None
 
-    def _list(self, base: str, q: dict) -> None:
-        st = self.state
-        state = q.get("state", ["open"])[0]
-        labels = [x for x in q.get("labels", [""])[0].split(",") if x]
-        per_page, page = int(q.get("per_page", ["30"])[0]), int(q.get("page", ["1"])[0])
-        found = [n for n, i in sorted(st.issues.items())
-                 if (state == "all" or i["state"] == state) and all(lbl in i["labels"] for lbl in labels)]
-        chunk = found[(page - 1) * per_page: page * per_page]
+    def _page(self, base: str, path: str, q: dict, keys: list, render):
+        per_page = min(int(q.get("per_page", ["30"])[0]), 100)
+        page = int(q.get("page", ["1"])[0])
+        chunk = keys[(page - 1) * per_page: page * per_page]
         headers = {}
-        if page * per_page < len(found):
-            nxt = f"{base}/repos/{OWNER}/{REPO}/issues?state={state}&labels={','.join(labels)}" \
-                  f"&per_page={per_page}&page={page + 1}"
-            headers["Link"] = f'<{nxt}>; rel="next"'
-        self._send(200, [_issue_json(base, n, st.issues[n], False) for n in chunk], headers)
+        if page * per_page < len(keys):
+            rest = {k: v[0] for k, v in q.items() if k not in ("page", "per_page")}
+            query = "&".join(f"{k}={v}" for k, v in rest.items())
+            headers["Link"] = (f'<{base}{path}?{query}{"&" if query else ""}per_page={per_page}'
+                               f'&page={page + 1}>; rel="next"')
+        return 200, [render(k) for k in chunk], headers
 
     def do_GET(self):
         self._handle("GET")

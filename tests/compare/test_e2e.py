@@ -6,6 +6,7 @@ with the file sink, independent of the other subcommands' state."""
 from __future__ import annotations
 
 import argparse
+import html
 import json
 
 import pytest
@@ -78,9 +79,9 @@ def test_precision_fault_files_one_issue_naming_the_module(runs, tmp_path, harne
     (issue,) = state.values()
     assert issue["title"] == "[harness] precision regression: kimi-k2 on cpu"
     assert issue["labels"] == ["harness", "kind:precision", "suite:kimi-k2", "backend:cpu"]
-    body = issue["body"]
-    for needle in ("kimi-k2", "**cpu**", "bfloat16", "first divergent module `model.layers.2.mlp`",
-                   "| `model.layers.2.mlp` | 0.05 |", 'tox -e model-kimi-k2 -- -k "precision[cpu-bfloat16]"',
+    body = html.unescape(issue["body"])  # names are entity-escaped in the markdown
+    for needle in ("kimi-k2", "**cpu**", "bfloat16", "first divergent module <code>model.layers.2.mlp</code>",
+                   "| <code>model.layers.2.mlp</code> | 0.05 |", 'tox -e model-kimi-k2 -- -k "precision[cpu-bfloat16]"',
                    "abc123def", "0ld", "https://github.test/acme/models/actions/runs/42", "<details>",
                    "@\u200dbob"):
         assert needle in body, needle
@@ -89,7 +90,7 @@ def test_precision_fault_files_one_issue_naming_the_module(runs, tmp_path, harne
     assert "model.layers.2.mlp" in md
     log = json.load(open(tmp_path / "issues" / "actions.json"))
     assert [e["op"] for e in log] == ["create"]
-    text = summary.read_text()
+    text = html.unescape(summary.read_text())
     assert "## harness compare" in text and "new failure" in text and "precision[cpu-bfloat16]" in text
 
 

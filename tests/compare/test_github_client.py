@@ -1,15 +1,15 @@
-"""harness.github_client against the local GitHub server, through github3.py itself."""
+"""harness.compare.github_client against the local GitHub server, through github3.py itself."""
 
 from __future__ import annotations
 
 import time
 
-import github3
 import pytest
 
-from harness.github_client import CallBudgetExceeded, GitHubClient, GitHubConfigError
+from harness.compare.github_client import CallBudgetExceeded, GitHubClient, GitHubConfigError
+from harness.compare.sinks import IssueGone, SinkError
 
-from .github_server import TOKEN
+from .github_server import SECONDARY, TOKEN
 
 
 def client(server, **kw) -> tuple[GitHubClient, list[float]]:
@@ -69,20 +69,50 @@ def test_server_error_500_backs_off_then_succeeds(github):
     assert n == 1 and slept == [1.0, 2.0]
 
 
-def test_persistent_500_gives_up_with_github3_error(github):
+def test_persistent_500_gives_up_with_a_sink_error(github):
     c, slept = client(github, retries=2)
     github.state.fail_next(500, times=10)
-    with pytest.raises(github3.exceptions.ServerError):
+    with pytest.raises(SinkError) as e:
         c.list_issues("harness")
+    assert e.value.status == 500 and not e.value.maybe_applied  # a GET changes nothing
     assert len(slept) == 2 and c.calls == 3
+
+
+def test_a_post_answered_5xx_is_never_retried_and_may_have_been_applied(github):
+    c, slept = client(github)
+    c.create("first", "b", ["harness"])
+    github.state.fail_next(502, after_apply=True, method="POST")
+    with pytest.raises(SinkError) as e:
+        c.create("second", "b", ["harness"])
+    assert e.value.maybe_applied and slept == []
+    assert [i["title"] for i in github.state.issues.values()] == ["first", "second"]  # once, not twice
+
+
+def test_secondary_rate_limit_is_waited_out_even_for_a_post(github):
+    c, slept = client(github)
+    github.state.fail_next(403, {"Retry-After": "3"}, method="POST", message=SECONDARY)
+    c.create("t", "b", ["harness"])  # not processed by GitHub: safe to send again
+    assert slept == [3.0] and len(github.state.issues) == 1
+    github.state.fail_next(403, method="POST", message=SECONDARY)  # no header: GitHub says wait a minute
+    c.create("u", "b", ["harness"])
+    assert slept == [3.0, 60.0] and len(github.state.issues) == 2
+
+
+def test_a_deleted_issue_is_gone(github):
+    c, _ = client(github)
+    n = c.create("t", "b", ["harness"])
+    github.state.delete(n)
+    fresh, _ = client(github)
+    with pytest.raises(IssueGone, match="410"):
+        fresh.get(n)
 
 
 def test_plain_403_is_not_retried(github):
     c, slept = client(github)
-    github.state.fail_next(403, {"X-RateLimit-Remaining": "4000"})
-    with pytest.raises(github3.exceptions.ForbiddenError):
+    github.state.fail_next(403, {"X-RateLimit-Remaining": "4000"}, message="Resource not accessible by integration")
+    with pytest.raises(SinkError) as e:
         c.list_issues("harness")
-    assert slept == []
+    assert slept == [] and e.value.status == 403
 
 
 def test_call_budget_is_a_hard_cap(github):
@@ -98,9 +128,9 @@ def test_api_url_layout_and_bad_token(github, monkeypatch):
     assert c.list_issues("harness") == []
     assert github.state.requests[-1] == ("GET", "/repos/acme/models/issues")
     wrong = GitHubClient("acme/models", "ghp_wrong", enterprise_url=github.url)
-    with pytest.raises(github3.exceptions.AuthenticationFailed) as e:
+    with pytest.raises(SinkError) as e:
         wrong.list_issues("harness")
-    assert "ghp_wrong" not in str(e.value)
+    assert e.value.status == 401 and "ghp_wrong" not in str(e.value)
 
 
 def test_config_errors_are_clear(monkeypatch):

@@ -31,7 +31,8 @@ def test_file_sink_lifecycle_and_action_log(tmp_path, monkeypatch):
     state = json.loads((tmp_path / "issues" / "issues.json").read_text())
     assert list(state) == ["1"] and state["1"]["state"] == "open"
     log = json.loads((tmp_path / "issues" / "actions.json").read_text())
-    assert [e["op"] for e in log] == ["create", "comment", "edit", "edit"]  # create, close (2), reopen
+    # create; close: the state change, then its comment; reopen: the same
+    assert [e["op"] for e in log] == ["create", "edit", "comment", "edit", "comment"]
     assert (tmp_path / "issues" / "issue-1.md").read_text().startswith("# [harness] failure regression: s on cpu")
     assert FileSink(str(tmp_path / "issues")).list_issues("harness")[0].fingerprint
 
