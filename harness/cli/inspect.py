@@ -17,12 +17,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="parameters, FLOPs, op inventory and backend coverage of a model "
                        "(meta device, no weights)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", nargs="?", help="suite name, suite .toml, or a config.json")
+    p.add_argument("target", nargs="*", help="suite name, suite .toml, or a config.json (several, or none for "
+                   "every bundled suite, with --backends)")
+    p.add_argument("--backends", metavar="LIST|all",
+                   help="coverage matrix: models x backends (comma-separated, or 'all': cpu and every backend with "
+                   "an op list); prints the missing/host-fallback ops first, --json/--markdown write it")
+    p.add_argument("--markdown", metavar="PATH", help="with --backends: write the matrix as a Markdown table "
+                   "(also appended to $GITHUB_STEP_SUMMARY when set)")
     p.add_argument("--backend", "-b", action="append", metavar="NAME",
                    help="backends to report coverage for (repeat or comma-separate; default: the suite's "
                    "backends, or cpu)")
-    p.add_argument("--trace", choices=("full", "pruned", "none"), default="full",
-                   help="trace the full model (default), the suite's pruned model, or nothing")
+    p.add_argument("--trace", choices=("full", "pruned", "none"), default=None,
+                   help="trace the full model (default), the suite's pruned model (the default with --backends: "
+                   "same operators), or nothing")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16", "float64"),
                    help="dtype of the traced model (default bfloat16, the checkpoints' dtype)")
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence in the trace")
@@ -51,9 +58,12 @@ def run(args) -> int:
 
         sys.stdout.write(dump_dispatcher_op_list(args.dump_op_list))
         return 0
+    if args.backends or len(args.target) > 1:
+        return _run_matrix(args)
     if not args.target:
         print("harness inspect: give a suite name, a suite .toml or a config.json", file=sys.stderr)
         return 2
+    args.target, args.trace = args.target[0], args.trace or "full"
     import torch
 
     from harness.inspect.params import load_target
@@ -85,3 +95,43 @@ def run(args) -> int:
     if args.fail_on_missing and missing_summary(rep.coverages):
         return 1
     return 0
+
+
+def _run_matrix(args) -> int:
+    """``--backends``: the coverage matrix of several models (default: every bundled suite)."""
+    import torch
+
+    from harness.inspect.params import load_target
+    from harness.inspect.report import all_backends, coverage_matrix
+    from harness.models.config import UnknownArchitectureError
+    from harness.settings import load_settings
+    from harness.suite.loader import SuiteError, discover
+
+    suites_dir = load_settings().suites_dir
+    names = args.target or [str(p) for p in discover(suites_dir)]
+    spec = args.backends or "all"
+    backends = all_backends() if spec.strip() == "all" else _split([spec])
+    if args.trace == "none":
+        print("harness inspect: --backends needs a trace (--trace pruned or full)", file=sys.stderr)
+        return 2
+    try:
+        targets = [load_target(n, suites_dir) for n in names]
+        mat = coverage_matrix(targets, backends, dtype=getattr(torch, args.dtype), seq=args.seq,
+                              trace=args.trace or "pruned")
+    except (SuiteError, UnknownArchitectureError, ValueError, KeyError) as e:
+        print(f"harness inspect: {e}", file=sys.stderr)
+        return 2
+    md = mat.render_markdown()
+    if args.json == "-":
+        print(json.dumps(mat.to_dict(), indent=1))
+    else:
+        if args.json:
+            Path(args.json).write_text(json.dumps(mat.to_dict(), indent=1))
+        print(mat.render_text())
+    if args.markdown:
+        Path(args.markdown).write_text(md)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as f:
+            f.write(md)
+    return 1 if args.fail_on_missing and mat.missing() else 0

@@ -14,6 +14,7 @@ torch's packaged native_functions.yaml.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--version", help="the plugin version the list is for (default: torch's for --from torch)")
     u.add_argument("--source", dest="provenance", action="append", default=[], metavar="TEXT",
                    help="provenance of each --from, in order: repository, path, tag or commit, date")
+    u.add_argument("--torch-version", help="the torch release the plugin is built against (default: a "
+                   "'+torchX' suffix of --version, else --version itself)")
     u.add_argument("--dispatch-key", help="dispatch key whose registrations count (default: the backend's)")
     u.add_argument("--select", help="op-plugin version to select (default v<major>.<minor> of --version)")
     u.add_argument("--unlisted", choices=("missing", "fallback"),
@@ -58,7 +61,7 @@ def _command(args, version: str) -> str:
     for src in args.sources:
         parts += ["--from", src if src == "torch" else Path(src).name]
     parts += ["--version", version]
-    for flag in ("dispatch_key", "select", "unlisted"):
+    for flag in ("torch_version", "dispatch_key", "select", "unlisted"):
         if getattr(args, flag):
             parts += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     return "harness oplist update " + " ".join(shlex.quote(p) for p in parts)
@@ -109,7 +112,9 @@ def run_update(args) -> int:
         except (OSError, UnicodeError) as e:
             return _fail(f"{src}: cannot read: {e}")
     unlisted = args.unlisted or (d.unlisted if d else "missing")
-    text = render(args.backend, version, extracted, dispatch_key=key, unlisted=unlisted,
+    m = re.search(r"\+torch([0-9][0-9.]*[0-9])", version)
+    torch_version = args.torch_version or (m.group(1) if m else version.split("+", 1)[0])
+    text = render(args.backend, version, extracted, dispatch_key=key, unlisted=unlisted, torch_version=torch_version,
                   exclude=d.exclude if d else None, exclude_why=d.exclude_why if d else "",
                   notes=d.notes if d else (), command=_command(args, version))
     if args.output == "-":

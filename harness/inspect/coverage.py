@@ -93,7 +93,12 @@ class OpList(dict):
 
     def describe(self) -> str:
         v = f"{self.meta.get('backend', '?')} {self.version}" if self.version else "unversioned"
-        return f"declared op list {self.path} ({v})"
+        p = self.path
+        try:  # repository-relative where it can be: the same text on every machine
+            p = p.resolve().relative_to(Path.cwd().resolve()) if p is not None else p
+        except ValueError:
+            pass
+        return f"declared op list {p} ({v})"
 
 
 _HEADER = re.compile(r"^#\s*([a-z_]+):\s*(.*)$")
@@ -211,13 +216,20 @@ def op_list_path(backend_name: str, version: str | None = None) -> Path | None:
     return paths[-1]
 
 
-def version_warning(backend_name: str, op_list: OpList, installed: str | None) -> str | None:
+def version_warnings(backend_name: str, op_list: OpList, installed: str | None) -> list[str]:
+    out = []
     listed = op_list.version
     if installed and listed and _base_version(installed) != _base_version(listed):
-        return (f"warning: {backend_name}: the installed plugin is version {installed} but the op list "
-                f"{op_list.path} is for version {listed}; regenerate it from your release's registration file "
-                f"(`harness oplist update --backend {backend_name} --from ...`, docs/inspect.md)")
-    return None
+        out.append(f"warning: {backend_name}: the installed plugin is version {installed} but the op list "
+                   f"{op_list.path.name if op_list.path else ''} is for version {listed}; regenerate it from your "
+                   f"release's registration file (`harness oplist update --backend {backend_name} --from ...`, "
+                   "docs/inspect.md)")
+    built = str(op_list.meta.get("torch") or "")
+    here = _base_version(torch.__version__) or ""
+    if built and built.split(".")[:2] != here.split(".")[:2]:
+        out.append(f"warning: {backend_name}: the op list is for a plugin built against torch {built}, this is "
+                   f"torch {here}: ops it does not list are classified by this torch's composite kernels")
+    return out
 
 
 def _has(name: str, key: str) -> bool:
@@ -377,6 +389,28 @@ def backend_version(backend_name: str, op_list: OpList | None) -> str | None:
     return installed_version(backend_name) or (op_list.version if op_list is not None else None)
 
 
+# Ops the trace records because it follows the CPU's kernel choice (trace.emulate_device): on another
+# backend ``scaled_dot_product_attention`` picks that backend's own fused kernel, or its math
+# decomposition (CompositeImplicitAutograd) when it has none, so they are never missing there.
+_SDPA_FUSED = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable")
+DEVICE_SELECTED = {"aten._scaled_dot_product_flash_attention_for_cpu.default": "",
+                   "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "_backward"}
+
+
+def _device_selected(op: str, key: str | None, op_list: OpList | None) -> tuple[str, str] | None:
+    suffix = DEVICE_SELECTED.get(op)
+    if suffix is None:
+        return None
+    fused = [f"aten.{n}{suffix}.default" for n in _SDPA_FUSED]
+    have = [f for f in fused if classify_op(f, dispatch_key=key, op_list=op_list)[0] == NATIVE]
+    if have:
+        return NATIVE, ("CPU's SDPA kernel in the trace; this backend's scaled_dot_product_attention takes its own "
+                        "fused kernel: " + ", ".join(h.split(".")[1] for h in have))
+    return COMPOSITE, ("CPU's SDPA kernel in the trace; this backend lists no fused SDPA kernel, so "
+                       "scaled_dot_product_attention runs its math decomposition")
+
+
 def coverage(inv: Inventory, backend_name: str, known_gaps=None) -> Coverage:
     """``known_gaps``: the backend's entries (strings or ``{op, versions}`` tables), or a suite."""
     key, oplist, source = backend_source(backend_name)
@@ -386,11 +420,11 @@ def coverage(inv: Inventory, backend_name: str, known_gaps=None) -> Coverage:
     cov.version = backend_version(backend_name, oplist)
     if oplist is not None:
         cov.list_version = oplist.version
-        w = version_warning(backend_name, oplist, inst) if key is None else None
-        if w:
-            cov.warnings.append(w)
+        cov.warnings += version_warnings(backend_name, oplist, inst)
     for op, rec in sorted(inv.ops.items()):
         status, how = classify_op(op, dispatch_key=key, op_list=oplist)
+        if status != NATIVE and key != "CPU":
+            status, how = _device_selected(op, key, oplist) or (status, how)
         known = status == MISSING and known_gap(entries, backend_name, op, cov.version)
         cov.ops[op] = OpCoverage(op, status, how, sorted(rec.modules), rec.count, known)
     gaps = {_gap_op(e) for e in entries if _gap_applies(e, cov.version)}

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.inspect.coverage import FALLBACK, MISSING, UNKNOWN, Coverage, coverage
+from harness.inspect.coverage import COMPOSITE, FALLBACK, MISSING, NATIVE, UNKNOWN, Coverage, coverage
 from harness.inspect.flops import FlopsReport, compute_flops
 from harness.inspect.params import ParamReport, Target, count_parameters, meta_model
 from harness.inspect.trace import Inventory, trace_model
@@ -59,8 +59,7 @@ def inspect(target: Target, *, backends: list[str] | None = None, trace: str = "
     del model
     covs = []
     if inv is not None:
-        gaps = target.suite.suite.known_gaps if target.suite is not None else {}
-        covs = [coverage(inv, b, gaps.get(b)) for b in backends or []]
+        covs = [coverage(inv, b, target.suite) for b in backends or []]
     timings = {k: round(v, 3) for k, v in timings.items()}
     return InspectReport(target.name, mc.architecture, mc.model_type, params, flops, inv, covs, list(mc.notes),
                          timings)
@@ -88,7 +87,7 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 
 def coverage_text(cov: Coverage, max_modules: int = 4) -> list[str]:
-    lines = [f"Coverage on backend {cov.backend} (source: {cov.source})"]
+    lines = [f"Coverage on backend {cov.backend} (source: {cov.source})"] + [f"  {w}" for w in cov.warnings]
     counts = cov.counts()
     lines.append("  " + ", ".join(f"{k}: {v}" for k, v in counts.items()))
     miss = cov.by_status(MISSING)
@@ -163,3 +162,140 @@ def render_text(rep: InspectReport, show_inventory: bool = True) -> str:
 
 def missing_summary(covs: list[Coverage]) -> list[str]:
     return [f"{c.backend}: {o.op}" for c in covs for o in c.missing(include_known=False)]
+
+
+# --- coverage matrix: models x backends ------------------------------------------------------------
+_PREFERRED = ("cpu", "cuda", "rocm", "xpu", "npu", "musa", "mlu", "mps")
+
+
+def all_backends() -> list[str]:
+    """``--backends all``: the CPU, every backend with a bundled or declared op list, and every
+    installed backend with a dispatch key, in a stable order."""
+    from harness.backends import registry
+    from harness.inspect.coverage import bundled_op_lists, op_list_path
+
+    names = {"cpu"} | set(bundled_op_lists())
+    for be in registry():
+        if op_list_path(be.name) is not None or (be.dispatch_key and be.available()):
+            names.add(be.name)
+    return sorted(names, key=lambda n: (_PREFERRED.index(n) if n in _PREFERRED else len(_PREFERRED), n))
+
+
+@dataclass
+class CoverageMatrix:
+    """Coverage of several models on several backends: ``cells[model][backend]``."""
+
+    models: list[str]
+    backends: list[str]
+    cells: dict[str, dict[str, Coverage]]
+    traces: dict[str, str] = field(default_factory=dict)  # model -> what was traced
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def sources(self) -> dict[str, Coverage]:
+        """backend -> one of its coverages (source, versions, warnings are per backend)."""
+        return {b: self.cells[m][b] for m in self.models for b in self.backends}
+
+    def needs(self, statuses=(MISSING, FALLBACK)) -> list[dict]:
+        """One row per backend x op with that status: which models need it, through which modules.
+        Missing ops that are not known gaps lead, then known gaps, then host fallbacks."""
+        rows: dict[tuple[str, str], dict] = {}
+        for m in self.models:
+            for b in self.backends:
+                for o in self.cells[m][b].ops.values():
+                    if o.status not in statuses:
+                        continue
+                    r = rows.setdefault((b, o.op), {"backend": b, "op": o.op, "status": o.status, "how": o.how,
+                                                    "known_gap": True, "models": {}})
+                    r["known_gap"] = r["known_gap"] and o.known_gap
+                    r["models"][m] = o.modules
+        rank = {MISSING: 0, FALLBACK: 2}
+        return sorted(rows.values(), key=lambda r: (rank.get(r["status"], 3) + (r["status"] == MISSING and
+                                                                                r["known_gap"]),
+                                                     self.backends.index(r["backend"]), r["op"]))
+
+    def to_dict(self) -> dict:
+        srcs = self.sources()
+        return {"models": self.models, "backends": [
+                    {"backend": b, "source": c.source, "version": c.version, "list_version": c.list_version,
+                     "warnings": c.warnings} for b, c in srcs.items()],
+                "counts": {m: {b: self.cells[m][b].counts() for b in self.backends} for m in self.models},
+                "needs": self.needs(), "traces": self.traces, "timings": self.timings}
+
+    def _cell(self, cov: Coverage) -> str:
+        c = cov.counts()
+        miss = len(cov.missing(include_known=False))
+        known = len(cov.missing()) - miss
+        return (f"{c.get(NATIVE, 0)}/{c.get(COMPOSITE, 0)}/{c.get(FALLBACK, 0)}/{miss}"
+                + (f"+{known}k" if known else "") + (f" ?{c[UNKNOWN]}" if c.get(UNKNOWN) else ""))
+
+    def render_text(self, max_modules: int = 3) -> str:
+        out = ["Operator coverage: models x backends (native/composite/fallback/missing ops; +Nk = known gaps, "
+               "?N = unknown)"]
+        needs = self.needs()
+        if needs:
+            out.append("")
+        for r in needs:
+            tag = r["status"].upper() + (" [known gap, tracked]" if r["status"] == MISSING and r["known_gap"] else "")
+            out.append(f"{tag} on {r['backend']}: {r['op']} ({r['how']})")
+            for m, mods in r["models"].items():
+                more = f" (+{len(mods) - max_modules})" if len(mods) > max_modules else ""
+                out.append(f"    {m}: {', '.join(mods[:max_modules])}{more}")
+        out.append("")
+        out += _table([[m] + [self._cell(self.cells[m][b]) for b in self.backends] for m in self.models],
+                      ["model"] + self.backends)
+        out.append("")
+        for b, c in self.sources().items():
+            out.append(f"{b}: {c.source}" + (f"; version {c.version}" if c.version else ""))
+            out += [f"  {w}" for w in c.warnings]
+        if self.timings:
+            out.append("timings: " + ", ".join(f"{k} {v}" for k, v in self.timings.items()))
+        return "\n".join(out)
+
+    def render_markdown(self, max_modules: int = 3) -> str:
+        esc = _md_escape
+        out = ["### Operator coverage", "",
+               "native / composite / fallback (host) / missing ops per model and backend "
+               "(+Nk: known gaps, tracked).", "",
+               "| model | " + " | ".join(self.backends) + " |", "|---|" + "---|" * len(self.backends)]
+        out += [f"| {esc(m)} | " + " | ".join(self._cell(self.cells[m][b]) for b in self.backends) + " |"
+                for m in self.models]
+        needs = self.needs()
+        if needs:
+            out += ["", "| backend | op | status | needed by |", "|---|---|---|---|"]
+            for r in needs:
+                who = "; ".join(f"{m}: " + ", ".join(mods[:max_modules]) + (" ..." if len(mods) > max_modules else "")
+                                for m, mods in r["models"].items())
+                st = r["status"] + (" (known gap)" if r["status"] == MISSING and r["known_gap"] else "")
+                out.append(f"| {esc(r['backend'])} | `{r['op']}` | {st} | {esc(who)} |")
+        out += ["", "Sources: " + "; ".join(f"{b}: {esc(c.source)}" for b, c in self.sources().items())]
+        warns = [w for c in self.sources().values() for w in c.warnings]
+        out += [f"> {esc(w)}" for w in warns]
+        return "\n".join(out) + "\n"
+
+    def missing(self) -> list[str]:
+        return [f"{r['backend']}: {r['op']}" for r in self.needs((MISSING,)) if not r["known_gap"]]
+
+
+def _md_escape(s: str) -> str:
+    """Table-safe text: pipes and markup characters escaped, @mentions neutralised."""
+    s = s.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    return s.replace("@", "@\u200b").replace("\n", " ")
+
+
+def coverage_matrix(targets: list[Target], backends: list[str], *, dtype: torch.dtype = torch.bfloat16,
+                    seq: int = 16, trace: str = "pruned") -> CoverageMatrix:
+    """Trace each model once on the meta device (the suite's pruned model by default: same
+    architecture, same operators, milliseconds to build) and classify its ops for every backend."""
+    t0 = time.perf_counter()
+    cells, traces = {}, {}
+    for target in targets:
+        pruned = trace == "pruned" and target.suite is not None
+        model, _ = meta_model(target, pruned=pruned, dtype=dtype)
+        inv = trace_model(model, model.config.vocab_size, seq=seq,
+                          meta={"model": target.name, "dtype": str(dtype).replace("torch.", ""), "pruned": pruned})
+        del model
+        traces[target.name] = f"{'pruned' if pruned else 'full'} model on meta, {inv.meta['dtype']}, {len(inv.ops)} ops"
+        suite = target.suite if target.suite is not None else None
+        cells[target.name] = {b: coverage(inv, b, suite) for b in backends}
+    return CoverageMatrix([t.name for t in targets], list(backends), cells, traces,
+                          {"total_s": round(time.perf_counter() - t0, 3)})

@@ -316,7 +316,7 @@ def extract(path: Path, backend: str, *, dispatch_key: str | None = None, select
 
 # --- writing ----------------------------------------------------------------------------------------
 def render(backend: str, version: str, extracted: list[tuple[str, Extracted]], *, dispatch_key: str,
-           unlisted: str, exclude: str | None = None, exclude_why: str = "", notes: tuple[str, ...] = (),
+           unlisted: str, torch_version: str | None = None, exclude: str | None = None, exclude_why: str = "", notes: tuple[str, ...] = (),
            command: str = "", complete: bool = True) -> str:
     """The op list file: provenance header, then ``aten.name.overload tag`` lines, sorted."""
     merged = Extracted()
@@ -330,7 +330,8 @@ def render(backend: str, version: str, extracted: list[tuple[str, Extracted]], *
     counts = {w: sum(1 for t in merged.ops.values() if t == tag) for tag, w in TAG_WORD.items()}
     head = [f"# harness op list: backend {backend}, version {version}",
             f"# backend: {backend}", f"# version: {version}", f"# dispatch_key: {dispatch_key}",
-            f"# unlisted: {unlisted}",
+            f"# unlisted: {unlisted}"] + ([f"# torch: {torch_version}"] if torch_version else []) + [
+
             f"# generated: {_dt.date.today().isoformat()}" + (f" by `{command}`" if command else "")]
     head += [f"# source: {src} [{ex.kind}]" for src, ex in extracted]
     head += [f"# note: {n}" for n in notes]
