@@ -76,13 +76,10 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     explicit = any(Path(str(a).split("::")[0]).resolve() == file_path.resolve() for a in parent.config.args)
     if not (explicit or file_path.parent.name == "suites"):
         return None
-    nodeid = None
-    try:
-        file_path.resolve().relative_to(parent.config.rootpath.resolve())
-    except ValueError:
-        # Outside the rootdir pytest would give the file an empty id (items read
-        # "::smoke[cpu-float32]"): name it by its folder and file, as it would read in a repository.
-        nodeid = f"{file_path.parent.name}/{file_path.name}"
+    # The id is "<folder>/<file>" wherever the suite lives and wherever pytest puts its rootdir
+    # (outside the rootdir pytest would give an empty id: "::smoke[cpu-float32]"), so the same suite
+    # has the same item ids on every machine, in the JUnit XML and in the comparator's history.
+    nodeid = f"{file_path.parent.name}/{file_path.name}"
     return SuiteFile.from_parent(parent, path=file_path, nodeid=nodeid)
 
 
@@ -101,10 +98,14 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+_SEEN = pytest.StashKey[dict]()
+
+
 class SuiteFile(pytest.File):
     def collect(self):
         try:
             ls = load_suite(self.path)
+            self._unique(ls)
             items = list(self._items(ls))
         except SuiteError as e:
             # One erroring item instead of a collection error: pytest would stop the whole session
@@ -116,6 +117,15 @@ class SuiteFile(pytest.File):
             yield SuiteLoadItem.from_parent(self, name="load", error=err)
             return
         yield from items
+
+    def _unique(self, ls: LoadedSuite) -> None:
+        """Two suite files with one id or one suite name would mix their results and goldens."""
+        seen = self.config.stash.setdefault(_SEEN, {})
+        for key in (f"id {self.nodeid}", f"name {ls.name}"):
+            other = seen.setdefault(key, self.path)
+            if other != self.path:
+                raise SuiteError(self.path, [f"suite {key.split(' ', 1)[0]} {key.split(' ', 1)[1]!r} is also "
+                                             f"used by {other}; rename one of them (or set model.name)"])
 
     def _items(self, ls: LoadedSuite):
         opt = self.config.getoption

@@ -143,3 +143,28 @@ def test_non_suite_toml_files_are_ignored(project):
     (project.path / "other.toml").write_text("[tool]\nx = 1\n")
     r = project.runpytest(".", "--collect-only", "-q")
     assert "other.toml" not in r.stdout.str()
+
+
+def test_variants_in_a_check_table_select_items_and_an_unknown_one_is_an_error(project):
+    from harness.checks import Check, registry
+
+    class Layouts(Check):  # a check with variants, like a parallel matrix
+        name = "layouts"
+        steps = ("noop",)
+
+        def variants(self, suite, backend):
+            return ["tp2", "pp2", "dp2"]
+
+        def noop(self, ctx, st):
+            ctx.metric("wall_time_s", 0.0)
+
+    registry().add(Layouts())
+    try:
+        write(project, "some", 'backends = ["cpu"]\ndtypes = ["float32"]\n' + TINY + '[checks.layouts]\nvariants = ["pp2"]\n')
+        write(project, "typo", 'backends = ["cpu"]\ndtypes = ["float32"]\n' + TINY + '[checks.layouts]\nvariants = ["tp3"]\n')
+        r = project.runpytest("suites", "--harness-check=layouts", "-v")
+        r.assert_outcomes(passed=2, errors=1)  # some: smoke + layouts[pp2] only; typo: one erroring item
+        r.stdout.fnmatch_lines(["*some.toml::layouts[[]cpu-float32-pp2[]] PASSED*",
+                                "*suites/typo.toml: checks.layouts.variants: unknown variant 'tp3' (known: tp2, pp2, dp2)*"])
+    finally:
+        registry()._items.pop("layouts")

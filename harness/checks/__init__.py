@@ -45,8 +45,8 @@ class CheckRegistry(NamedRegistry[Check]):
 
 _REGISTRY: CheckRegistry | None = None
 
-# Built-ins register through the same entry points a vendor uses; a source tree that was never
-# pip-installed has no entry points, so it registers them from this list instead.
+# Built-ins are declared as entry points like a vendor's (pyproject.toml), and registered from this
+# list so that their order is fixed and a source tree that was never pip-installed has them too.
 BUILTIN = ("harness.checks.smoke", "harness.checks.precision", "harness.checks.quantization",
            "harness.checks.ops")
 
@@ -57,10 +57,11 @@ def registry() -> CheckRegistry:
         import importlib
 
         reg = CheckRegistry()
-        eps = list(entry_points(group="harness.checks"))
-        if not any(ep.value.startswith("harness.checks.") for ep in eps):
-            for mod in BUILTIN:
-                importlib.import_module(mod).register(reg)
+        # Built-ins first, in BUILTIN's order (cheap smoke items before the rest), whether or not
+        # the source tree was pip-installed; then every other package's entry points.
+        for mod in BUILTIN:
+            importlib.import_module(mod).register(reg)
+        eps = [ep for ep in entry_points(group="harness.checks") if ep.value.split(":")[0] not in BUILTIN]
         for ep in eps:
             before = set(reg.names())
             ep.load()(reg)

@@ -47,6 +47,13 @@ def main(args) -> int:
     if unknown:
         console.print(f"[red]unknown backend(s) {', '.join(unknown)} (registered: {', '.join(reg.names())})")
         return 2
+    from harness.checks import registry as check_registry
+
+    checks = check_registry().names()
+    unknown = [c for c in args.check if c not in checks]
+    if unknown:  # a typo would otherwise select nothing and exit 0
+        console.print(f"[red]unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})")
+        return 2
     backends = args.backend or [b.name for b in reg if b.available()]
     extra = args.passthrough
     return runner.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,

@@ -1,4 +1,6 @@
-"""`harness run`, `validate` and `backends` as a user runs them: the console script, in a subprocess."""
+"""`harness run`, `validate` and `backends` as a user runs them: one end-to-end test per command
+through the console script in a subprocess; error paths in-process (harness.cli.main), which is
+~50x cheaper than a subprocess that imports torch and transformers again."""
 
 from __future__ import annotations
 
@@ -28,6 +30,17 @@ def project(tmp_path):
     return tmp_path
 
 
+def cli(*args, cwd, capsys, monkeypatch) -> tuple[int, str]:
+    """The same command line, in this process; returns (exit code, stdout + stderr)."""
+    from harness.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("COLUMNS", "200")
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
 def test_run_writes_results_and_prints_a_table(project):
     (project / "suites" / "tiny.toml").write_text('dtypes = ["float32", "bfloat16"]\n' + TINY)
     r = harness("run", "tiny", "--check", "smoke", cwd=project)
@@ -42,22 +55,37 @@ def test_run_writes_results_and_prints_a_table(project):
     assert (project / "results" / "summary.txt").exists()
 
 
-def test_run_with_a_malformed_suite_reports_it_and_runs_the_rest(project):
+def test_run_with_a_malformed_suite_reports_it_and_runs_the_rest(project, capsys, monkeypatch):
     (project / "suites" / "tiny.toml").write_text('dtypes = ["float32"]\n' + TINY)
     (project / "suites" / "bad.toml").write_text(TINY.replace("hidden_size = 32", "hidden_size = -3"))
-    r = harness("run", "--check", "smoke", cwd=project)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "prune.hidden_size: must be >= 1, got -3" in r.stdout
-    assert "1 passed, 0 failed, 1 errors" in r.stdout
+    code, out = cli("run", "--check", "smoke", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 1, out
+    assert "prune.hidden_size: must be >= 1, got -3" in out
+    assert "1 passed, 0 failed, 1 errors" in out
     assert "<testcase" in (project / "results" / "junit.xml").read_text()
 
 
-def test_run_unknown_suite_and_backend(project):
+def test_run_unknown_suite_backend_and_check(project, capsys, monkeypatch):
     (project / "suites" / "tiny.toml").write_text(TINY)
-    r = harness("run", "nope", cwd=project)
-    assert r.returncode == 2 and "no such suite 'nope' (known: tiny)" in r.stdout
-    r = harness("run", "tiny", "--backend", "tpu9", cwd=project)
-    assert r.returncode == 2 and "unknown backend(s) tpu9" in r.stdout
+    code, out = cli("run", "nope", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 2 and "no such suite 'nope'" in out and "tiny" in out
+    code, out = cli("run", "tiny", "--backend", "tpu9", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 2 and "unknown backend(s) tpu9" in out
+    # a typo in --check used to select nothing and exit 0
+    code, out = cli("run", "tiny", "--check", "smok", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 2 and "unknown check(s) smok (registered: smoke, precision, quantization, ops" in out
+    assert not (project / "results").exists()
+
+
+def test_validate_errors_in_process(project, capsys, monkeypatch):
+    (project / "suites" / "tiny.toml").write_text(TINY)
+    (project / "suites" / "bad.toml").write_text("[model]\nconfig = 'configs/missing.json'\n")
+    (project / "suites" / "latin1.toml").write_bytes('[model]\nconfig = "caf\xe9.json"\n'.encode("latin-1"))
+    code, out = cli("validate", "--no-build", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 1
+    assert "suites/bad.toml: model.config: file not found: suites/configs/missing.json" in out
+    assert "suites/latin1.toml: not UTF-8 text (byte 21: invalid continuation byte)" in out
+    assert "1 valid, 2 invalid" in out
 
 
 def test_validate(project):
