@@ -7,6 +7,7 @@ token, and behaves like GitHub where the comparator's correctness depends on it:
 * bodies (issue and comment) over 65,536 characters are refused with 422, as GitHub does;
 * a deleted issue answers 410 Gone (``state.delete(n)``), an unknown number 404;
 * listings paginate with ``Link`` headers (``per_page`` default 30, at most 100);
+* ``latency``: seconds before every answer, like a network round trip (overlapping runs);
 * faults (``fail_next``): an error answered *instead of* handling the request, or *after* it was
   applied (``after_apply=True``: the write took effect, the client sees a 5xx, as when GitHub
   times out behind its load balancer), optionally only for one method / path; a secondary rate
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -61,6 +63,7 @@ class GitHubState:
         self.deleted: set[int] = set()
         self.requests: list[tuple[str, str]] = []
         self.failures: list[Fault] = []
+        self.latency = 0.0  # seconds before each answer: a real network round trip, so runs overlap
         self.lock = threading.Lock()
 
     def fail_next(self, status: int, headers: dict | None = None, times: int = 1, **kw) -> None:
@@ -159,6 +162,8 @@ class _Handler(BaseHTTPRequestHandler):
         base = f"http://{self.headers['Host']}" + ("/api/v3" if url.path.startswith("/api/v3") else "")
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"null") if length else None
+        if st.latency:
+            time.sleep(st.latency)
         with st.lock:
             st.requests.append((method, path))
             fault = st._fault(method, path)
