@@ -30,6 +30,7 @@ Recognised inputs (detected from their structure, so a vendor can point at their
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,7 +135,7 @@ def from_native_functions(entries: list, key: str) -> Extracted:
         delegate = e.get("structured_delegate")
         if delegate and delegate in by_name:  # functional/inplace kernels generated per key of the out=
             keys |= _keys(by_name[delegate])
-        if not e.get("dispatch") and not delegate and not e.get("ufunc_inner_loop"):
+        if "dispatch" not in e and not delegate and not e.get("ufunc_inner_loop"):  # `dispatch: {}`: no kernel
             keys.add("CompositeImplicitAutograd")  # torchgen's default for an entry without dispatch
         if key in keys:
             out.add(_op(name), NATIVE)
@@ -146,12 +147,26 @@ def from_native_functions(entries: list, key: str) -> Extracted:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _load_yaml(path: Path, mtime: float):
+    import yaml
+
+    try:
+        return yaml.load(path.read_text(encoding="utf-8", errors="replace"),
+                         Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as e:
+        raise OpListSourceError(f"not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def load_yaml(path: Path):
+    """Parsed once per process per file version (torch's native_functions.yaml is 15k lines)."""
+    return _load_yaml(path.resolve(), path.stat().st_mtime)
+
+
 def torch_structured_delegates() -> dict[str, str]:
     """``scatter.src`` -> ``scatter.src_out``: functional / inplace overloads of the installed torch's
     structured kernels and the out= overload that computes them."""
-    import yaml
-
-    entries = yaml.load(packaged_native_functions().read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    entries = load_yaml(packaged_native_functions())
     return {_name(e): e["structured_delegate"] for e in entries if isinstance(e, dict) and e.get("structured_delegate")}
 
 
@@ -282,20 +297,14 @@ def packaged_native_functions() -> Path:
 
 
 def extract(path: Path, backend: str, *, dispatch_key: str | None = None, select: str | None = None) -> Extracted:
-    text = path.read_text(encoding="utf-8", errors="replace")
     if path.suffix == ".txt":
         out = Extracted(kind="harness op list")
         for op, tag in parse_op_list(path).items():
             out.add(op, tag)
         return out
     if path.suffix not in (".yaml", ".yml"):
-        return from_fallback_source(text)
-    import yaml
-
-    try:
-        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError as e:
-        raise OpListSourceError(f"not valid YAML: {str(e).splitlines()[0]}") from None
+        return from_fallback_source(path.read_text(encoding="utf-8", errors="replace"))
+    doc = load_yaml(path)
     defaults = BACKENDS.get(backend)
     key = dispatch_key or (defaults.dispatch_key if defaults else None)
     if isinstance(doc, dict) and "all_version" in doc:
