@@ -142,19 +142,6 @@ def _no_grad_globs(model) -> list[str]:
     return globs
 
 
-def _smoke_accepts(key: str) -> bool:
-    """Whether the suite schema has ``[checks.smoke] <key>`` (the lead adds no_grad_ok in #8)."""
-    from pydantic import ValidationError
-
-    from harness.suite.schema import Suite
-
-    try:
-        Suite.model_validate({"model": {"config": "x.json"}, "checks": {"smoke": {key: []}}})
-        return True
-    except ValidationError:
-        return False
-
-
 def probe(path: Path, max_params: int, raw: dict, plan) -> tuple[int, list[str]]:
     """Size guard on the meta device, then one float32 backward on CPU; returns (params, no-grad globs)."""
     import torch
@@ -187,6 +174,7 @@ def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str |
     from harness.inspect.prune import suite_toml
     from harness.models.config import ModelBuildError
     from harness.settings import load_settings
+    from harness.suite.loader import SuiteError, load_suite
 
     cfg = Path(config).resolve()
     try:
@@ -225,9 +213,10 @@ def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str |
     if globs:
         comment = [f"by design these parameters get no gradient from the LM loss (found by one backward at init): "
                    f"{', '.join(globs)}; anything else without a gradient still fails"]
-        if _smoke_accepts("no_grad_ok"):
-            write({"no_grad_ok": globs}, comment)
-        else:
+        write({"no_grad_ok": globs}, comment)
+        try:
+            load_suite(out)
+        except SuiteError:  # a harness whose smoke check has no no_grad_ok knob: keep it as a comment
             write(None, comment + [f"no_grad_ok = {globs!r}  (needs the smoke check's no_grad_ok knob)"])
     else:
         write()

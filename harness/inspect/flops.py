@@ -17,6 +17,7 @@ FLOPs count a multiply-add as 2. Per token:
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from harness.inspect.params import ParamReport
@@ -42,8 +43,32 @@ class FlopsReport:
 
 
 def _get(cfg, name, default=None):
-    v = getattr(cfg, name, None)
+    try:
+        v = getattr(cfg, name, None)
+    except Exception:  # transformers' per-layer (heterogeneous) configs refuse ambiguous global reads
+        v = None
     return default if v is None else v
+
+
+def attention_layers(cfg) -> list[tuple[int, int, int, int]]:
+    """(query heads, kv heads, d_qk, d_v) of every layer that has softmax attention (and a KV cache):
+    Mamba / linear-attention layers of hybrid models are left out (``hybrid_override_pattern`` '*',
+    ``layer_types`` without 'linear'/'mamba'), and per-layer configs (Gemma 4's full-attention layers
+    with their own ``global_head_dim``) are read layer by layer."""
+    layers = int(_get(cfg, "num_hidden_layers"))
+    pattern = _get(cfg, "hybrid_override_pattern")
+    types = _get(cfg, "layer_types")
+    per_layer = _get(cfg, "per_layer_config")
+    out = []
+    for i in range(layers):
+        if isinstance(pattern, str) and len(pattern) == layers and pattern[i] != "*":
+            continue
+        if isinstance(types, (list, tuple)) and len(types) >= layers and re.search(
+                r"linear|mamba|conv|ssm|recurrent", str(types[i])):
+            continue
+        lc = per_layer[i] if per_layer is not None else cfg
+        out.append(head_dims(lc))
+    return out
 
 
 def is_mla(cfg) -> bool:
@@ -52,6 +77,7 @@ def is_mla(cfg) -> bool:
 
 def head_dims(cfg) -> tuple[int, int, int, int]:
     """(query heads, kv heads, d_qk, d_v) as the attention kernel sees them."""
+    cfg = text_config(cfg)
     heads = int(_get(cfg, "num_attention_heads"))
     if is_mla(cfg):
         return heads, heads, int(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), int(cfg.v_head_dim)
@@ -59,26 +85,41 @@ def head_dims(cfg) -> tuple[int, int, int, int]:
     return heads, int(_get(cfg, "num_key_value_heads", heads)), hd, hd
 
 
+def text_config(cfg):
+    """A multimodal wrapper's language-model config (FLOPs and KV cache are the decoder's), else ``cfg``."""
+    try:
+        return cfg.get_text_config()
+    except (AttributeError, ValueError):
+        return cfg
+
+
 def compute_flops(cfg, params: ParamReport, prefill_len: int = 4096, decode_context: int = 4096,
                   kv_dtype_bytes: int = 2) -> FlopsReport:
+    cfg = text_config(cfg)
     layers = int(_get(cfg, "num_hidden_layers"))
     heads, kv_heads, d_qk, d_v = head_dims(cfg)
+    attn = attention_layers(cfg)
     matmul = 2.0 * sum(params.activated_by_kind.get(k, 0) for k in MATMUL_KINDS)
-    attn_per_ctx = 2.0 * layers * heads * (d_qk + d_v)
+    attn_per_ctx = 2.0 * sum(h * (q + v) for h, _, q, v in attn)
     notes = []
+    if len(attn) != layers:
+        notes.append(f"{len(attn)} of {layers} layers have softmax attention (the others are Mamba / linear "
+                     "attention, whose state does not grow with the context): attention FLOPs and KV cache "
+                     "count those only")
     extra_decode = 0.0
     kv: dict[str, int] = {}
     if is_mla(cfg):
+        n_attn = len(attn)
         latent = int(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         kv["mla_compressed (what transformers caches; kv_lora_rank + qk_rope_head_dim)"] = (
-            layers * latent * kv_dtype_bytes)
-        kv["decompressed per-head K and V (no absorption)"] = layers * heads * (d_qk + d_v) * kv_dtype_bytes
-        extra_decode = 2.0 * layers * cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            n_attn * latent * kv_dtype_bytes)
+        kv["decompressed per-head K and V (no absorption)"] = n_attn * heads * (d_qk + d_v) * kv_dtype_bytes
+        extra_decode = 2.0 * n_attn * cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         notes.append("MLA: transformers re-expands the compressed cache through kv_b_proj over the whole "
                      "context at every step; decode_flops_per_token_hf includes that, decode_flops_per_token "
                      "does not (an absorbed-MLA engine does not pay it)")
     else:
-        kv["k and v per kv head"] = layers * 2 * kv_heads * d_qk * kv_dtype_bytes
+        kv["k and v per kv head"] = sum(kvh * (q + v) for _, kvh, q, v in attn) * kv_dtype_bytes
         if kv_heads != heads:
             notes.append(f"GQA: {heads} query heads share {kv_heads} KV heads ({heads // kv_heads}:1)")
     prefill = matmul + attn_per_ctx * (prefill_len + 1) / 2

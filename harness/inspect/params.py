@@ -28,8 +28,10 @@ persistent ones are counted in checkpoint bytes only.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +39,14 @@ from pathlib import Path
 import torch
 
 from harness.models.build import instantiate, model_config
-from harness.models.config import EXPERT_KEYS, ModelConfig, architecture_class, build_config
+from harness.models.config import (
+    EXPERT_KEYS,
+    TOPK_KEYS,
+    ModelConfig,
+    architecture_class,
+    build_config,
+    describe_quantization,
+)
 from harness.suite.loader import LoadedSuite
 
 KINDS = ("embedding", "lm_head", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
@@ -89,7 +98,16 @@ def meta_model(target: Target, pruned: bool = False, dtype: torch.dtype = torch.
     return model.to(dtype), mc
 
 
+def _text(cfg):
+    """A wrapper's text config (``get_text_config``), else the config itself."""
+    try:
+        return cfg.get_text_config()
+    except (AttributeError, ValueError):
+        return cfg
+
+
 def _num_experts(cfg) -> int | None:
+    cfg = _text(cfg)
     for k in EXPERT_KEYS:
         v = getattr(cfg, k, None)
         if isinstance(v, int) and v > 0:
@@ -147,6 +165,7 @@ class ParamReport:
     buffers_persistent: int  # elements in persistent buffers (state dict, not parameters)
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # scenario -> dtype -> bytes
     notes: list[str] = field(default_factory=list)
+    by_part: dict[str, int] = field(default_factory=dict)  # multimodal wrappers: text, vision, projector, overall
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,10 +176,121 @@ def _weight_block_bytes(out_f: int, in_f: int, block: tuple[int, int]) -> tuple[
     return out_f * in_f, math.ceil(out_f / block[0]) * math.ceil(in_f / block[1]) * 4
 
 
+@dataclass
+class QuantScheme:
+    """How a checkpoint stores its quantized Linear weights, read from ``quantization_config``.
+
+    ``granularity``: ``block`` (one scale per ``block`` tile), ``channel`` (one per output row),
+    ``tensor`` (one per matrix) or ``group`` (one per ``group`` consecutive input elements of a row).
+    """
+
+    label: str  # scenario name in ParamReport.bytes
+    weight_dtype: str  # e.g. float8_e4m3fn, int4 (packed), float4_e2m1 (packed)
+    weight_bits: int
+    granularity: str
+    scale_dtype: str
+    scale_bytes: int
+    block: tuple[int, int] | None = None
+    group: int | None = None
+    per_tensor_bytes: int = 0  # extra per quantized matrix (NVFP4's fp32 global scale, static input scales)
+    ignore: list[str] = field(default_factory=list)
+    scale_name: str = "weight_scale"
+
+    def bytes_of(self, out_f: int, in_f: int) -> tuple[int, int]:
+        """(weight bytes, scale bytes) of one [out, in] matrix."""
+        w = math.ceil(out_f * in_f * self.weight_bits / 8)
+        if self.granularity == "block":
+            n = math.ceil(out_f / self.block[0]) * math.ceil(in_f / self.block[1])
+        elif self.granularity == "channel":
+            n = out_f
+        elif self.granularity == "group":
+            n = out_f * math.ceil(in_f / self.group)
+        else:
+            n = 1
+        return w, n * self.scale_bytes + self.per_tensor_bytes
+
+    def skips(self, fqn: str) -> bool:
+        """``ignore`` / ``modules_to_not_convert`` entries: ``re:`` regexes (compressed-tensors), globs
+        (modelopt: ``model.layers.0.self_attn*``) or module names (a prefix or a path component)."""
+        for pat in self.ignore:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], fqn):
+                    return True
+            elif any(c in pat for c in "*?["):
+                if fnmatch.fnmatchcase(fqn, pat) or fnmatch.fnmatchcase(fqn, pat + ".*"):
+                    return True
+            elif fqn == pat or fqn.startswith(pat + ".") or f".{pat}." in f".{fqn}." or fqn.endswith("." + pat):
+                return True
+        return False
+
+
+def quant_scheme(q: dict | None) -> QuantScheme | None:
+    """The storage scheme of a ``quantization_config`` (FP8 per-block / per-channel / per-tensor,
+    MXFP4, INT4/INT8 group-wise compressed-tensors, NVFP4), or None when it is not one we know."""
+    if not q:
+        return None
+    method = str(q.get("quant_method") or "").lower()
+    algo = str(q.get("quant_algo") or "").upper()
+    ignore = list(q.get("ignore") or q.get("modules_to_not_convert") or q.get("exclude_modules") or [])
+    w = {}
+    for g in (q.get("config_groups") or {}).values():
+        if isinstance(g, dict) and isinstance(g.get("weights"), dict):
+            w = g["weights"]
+            break
+    bits, wtype = w.get("num_bits"), str(w.get("type") or "")
+    strategy = str(w.get("strategy") or "").lower()
+    if method == "mxfp4" or algo == "MXFP4":
+        return QuantScheme("mxfp4 (checkpoint)", "float4_e2m1 (packed, 2 per byte)", 4, "group", "float8_e8m0 "
+                           "(one per 32)", 1, group=32, ignore=ignore, scale_name="scales")
+    if algo == "NVFP4" or (bits == 4 and wtype == "float"):
+        group = int(w.get("group_size") or 16)
+        return QuantScheme(f"nvfp4 group {group} (checkpoint)", "float4_e2m1 (packed, 2 per byte)", 4, "group",
+                           f"float8_e4m3fn (one per {group}) + fp32 global", 1, group=group, per_tensor_bytes=8,
+                           ignore=ignore)
+    if bits in (4, 8) and wtype == "int":
+        group = w.get("group_size")
+        gran = "group" if strategy == "group" and group else ("channel" if strategy == "channel" else "tensor")
+        label = f"int{bits} {gran}" + (f" {group}" if gran == "group" else "") + " (checkpoint)"
+        zp = 0 if w.get("symmetric", True) else 1  # asymmetric: a zero point beside each scale
+        return QuantScheme(label, f"int{bits} (packed)" if bits == 4 else "int8", bits, gran,
+                           "bfloat16" + (" + zero point" if zp else ""), 2 * (1 + zp), group=int(group or 0) or None,
+                           ignore=ignore)
+    if method == "fp8" or algo == "FP8" or (bits == 8 and wtype == "float"):
+        block = q.get("weight_block_size") or w.get("block_structure")
+        if isinstance(block, str):
+            block = [int(x) for x in re.findall(r"\d+", block)]
+        if block:
+            b = (int(block[0]), int(block[1]))
+            return QuantScheme(f"fp8 block {b[0]}x{b[1]} (checkpoint)", "float8_e4m3fn", 8, "block", "float32", 4,
+                               block=b, ignore=ignore, scale_name="weight_scale_inv")
+        if strategy == "channel":
+            return QuantScheme("fp8 per-channel (checkpoint)", "float8_e4m3fn", 8, "channel", "float32", 4,
+                               ignore=ignore)
+        static_input = isinstance(w, dict) and w and (q.get("config_groups") or {}) and not any(
+            (g.get("input_activations") or {}).get("dynamic", True) for g in q["config_groups"].values()
+            if isinstance(g, dict))
+        return QuantScheme("fp8 per-tensor (checkpoint)", "float8_e4m3fn", 8, "tensor",
+                           "float32" + (" (+ static input_scale)" if static_input else ""), 4,
+                           per_tensor_bytes=4 if static_input else 0, ignore=ignore)
+    return None
+
+
+def module_part(fqn: str) -> str:
+    """Which part of a multimodal wrapper a module belongs to: text, vision or projector."""
+    low = fqn.lower()
+    if re.search(r"projector|multi_modal|mm_proj|merger|connector|aligner|embed_vision", low):
+        return "projector"
+    if re.search(r"vision|visual|vit\b|image|patch|audio", low):
+        return "vision"
+    return "text"
+
+
 def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
     cfg = mc.config
+    tcfg = _text(cfg)
     n_exp = _num_experts(cfg)
-    top_k = getattr(cfg, "num_experts_per_tok", None) if n_exp else None
+    top_k = next((getattr(tcfg, k) for k in TOPK_KEYS if isinstance(getattr(tcfg, k, None), int)), None) if n_exp \
+        else None
     _EXPERT_PARENTS.clear()
     for fqn, mod in model.named_modules():
         if _is_experts(mod, n_exp):
@@ -168,67 +298,82 @@ def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
 
     by_kind: dict[str, int] = defaultdict(int)
     act_by_kind: dict[str, float] = defaultdict(float)
+    by_part: dict[str, int] = defaultdict(int)
     seen: set[int] = set()
     quant = mc.quantization
-    block = tuple((quant or {}).get("weight_block_size") or (128, 128))
-    skip_q = set((quant or {}).get("modules_to_not_convert") or [])
-    fp8 = scales = keep16 = 0
+    scheme = quant_scheme(quant)
+    qbytes = scales = keep16 = 0
     for fqn, mod in model.named_modules():
         kind = module_kind(fqn, mod, n_exp)
+        part = module_part(fqn)
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
             n = p.numel()
             by_kind[kind] += n
+            by_part[part] += n
             if kind == "routed_experts" and p.dim() == 3 and top_k:
                 act_by_kind[kind] += n * top_k / p.shape[0]
             else:
                 act_by_kind[kind] += n
-            # FP8 block quantization: Linear weights of attention / MLP / experts; everything else bf16.
-            quantized = (quant is not None and kind in ("attention", "dense_mlp", "routed_experts",
-                                                        "shared_experts")
+            # Quantized: Linear weights of attention / MLP / experts of the language model, unless the
+            # config's ignore list keeps them; everything else stays bf16.
+            quantized = (scheme is not None and part == "text"
+                         and kind in ("attention", "dense_mlp", "routed_experts", "shared_experts")
                          and p.dim() >= 2 and pname != "bias" and not pname.endswith("_bias")
-                         and not any(s in fqn for s in skip_q))
+                         and not scheme.skips(fqn) and not scheme.skips(f"{fqn}.{pname}"))
             if not quantized:
                 keep16 += n
             elif p.dim() == 2:
-                a, b = _weight_block_bytes(p.shape[0], p.shape[1], block)
-                fp8, scales = fp8 + a, scales + b
+                a, b = scheme.bytes_of(p.shape[0], p.shape[1])
+                qbytes, scales = qbytes + a, scales + b
             else:  # fused experts [E, out, in] (or [E, in, out] when transposed); gate_up is two weights
                 e, d1, d2 = p.shape
                 out_f, in_f = (d2, d1) if getattr(mod, "is_transposed", False) else (d1, d2)
                 parts = 2 if "gate_up" in pname else 1
-                a, b = _weight_block_bytes(out_f // parts, in_f, block)
-                fp8, scales = fp8 + e * parts * a, scales + e * parts * b
+                a, b = scheme.bytes_of(out_f // parts, in_f)
+                qbytes, scales = qbytes + e * parts * a, scales + e * parts * b
     persistent = set(model.state_dict(keep_vars=True))
     buffers = sum(b.numel() for n, b in model.named_buffers() if n in persistent)
     total = sum(by_kind.values())
     emb = by_kind.get("embedding", 0)
     activated = int(round(sum(act_by_kind.values()) - emb))
-    tied = bool(getattr(cfg, "tie_word_embeddings", False)) and by_kind.get("lm_head", 0) == 0
+    tied = bool(getattr(tcfg, "tie_word_embeddings", False)) and by_kind.get("lm_head", 0) == 0
     rep = ParamReport(
         total=total, activated=activated, activated_with_embedding=activated + emb,
         by_kind={k: by_kind[k] for k in KINDS if by_kind.get(k)},
         activated_by_kind={k: round(act_by_kind[k]) for k in KINDS if act_by_kind.get(k)},
         non_embedding=total - emb - by_kind.get("lm_head", 0),
-        num_layers=int(getattr(cfg, "num_hidden_layers", 0) or 0), num_experts=n_exp, experts_per_token=top_k,
+        num_layers=int(getattr(tcfg, "num_hidden_layers", 0) or 0), num_experts=n_exp, experts_per_token=top_k,
         tied_embeddings=tied, buffers_persistent=buffers)
+    if set(by_part) - {"text"}:
+        rep.by_part = {k: by_part[k] for k in ("text", "vision", "projector") if by_part.get(k)}
+        rep.by_part["overall"] = total
+        rep.notes.append("parts: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in rep.by_part.items()))
     rep.bytes["float32"] = {"float32": total * 4 + buffers * 4}
     rep.bytes["bfloat16"] = {"bfloat16": total * 2, "float32 (buffers)": buffers * 4}
-    if quant is not None:
-        rep.bytes[f"fp8 block {block[0]}x{block[1]} (checkpoint)"] = {
-            "float8_e4m3fn (weights)": fp8, "float32 (weight_scale_inv)": scales,
+    if scheme is not None:
+        rep.bytes[scheme.label] = {
+            f"{scheme.weight_dtype} (weights)": qbytes, f"{scheme.scale_dtype} ({scheme.scale_name})": scales,
             "bfloat16 (embeddings, lm_head, norms, router)": keep16 * 2, "float32 (buffers)": buffers * 4}
-        rep.notes.append(f"checkpoint is {quant.get('quant_method')} {quant.get('fmt', '')} with "
-                         f"{block[0]}x{block[1]} blocks: 1 byte per quantized Linear weight + one fp32 "
-                         "weight_scale_inv per block")
+        grain = {"block": f"{scheme.block[0]}x{scheme.block[1]} blocks" if scheme.block else "",
+                 "group": f"groups of {scheme.group}", "channel": "output channels", "tensor": "tensors"}
+        rep.notes.append(f"checkpoint is {describe_quantization(quant)}: {scheme.weight_bits}-bit quantized Linear "
+                         f"weights with one {scheme.scale_name} per {grain[scheme.granularity]}"
+                         + (f"; kept unquantized: {', '.join(scheme.ignore[:6])}" +
+                            (f" (+{len(scheme.ignore) - 6} more)" if len(scheme.ignore) > 6 else "")
+                            if scheme.ignore else ""))
+    elif quant is not None:
+        rep.notes.append(f"quantization_config {describe_quantization(quant)} is not a format harness accounts "
+                         "for; checkpoint bytes shown for float32 / bfloat16 only")
     for scenario in rep.bytes.values():
         scenario["total"] = sum(scenario.values())
-    if mc.architecture == "DeepseekV3ForCausalLM" and (getattr(cfg, "num_nextn_predict_layers", 0) or
-                                                       mc.config.to_dict().get("num_nextn_predict_layers")):
-        rep.notes.append("the multi-token-prediction layer (num_nextn_predict_layers) is in the checkpoint but "
-                         "not built by transformers: not counted")
+    mtp = next((k for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+                if (tcfg.to_dict().get(k) or 0) > 0), None)
+    if mtp:
+        rep.notes.append(f"the multi-token-prediction layers ({mtp}) are in the checkpoint but not built by "
+                         "transformers: not counted")
     return rep
 
 

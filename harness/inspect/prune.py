@@ -34,7 +34,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from harness.models.config import EXPERT_KEYS
+from harness.models.config import EXPERT_KEYS, TOPK_KEYS
 
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
 VISION_LAYER_KEYS = ("depth", "num_hidden_layers", "vt_num_hidden_layers", "num_layers")
@@ -81,6 +81,9 @@ def _layer_features(d: dict, n: int, prefix: str = "") -> list[tuple[str, str, o
             continue
         if isinstance(v, dict) and k not in SKIP_NESTED and not k.endswith("_config"):
             out += _layer_features(v, n, key + ".")
+        elif _is_ints(v) and "layer" in k and v == sorted(set(v)) and (not v or max(v) < n) and len(v) != 0 and (
+                len(v) < n or v == list(range(n))):
+            out.append((key, "index", v))  # layer indices (moe_layers), even when every layer is listed
         elif isinstance(v, list) and n >= 3 and n <= len(v) <= n + 4:
             out.append((key, "list", v))
         elif isinstance(v, str) and n >= 3 and len(v) == n and re.fullmatch(r"[A-Za-z*\-]+", v):
@@ -124,12 +127,38 @@ def _shortest_prefix(kinds: list[tuple]) -> int:
     return len(kinds)
 
 
+def derived_per_layer(d: dict) -> dict:
+    """Per-layer lists transformers' config class computes from defaults the config.json leaves out
+    (Llama 4's ``no_rope_layers`` and ``moe_layers``, ``layer_types`` from a window pattern, ...):
+    they decide layer kinds just as much as the lists the file spells out."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    key, n = _num_layers(d)
+    mt = d.get("model_type")
+    if key is None or mt not in CONFIG_MAPPING:
+        return {}
+    import logging
+
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # config validation warnings are the loader's business, not init's
+    try:
+        full = CONFIG_MAPPING[mt](**{k: v for k, v in d.items() if k not in ("model_type", "auto_map")}).to_dict()
+    except Exception:  # a config transformers rejects as published: nothing derived, the build will say why
+        return {}
+    finally:
+        quiet.setLevel(level)
+    return {k: v for k, v in full.items() if k not in d and isinstance(v, list) and (
+        n <= len(v) <= n + 4 or "layer" in k and _is_ints(v) and (not v or max(v) < n))}
+
+
 def plan_layers(d: dict) -> tuple[dict, list[str]]:
     """Flat updates (dotted keys) cutting ``d`` to the shortest layer prefix holding every kind."""
     key, n = _num_layers(d)
     if key is None:
         return {}, []
-    feats = _layer_features(d, n)
+    derived = derived_per_layer(d)
+    feats = _layer_features({**d, **derived}, n)
     kinds = _kinds(feats, n)
     original = set(kinds)
     m = _shortest_prefix(kinds)
@@ -158,6 +187,9 @@ def plan_layers(d: dict) -> tuple[dict, list[str]]:
     why = [f"layers: the first {m} of {n}, the shortest prefix that holds every distinct layer kind "
            f"({len(original)} kind{'s' if len(original) != 1 else ''}" +
            (f" from {', '.join(sorted({f[0] for f in feats}))})" if feats else ")")]
+    if derived:
+        why.append(f"  written out explicitly ({', '.join(sorted(derived))}): transformers derives them from "
+                   "defaults the config.json leaves out")
     for i in range(m):
         desc = ", ".join(f"{fk}={_show(_feature_at(ft, fv, i), ft, fv)}" for fk, ft, fv in feats)
         why.append(f"  layer {i}: {desc or 'same kind as every other layer'}")
@@ -286,8 +318,14 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
             up[k] = min(v, 16)
         elif k == "vocab_size" or k.startswith("vocab_size"):
             up[k] = min(v, 512)
-        elif k in ("index_topk",):
-            up[k] = min(v, 8)
+        elif k.endswith("index_topk") or k in ("topk_tokens", "sparse_topk"):
+            # Above the 16-20 token test sequences: the sparse-attention indexer's top-k then selects every
+            # token. Its selection is discrete, so bf16/fp8 noise in the scores would otherwise flip which
+            # tokens attend and the precision/quantization checks would fail on noise, not on a bug.
+            up[k] = min(v, 64)
+            if not vision:
+                why.append(f"{k} {v} -> {up[k]}: more than the test sequence length, so the indexer's discrete "
+                           "top-k keeps every token (bf16/fp8 noise cannot flip the selection)")
         elif k in ("out_hidden_size", "projection_dim", "text_hidden_size") and vision:
             up[k] = TEXT_WIDTH
     return up, why
@@ -301,10 +339,11 @@ def plan_moe(d: dict) -> tuple[dict, list[str]]:
         return {}, []
     n_exp = d[n_key]
     e = min(n_exp, 8)
-    k = min(int(d.get("num_experts_per_tok") or 2), 2, e)
+    k_key = next((k for k in TOPK_KEYS if isinstance(d.get(k), int)), "num_experts_per_tok")
+    k = min(int(d.get(k_key) or 2), 2, e)
     up: dict = {"num_experts": e}
-    if "num_experts_per_tok" in d:
-        up["num_experts_per_tok"] = k
+    if k_key in d:
+        up[k_key] = k
     if d.get("n_shared_experts"):
         up["n_shared_experts"] = 1
     n_group = int(d.get("n_group") or 1)
