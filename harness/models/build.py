@@ -97,7 +97,9 @@ def build_model(ls: LoadedSuite, dtype: str | torch.dtype = "float32", device: s
         torch.manual_seed(seed)
         model = instantiate(ls, mc, dt)
     if ls.weights_path is not None:
-        mc.notes.extend(load_weights(model, ls.weights_path))
+        from harness.weights import load_pruned  # real tensors of the kept layers/experts (docs/weights.md)
+
+        mc.notes.extend(load_pruned(model, ls, mc, dtype=dt))
     model = model.to(device=device, dtype=dt)
     return model, mc
 

@@ -37,8 +37,14 @@ class LoadedSuite:
 
     @property
     def weights_path(self) -> Path | None:
-        w = self.suite.model.weights
-        return (self.path.parent / w).resolve() if w else None
+        """The checkpoint path: model.weights, or the path in $model.weights_env when it exists
+        (None: random weights; harness.weights.source.locate says why)."""
+        m = self.suite.model
+        w = m.weights or (os.environ.get(m.weights_env, "").strip() if m.weights_env else "")
+        if not w:
+            return None
+        p = (self.path.parent / os.path.expanduser(w)).resolve()
+        return p if m.weights or p.exists() else None
 
 
 def _display(path: Path) -> str:

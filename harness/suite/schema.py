@@ -30,8 +30,34 @@ class ModelSection(_Strict):
     name: str = Field("", description="Display name; defaults to the suite file's stem.")
     config: str = Field(description="Path to the model's real HF config.json, relative to the suite file.")
     weights: str | None = Field(
-        None, description="Optional local safetensors file or directory (relative to the suite file). "
-        "Absent: random weights seeded from [checks] seeds.")
+        None, description="Optional local checkpoint in the Hugging Face layout (directory with model.safetensors "
+        "or model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json, or one .safetensors file), relative "
+        "to the suite file; or '$VAR' to read the path from an environment variable (same as weights_env). "
+        "Absent: random weights seeded from [checks] seeds. docs/weights.md")
+    weights_env: str | None = Field(
+        None, description="Environment variable holding the checkpoint path (CI runners differ); unset or "
+        "missing: the weight checks skip with that reason, the others run on random weights.")
+    weights_layers: list[int] = Field(
+        default_factory=list, description="Source layer of each pruned layer (empty: for each pruned layer the "
+        "first unused checkpoint layer of the same kind, e.g. first dense and first MoE layer).")
+    weights_experts: list[int] = Field(
+        default_factory=list, description="Source expert of each pruned expert (empty: the first prune.num_experts).")
+    weights_quantized: Literal["dequantize", "native"] = Field(
+        "dequantize", description="Quantized checkpoints (FP8 block, INT4 pack-quantized, MXFP4): dequantize "
+        "exactly, or keep quantized on a backend that runs the format natively.")
+    weights_allow_pickle: bool = Field(
+        False, description="Read a checkpoint that has only pickle files (.bin/.pt) with "
+        "torch.load(weights_only=True); off: such a checkpoint is refused.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weights_from_env(cls, data):
+        # weights = "$VAR" / "${VAR}" is weights_env = "VAR": the path is resolved at run time, so a
+        # runner without the checkpoint skips the weight checks instead of failing the suite.
+        w = data.get("weights") if isinstance(data, dict) else None
+        if isinstance(w, str) and w.startswith("$") and not data.get("weights_env"):
+            data = {**data, "weights": None, "weights_env": w.strip("${}")}
+        return data
     adapter: str = Field(
         "hf", description="'hf' builds with transformers; 'package.module:callable' calls a vendor's "
         "own builder as callable(config, dtype=..., device=...) -> torch.nn.Module.")

@@ -1,0 +1,129 @@
+"""Fill a pruned model with the real tensors of the layers and experts it keeps.
+
+Called by ``harness.models.build.build_model`` when the suite has weights. The model is built as
+usual (seeded, float32, CPU) and then every parameter and persistent buffer is overwritten from the
+checkpoint through the :mod:`rename` plan, tensor by tensor, straight into its place. Quantized
+tensors are dequantized exactly (:mod:`quant`) before the copy. A tensor the plan needs that the
+checkpoint lacks, or one whose shape differs, is an error naming the tensor and its shard: a pruned
+model half made of random weights is not a real-weight model.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from harness.suite.loader import LoadedSuite
+from harness.weights import quant, rename
+from harness.weights.layout import Checkpoint, WeightsError, open_checkpoint
+from harness.weights.reader import ShardReader
+
+
+def _meta(ls: LoadedSuite, mc) -> torch.nn.Module:
+    from harness.models.build import instantiate
+
+    with torch.device("meta"):
+        return instantiate(ls, mc, torch.float32)
+
+
+def _where(ckpt: Checkpoint, key: str) -> str:
+    """The shard a missing key would be in: the one holding its layer's other tensors."""
+    m = rename.LAYER_RE.search(key)
+    prefix = key[: m.end()] if m else key.rsplit(".", 1)[0]
+    shards = sorted({i.shard for n, i in ckpt.tensors.items() if n.startswith(prefix)})
+    return f"shard {shards[0]}" if shards else f"any of the {len(ckpt.shards)} shards"
+
+
+def build_plan(model: torch.nn.Module, ls: LoadedSuite, mc, ckpt: Checkpoint) -> rename.Plan:
+    from harness.models.build import model_config
+
+    m = ls.suite.model
+    full_mc = model_config(ls, pruned=False)
+    sel = rename.select(_meta(ls, full_mc), full_mc.config, _meta(ls, mc), mc.config,
+                        layers=list(m.weights_layers) or None, experts=list(m.weights_experts) or None)
+    return rename.plan(model, sel)
+
+
+def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: ShardReader) -> dict[str, int]:
+    """Copy every planned tensor into the model. Returns counts by storage format."""
+    missing = [e.source for e in p.entries if quant.locate(ckpt, e.source) is None]
+    if missing:
+        raise WeightsError(f"{len(missing)} tensor(s) the pruned model needs are missing from the checkpoint, first "
+                           f"{missing[0]} (expected in {_where(ckpt, missing[0])})"
+                           + (f"; also {', '.join(missing[1:3])}" if len(missing) > 1 else ""))
+    sd = model.state_dict(keep_vars=True)
+    block = quant.block_size(ckpt)
+    kinds: dict[str, int] = {}
+    for e in p.entries:
+        st = quant.locate(ckpt, e.source)
+        shard = ckpt.tensors[st.keys[0]].shard
+        dest = e.view(sd[e.param].data)
+        if e.rows is not None:
+            src = reader.rows(e.source, e.rows) if st.kind == "plain" else quant.read_dequantized(reader, st, block)[e.rows]
+        else:
+            src = quant.read_dequantized(reader, st, block)
+        what = f"{e.param}" + (f"[{e.expert}]" if e.expert is not None else "")
+        if tuple(src.shape) != tuple(dest.shape):
+            raise WeightsError(f"{e.source} in {shard}: shape {list(src.shape)}, but the pruned model's {what} expects "
+                               f"{list(dest.shape)} (prune only layers and experts when the suite has weights)")
+        if src.is_floating_point() != dest.is_floating_point():
+            raise WeightsError(f"{e.source} in {shard}: dtype {src.dtype}, but the pruned model's {what} is "
+                               f"{dest.dtype}")
+        with torch.no_grad():
+            dest.copy_(src)
+        kinds[st.kind] = kinds.get(st.kind, 0) + 1
+    return kinds
+
+
+def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype | None = None) -> list[str]:
+    """Load the suite's real weights into ``model`` (pruned numbering). Returns notes for the run.
+
+    With ``dtype`` float64 the model is cast first (in place), so that dequantized values, which need
+    more than float32's 24 bits (an e4m3 or int4 value times a float32 scale), stay exact."""
+    path = ls.weights_path
+    if dtype == torch.float64:
+        model.to(torch.float64)
+    m = ls.suite.model
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(path, allow_pickle=m.weights_allow_pickle)
+    p = build_plan(model, ls, mc, ckpt)
+    reader = ShardReader(ckpt)
+    try:
+        kinds = fill(model, p, ckpt, reader)
+    finally:
+        reader.close()
+    notes = [f"real weights from {_display(path)}: {p.selection.describe()}; read {reader.bytes_read / 2**20:.1f} MiB "
+             f"of {ckpt.total_bytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f} s"]
+    q = {k: v for k, v in kinds.items() if k != "plain"}
+    if q:
+        notes.append("dequantized exactly: " + ", ".join(f"{v} {k} tensors" for k, v in sorted(q.items())))
+        if m.weights_quantized == "native":
+            notes.append("weights_quantized = 'native': no native kernel path on this build, ran dequantized")
+    if ckpt.pickle:
+        notes.append("weights read from pickle files with torch.load(weights_only=True) (model.weights_allow_pickle)")
+    return notes
+
+
+def provenance(ls: LoadedSuite) -> dict | None:
+    """What a golden made from real weights should record (None for random weights): the checkpoint,
+    the selection, and the manifest's digest when one is recorded."""
+    from harness.weights.manifest import manifest_digest
+    from harness.weights.source import locate
+
+    loc = locate(ls)
+    if loc.path is None:
+        return None
+    return {"weights": "real", "checkpoint": str(loc.path), "layers": list(ls.suite.model.weights_layers) or "default",
+            "experts": list(ls.suite.model.weights_experts) or "default",
+            "manifest_sha256": manifest_digest(loc.path)}
+
+
+def _display(p: Path) -> str:
+    import os
+
+    try:
+        return os.path.relpath(p)
+    except ValueError:
+        return str(p)

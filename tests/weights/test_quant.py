@@ -1,0 +1,120 @@
+"""Quantized checkpoints: exact dequantization, and pruned models built from FP8 / INT4 shards."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from harness.models.build import build_model
+from harness.suite.loader import load_suite
+from harness.weights import quant
+from harness.weights.layout import open_checkpoint
+from tests.weights.conftest import FP8_BLOCK, INT4_GROUP, int4_quantize, pack_int4, write_suite
+
+
+def test_fp8_block_dequantization_is_exact_per_block_and_within_e4m3_rounding():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(72, 100, generator=g) * torch.logspace(-3, 1, 100)  # partial blocks, wide dynamic range
+    q, s = quant.quantize_fp8_block(w, FP8_BLOCK)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 4)
+    deq = quant.dequant_fp8_block(q, s, FP8_BLOCK)
+    bo, bi = FP8_BLOCK
+    for i in range(3):  # block (i, j) is q * its own scale, exactly
+        for j in range(4):
+            blk = (slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi))
+            assert torch.equal(deq[blk], q[blk].double() * s[i, j].double())
+    # e4m3 has 3 mantissa bits: round-to-nearest is within 2^-4 relative, 2^-10 * scale in the subnormals.
+    bound = w.double().abs() * 2**-4 + s.double().repeat_interleave(bo, 0)[:72].repeat_interleave(bi, 1)[:, :100] * 2**-10
+    assert ((deq - w.double()).abs() <= bound).all()
+    # without weight_block_size in the config: 128x128 (DeepSeek-V3 / Kimi-K2) when it tiles the weight
+    q2, s2 = quant.quantize_fp8_block(w[:, :64].repeat(4, 3), (128, 128))  # [288, 192]: partial blocks
+    assert torch.equal(quant.dequant_fp8_block(q2, s2), quant.dequant_fp8_block(q2, s2, (128, 128)))
+
+
+def test_int4_pack_quantized_dequantization_within_half_a_step():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 40, generator=g)
+    q, s = int4_quantize(w, INT4_GROUP)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (24, 5)
+    assert torch.equal(quant.unpack_int4(packed, 40), q)
+    deq = quant.dequant_int4_pack(packed, s, (24, 40))
+    step = s.double().repeat_interleave(INT4_GROUP, 1)
+    assert torch.equal(deq, q.double() * step)  # exact: int4 times a bf16 scale
+    clipped = (w.double() / step).round() < -8  # amax/7 scaling can clip the negative end by one step
+    assert (((deq - w.double()).abs() <= step / 2 + 1e-12) | clipped).all()
+
+
+def test_int4_asymmetric_zero_point():
+    q = torch.randint(-8, 8, (16, 16), generator=torch.Generator().manual_seed(2)).to(torch.int8)
+    z = torch.randint(-3, 3, (16, 2), generator=torch.Generator().manual_seed(3)).to(torch.int8)
+    s = torch.rand(16, 2, dtype=torch.float32) + 0.5
+    zp = pack_int4(z.t().contiguous()).t()  # compressed-tensors packs zero points along dim 0
+    deq = quant.dequant_int4_pack(pack_int4(q), s, (16, 16), zp)
+    ref = (q.double() - z.double().repeat_interleave(8, 1)) * s.double().repeat_interleave(8, 1)
+    assert torch.equal(deq, ref)
+
+
+def test_mxfp4_known_values_and_rounding():
+    # one row, one block of 32 values: nibble codes 0..15 twice, scale exponent 2^(128-127) = 2
+    codes = torch.arange(32) % 16
+    blocks = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).reshape(1, 1, 16)
+    scales = torch.tensor([[128]], dtype=torch.uint8)
+    out = quant.dequant_mxfp4(blocks, scales)
+    assert out.shape == (1, 32)
+    assert out[0].tolist() == [2 * quant.FP4_VALUES[c] for c in codes.tolist()]
+    # a float reference rounded to e2m1 with a shared power-of-two scale is reproduced exactly
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 64, generator=g, dtype=torch.float64)
+    lut = torch.tensor(quant.FP4_VALUES, dtype=torch.float64)
+    xb = x.reshape(4, 2, 32)
+    e = torch.floor(torch.log2(xb.abs().amax(-1))) - 2  # amax / 2^e in [4, 8): largest e2m1 is 6
+    y = xb / torch.exp2(e)[..., None]
+    idx = (y[..., None] - lut).abs().argmin(-1)
+    packed = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
+    deq = quant.dequant_mxfp4(packed, (e + 127).to(torch.uint8))
+    assert torch.equal(deq, (lut[idx] * torch.exp2(e)[..., None]).reshape(4, 64))
+    # rounding: half the largest e2m1 step (4 -> 6) is 1; amax up to 8 clips to 6: at most 2, times the scale
+    assert ((deq - x).abs() <= torch.exp2(e).repeat_interleave(32, -1) * 2.0).all()
+
+
+def _dequantized_reference(ckpt_dir):
+    """Every logical tensor of a quantized checkpoint, dequantized independently of the loader."""
+    ck = open_checkpoint(ckpt_dir)
+    out = {}
+    for shard in ck.shards:
+        out.update(load_file(str(ck.root / shard)))
+    return ck, out
+
+
+def test_pruned_model_from_fp8_checkpoint_equals_dequantized_tensors(kimi_fp8, kimi_ckpt, tmp_path):
+    _, raw, _ = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{kimi_fp8}"\n[prune]\nnum_hidden_layers = 2\n'
+                                                    "num_experts = 4\n"))
+    model, mc = build_model(ls, "float64")
+    assert any("fp8_block tensors" in n for n in mc.notes)
+    _, sd = _dequantized_reference(kimi_fp8)
+    p = model.state_dict()
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # [24, 64]: a partial 32x32 block row
+    ref = sd[name].double() * sd[f"{name}_scale_inv"].double().repeat_interleave(32, 0)[:24].repeat_interleave(32, 1)
+    assert torch.equal(p[name], ref)
+    e2 = "model.layers.1.mlp.experts.2.up_proj.weight"
+    up = sd[e2].double() * sd[f"{e2}_scale_inv"].double().repeat_interleave(32, 0).repeat_interleave(32, 1)
+    assert torch.equal(p["model.layers.1.mlp.experts.gate_up_proj"][2, 32:], up)
+    ids = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_pruned_model_from_int4_checkpoint_equals_dequantized_tensors(kimi_int4, kimi_ckpt, tmp_path):
+    _, raw, full = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{kimi_int4}"\n[prune]\nnum_hidden_layers = 2\n'
+                                                    "num_experts = 4\n"))
+    model, mc = build_model(ls, "float64")
+    assert any("int4_pack tensors" in n for n in mc.notes)
+    p = model.state_dict()
+    w = full.state_dict()["model.layers.1.self_attn.o_proj.weight"]
+    q, s = int4_quantize(w, INT4_GROUP)
+    assert torch.equal(p["model.layers.1.self_attn.o_proj.weight"], q.double() * s.double().repeat_interleave(8, 1))
+    # the unquantized tensors (norms, router, embeddings) are the originals
+    assert torch.equal(p["model.layers.1.mlp.gate.weight"], full.state_dict()["model.layers.1.mlp.gate.weight"][:4].double())
