@@ -184,7 +184,9 @@ def installed_version(backend_name: str) -> str | None:
 
         reg = registry()
         module = reg.get(backend_name).module if backend_name in reg else None
-    if module is None or module == "torch":
+    if module is None:  # nothing installed that the kernels come from: the list's version decides
+        return None
+    if module == "torch":
         return torch.__version__
     for dist in (module, module.replace("_", "-")):
         try:
