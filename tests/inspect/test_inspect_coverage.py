@@ -208,3 +208,28 @@ def test_versioned_known_gaps(inventories, tmp_path, monkeypatch):
     s2 = Suite.model_validate({"model": {"config": "x.json"},
                                "known_gaps": {"dev": [{"op": "aten::silu", "versions": "<=2.6"}]}})
     assert coverage(inventories["qwen3-8b"], "dev", s2).ops["aten.silu.default"].known_gap
+
+
+@pytest.mark.slow  # one real CPU trace of the pruned qwen3-8b (~3-8 s on 2 busy cores)
+def test_ops_item_for_a_missing_op_honours_gap_versions(tmp_path, monkeypatch):
+    """The ops check's missing-op item: a gap for versions "<2.6" no longer excuses an op missing from
+    the 2.6.0 list (a failure naming op and modules); "<=2.6" still does (expected failure)."""
+    from harness.checks import CheckFailure, KnownGap, run_one
+    from harness.suite.loader import load_suite
+
+    lines = [x for x in CPU_LIST.read_text().splitlines() if x.strip() != "aten.silu.default"]
+    _declare(tmp_path, monkeypatch, "dev", lines, header="# backend: dev\n# version: 2.6.0\n")
+    body = (REPO_SUITES / "qwen3-8b.toml").read_text().replace('config = "configs/',
+                                                                f'config = "{REPO_SUITES}/configs/')
+    body = body.split("\n[checks.ops]")[0].split("\n[known_gaps]")[0]
+    body += '\n[checks.ops]\nenabled = true\nexamples = 1\n\n[known_gaps]\ndev = [{ op = "aten::silu", versions = "<2.6" }]\n'
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "suites" / "q.toml").write_text(body)
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
+    suite = load_suite(tmp_path / "suites" / "q.toml")
+    for versions, outcome in (("<2.6", CheckFailure), ("<=2.6", KnownGap)):
+        suite.suite.known_gaps["dev"] = [{"op": "aten::silu", "versions": versions}]
+        with pytest.raises(outcome) as e:
+            run_one(suite, "ops", "dev", "float32", "aten.silu.default")
+        assert "aten.silu.default is missing on backend dev" in str(e.value)
+        assert "model.layers.*.mlp.act_fn [SiLUActivation]" in str(e.value)
