@@ -178,6 +178,9 @@ class Executor:
         self.outbox = outbox if outbox is not None else MemoryOutbox()
         self.on_issue = on_issue or (lambda fp, n, s: None)
         self._relisted: dict[str, int] | None = None  # fingerprint -> open issue, listed again
+        # issues whose owed comment could not be posted this run: no new change on them until it is,
+        # or the next change would hide whether the earlier one landed
+        self.blocked: set[int] = set()
 
     # ---- comments owed from earlier runs -------------------------------------------------------
     def settle_owed(self) -> list[dict]:
@@ -199,6 +202,7 @@ class Executor:
                 log.append({**entry, "status": "skipped", "error": "API call budget used up"})
                 raise
             except SinkError as e:
+                self.blocked.add(number)
                 log.append({**entry, "status": "failed", "error": scrub(str(e))})
         return log
 
@@ -256,6 +260,8 @@ class Executor:
 
     # ---- the plan ------------------------------------------------------------------------------
     def apply(self, a: Action) -> tuple[int, str]:
+        if a.number in self.blocked:
+            raise SinkError(f"issue #{a.number} still owes a comment from an earlier run; retried next run")
         if a.op == "create":
             return self._create(a)
         if a.op == "update":
