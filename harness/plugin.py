@@ -39,6 +39,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="only generate items for these backends (repeat or comma-separate)")
     g.addoption("--harness-dtype", action="append", metavar="DTYPE", help="only these dtypes")
     g.addoption("--harness-check", action="append", metavar="CHECK", help="only these checks")
+    g.addoption("--harness-isolate", choices=("on", "off"), default="on",
+                help="run each item in a child process with a time limit (default on; 'off' trades "
+                     "hang/crash safety for speed on trusted CPU runs; device backends are always isolated)")
+    g.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
+                help="time limit of one item (default: the suite's timeout_s, else 10x its recorded "
+                     "duration and >= 60 s, else 900 s)")
+    g.addoption("--harness-results", default=None, metavar="DIR",
+                help="journal each finished item to DIR/journal.jsonl and write DIR/junit.xml, summary.json "
+                     "and summary.txt atomically at the end and on SIGTERM/SIGINT (harness run passes it)")
+    g.addoption("--harness-memory-limit", type=float, default=None, metavar="GIB",
+                help="host RSS limit of one isolated item (default: the suite's memory_limit_gib, else none)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,6 +62,17 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in checks.registry().names():
         config.addinivalue_line("markers", f"{name}: harness '{name}' check items")
     _validate_options(config)
+    results = config.getoption("harness_results", None)
+    if results and not hasattr(config, "workerinput") and not config.pluginmanager.has_plugin("harness-results"):
+        from harness.results import ResultsError, ResultsWriter
+
+        writer = ResultsWriter(Path(results))
+        try:
+            writer.open()
+        except ResultsError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.pluginmanager.register(writer, "harness-results")
+        config.stash[_WRITER] = writer
 
 
 def _validate_options(config: pytest.Config) -> None:
@@ -68,6 +90,37 @@ def _validate_options(config: pytest.Config) -> None:
         if bad:
             raise pytest.UsageError(f"{opt}: unknown {opt.split('-')[-1]} {', '.join(map(repr, bad))} "
                                     f"(known: {', '.join(names)})")
+
+
+_WORKER = pytest.StashKey["object"]()
+_WRITER = pytest.StashKey["object"]()
+_DURATIONS = pytest.StashKey[dict]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    writer = config.stash.get(_WRITER, None)
+    if writer is not None:
+        writer.close()
+    worker = config.stash.get(_WORKER, None)
+    if worker is not None:
+        worker.close()
+
+
+def _isolation_worker(config: pytest.Config):
+    from harness.isolation import Worker
+
+    if _WORKER not in config.stash:
+        config.stash[_WORKER] = Worker()
+    return config.stash[_WORKER]
+
+
+def _recorded(config: pytest.Config) -> dict:
+    if _DURATIONS not in config.stash:
+        from harness import durations
+        from harness.settings import load_settings
+
+        config.stash[_DURATIONS] = durations.load(load_settings().durations_file)
+    return config.stash[_DURATIONS]
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):
@@ -95,6 +148,10 @@ def pytest_runtest_makereport(item, call):
         # "Could not run" is an error, not a failure of the model: pytest and its JUnit writer call
         # a failed report an error when it is not the call phase's.
         report.when = "setup"
+    result = getattr(item, "result", None)
+    if result is not None and report.when in ("call", "setup") and result.message:
+        # The one-line message for tables and CI logs (a plain attribute: xdist carries it over).
+        report.harness_message = result.message
     return report
 
 
@@ -218,12 +275,36 @@ class HarnessItem(pytest.Item):
         if not ok:
             pytest.skip(f"backend {self.backend_name} does not support {self.dtype}: {why}")
 
+    def isolated(self) -> bool:
+        return self.config.getoption("harness_isolate") == "on" or self.backend.device_type != "cpu"
+
     def runtest(self) -> None:
-        self.result = r = execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
+        if self.isolated():
+            self.result = r = self._run_isolated()
+        else:
+            self.result = r = execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
         self.user_properties.extend(r.properties)
         if r.notes:
             self.add_report_section("call", "harness notes", "\n".join(r.notes))
         _to_pytest(r)
+
+    def _run_isolated(self) -> ItemResult:
+        import torch
+
+        from harness import durations
+        from harness.isolation import Limits
+
+        opt, suite = self.config.getoption, self.suite.suite
+        timeout = durations.timeout_for(self.nodeid, _recorded(self.config),
+                                        opt("harness_timeout") or suite.timeout_s)
+        mem = opt("harness_memory_limit") or suite.memory_limit_gib
+        limits = Limits(timeout_s=timeout, memory_bytes=int(mem * 2**30) if mem else None)
+        worker = _isolation_worker(self.config)
+        worker.env = dict(os.environ, HARNESS_NUM_THREADS=str(torch.get_num_threads()))
+        request = {"suite": str(self.suite.path), "check": self.check.name, "backend": self.backend_name,
+                   "dtype": self.dtype, "variant": self.variant}
+        result, _facts = worker.run(request, limits)
+        return result
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ItemFailed):

@@ -8,9 +8,7 @@ pytest does the work in-process; ``RunObserver`` is a small pytest plugin that f
 from __future__ import annotations
 
 import io
-import json
 import math
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,29 +16,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from harness import metrics
-
-
-@dataclass
-class Row:
-    nodeid: str
-    outcome: str  # passed / failed / skipped / error
-    props: dict = field(default_factory=dict)
-    message: str = ""
-    duration: float = 0.0
-
-    @property
-    def parsed(self) -> dict:
-        return metrics.parse_properties(self.props)
+from harness.results import Row, counts
 
 
 class RunObserver:
-    """Collects one Row per item and drives the progress bar; without a terminal (CI logs) it
-    prints one line per finished item instead."""
+    """Drives the progress bar; without a terminal (CI logs) it prints one line per finished item
+    instead. The rows themselves are kept by ``harness.results.ResultsWriter``."""
 
-    def __init__(self, console: Console, show_progress: bool = True):
-        self.rows: dict[str, Row] = {}
-        self.console = console
+    def __init__(self, console: Console, writer, show_progress: bool = True):
+        self.console, self.writer = console, writer
         self.live, self.total, self.done = show_progress, 0, 0
         self.progress = Progress(TextColumn("[bold]harness"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.description}"),
@@ -60,18 +44,12 @@ class RunObserver:
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         self._start(len(ids))
 
+    @pytest.hookimpl(trylast=True)  # after the writer has folded the report into its row
     def pytest_runtest_logreport(self, report) -> None:
-        row = self.rows.setdefault(report.nodeid, Row(report.nodeid, "passed"))
-        row.props.update(dict(report.user_properties))
-        row.duration += report.duration
-        if report.failed:
-            row.outcome = "failed" if report.when == "call" else "error"
-            row.message = _first_line(report.longreprtext)
-        elif report.skipped and row.outcome == "passed":
-            row.outcome = "skipped"
-            row.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            row.message = row.message.removeprefix("Skipped: ")
         if report.when != "teardown":
+            return
+        row = self.writer.rows.get(report.nodeid)
+        if row is None:
             return
         self.done += 1
         if self.task is not None:
@@ -81,26 +59,15 @@ class RunObserver:
                                + (f"  {row.message}" if row.outcome in ("failed", "error") else ""),
                                highlight=False, markup=False)
 
-    def pytest_collectreport(self, report) -> None:
-        if report.failed:  # a malformed suite: report it as a row, the run goes on
-            self.rows[report.nodeid] = Row(report.nodeid, "error", message=_first_line(report.longreprtext))
-
     def pytest_sessionfinish(self) -> None:
         if self.task is not None:
             self.progress.stop()
 
 
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
 def build_args(suites: list[Path], backends: list[str], dtypes: list[str], checks: list[str],
-               junit: Path, workers: int | None, keyword: str | None, extra: list[str]) -> list[str]:
-    args = [str(p) for p in suites] + [f"--junitxml={junit}", "-p", "no:cacheprovider",
-                                       "-p", "no:terminal"]
+               workers: int | None, keyword: str | None, extra: list[str]) -> list[str]:
+    # The results plugin (harness.results) is registered by run(); JUnit XML comes from its journal.
+    args = [str(p) for p in suites] + ["-p", "no:cacheprovider", "-p", "no:terminal"]
     # Items of backends that are not asked for are not generated at all (not skipped).
     args += [f"--harness-backend={b}" for b in backends]
     args += [f"--harness-dtype={d}" for d in dtypes]
@@ -122,8 +89,8 @@ def _key(r: Row) -> tuple[str, str, str, str, str]:
     return (r.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".toml"), "load", "", "", "")
 
 
-SEVERITY = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}
-STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow"}
+SEVERITY = {"error": 3, "failed": 2, "xfailed": 1.5, "passed": 1, "skipped": 0}
+STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow", "xfailed": "yellow"}
 
 
 def summary_table(rows: list[Row]) -> Table:
@@ -168,37 +135,45 @@ def _fmt(v: float | None, unit: str) -> str:
     return f"{v:.2f} s"
 
 
-def counts(rows: list[Row]) -> dict[str, int]:
-    out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    for r in rows:
-        out[r.outcome] = out.get(r.outcome, 0) + 1
-    return out
-
-
-def write_results(results: Path, rows: list[Row]) -> None:
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "summary.json").write_text(json.dumps(
-        {"counts": counts(rows), "items": [asdict(r) for r in rows]}, indent=1))
+def render_table(rows: list[Row]) -> str:
     text = Console(record=True, width=160, file=io.StringIO())
     text.print(summary_table(rows))
-    (results / "summary.txt").write_text(text.export_text())
+    return text.export_text()
 
 
 def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: list[str], results: Path,
         workers: int | None = None, keyword: str | None = None, extra: list[str] | None = None,
-        console: Console | None = None) -> int:
+        console: Console | None = None, isolate: bool = True, timeout: float | None = None,
+        memory_limit_gib: float | None = None) -> int:
+    from harness.results import ResultsError, ResultsWriter
+
     console = console or Console()
-    results.mkdir(parents=True, exist_ok=True)
-    junit = results / "junit.xml"
-    observer = RunObserver(console, show_progress=console.is_terminal)
-    args = build_args(suites, backends, dtypes, checks, junit, workers, keyword, extra or [])
-    code = pytest.main(args, plugins=[observer])
-    rows = list(observer.rows.values())
+    writer = ResultsWriter(results)
+    try:
+        writer.open()  # writable, enough space, previous run's files gone: before any model is built
+    except ResultsError as e:
+        console.print(f"[red]{e}")
+        return 2
+    observer = RunObserver(console, writer, show_progress=console.is_terminal)
+    args = build_args(suites, backends, dtypes, checks, workers, keyword, extra or [])
+    args += [f"--harness-isolate={'on' if isolate else 'off'}"]
+    if timeout:
+        args += [f"--harness-timeout={timeout}"]
+    if memory_limit_gib:
+        args += [f"--harness-memory-limit={memory_limit_gib}"]
+    try:
+        code = pytest.main(args, plugins=[writer, observer])
+    finally:
+        writer.close()
+    rows = writer.finished_rows()
     console.print(summary_table(rows))
     c = counts(rows)
-    console.print(f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
-                  f" -> {junit}")
-    write_results(results, rows)
+    line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
+            + (f", {c['xfailed']} xfailed" if c.get("xfailed") else ""))
+    console.print(line + f" -> {results / 'junit.xml'}", highlight=False)
+    if writer.status != "complete":
+        console.print(f"[red]run {writer.status} ({writer.reason}): {len(writer.not_run())} item(s) not run; "
+                      f"the results of the {len(rows)} finished item(s) are in {results}")
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
         console.print("[red]no items matched: check the suite names and --backend/--dtype/--check")
     return int(code)

@@ -41,6 +41,8 @@ class Settings(BaseModel):
     suites_dir: str = Field("suites", description="Where suite TOML files live.")
     golden_dir: str = Field("golden", description="Where goldens live.")
     results_dir: str = Field("results", description="Where `harness run` writes JUnit XML and summaries.")
+    durations_file: str = Field("durations.json", description="Recorded item durations (`harness durations "
+                                "update`): time limits of isolated items and shard balance.")
     backends: list[CustomBackend] = Field(default_factory=list, description="Custom backends.")
 
 

@@ -22,6 +22,8 @@ SUBCOMMANDS = [
     "harness.cli.precision",
     "harness.cli.compare",
     "harness.cli.report",
+    "harness.cli.baseline",
+    "harness.cli.weights",
 ]
 
 
@@ -45,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args.passthrough = passthrough
     if not getattr(args, "func", None):
         parser.print_help()
+        return 2
+    from harness.settings import SettingsError, load_settings
+
+    try:  # a bad harness.toml / HARNESS_CONFIG: one line in every command, not a traceback
+        load_settings()
+    except SettingsError as e:
+        print(f"harness: {e}", file=sys.stderr)
         return 2
     return int(args.func(args) or 0)
 

@@ -21,6 +21,14 @@ def register(sub) -> None:
     p.add_argument("--workers", "-n", default=None, help="pytest-xdist workers (a number or 'auto')")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("--results", type=Path, default=None, help="results directory (default: results/)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="time limit of one item (default: the suite's timeout_s, else 10x its recorded "
+                        "duration and >= 60 s, else 900 s); a hung item is killed and reported")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="host RSS limit of one item (default: the suite's memory_limit_gib, else none)")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="run items in this process (faster on trusted CPU runs; a hang or crash then costs "
+                        "the run; device backends stay isolated)")
     p.set_defaults(func=main)
 
 
@@ -58,4 +66,5 @@ def main(args) -> int:
     extra = args.passthrough
     return runner.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
                       results=args.results or Path(settings.results_dir), workers=args.workers,
-                      keyword=args.keyword, extra=extra, console=console)
+                      keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,
+                      timeout=args.timeout, memory_limit_gib=args.memory_limit)

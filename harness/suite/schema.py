@@ -131,6 +131,13 @@ class Suite(_Strict):
         description="Backends to run on; '*' means every registered backend (absent ones skip).")
     dtypes: list[Literal["float64", "float32", "bfloat16", "float16"]] = Field(
         default_factory=lambda: ["float32", "bfloat16"], description="Run dtypes.")
+    timeout_s: float | None = Field(
+        None, gt=0, description="Time limit of one item in seconds, build included (unset: 10x its recorded "
+        "duration and at least 60 s, else 900 s; --harness-timeout wins). A hung item is killed and "
+        "reported with its phase.")
+    memory_limit_gib: float | None = Field(
+        None, gt=0, description="Host RSS limit of one isolated item in GiB (unset: none; "
+        "--harness-memory-limit wins).")
     thresholds: dict[str, float] = Field(
         default_factory=dict,
         description="Per metric, the relative change `harness compare` calls a regression for this suite "

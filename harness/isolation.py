@@ -1,0 +1,340 @@
+"""Run items in a child process with a time limit, a memory limit and a post-mortem.
+
+Why a child: a kernel that hangs, a driver that calls ``abort()``, or a model that leaks memory must
+cost one item, not the run. The pytest process (or each xdist worker) keeps one long-lived child,
+``python -m harness.isolation``, that imports torch once and runs items one after another; so the
+price of isolation is one interpreter start per pytest process, not one per item.
+
+Protocol: the parent writes one JSON line per item on the child's command pipe and reads one JSON
+line back on the result pipe (``ItemResult`` plus RSS before/after). While the item runs, the child
+keeps a 1 KiB *status file* up to date: the check's step (``ctx.step`` phases: build, forward,
+backward, ...) and the last ``nn.Module`` entered (a global forward pre-hook). When the item:
+
+* runs past its time limit: the child's process group is killed and the item is an *error* naming
+  the phase and the last module entered ("hung in forward, last module model.layers.1.mlp");
+* dies by a signal (``abort()`` -> SIGABRT, a segfault): an *error* with the signal and phase;
+* exceeds the memory limit (RSS polled by the parent): killed, an *error* with the figures;
+* leaks (RSS after the item exceeds RSS before by more than ``leak_bytes``): it keeps its own
+  outcome, records ``leaked_bytes``, and the child is replaced, so the leak is never charged to the
+  next item's peak memory.
+
+After any kill the next item gets a fresh child. Peak memory is each item's own: the child resets
+its high-water mark (VmHWM) before every item.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from harness import metrics
+from harness.execute import ItemResult
+
+STATUS_BYTES = 1024
+metrics.declare("leaked_bytes", "bytes", "lower",
+                "host RSS the item left behind in its process (its worker was replaced afterwards)")
+
+
+@dataclass
+class Limits:
+    timeout_s: float  # wall time for one item, build included
+    memory_bytes: int | None = None  # RSS limit of the child; None: none
+    leak_bytes: int = 512 * 2**20  # RSS growth over one item that replaces the child
+
+
+def _rss(pid: int | str = "self") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+class Worker:
+    """The parent's handle on one child."""
+
+    def __init__(self, env: dict | None = None):
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.status_path: str | None = None
+        self.started = 0.0
+        self.busy = False  # an item is in flight (an interrupted parent must not wait for it)
+
+    # --- life cycle ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        cmd_r, cmd_w = os.pipe()
+        res_r, res_w = os.pipe()
+        fd, self.status_path = tempfile.mkstemp(prefix="harness-status-")
+        os.write(fd, b" " * STATUS_BYTES)
+        os.close(fd)
+        env = dict(os.environ if self.env is None else self.env)
+        env["HARNESS_ISOLATION_FDS"] = f"{cmd_r},{res_w}"
+        env["HARNESS_ISOLATION_STATUS"] = self.status_path
+        # Its own session: a kill of the process group takes the child's own children (a
+        # compile worker, a launcher) with it, and a signal meant for the parent's group (Ctrl-C)
+        # does not reach the child mid-item; the child dies with the parent (PR_SET_PDEATHSIG).
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.isolation"], env=env,
+                                     pass_fds=(cmd_r, res_w), start_new_session=True, stdin=subprocess.DEVNULL)
+        os.close(cmd_r)
+        os.close(res_w)
+        self.cmd = os.fdopen(cmd_w, "w", buffering=1)
+        self.res_fd = res_r
+        self.buf = b""
+        self.started = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._close()
+
+    def close(self) -> None:
+        """Polite shutdown at the end of the session (a kill if an item is still in flight)."""
+        if self.alive() and not self.busy:
+            try:
+                self.cmd.write("null\n")
+                self.cmd.flush()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                pass
+        self.kill()
+
+    def _close(self) -> None:
+        for f in (getattr(self, "cmd", None),):
+            try:
+                if f:
+                    f.close()
+            except OSError:
+                pass
+        try:
+            os.close(self.res_fd)
+        except (OSError, AttributeError):
+            pass
+        if self.status_path:
+            try:
+                os.unlink(self.status_path)
+            except OSError:
+                pass
+        self.proc, self.status_path = None, None
+
+    # --- one item -----------------------------------------------------------------------------
+    def status(self) -> tuple[str, str]:
+        """(phase, last module entered) as the child last wrote them."""
+        try:
+            with open(self.status_path, "rb") as f:
+                raw = f.read(STATUS_BYTES).decode("utf-8", "replace").strip()
+        except (OSError, TypeError):
+            return "", ""
+        phase, _, module = raw.partition("\t")
+        return phase.strip(), module.strip()
+
+    def run(self, request: dict, limits: Limits) -> tuple[ItemResult, dict]:
+        """Run one item; returns its result and facts about the run (rss, restarted...)."""
+        if not self.alive():
+            if self.proc is not None:
+                self._close()
+            self._start()
+        t0 = time.monotonic()
+        deadline = t0 + limits.timeout_s
+        try:
+            self.cmd.write(json.dumps(request) + "\n")
+            self.cmd.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the child died already: found out below
+        self.busy = True
+        try:
+            return self._wait(t0, deadline, limits)
+        except BaseException:  # interrupted (SIGTERM, Ctrl-C): the item in flight dies with us
+            self.kill()
+            raise
+        finally:
+            self.busy = False
+
+    def _wait(self, t0: float, deadline: float, limits: Limits) -> tuple[ItemResult, dict]:
+        peak_seen = 0
+        while True:
+            now = time.monotonic()
+            line = self._readline(min(0.5, max(0.0, deadline - now)))
+            if line is not None:
+                msg = json.loads(line)
+                result = ItemResult.from_json(msg["result"])
+                facts = {"rss_before": msg.get("rss_before", 0), "rss_after": msg.get("rss_after", 0),
+                         "replace": False}
+                grown = facts["rss_after"] - facts["rss_before"]
+                if grown > limits.leak_bytes:
+                    result.properties.append(metrics.metric_property("leaked_bytes", grown))
+                    result.notes.append(f"the item left {grown / 2**20:.0f} MiB behind in its process; "
+                                        "the worker was replaced so the next item is not charged for it")
+                    facts["replace"] = True
+                    self.kill()
+                return result, facts
+            if not self.alive():
+                code = self.proc.returncode if self.proc else None
+                phase, module = self.status()
+                self._close()
+                how = (f"crashed with {_signal_name(-code)}" if code is not None and code < 0
+                       else f"exited with status {code}")
+                return self._dead(how, phase, module, time.monotonic() - t0), {"replace": True}
+            rss = _rss(self.proc.pid)
+            peak_seen = max(peak_seen, rss)
+            if limits.memory_bytes and rss > limits.memory_bytes:
+                phase, module = self.status()
+                self.kill()
+                return self._dead(f"exceeded the memory limit ({rss / 2**30:.2f} GiB > "
+                                  f"{limits.memory_bytes / 2**30:.2f} GiB) and was killed", phase, module,
+                                  time.monotonic() - t0), {"replace": True}
+            if time.monotonic() >= deadline:
+                phase, module = self.status()
+                self.kill()
+                return self._dead(f"hung: no result within the {limits.timeout_s:g} s time limit, killed",
+                                  phase, module, time.monotonic() - t0), {"replace": True}
+
+    def _readline(self, timeout: float) -> str | None:
+        while b"\n" not in self.buf:
+            r, _, _ = select.select([self.res_fd], [], [], timeout)
+            if not r:
+                return None
+            chunk = os.read(self.res_fd, 1 << 16)
+            if not chunk:
+                return None  # EOF: the child is gone; alive() says so next
+            self.buf += chunk
+            timeout = 0.5
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode()
+
+    @staticmethod
+    def _dead(how: str, phase: str, module: str, elapsed: float) -> ItemResult:
+        where = f" in {phase}" if phase else ""
+        if module:
+            where += f" (last module entered: {module})"
+        msg = f"{how}{where}"
+        props = [metrics.metric_property("wall_time_s", elapsed)]
+        if phase:
+            props.append(metrics.detail_property("phase", phase))
+        if module:
+            props.append(metrics.detail_property("last_module", module))
+        return ItemResult("error", msg, f"the item's process {msg} after {elapsed:.1f} s", props, [], phase)
+
+
+# --- the child ------------------------------------------------------------------------------------
+
+
+class _Status:
+    """Writes 'phase\\tmodule' into the status file; the parent reads it after a hang or crash."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY)
+        self.phase, self.module = "startup", ""
+        self._write()
+
+    def _write(self) -> None:
+        rec = f"{self.phase}\t{self.module}".encode()[:STATUS_BYTES]
+        os.pwrite(self.fd, rec + b" " * (STATUS_BYTES - len(rec)), 0)
+
+    def set_phase(self, phase: str, _detail: str = "") -> None:
+        self.phase, self.module = phase, ""
+        self._write()
+
+    def enter(self, module, _args) -> None:
+        name = getattr(module, "_harness_qualname", None)
+        if name is None:
+            # The first module entered is the root (the CausalLM): name every submodule once.
+            for n, m in module.named_modules():
+                m._harness_qualname = n or type(m).__name__
+            name = module._harness_qualname
+        if name != self.module:
+            self.module = name
+            self._write()
+
+
+def _release_memory() -> None:
+    """Give freed memory back to the OS before measuring RSS after an item: glibc keeps freed
+    blocks in its arenas, which would look like a leak."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the parent dies
+    except (OSError, AttributeError):
+        pass
+
+
+def _child_main() -> int:
+    _die_with_parent()
+    cmd_fd, res_fd = (int(x) for x in os.environ["HARNESS_ISOLATION_FDS"].split(","))
+    status = _Status(os.environ["HARNESS_ISOLATION_STATUS"])
+    cmd = os.fdopen(cmd_fd, "r")
+    res = os.fdopen(res_fd, "w", buffering=1)
+
+    import torch
+
+    from harness.backends import get as get_backend
+    from harness.checks import add_phase_listener
+    from harness.execute import execute
+    from harness.suite.loader import load_suite
+
+    torch.nn.modules.module.register_module_forward_pre_hook(status.enter)
+    add_phase_listener(status.set_phase)
+    if os.environ.get("HARNESS_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["HARNESS_NUM_THREADS"]))
+    for line in cmd:
+        req = json.loads(line)
+        if req is None:
+            break
+        status.set_phase("load")
+        rss_before = _rss()
+        try:
+            ls = load_suite(req["suite"])
+            backend = get_backend(req["backend"])
+            result = execute(ls, req["check"], backend, req["dtype"], req.get("variant"))
+        except Exception as e:  # the suite loaded in the parent: anything here is a setup problem
+            result = ItemResult("error", f"could not run in the isolated worker: {type(e).__name__}: {e}",
+                                f"could not run in the isolated worker: {type(e).__name__}: {e}")
+        status.set_phase("done")
+        _release_memory()
+        res.write(json.dumps({"result": result.to_json(), "rss_before": rss_before, "rss_after": _rss()}) + "\n")
+        res.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -1,0 +1,46 @@
+"""Model adapters (``model.adapter = "faulty_models:<name>"``) that misbehave the way a real
+bring-up does: a kernel that never returns, a driver that aborts, a forward that leaks memory. Each
+builds the real transformers model from the suite's pruned config and adds the fault with a forward
+pre-hook on one module, so the harness sees an ordinary model until that module runs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from transformers import LlamaForCausalLM
+
+_LEAKED: list[torch.Tensor] = []
+
+
+def hang(config, dtype, device):
+    m = LlamaForCausalLM(config)
+
+    def forever(mod, args):
+        while True:  # a kernel that never returns (sleeps, so it does not burn the CI's cores)
+            time.sleep(0.05)
+
+    m.model.layers[1].mlp.register_forward_pre_hook(forever)
+    return m
+
+
+def abort(config, dtype, device):
+    m = LlamaForCausalLM(config)
+    m.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: os.abort())
+    return m
+
+
+def leak(config, dtype, device):
+    """Every forward of layer 0's MLP keeps 64 MiB alive for good (touched, so it is resident)."""
+    m = LlamaForCausalLM(config)
+
+    def grab(mod, args):
+        _LEAKED.append(torch.ones(64 * 2**20 // 4))
+
+    m.model.layers[0].mlp.register_forward_pre_hook(grab)
+    return m
+
+
+def missing_module(config, dtype, device):  # pragma: no cover - never importable on purpose
+    import harness_no_such_vendor_module  # noqa: F401

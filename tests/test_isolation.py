@@ -1,0 +1,238 @@
+"""Run integrity with real processes: a hanging, an aborting and a leaking forward, each in a suite
+run together with a healthy suite, with and without pytest-xdist; SIGTERM/SIGINT mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests_support import REPO, REPO_SUITES, TINY_PRUNE
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT = 20  # seconds per item in these runs; a healthy tiny smoke item takes a few
+
+
+def suite(adapter: str | None = None, extra: str = "") -> str:
+    head = 'backends = ["cpu"]\ndtypes = ["float32"]\n' + extra
+    model = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n'
+    if adapter:
+        model += f'adapter = "faulty_models:{adapter}"\n'
+    return head + model + TINY_PRUNE + "\n[checks.smoke]\ngenerate_tokens = 2\n"
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    shutil.copytree(REPO_SUITES / "configs", tmp_path / "suites" / "configs")
+    return tmp_path
+
+
+def harness_cmd(*args) -> tuple[list[str], dict]:
+    exe = Path(sys.executable).with_name("harness")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "250",
+                        "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return [str(exe), *args], env
+
+
+def items(results: Path) -> dict[str, dict]:
+    summary = json.loads((results / "summary.json").read_text())
+    return {r["nodeid"].split("/")[-1]: r for r in summary["items"]}
+
+
+def metric(row: dict, name: str) -> float:
+    return float(row["props"][f"metric.{name}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [None, "2"], ids=["in-one-worker", "xdist-2"])
+def test_hang_abort_and_leak_cost_only_their_own_items(project, workers):
+    s = project / "suites"
+    (s / "a-leaks.toml").write_text(suite("leak"))
+    (s / "b-healthy.toml").write_text(suite())
+    (s / "c-aborts.toml").write_text(suite("abort"))
+    (s / "d-hangs.toml").write_text(suite("hang"))
+    (s / "e-healthy.toml").write_text(suite())
+    cmd, env = harness_cmd("run", "--check", "smoke", "--timeout", str(TIMEOUT), "--results", "res",
+                           *(["-n", workers] if workers else []))
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    elapsed = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    rows = items(project / "res")
+    assert set(rows) == {f"{n}.toml::smoke[cpu-float32]" for n in
+                         ("a-leaks", "b-healthy", "c-aborts", "d-hangs", "e-healthy")}, out
+    # the healthy suites: complete and correct
+    for n in ("b-healthy", "e-healthy"):
+        row = rows[f"{n}.toml::smoke[cpu-float32]"]
+        assert row["outcome"] == "passed", row
+        assert metric(row, "loss_final") < metric(row, "loss_initial")
+    # the hang: killed at the limit, an error that names the phase and the module it hung in
+    hang = rows["d-hangs.toml::smoke[cpu-float32]"]
+    assert hang["outcome"] == "error"
+    assert hang["message"].startswith(f"hung: no result within the {TIMEOUT} s time limit, killed in forward "
+                                      "(last module entered: model.layers.1.mlp)"), hang["message"]
+    assert TIMEOUT <= metric(hang, "wall_time_s") < TIMEOUT + 15
+    # the abort: an error with its signal and where it happened, not a dead run or a platform string
+    crash = rows["c-aborts.toml::smoke[cpu-float32]"]
+    assert crash["outcome"] == "error"
+    assert crash["message"].startswith("crashed with SIGABRT in forward (last module entered: "
+                                       "model.layers.0.self_attn)"), crash["message"]
+    # the leak: its own item carries it; the worker was replaced, so nobody else is charged
+    leak = rows["a-leaks.toml::smoke[cpu-float32]"]
+    assert leak["outcome"] == "passed"
+    leaked = metric(leak, "leaked_bytes")
+    assert leaked > 512 * 2**20
+    assert metric(leak, "peak_memory_bytes") > leaked
+    for n in ("b-healthy", "e-healthy"):
+        assert metric(rows[f"{n}.toml::smoke[cpu-float32]"], "peak_memory_bytes") < metric(leak, "peak_memory_bytes") - leaked / 2
+    # the table and the CI log show the messages, not pytest internals
+    assert "killed in forward" in r.stdout and "crashed with SIGABRT" in r.stdout
+    assert "_pytest/runner.py" not in r.stdout and "Traceback" not in r.stdout
+    # the run ended within the hang's limit plus the healthy work, not at the CI job's timeout
+    assert elapsed < TIMEOUT + 240, elapsed
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    todo, seen = [pid], []
+    while todo:
+        for c in _children(todo.pop()):
+            seen.append(c)
+            todo.append(c)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_mid_run_keeps_what_finished_and_marks_the_run_interrupted(project, sig):
+    s = project / "suites"
+    (s / "a-healthy.toml").write_text(suite())
+    (s / "b-hangs.toml").write_text(suite("hang"))
+    (s / "c-healthy.toml").write_text(suite())
+    res = project / "res"
+    res.mkdir()
+    # a previous run's files must never survive looking current
+    (res / "summary.json").write_text(json.dumps({"counts": {"passed": 144}, "items": []}))
+    (res / "junit.xml").write_text("<testsuites><testsuite tests='144'/></testsuites>")
+    cmd, env = harness_cmd("run", "--check", "smoke", "--timeout", "600", "--results", "res")
+    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        journal = res / "journal.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # wait until the first item finished and the hang began
+            if journal.exists() and journal.read_text().count("\n") >= 1:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        else:
+            pytest.fail("the healthy item never finished")
+        assert not (res / "summary.json").exists()  # the stale one is gone as soon as the run starts
+        time.sleep(3)
+        kids = _descendants(proc.pid)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    summary = json.loads((res / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["reason"] == f"{sig.name} received"
+    assert [r["nodeid"] for r in summary["items"]] == ["suites/a-healthy.toml::smoke[cpu-float32]"]
+    assert summary["items"][0]["outcome"] == "passed"
+    # the item in flight is not run, never "passed"; the one after it too
+    assert summary["not_run"] == ["suites/b-hangs.toml::smoke[cpu-float32]",
+                                  "suites/c-healthy.toml::smoke[cpu-float32]"]
+    junit = (res / "junit.xml").read_text()
+    assert 'name="harness.run.status" value="interrupted"' in junit
+    assert junit.count("<testcase") == 3 and junit.count('type="harness.not-run"') == 2
+    assert "144" not in junit
+    assert json.loads((res / "run.json").read_text())["status"] == "interrupted"
+    assert "run interrupted" in (res / "summary.txt").read_text()
+    time.sleep(1)
+    assert not [k for k in kids if Path(f"/proc/{k}").exists()], "the isolated worker outlived the run"
+
+
+def test_unwritable_results_directory_fails_before_any_model_is_built(project, capsys, monkeypatch):
+    from harness.cli import main
+
+    (project / "suites" / "tiny.toml").write_text(suite())
+    (project / "res").write_text("a file where the results directory should be")
+    monkeypatch.chdir(project)
+    t0 = time.monotonic()
+    code = main(["run", "--check", "smoke", "--results", "res/inner"])
+    out = capsys.readouterr().out
+    assert code == 2 and "results directory res/inner is not writable" in out
+    assert time.monotonic() - t0 < 5  # nothing was built
+
+
+def test_a_full_disk_never_leaves_a_truncated_summary(tmp_path, monkeypatch):
+    """Writes go to a temp file and are renamed: a failure leaves the old file whole (or none)."""
+    from harness import results
+
+    target = tmp_path / "summary.json"
+    target.write_text('{"complete": true}')
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        results.atomic_write(target, '{"new": ' + "1" * 100000 + "}")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert json.loads(target.read_text()) == {"complete": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_bad_harness_config_is_one_line_in_every_command(project, tmp_path):
+    bad = tmp_path / "harness.toml"
+    bad.write_text("[[backends]]\nname = 1\n")
+    for args in (["run"], ["backends"], ["validate"]):
+        cmd, env = harness_cmd(*args)
+        r = subprocess.run(cmd, cwd=project, env=env | {"HARNESS_CONFIG": str(bad)}, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "Traceback" not in r.stdout + r.stderr
+        assert f"{bad}: backends.0.name: Input should be a valid string" in r.stdout + r.stderr
+
+
+def test_setup_problems_are_errors_with_their_own_message(project):
+    s = project / "suites"
+    (s / "a-adapter.toml").write_text(suite("missing_module"))
+    (s / "b-arch.toml").write_text(suite().replace('[model]\n', '[model]\narchitecture = "NoSuchForCausalLM"\n'))
+    weights = project / "weights-dir"
+    weights.mkdir()
+    (weights / "model.bin").write_bytes(b"not a safetensors file")
+    (s / "c-weights.toml").write_text(suite().replace('[model]\n', '[model]\nweights = "../weights-dir"\n'))
+    (s / "d-healthy.toml").write_text(suite())
+    cmd, env = harness_cmd("run", "--check", "smoke", "--results", "res")
+    r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    rows = items(project / "res")
+    assert rows["d-healthy.toml::smoke[cpu-float32]"]["outcome"] == "passed"
+    for name, words in (("a-adapter", "No module named 'harness_no_such_vendor_module'"),
+                        ("b-arch", "NoSuchForCausalLM"), ("c-weights", "safetensors")):
+        row = rows[f"{name}.toml::smoke[cpu-float32]"]
+        assert row["outcome"] == "error", row
+        assert row["message"].startswith("could not run (build)") and words in row["message"], row["message"]
+        assert "_pytest" not in row["message"]
+    assert "_pytest/runner.py" not in r.stdout
+    assert REPO.exists()
