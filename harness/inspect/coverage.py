@@ -168,14 +168,15 @@ def _base_version(v: str | None) -> str | None:
 
 def installed_version(backend_name: str) -> str | None:
     """Version of the installed plugin a backend's kernels come from, without importing it: torch's
-    own for cuda / rocm (a HIP build) / xpu / mps / cpu, the vendor distribution's for the others."""
+    own for cpu and for cuda / rocm / xpu / mps when this torch is built with them, the vendor
+    distribution's for the others; None when nothing installed provides the backend."""
     from importlib import metadata
 
     from harness.oplists.generate import BACKENDS
 
-    if backend_name == "rocm" and not torch.version.hip:
-        return None
-    if backend_name == "cuda" and torch.version.hip:
+    built = {"cuda": bool(torch.version.cuda) and not torch.version.hip, "rocm": bool(torch.version.hip),
+             "xpu": bool(getattr(torch.version, "xpu", None)), "mps": torch.backends.mps.is_built()}
+    if not built.get(backend_name, True):  # this torch is not a build with that backend's kernels
         return None
     d = BACKENDS.get(backend_name)
     module = d.module if d else None

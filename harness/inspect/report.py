@@ -213,13 +213,31 @@ class CoverageMatrix:
                                                                                 r["known_gap"]),
                                                      self.backends.index(r["backend"]), r["op"]))
 
+    def decomposed(self, reference: str = "cuda") -> list[dict]:
+        """Ops that run as a composite decomposition on a backend while ``reference`` has a kernel for
+        them (``_grouped_mm`` as per-expert matmuls): they run, but a kernel is worth asking for."""
+        if reference not in self.backends:
+            return []
+        rows: dict[tuple[str, str], dict] = {}
+        for m in self.models:
+            ref = self.cells[m][reference]
+            for b in self.backends:
+                if b in (reference, "cpu"):
+                    continue
+                for o in self.cells[m][b].ops.values():
+                    if o.status == COMPOSITE and ref.ops[o.op].status == NATIVE:
+                        r = rows.setdefault((b, o.op), {"backend": b, "op": o.op, "how": o.how, "models": {}})
+                        r["models"][m] = o.modules
+        return sorted(rows.values(), key=lambda r: (self.backends.index(r["backend"]), r["op"]))
+
     def to_dict(self) -> dict:
         srcs = self.sources()
         return {"models": self.models, "backends": [
                     {"backend": b, "source": c.source, "version": c.version, "list_version": c.list_version,
                      "warnings": c.warnings} for b, c in srcs.items()],
                 "counts": {m: {b: self.cells[m][b].counts() for b in self.backends} for m in self.models},
-                "needs": self.needs(), "traces": self.traces, "timings": self.timings}
+                "needs": self.needs(), "decomposed_where_cuda_has_a_kernel": self.decomposed(),
+                "traces": self.traces, "timings": self.timings}
 
     def _cell(self, cov: Coverage) -> str:
         c = cov.counts()
@@ -243,6 +261,10 @@ class CoverageMatrix:
         out.append("")
         out += _table([[m] + [self._cell(self.cells[m][b]) for b in self.backends] for m in self.models],
                       ["model"] + self.backends)
+        dec = self.decomposed()
+        if dec:
+            out += ["", "Composite here, a kernel on cuda (runs, slower):"]
+            out += [f"  {r['backend']}: {r['op']} ({', '.join(r['models'])})" for r in dec]
         out.append("")
         for b, c in self.sources().items():
             out.append(f"{b}: {c.source}" + (f"; version {c.version}" if c.version else ""))
@@ -267,6 +289,10 @@ class CoverageMatrix:
                                 for m, mods in r["models"].items())
                 st = r["status"] + (" (known gap)" if r["status"] == MISSING and r["known_gap"] else "")
                 out.append(f"| {esc(r['backend'])} | `{r['op']}` | {st} | {esc(who)} |")
+        dec = self.decomposed()
+        if dec:
+            out += ["", "Composite decomposition where cuda has a kernel (runs, slower): " + "; ".join(
+                f"{esc(r['backend'])} `{r['op']}` ({esc(', '.join(r['models']))})" for r in dec)]
         out += ["", "Sources: " + "; ".join(f"{b}: {esc(c.source)}" for b, c in self.sources().items())]
         warns = [w for c in self.sources().values() for w in c.warnings]
         out += [f"> {esc(w)}" for w in warns]
