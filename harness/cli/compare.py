@@ -90,7 +90,8 @@ def register(subparsers) -> None:
     p.add_argument("--out-dir", default="harness-issues", help="folder of the file sink")
     p.add_argument("--dry-run", action="store_true", help="print the planned issue actions only")
     p.add_argument("--repo", help="OWNER/NAME (default: $GITHUB_REPOSITORY)")
-    p.add_argument("--api-url", help="REST API root (default: $GITHUB_API_URL or api.github.com)")
+    p.add_argument("--api-url", help="REST API root (default: from --github-url, else $GITHUB_API_URL, "
+                                     "else api.github.com)")
     p.add_argument("--github-url", help="GitHub Enterprise base URL, e.g. https://ghe.example.com")
     p.add_argument("--max-api-calls", type=int, default=100)
     p.add_argument("--run-id", help="key of this run in the history (default from GitHub Actions)")

@@ -215,7 +215,8 @@ def what_changed(old: list[str], new: list[str], run_line: str) -> str:
 def plan(groups: dict[str, Group], status: dict[str, bool | None], existing: list[IssueRef], render,
          run_line: str, known_closed: dict[str, int], clean_streaks: dict[str, int],
          close_after: int = 2, run_key: str = "", leave_alone: frozenset[str] = frozenset()) -> list[Action]:
-    """``render(group, reopened: bool, pending: str) -> body`` (marker included, size-checked);
+    """``render(group, reopened: bool) -> body`` (marker included, size-checked; the comment key
+    of a change is added to its marker here);
     ``known_closed`` maps fingerprints to closed issue numbers from the history; ``clean_streaks``
     counts this run; ``leave_alone``: fingerprints of issues a person detached from harness.
     ``status[fp]`` is True (bad), False (clean, every regressed item of its issue ran) or None

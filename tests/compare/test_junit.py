@@ -81,3 +81,20 @@ def test_case_without_harness_properties_still_reads(tmp_path):
     # old XML without the identity properties: read back from the test id
     assert (case.suite, case.check, case.outcome, case.backend, case.dtype) == \
         ("kimi-k2", "smoke", "skipped", "cpu", "float32")
+
+
+def test_identity_comes_from_the_properties_and_a_hyphenated_backend_survives(tmp_path):
+    p = tmp_path / "j.xml"
+    props = "".join(f'<property name="harness.{k}" value="{v}"/>' for k, v in (
+        ("suite", "my-model"), ("check", "smoke"), ("backend", "my-npu"), ("dtype", "bfloat16"),
+        ("variant", "tp2"), ("device", "my-npu:0")))
+    # a suite outside the repository: its node id says nothing the comparator could parse
+    p.write_text('<testsuite name="pytest">'
+                 f'<testcase classname="elsewhere.x" name="whatever[1]"><properties>{props}</properties>'
+                 '<skipped message="no device"/></testcase>'
+                 '<testcase classname="suites.old.toml" name="smoke[my-npu-bfloat16]"/></testsuite>')
+    new, old = read_results([str(p)]).cases.values()
+    assert (new.suite, new.check, new.backend, new.dtype, new.variant, new.device) == \
+        ("my-model", "smoke", "my-npu", "bfloat16", "tp2", "my-npu:0")
+    # old XML without the properties: the dtype is the part after the last hyphen
+    assert (old.suite, old.check, old.backend, old.dtype) == ("old", "smoke", "my-npu", "bfloat16")
