@@ -86,3 +86,97 @@ def test_bare_config_json_target():
     assert t.suite is None and t.name == "Mixtral-8x7B-v0.1"
     model, mc = meta_model(t)
     assert count_parameters(model, mc).total == pytest.approx(46.7 * B, rel=0.02)
+
+
+# --- Day-0 corpus (tests/data/day0/SOURCES.md): official figures where the vendor gives one ----------
+DAY0 = REPO_SUITES.parent / "tests" / "data" / "day0"
+OFFICIAL_DAY0 = [
+    ("gpt-oss-120b", 117 * B, 5.1 * B, "activated"),  # gpt-oss README / model card
+    ("DeepSeek-V3.2", 671 * B, 37 * B, "activated"),  # MTP layer not built, as for V3
+    ("MiniMax-M2.5", 230 * B, 10 * B, "activated"),  # MiniMax-M2 README (M2.5 states none)
+    ("Llama-4-Scout-17B-16E-Instruct", 109 * B, 17 * B, "activated"),  # whole wrapper; 17B active
+    # NVIDIA's model card: 31.6B total, 3.2B active (3.6B with embeddings); "30B" is the rounded name
+    ("Nemotron-3-Nano-30B-A3B-BF16", 31.6 * B, 3.2 * B, "activated"),
+]
+
+
+@pytest.fixture(scope="module")
+def day0():
+    out = {}
+    for name in ("gpt-oss-120b", "gpt-oss-20b", "DeepSeek-V3.2", "MiniMax-M2.5", "MiniMax-M2.5-NVFP4", "Kimi-K2.5",
+                 "Llama-4-Scout-17B-16E-Instruct", "Nemotron-3-Nano-30B-A3B-BF16",
+                 "Qwen3-32B-FP8-Static-PerTensor", "Qwen3.5-35B-A3B"):
+        model, mc = meta_model(load_target(DAY0 / f"{name}.json"), pruned=False)
+        out[name] = (count_parameters(model, mc), mc)
+    return out
+
+
+@pytest.mark.parametrize("name,total,activated,convention", OFFICIAL_DAY0)
+def test_day0_totals_match_official(day0, name, total, activated, convention):
+    rep, _ = day0[name]
+    assert rep.total == pytest.approx(total, rel=0.02), f"{name}: {rep.total / B:.2f}B vs {total / B}B"
+    got = getattr(rep, convention)
+    assert got == pytest.approx(activated, rel=0.05), f"{name}: {got / B:.2f}B vs {activated / B}B"
+
+
+def test_wrapper_totals_per_part(day0):
+    rep, _ = day0["Llama-4-Scout-17B-16E-Instruct"]
+    assert set(rep.by_part) == {"text", "vision", "projector", "overall"}
+    assert rep.by_part["text"] + rep.by_part["vision"] + rep.by_part["projector"] == rep.by_part["overall"] == rep.total
+    assert 0.3 * B < rep.by_part["vision"] < 0.6 * B < rep.by_part["text"]
+    assert any(n.startswith("parts: text") for n in rep.notes)
+    assert day0["gpt-oss-20b"][0].by_part == {}  # a plain causal LM has no parts
+
+
+def _scenario(rep, prefix):
+    return next(v for k, v in rep.bytes.items() if k.startswith(prefix))
+
+
+def test_mxfp4_experts_only(day0):
+    rep, mc = day0["gpt-oss-120b"]
+    mx = _scenario(rep, "mxfp4")
+    experts = rep.by_kind["routed_experts"]
+    biases = 36 * 128 * (2 * 2880 + 2880)  # gate_up_proj_bias + down_proj_bias per expert stay bf16
+    # 4-bit values two per byte and one e8m0 scale per 32: attention, router, embeddings stay bf16
+    assert mx["float4_e2m1 (packed, 2 per byte) (weights)"] == (experts - biases) // 2
+    assert mx["float8_e8m0 (one per 32) (scales)"] == (experts - biases) // 32
+    assert mx["bfloat16 (embeddings, lm_head, norms, router)"] == 2 * (rep.total - experts + biases)
+    assert mx["total"] == pytest.approx(65e9, rel=0.05)  # the published checkpoint is ~65 GB
+
+
+def test_int4_group_compressed_tensors_honours_ignore(day0):
+    rep, mc = day0["Kimi-K2.5"]
+    q = _scenario(rep, "int4 group 32")
+    experts = rep.by_kind["routed_experts"]
+    # ignore: lm_head, every self_attn, shared_experts and dense MLPs -> only routed experts are int4
+    assert q["int4 (packed) (weights)"] == experts // 2
+    assert q["bfloat16 (weight_scale)"] == experts // 32 * 2
+    assert "kept unquantized: lm_head, re:.*self_attn.*" in " ".join(rep.notes)
+
+
+def test_nvfp4_and_fp8_per_tensor(day0):
+    rep, _ = day0["MiniMax-M2.5-NVFP4"]
+    q = _scenario(rep, "nvfp4 group 16")
+    experts = rep.by_kind["routed_experts"]
+    # every self_attn and router is in the ignore list: only the experts are fp4, one fp8 scale per 16
+    assert q["float4_e2m1 (packed, 2 per byte) (weights)"] == experts // 2
+    assert q["float8_e4m3fn (one per 16) + fp32 global (weight_scale)"] == pytest.approx(experts / 16, rel=0.01)
+    rep, mc = day0["Qwen3-32B-FP8-Static-PerTensor"]
+    t = _scenario(rep, "fp8 per-tensor")
+    quantized = rep.by_kind["attention"] + rep.by_kind["dense_mlp"]
+    assert t["float8_e4m3fn (weights)"] == quantized
+    # 7 Linear per layer x 64 layers, each one fp32 weight_scale + one static fp32 input_scale
+    assert t["float32 (+ static input_scale) (weight_scale)"] == 64 * 7 * 8
+
+
+def test_fp8_block_size_null_is_not_assumed_128():
+    from harness.inspect.params import quant_scheme
+
+    s = quant_scheme({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": None})
+    assert s.granularity == "tensor" and s.bytes_of(256, 256) == (256 * 256, 4)
+    s = quant_scheme({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel"}}}})
+    assert s.granularity == "channel" and s.bytes_of(256, 512) == (256 * 512, 256 * 4)
+    s = quant_scheme({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert s.bytes_of(7168, 2048) == (7168 * 2048, 56 * 16 * 4)
+    assert quant_scheme({"quant_method": "bitsandbytes"}) is None

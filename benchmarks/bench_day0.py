@@ -1,0 +1,83 @@
+"""Day-0 corpus (tests/data/day0/): wall time and peak memory of each step a new user runs, per model.
+
+For every config: ``harness init`` (into a scratch project's --suites-dir), ``harness golden generate``
+and ``harness run --backend cpu --dtype float32 --dtype bfloat16``, each in its own process, as from
+a shell. Time is wall clock including interpreter start; memory is the process's peak RSS
+(``wait4``'s ``ru_maxrss``). Goal: each step under 60 s and 2 GiB. A config that init refuses shows
+its one-line reason instead.
+
+Usage: python benchmarks/bench_day0.py [-k SUBSTRING] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DAY0 = REPO / "tests" / "data" / "day0"
+GOAL_S, GOAL_BYTES = 60.0, 2 * 1024**3
+
+
+def step(args: list[str], cwd: Path) -> tuple[int, float, int, str]:
+    """(exit status, wall seconds, peak RSS bytes, last output line) of one harness command."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(cwd / "harness.toml")}
+    log = cwd / f"{args[0]}.log"
+    t = time.perf_counter()
+    with log.open("w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=cwd, env=env, stdout=f,
+                             stderr=subprocess.STDOUT)
+        # wait4 (not p.wait) to get this child's own rusage: ru_maxrss is its peak RSS in KiB
+        _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    rc = os.waitstatus_to_exitcode(status)
+    lines = [x for x in log.read_text().splitlines() if x.strip() and not x.startswith("[transformers]")]
+    return rc, wall, usage.ru_maxrss * 1024, (lines[-1] if lines else "")
+
+
+def run_one(config: Path, root: Path) -> list[str]:
+    work = root / config.stem
+    work.mkdir(parents=True)
+    (work / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\nresults_dir = "results"\n')
+    name = config.stem.lower()
+    rows = []
+    for label, args in (("init", ["init", str(config), "--suites-dir", "new", "--name", name]),
+                        ("golden", ["golden", "generate", name]),
+                        ("run", ["run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16"])):
+        rc, wall, rss, last = step(args, work)
+        ok = "ok" if rc == 0 else ("refused" if label == "init" and rc == 2 else f"rc={rc}")
+        goal = "" if wall < GOAL_S and rss < GOAL_BYTES else " OVER GOAL"
+        rows.append(f"| {config.stem} | {label} | {wall:6.1f} | {rss / 2**20:6.0f} | {ok}{goal} | "
+                    f"{last[:110] if rc else ''} |")
+        if rc != 0:
+            break
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", default="", help="only configs whose file name contains this")
+    ap.add_argument("--keep", help="scratch directory to keep (default: a temporary one, removed)")
+    args = ap.parse_args()
+    root = Path(args.keep or tempfile.mkdtemp(prefix="bench_day0_"))
+    print("| model | step | wall s | peak RSS MiB | outcome | detail |")
+    print("|---|---|---:|---:|---|---|")
+    try:
+        for config in sorted(DAY0.glob("*.json")):
+            if args.k in config.name:
+                for row in run_one(config, root):
+                    print(row, flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

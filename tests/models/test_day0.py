@@ -1,0 +1,195 @@
+"""Day-0 corpus (tests/data/day0/, real configs of 2025-2026 models): every config becomes a working
+suite through the harness command line, or `harness init` refuses it in one line saying why.
+
+Fast tests check the pruning plan and the refusals on every config; the whole-corpus pipeline
+(`init` -> `golden generate` -> `run`, float32 and bfloat16) is marked slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from harness.cli.init import _plan as init_plan
+from harness.inspect.prune import _layer_features, _num_layers, derived_per_layer, plan_config
+from harness.models.config import apply_prune, build_config
+from harness.suite.schema import PruneSection
+from tests_support import REPO
+
+DAY0 = REPO / "tests" / "data" / "day0"
+CONFIGS = sorted(DAY0.glob("*.json"))
+SHARED_SIX = ("gpt-oss-120b", "DeepSeek-V3.2", "MiniMax-M2.5", "Llama-4-Scout-17B-16E-Instruct",
+              "Nemotron-3-Nano-30B-A3B-BF16", "Llama-3_3-Nemotron-Super-49B-v1")
+# init must refuse these, and say this in its one line
+REFUSED = {
+    "Llama-3_3-Nemotron-Super-49B-v1": "remote code only",  # nemotron-nas / DeciLM: auto_map only
+    "MiniMax-M3": "cannot build this model",  # minimax_m3 is not in transformers 5.24
+    "Step-3.7-Flash": "multimodal wrapper",  # step3p7 registers only a VL wrapper; the config is flat
+}
+ACCEPTED = [p for p in CONFIGS if p.stem not in REFUSED]
+
+
+def _raw(p: Path) -> dict:
+    return json.loads(p.read_text())
+
+
+def _harness(*args, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(cwd / "harness.toml")}
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_corpus_is_real_sourced_and_covers_the_shared_six():
+    assert len(CONFIGS) >= 15
+    sources = (DAY0 / "SOURCES.md").read_text()
+    for p in CONFIGS:
+        assert f"`{p.name}`" in sources, f"{p.name} has no source line"
+        raw = _raw(p)
+        assert raw.get("architectures") and raw.get("model_type")
+    assert {p.stem for p in CONFIGS} >= set(SHARED_SIX)
+    assert "ai-dynamo/aiconfigurator" in sources and "095f58a51c4ca8e61b66ec108d86f223f8d559ce" in sources
+
+
+def _kinds(d: dict, n: int, like: list | None = None) -> tuple[set[tuple], list]:
+    """Distinct layer kinds of a config dict: the values of every per-layer feature at each layer.
+    ``like``: read the features the full config had (same names and types) from this pruned one."""
+    from harness.inspect.prune import _feature_at
+
+    full = {**d, **derived_per_layer(d)}
+    if like is None:
+        feats = _layer_features(full, n)
+    else:
+        feats = []
+        for name, ftype, _ in like:
+            v = full
+            for part in name.split("."):
+                assert isinstance(v, dict) and part in v, f"per-layer field lost by pruning: {name}"
+                v = v[part]
+            feats.append((name, ftype, v))
+    return {tuple(_feature_at(t, v, i) for _, t, v in feats) for i in range(n)}, feats
+
+
+@pytest.mark.parametrize("config", ACCEPTED, ids=lambda p: p.stem)
+def test_plan_keeps_every_layer_kind_and_cuts_every_per_layer_field(config):
+    raw = _raw(config)
+    plan, _ = init_plan(raw, config.name)
+    text = raw[plan.part] if plan.part else raw
+    build_config(raw, PruneSection.model_validate(plan.prune), architecture=plan.architecture or None)  # builds
+    part = plan.part or next((k for k in ("text_config",) if isinstance(raw.get(k), dict)), None)
+    text = raw[part] if part else raw
+    pruned = copy.deepcopy(raw if part and not plan.part else text)
+    apply_prune(pruned, PruneSection.model_validate(plan.prune))
+    pruned = pruned[part] if part and not plan.part else pruned
+    key, n = _num_layers(text)
+    m = pruned[key]
+    assert 2 <= m <= 8, f"{m} layers kept"
+    # every list / pattern whose length followed the layer count now follows the pruned one
+    for k, v in text.items():
+        if isinstance(v, (list, str)) and k != "architectures" and len(v) in (n, n + 1) and n > 4:
+            assert len(pruned[k]) == m + (len(v) - n), k
+    # at least one layer of each distinct kind of the full model (kinds from explicit lists/patterns)
+    full_kinds, feats = _kinds(text, n)
+    kept, _ = _kinds(pruned, m, feats)
+    assert kept == full_kinds, f"kinds lost: {full_kinds - kept}"
+    # the suite comment says what was kept, layer by layer
+    assert any(w.startswith(f"layers: the first {m} of {n}") for w in plan.why)
+    assert sum(w.strip().startswith("layer ") for w in plan.why) == m
+
+
+@pytest.mark.parametrize("config", ACCEPTED, ids=lambda p: p.stem)
+def test_pruned_model_is_tiny_on_meta(config):
+    import torch
+
+    from harness.models.build import architecture_class
+
+    raw = _raw(config)
+    plan, _ = init_plan(raw, config.name)
+    mc = build_config(raw, PruneSection.model_validate(plan.prune), architecture=plan.architecture or None)
+    with torch.device("meta"):
+        model = architecture_class(mc.architecture)(mc.config)
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+def test_head_rotary_and_latent_dims_stay_consistent():
+    glm = plan_config(_raw(DAY0 / "GLM-5.json")).prune
+    ov = glm["overrides"]
+    assert ov["qk_head_dim"] == glm["qk_nope_head_dim"] + glm["qk_rope_head_dim"]  # 256 = 192 + 64, scaled
+    mm = plan_config(_raw(DAY0 / "MiniMax-M2.5.json")).prune
+    assert mm["overrides"]["rotary_dim"] * 2 == mm["head_dim"]  # rotary_dim 64 of head_dim 128: half
+    q35 = plan_config(_raw(DAY0 / "Qwen3.5-35B-A3B.json")).prune
+    # mrope sections sum to half the rotary width: head_dim x partial_rotary_factor (0.25) / 2
+    assert sum(q35["overrides"]["rope_parameters.mrope_section"]) == q35["head_dim"] * 0.25 / 2
+    nem = plan_config(_raw(DAY0 / "Nemotron-3-Nano-30B-A3B-BF16.json")).prune
+    assert nem["overrides"]["mamba_num_heads"] % nem["overrides"]["n_groups"] == 0
+    assert nem["overrides"]["hybrid_override_pattern"] == "MEMEM*"  # Mamba, MoE and attention all kept
+
+
+def test_wrapper_suite_tests_the_decoder_built_from_text_config():
+    raw = _raw(DAY0 / "Llama-4-Scout-17B-16E-Instruct.json")
+    plan = plan_config(raw)
+    assert plan.part == "text_config"
+    mc = build_config(raw, PruneSection.model_validate(plan.prune), architecture="Llama4ForCausalLM")
+    assert mc.part == "text_config" and type(mc.config).__name__ == "Llama4TextConfig"
+    assert mc.config.hidden_size == 64 and mc.config.num_hidden_layers == 4
+    assert mc.config.no_rope_layers == [1, 1, 1, 0]  # the NoPE layer (every 4th) is kept
+
+
+@pytest.mark.parametrize("name,reason", sorted(REFUSED.items()))
+def test_init_refuses_in_one_line(name, reason, tmp_path):
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\n')
+    r = _harness("init", str(DAY0 / f"{name}.json"), "--suites-dir", str(tmp_path / "s"), cwd=tmp_path)
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if not x.startswith("[transformers]")]
+    assert len(lines) == 1 and reason in lines[0] and "Traceback" not in r.stderr
+    if reason != "remote code only":
+        assert "model.architecture" in lines[0] and "model.adapter" in lines[0]
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").glob("*.toml"))
+
+
+def test_size_guard_refuses_and_names_unreduced_keys(tmp_path):
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\n')
+    cfg = _raw(DAY0 / "gpt-oss-20b.json")
+    cfg["some_new_hidden_dim"] = 4096  # a width nobody has a rule for yet (transformers ignores it here)
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    r = _harness("init", "c.json", "--max-params", "100000", "--suites-dir", "s", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "over the 100,000 budget" in line and "some_new_hidden_dim=4096" in line and "[prune.overrides]" in line
+    assert not list((tmp_path / "s").glob("*.toml"))
+
+
+def test_no_grad_by_design_found_at_init_and_declared(tmp_path):
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\n')
+    r = _harness("init", str(DAY0 / "DeepSeek-V3.2.json"), "--suites-dir", "s", "--name", "ds32", cwd=tmp_path)
+    text = (tmp_path / "s" / "ds32.toml").read_text()
+    assert "*.indexer.*" in text and "no gradient from the LM loss" in text
+    data = tomllib.loads(text)
+    if "no_grad_ok" in data.get("checks", {}).get("smoke", {}):  # the smoke check has the knob (#8)
+        assert data["checks"]["smoke"]["no_grad_ok"] == ["*.indexer.*"]
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_day0_pipeline_through_the_cli(config, tmp_path):
+    """init -> golden generate -> run (cpu, float32 + bfloat16) all pass, or init refuses in one line.
+    The suite goes to --suites-dir, outside harness.toml's suites_dir: golden/run must still find it."""
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\nresults_dir = "results"\n')
+    name = config.stem.lower()
+    r = _harness("init", str(config), "--suites-dir", "new", "--name", name, cwd=tmp_path)
+    if config.stem in REFUSED:
+        assert r.returncode == 2 and REFUSED[config.stem] in r.stderr and "Traceback" not in r.stderr
+        return
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _harness("golden", "generate", name, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _harness("run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16", cwd=tmp_path)
+    assert r.returncode == 0 and "0 failed, 0 errors" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr
