@@ -236,3 +236,44 @@ def test_setup_problems_are_errors_with_their_own_message(project):
         assert "_pytest" not in row["message"]
     assert "_pytest/runner.py" not in r.stdout
     assert REPO.exists()
+
+
+@pytest.mark.parametrize("damage", ["not-an-object", "latin-1", "cache"])
+def test_one_bad_file_costs_only_its_own_suite(project, damage, tmp_path, monkeypatch):
+    """A config.json whose top level is not an object, a suite file that is not UTF-8, a corrupt
+    op-inventory cache: the other suites are still collected (and the cache is rebuilt)."""
+    from harness.inspect import trace
+
+    s = project / "suites"
+    (s / "good.toml").write_text(suite())
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(cache))
+    if damage == "not-an-object":
+        (s / "configs" / "list.json").write_text("[1, 2, 3]")
+        (s / "bad.toml").write_text(suite().replace("configs/Llama-3.1-8B.json", "configs/list.json"))
+        want = "model.config: suites/configs/list.json is not a valid config.json: top level is not a JSON object"
+    elif damage == "latin-1":
+        (s / "bad.toml").write_bytes(suite().replace('dtypes', '# caf\xe9\ndtypes').encode("latin-1"))
+        want = "not UTF-8 text"
+    else:
+        (s / "bad.toml").write_text(suite() + "[checks.ops]\nenabled = true\nvariants = ['aten.mm.default']\n")
+        from harness.suite.loader import load_suite
+
+        ls = load_suite(s / "bad.toml")
+        path = cache / "ops" / f"bad-float32-{trace.suite_key(ls, 'float32', '2x16')}.json"
+        path.parent.mkdir(parents=True)
+        path.write_text('[["not", "an", "op", "list"]]')
+        want = None
+    monkeypatch.chdir(project)
+    r = subprocess.run([sys.executable, "-m", "pytest", "suites", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "--harness-check=smoke,ops"], capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"HARNESS_CACHE_DIR": str(cache)})
+    assert "suites/good.toml::smoke[cpu-float32]" in r.stdout, r.stdout + r.stderr
+    if want:
+        assert "suites/bad.toml::load" in r.stdout
+        run = subprocess.run([sys.executable, "-m", "pytest", "suites/bad.toml", "-q", "-p", "no:cacheprovider"],
+                             capture_output=True, text=True, timeout=300)
+        assert want in run.stdout, run.stdout
+    else:  # the corrupt cache was rebuilt, and the op item exists
+        assert "suites/bad.toml::ops[cpu-float32-aten.mm.default]" in r.stdout, r.stdout
+        assert isinstance(json.loads(path.read_text())["ops"], list)

@@ -22,6 +22,7 @@ SUBCOMMANDS = [
     "harness.cli.precision",
     "harness.cli.compare",
     "harness.cli.report",
+    "harness.cli.durations",
     "harness.cli.baseline",
     "harness.cli.weights",
 ]

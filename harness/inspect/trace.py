@@ -346,9 +346,12 @@ def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16) -> d
     for dtype in dtypes:
         path = cache_dir() / "ops" / f"{ls.path.stem}-{dtype}-{suite_key(ls, dtype, f'{batch}x{seq}')}.json"
         try:
-            out[dtype] = json.loads(path.read_text())["ops"]
-            continue
-        except (OSError, ValueError, KeyError):
+            ops = json.loads(path.read_text(encoding="utf-8"))["ops"]
+            if isinstance(ops, list) and all(isinstance(o, str) and o.count(".") >= 2 for o in ops):
+                out[dtype] = ops
+                continue
+            # valid JSON but not an op list (a corrupt or foreign cache file): rebuild it
+        except (OSError, ValueError, KeyError, TypeError):
             pass
         names = real_inventory(ls, dtype, batch=batch, seq=seq).names()
         try:
