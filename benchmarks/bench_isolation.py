@@ -1,0 +1,66 @@
+"""The cost of process isolation: the full default run (`harness run`, every bundled suite and
+check on CPU) with items in the isolated worker against the same run in-process (`--no-isolate`),
+side by side in one invocation.
+
+Rounds alternate (isolated, in-process, isolated, ...) so that machine noise hits both alike; each
+round is a fresh `harness run` subprocess, as a user runs it, timed from start to exit. Reports
+every round, the medians and the ratio isolated / in-process (goal: at most 1.15x), and the
+summed per-item wall times (which exclude collection and worker start-up) for the same ratio.
+
+Usage: python benchmarks/bench_isolation.py [--rounds 2] [--check smoke] [SUITE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def one(isolated: bool, args: argparse.Namespace, out: Path) -> tuple[float, float, dict]:
+    cmd = [str(Path(sys.executable).with_name("harness")), "run", *args.suites, "--results", str(out)]
+    cmd += [f"--check={c}" for c in args.check]
+    if not isolated:
+        cmd.append("--no-isolate")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    summary = json.loads((out / "summary.json").read_text())
+    items = sum(float(i["props"].get("metric.wall_time_s", 0.0)) for i in summary["items"])
+    if r.returncode not in (0, 1):
+        sys.exit(f"harness run failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return wall, items, summary["counts"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("suites", nargs="*")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--check", action="append", default=[])
+    args = p.parse_args()
+    res = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for isolated in (True, False) if r % 2 == 0 else (False, True):
+                wall, items, c = one(isolated, args, Path(tmp) / f"r{r}-{isolated}")
+                res[isolated].append((wall, items))
+                print(f"round {r} {'isolated  ' if isolated else 'in-process'}: {wall:7.1f} s wall, "
+                      f"{items:7.1f} s in items, {c}", flush=True)
+    iw, ii = (statistics.median(x[k] for x in res[True]) for k in (0, 1))
+    pw, pi = (statistics.median(x[k] for x in res[False]) for k in (0, 1))
+    print(f"\nmedian wall: isolated {iw:.1f} s, in-process {pw:.1f} s -> ratio {iw / pw:.3f} (goal <= 1.15)")
+    print(f"median item time: isolated {ii:.1f} s, in-process {pi:.1f} s -> ratio {ii / pi:.3f}")
+    print(f"cpus: {os.cpu_count()}, load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
