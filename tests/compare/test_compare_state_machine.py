@@ -68,13 +68,6 @@ class CompareLifecycle(RuleBasedStateMachine):
         self.base = write_junit(os.path.join(self.dir, "base.xml"), [item(s, c) for s, c in TESTS])
 
     def teardown(self):
-        if os.environ.get("SM_DEBUG"):
-            st_ = self.server.state
-            with open(os.environ["SM_DEBUG"], "a") as f:
-                print("runs", self.n, "issues", len(st_.issues), "deleted", len(st_.deleted),
-                      "changes", sum(len(i["changes"]) for i in st_.issues.values()),
-                      "requests", len(st_.requests), "PATCH", sum(1 for r in st_.requests if r[0] == "PATCH"),
-                      "compares so far", RUNS[0], file=f)
         try:
             # One more run without faults or missing shards settles every comment still owed.
             self.server.state.failures.clear()
