@@ -233,13 +233,13 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
             for i in existing:
                 if i.fingerprint:
                     history.set_issue(i.fingerprint, i.number, "open")
-        # "detached": a person removed the harness label; "muted": the label harness:muted on a
-        # closed issue. Neither is fetched or patched again (an open labelled issue is listed and
-        # so managed again: putting the label back hands it back).
+        # "detached": a person removed the harness label; it is neither fetched nor patched again
+        # (an open issue with the label back is listed, and so managed again). A closed issue
+        # labelled harness:muted is looked at when its group is bad (unmuting it hands it back).
         leave_alone = frozenset(fp for fp, (_n, s) in known.items()
-                                if s in ("detached", "muted") and fp not in open_fps)
+                                if s == "detached" and fp not in open_fps)
         known_closed = {fp: n for fp, (n, s) in known.items()
-                        if fp not in open_fps and s in ("open", "closed")}
+                        if fp not in open_fps and s in ("open", "closed", "muted")}
         streaks = {}
         for fp in open_fps:  # only an open issue can be closed
             if status.get(fp) is False and history is not None:
