@@ -24,7 +24,17 @@ KIMI_SMALL = dict(num_hidden_layers=4, first_k_dense_replace=1, hidden_size=64, 
                   moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
                   num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, vocab_size=512, bos_token_id=0, eos_token_id=1, n_group=1,
-                  topk_group=1, num_nextn_predict_layers=0)
+                  topk_group=1, num_nextn_predict_layers=0, torch_dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: with 2 intra-op threads on 2 shared (busy) cores each small matmul waits
+    tens of ms at OpenMP barriers; one thread runs them in microseconds."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def small_config(name: str, **over) -> dict:
@@ -152,10 +162,11 @@ def kimi_int4(kimi_ckpt, tmp_path_factory) -> Path:
     return dst
 
 
-def write_suite(d: Path, name: str, config: dict, body: str) -> Path:
-    """suites-like dir: d/<name>.json (the published config) + d/<name>.toml (body after [model] config)."""
+def write_suite(d: Path, name: str, config: dict, body: str, top: str = "") -> Path:
+    """suites-like dir: d/<name>.json (the published config) + d/<name>.toml (``top``-level keys, then
+    [model] with its config and ``body``)."""
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{name}.json").write_text(json.dumps(config))
     p = d / f"{name}.toml"
-    p.write_text(f'[model]\nconfig = "{name}.json"\n{body}')
+    p.write_text(f'{top}[model]\nconfig = "{name}.json"\n{body}')
     return p

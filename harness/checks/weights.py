@@ -1,0 +1,245 @@
+"""Check ``weights`` (nightly scope): the suite's real checkpoint, at full size.
+
+Enabled only for suites that declare weights (``model.weights`` / ``model.weights_env``); where the
+checkpoint is not on this machine the items skip with the reason (``$HARNESS_WEIGHTS_KIMI is not
+set``). Two variants:
+
+``layout``  every tensor the full model expects (meta-device model in the config's dtype, taken to
+            checkpoint keys by transformers' reverse conversion) exists with that shape and dtype;
+            missing, unexpected and mismatched tensors are listed; shards are checksummed against
+            the manifest ``harness weights manifest DIR`` recorded. Headers and files only: no model
+            is built, so it runs at any size (once per suite: on cpu, first dtype).
+``stream``  the full model runs on the backend in the item's dtype, capturing the hidden states at
+            every decoder-layer boundary; the host recomputes each layer in float64 from the shards,
+            one layer at a time, fed the target's own input to that layer (MoE: only routed experts
+            are read). Per-layer error and the first divergent layer. Skipped with the sizes when the
+            model does not fit.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from harness import metrics
+from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+from harness.suite.loader import LoadedSuite
+
+metrics.declare("tensors_expected", "", "none", "tensors the full model expects in its checkpoint")
+metrics.declare("tensors_missing", "", "lower", "expected tensors absent from the checkpoint")
+metrics.declare("tensors_unexpected", "", "lower", "checkpoint tensors the model does not use")
+metrics.declare("tensors_mismatched", "", "lower", "tensors whose shape or dtype differs from the config's")
+metrics.declare("shards_bad", "", "lower", "shards missing, resized or with another checksum than the manifest")
+metrics.declare("checkpoint_bytes", "B", "none", "bytes of all shards")
+metrics.declare("stream_layers", "", "none", "decoder layers compared against the streamed float64 reference")
+metrics.declare("stream_first_divergent_layer", "", "none", "first layer over tolerance (-1: none)")
+metrics.declare("stream_worst_rel_rmse", "", "lower", "largest per-layer rel_rmse against the float64 reference")
+metrics.declare("stream_reference_bytes_read", "B", "none", "bytes the streamed reference read from the shards")
+
+
+class WeightsConfig(CheckConfig):
+    """Real checkpoint at full size: tensor layout and checksums; streamed float64 per-layer precision."""
+
+    manifest: str | None = Field(
+        None, description="Manifest path relative to the suite file (default: <checkpoint>/harness-manifest.json).")
+    require_manifest: bool = Field(
+        False, description="Fail when no manifest is recorded (otherwise: a note, and no checksums).")
+    allow_unexpected: list[str] = Field(
+        default_factory=list, description="fnmatch globs of checkpoint tensors the model may leave unused.")
+    prompts: int = Field(2, ge=1, description="Prompts (batch rows) for the streamed precision run.")
+    seq_len: int = Field(16, ge=2, description="Tokens per prompt for the streamed precision run.")
+    seed: int = Field(0, description="Seed of the prompt tokens.")
+    rel_rmse: dict[str, float] = Field(
+        default_factory=lambda: {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3},
+        description="Per target dtype, the largest rel_rmse of one layer's output fed its exact input.")
+    memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="Stream only when the full model needs at most this share of the memory "
+        "available (host memory for the float32 build, device memory for the run).")
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _device_free(backend) -> int | None:
+    if backend.device_type == "cpu":
+        return _meminfo_available()
+    mod = getattr(torch, backend.device_type, None)
+    fn = getattr(mod, "mem_get_info", None)
+    try:
+        return int(fn()[0]) if fn else None
+    except Exception:  # noqa: BLE001 - a backend without the query
+        return None
+
+
+def _config_dtype(raw: dict) -> torch.dtype:
+    name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    return getattr(torch, str(name), torch.bfloat16)
+
+
+class WeightsCheck(Check):
+    name = "weights"
+    config_model = WeightsConfig
+    description = "Real checkpoint at full size: layout, checksums, streamed float64 per-layer precision (nightly)."
+    headline = ("tensors_missing", "stream_worst_rel_rmse")
+    steps = ("locate", "checkpoint", "checksums", "layout", "fit", "capture", "reference")
+    setup_steps = ("locate", "fit", "capture")
+
+    def enabled(self, suite: LoadedSuite) -> bool:
+        from harness.weights.source import has_weights
+
+        return bool(self.config(suite).enabled) and has_weights(suite)
+
+    def variants(self, suite: LoadedSuite, backend) -> list[str | None]:
+        return ["layout", "stream"]
+
+    # -- both variants ------------------------------------------------------------------------
+    def locate(self, ctx: CheckContext, st) -> None:
+        from harness.weights.source import locate
+
+        st.cfg = ctx.config
+        loc = locate(ctx.suite)
+        if loc.path is None:
+            raise NotApplicable(loc.reason)
+        if ctx.variant == "layout" and (ctx.backend.device_type != "cpu" or ctx.dtype != ctx.suite.suite.dtypes[0]):
+            raise NotApplicable(f"the checkpoint layout is checked once per suite (cpu, {ctx.suite.suite.dtypes[0]})")
+        st.path = loc.path
+
+    def checkpoint(self, ctx: CheckContext, st) -> None:
+        """Open the index and every shard header: a truncated shard or a broken index fails here."""
+        from harness.weights.layout import WeightsError, open_checkpoint
+
+        try:
+            st.ckpt = open_checkpoint(st.path, allow_pickle=ctx.suite.suite.model.weights_allow_pickle)
+        except WeightsError as e:
+            raise CheckFailure(str(e), metric="checkpoint") from None
+        ctx.metric("checkpoint_bytes", st.ckpt.total_bytes)
+
+    # -- layout --------------------------------------------------------------------------------
+    def checksums(self, ctx: CheckContext, st) -> None:
+        if ctx.variant != "layout":
+            return
+        from harness.weights.layout import WeightsError
+        from harness.weights.manifest import MANIFEST_NAME, read_manifest, verify
+
+        cfg = st.cfg
+        mpath = (ctx.suite.path.parent / cfg.manifest).resolve() if cfg.manifest else st.ckpt.root / MANIFEST_NAME
+        if not mpath.is_file():
+            msg = f"no manifest at {mpath}: shards not checksummed (record one: harness weights manifest {st.ckpt.root})"
+            if cfg.require_manifest:
+                raise CheckFailure(msg, metric="manifest")
+            ctx.notes.append(msg)
+            return
+        try:
+            problems = verify(st.ckpt, read_manifest(mpath))
+        except WeightsError as e:
+            raise CheckFailure(str(e), metric="manifest") from None
+        ctx.metric("shards_bad", len(problems))
+        if problems:
+            raise CheckFailure(f"{len(problems)} checkpoint file(s) differ from the manifest: {problems[0]}",
+                               metric="shards_bad", expected=0, observed=len(problems), details="\n".join(problems))
+
+    def layout(self, ctx: CheckContext, st) -> None:
+        if ctx.variant != "layout":
+            return
+        from harness.models.build import instantiate
+        from harness.models.config import build_config
+        from harness.weights.expected import compare
+
+        m = ctx.suite.suite.model
+        mc = build_config(ctx.suite.raw_config, None, architecture=m.architecture, trust_remote_code=m.trust_remote_code)
+        with torch.device("meta"):
+            model = instantiate(ctx.suite, mc, torch.float32)
+        rep = compare(model.to(_config_dtype(ctx.suite.raw_config)), st.ckpt)
+        allowed = st.cfg.allow_unexpected
+        rep.unexpected = [u for u in rep.unexpected if not any(fnmatch.fnmatchcase(u.split(" ")[0], g) for g in allowed)]
+        ctx.notes.extend(rep.notes[:5])
+        ctx.metric("tensors_expected", rep.expected)
+        ctx.metric("tensors_missing", len(rep.missing))
+        ctx.metric("tensors_unexpected", len(rep.unexpected))
+        ctx.metric("tensors_mismatched", len(rep.mismatched))
+        if not rep.ok:
+            first = (rep.missing and f"missing {rep.missing[0]}") or (rep.mismatched and rep.mismatched[0]) or \
+                f"unexpected {rep.unexpected[0]}"
+            details = "\n".join([*(f"missing    {x}" for x in rep.missing[:50]),
+                                 *(f"mismatched {x}" for x in rep.mismatched[:50]),
+                                 *(f"unexpected {x}" for x in rep.unexpected[:50])])
+            raise CheckFailure(f"checkpoint does not match the config: {rep.summary()}; first: {first}",
+                               metric="tensors_missing+mismatched+unexpected", expected=0,
+                               observed=len(rep.missing) + len(rep.mismatched) + len(rep.unexpected), details=details)
+
+    # -- stream --------------------------------------------------------------------------------
+    def fit(self, ctx: CheckContext, st) -> None:
+        if ctx.variant != "stream":
+            return
+        from harness.models.build import instantiate, model_config, torch_dtype
+
+        st.full_mc = model_config(ctx.suite, pruned=False)
+        with torch.device("meta"):
+            st.meta = instantiate(ctx.suite, st.full_mc, torch.float32)
+        n = sum(p.numel() for p in st.meta.parameters())
+        run_bytes = n * torch_dtype(ctx.dtype).itemsize
+        host, dev = _meminfo_available(), _device_free(ctx.backend)
+        frac = st.cfg.memory_fraction
+        # The model is built in float32 on the host first (as every build is), then cast and moved.
+        if host is not None and n * 4 > frac * host:
+            raise NotApplicable(f"does not fit: the full model is built in float32 on the host ({n * 4 / 2**30:.1f} GiB), "
+                                f"{host / 2**30:.1f} GiB available")
+        if dev is not None and run_bytes > frac * dev:
+            raise NotApplicable(f"does not fit: the full model needs {run_bytes / 2**30:.1f} GiB in {ctx.dtype} on "
+                                f"{ctx.backend.name}, {dev / 2**30:.1f} GiB free (several devices: not yet)")
+
+    def capture(self, ctx: CheckContext, st) -> None:
+        if ctx.variant != "stream":
+            return
+        from harness.models.build import build_model, seeded_tokens
+        from harness.weights.stream import capture_layers
+
+        model, mc = build_model(ctx.suite, ctx.dtype, ctx.device, seed=st.cfg.seed, mc=st.full_mc)
+        ctx.notes.extend(n for n in mc.notes if n.startswith("real weights"))
+        model.eval()
+        ids = seeded_tokens(mc.config.vocab_size, st.cfg.prompts, st.cfg.seq_len, st.cfg.seed + 1).to(ctx.device)
+        transform = getattr(st, "transform", None)  # tests inject a fault into the target here
+        if transform is not None:
+            transform(model)
+        st.captured = capture_layers(model, ids)
+        del model
+        ctx.backend.synchronize()
+
+    def reference(self, ctx: CheckContext, st) -> None:
+        if ctx.variant != "stream":
+            return
+        from harness.weights.stream import float64_rotary, stream_reference
+
+        tol = st.cfg.rel_rmse.get(ctx.dtype, 3e-2)
+        ctx.tolerance("stream_rel_rmse", tol)
+        rep = stream_reference(st.meta, st.ckpt, st.captured, tol, rotary=float64_rotary(st.meta))
+        st.report = rep
+        worst = max((r.metrics["rel_rmse"] for r in rep.layers), default=0.0)
+        ctx.metric("stream_layers", len(rep.layers))
+        ctx.metric("stream_worst_rel_rmse", worst)
+        ctx.metric("stream_reference_bytes_read", rep.bytes_read)
+        first = rep.first_divergent
+        ctx.metric("stream_first_divergent_layer", -1 if first is None else first)
+        if first is not None:
+            ctx.detail("first_divergent_layer", str(first))
+            bad = rep.layers[first].metrics["rel_rmse"]
+            raise CheckFailure(f"decoder layer {first} diverges from the float64 reference (fed the target's own input "
+                               f"to that layer)", metric="stream_rel_rmse", expected=f"<= {tol}",
+                               observed=f"{bad:.3g}", tolerance=tol, details=rep.render())
+        if os.environ.get("HARNESS_WEIGHTS_VERBOSE"):
+            ctx.notes.append(rep.render())
+
+
+def register(registry: CheckRegistry) -> None:
+    registry.add(WeightsCheck())

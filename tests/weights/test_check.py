@@ -1,0 +1,71 @@
+"""The `weights` check through the pytest plugin: two suites in one run, one broken checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.weights.conftest import write_suite
+
+ONLY = "[checks.weights]\nvariants = [\"layout\"]\n"
+DTYPES = 'dtypes = ["float32"]\nbackends = ["cpu"]\n'
+
+
+def _cases(path):
+    out = {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        res = next((c for c in tc if c.tag in ("failure", "error", "skipped")), None)
+        out[f'{tc.get("classname")}::{tc.get("name")}'] = (res.tag if res is not None else "passed", (res.get("message") or "") if res is not None else "")
+    return out
+
+
+@pytest.mark.slow  # one in-process pytest run over six suites (~25 s on 2 shared cores)
+def test_broken_checkpoints_fail_alone_and_absent_ones_skip(pytester, kimi_ckpt, monkeypatch):
+    from harness.weights.manifest import write_manifest
+
+    root, raw, _ = kimi_ckpt
+    d = pytester.path / "suites"
+    good = pytester.path / "good"
+    shutil.copytree(root, good)
+    write_manifest(good)
+    trunc = pytester.path / "trunc"
+    shutil.copytree(good, trunc)
+    shard = sorted(trunc.glob("model-*.safetensors"))[3]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 8)
+    flipped = pytester.path / "flipped"
+    shutil.copytree(good, flipped)
+    fshard = sorted(flipped.glob("model-*.safetensors"))[1]
+    b = bytearray(fshard.read_bytes())
+    b[-3] ^= 1
+    fshard.write_bytes(bytes(b))
+    missing = pytester.path / "missing"
+    shutil.copytree(good, missing)
+    idx = json.loads((missing / "model.safetensors.index.json").read_text())
+    victim = "model.layers.3.mlp.experts.6.up_proj.weight"
+    mshard = idx["weight_map"].pop(victim)
+    sd = load_file(str(missing / mshard))
+    del sd[victim]
+    save_file(sd, str(missing / mshard), metadata={"format": "pt"})
+    (missing / "model.safetensors.index.json").write_text(json.dumps(idx))
+    write_manifest(missing)  # a consistent download of an incomplete export: the layout catches it
+    for name, w in (("good", good), ("trunc", trunc), ("flipped", flipped), ("missing", missing)):
+        write_suite(d, name, raw, f'weights = "../{w.name}"\n{ONLY}', top=DTYPES)
+    write_suite(d, "absent", raw, f'weights = "$HARNESS_WEIGHTS_ABSENT"\n{ONLY}', top=DTYPES)
+    write_suite(d, "random", raw, ONLY, top=DTYPES)  # no weights: no weights items at all
+    monkeypatch.delenv("HARNESS_WEIGHTS_ABSENT", raising=False)
+    pytester.makeini("[pytest]\naddopts = --harness-check=weights -p no:cacheprovider\n")
+    r = pytester.runpytest("suites", "--harness-backend=cpu", "--junitxml=j.xml")
+    cases = _cases(pytester.path / "j.xml")
+    by_suite = {k.split("::")[0].split(".")[1]: v for k, v in cases.items()}
+    assert set(by_suite) == {"good", "trunc", "flipped", "missing", "absent"}, r.stdout.str()
+    assert by_suite["good"] == ("passed", ""), by_suite["good"]
+    assert by_suite["trunc"][0] == "failure" and f"{shard.name}: truncated shard" in by_suite["trunc"][1]
+    assert by_suite["flipped"][0] == "failure" and f"{fshard.name}: checksum mismatch" in by_suite["flipped"][1]
+    assert by_suite["missing"][0] == "failure"
+    assert f"1 missing, 0 unexpected, 0 mismatched; first: missing {victim}" in by_suite["missing"][1]
+    assert by_suite["absent"] == ("skipped", "weights not available: $HARNESS_WEIGHTS_ABSENT is not set")

@@ -1,0 +1,91 @@
+"""Checkpoint discovery, header checks, pickle refusal, manifests and the `harness weights` command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from harness.cli import main
+from harness.weights.layout import WeightsError, open_checkpoint
+from harness.weights.manifest import MANIFEST_NAME, read_manifest, verify, write_manifest
+
+
+def test_sharded_checkpoint_is_indexed_from_headers(kimi_ckpt):
+    root, _, full = kimi_ckpt
+    ck = open_checkpoint(root)
+    assert len(ck.shards) > 5 and ck.index is not None
+    info = ck.tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
+    assert info.shape == (64, 32) and info.dtype == "float32" and info.shard == ck.index[info.name]
+
+
+def test_truncated_shard_is_named_with_its_sizes(kimi_ckpt, tmp_path):
+    root, _, _ = kimi_ckpt
+    bad = tmp_path / "ckpt"
+    shutil.copytree(root, bad)
+    shard = sorted(bad.glob("model-*.safetensors"))[2]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(WeightsError, match=rf"{shard.name}: truncated shard: its header needs {size} bytes, "
+                                           rf"the file has {size - 100}"):
+        open_checkpoint(bad)
+
+
+def test_pickle_only_checkpoint_is_refused_unless_allowed(tmp_path):
+    sd = {"model.embed_tokens.weight": torch.ones(4, 2)}
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(WeightsError, match=r"only pickle weights \(pytorch_model\.bin\); harness reads safetensors only.*"
+                                           r"model\.weights_allow_pickle = true"):
+        open_checkpoint(tmp_path)
+    ck = open_checkpoint(tmp_path, allow_pickle=True)
+    assert ck.pickle and ck.tensors["model.embed_tokens.weight"].shape == (4, 2)
+
+    class Evil:  # an arbitrary object: weights_only=True refuses to unpickle it
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    torch.save({"x": Evil()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(WeightsError, match=r"torch\.load\(weights_only=True\) refused it"):
+        open_checkpoint(tmp_path, allow_pickle=True)
+
+
+def test_manifest_catches_a_changed_byte_and_a_missing_shard(kimi_ckpt, tmp_path):
+    root, _, _ = kimi_ckpt
+    ck_dir = tmp_path / "ckpt"
+    shutil.copytree(root, ck_dir)
+    path = write_manifest(ck_dir)
+    assert path == ck_dir / MANIFEST_NAME
+    m = read_manifest(path)
+    assert verify(open_checkpoint(ck_dir), m) == []
+    shard = sorted(ck_dir.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40  # same size, one bit in the last tensor's data
+    shard.write_bytes(bytes(data))
+    problems = verify(open_checkpoint(ck_dir), m)
+    assert problems == [f"{shard.name}: checksum mismatch (sha256 {m['files'][shard.name]['sha256'][:12]}... "
+                        "recorded); re-download it"]
+
+
+def test_cli_manifest_and_verify(kimi_ckpt, tmp_path, capsys):
+    root, _, _ = kimi_ckpt
+    d = tmp_path / "ckpt"
+    shutil.copytree(root, d)
+    assert main(["weights", "manifest", str(d)]) == 0
+    assert f"wrote {d / MANIFEST_NAME}" in capsys.readouterr().out
+    assert main(["weights", "verify", str(d)]) == 0
+    assert "all match the manifest" in capsys.readouterr().out
+    extra = d / "model-99999-of-99999.safetensors"
+    save_file({"x": torch.zeros(1)}, str(extra))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["x"] = extra.name
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["weights", "verify", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert f"{extra.name}: in the checkpoint, not in the manifest" in out
+    assert "model.safetensors.index.json: " in out  # the index changed too
+    assert main(["weights", "manifest", str(tmp_path / "nowhere")]) == 2
+    assert "error: checkpoint not found" in capsys.readouterr().err
