@@ -7,6 +7,7 @@ import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.weights.conftest import write_suite
@@ -69,3 +70,42 @@ def test_broken_checkpoints_fail_alone_and_absent_ones_skip(pytester, kimi_ckpt,
     assert by_suite["missing"][0] == "failure"
     assert f"1 missing, 0 unexpected, 0 mismatched; first: missing {victim}" in by_suite["missing"][1]
     assert by_suite["absent"] == ("skipped", "weights not available: $HARNESS_WEIGHTS_ABSENT is not set")
+
+
+def _ctx(ls, variant, dtype="float32"):
+    from harness.backends import get
+    from harness.checks import CheckContext
+
+    return CheckContext(ls, get("cpu"), dtype, variant, check="weights")
+
+
+def test_stream_variant_passes_and_names_the_faulty_layer(kimi_ckpt, tmp_path):
+    from harness.checks import CheckFailure, registry
+    from harness.suite.loader import load_suite
+
+    root, raw, _ = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n[checks.weights]\nseq_len = 6\n'))
+    check = registry().get("weights")
+    ctx = _ctx(ls, "stream")
+    check.run(ctx)
+    props = dict(ctx.properties)
+    assert float(props["metric.stream_layers"]) == 4 and float(props["metric.stream_first_divergent_layer"]) == -1
+    assert float(props["metric.stream_worst_rel_rmse"]) < 1e-5
+
+    def fault(model):  # the target's layer 2 attention output projection is off by 2 %
+        with torch.no_grad():
+            model.model.layers[2].self_attn.o_proj.weight.mul_(1.02)
+
+    with pytest.raises(CheckFailure, match="decoder layer 2 diverges from the float64 reference") as e:
+        check.run(_ctx(ls, "stream"), transform=fault)
+    assert e.value.details.splitlines()[3].split()[-1] == "DIVERGES"
+
+
+def test_stream_variant_skips_when_the_model_does_not_fit(kimi_ckpt, tmp_path):
+    from harness.checks import NotApplicable, registry
+    from harness.suite.loader import load_suite
+
+    root, raw, _ = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n[checks.weights]\nmemory_fraction = 1e-9\n'))
+    with pytest.raises(NotApplicable, match=r"does not fit: the full model is built in float32 on the host"):
+        registry().get("weights").run(_ctx(ls, "stream"))
