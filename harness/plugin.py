@@ -45,6 +45,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
                 help="time limit of one item (default: the suite's timeout_s, else 10x its recorded "
                      "duration and >= 60 s, else 900 s)")
+    g.addoption("--harness-shard", default=None, metavar="I/N",
+                help="keep only shard I of N (1-based), balanced by recorded durations (harness/shard.py)")
+    g.addoption("--harness-scope", choices=("commit", "nightly"), default="commit",
+                help="commit: the items every commit runs (default); nightly: those plus the nightly-only "
+                     "items (real weights, full-size shapes, the full parallel matrix)")
     g.addoption("--harness-results", default=None, metavar="DIR",
                 help="journal each finished item to DIR/journal.jsonl and write DIR/junit.xml, summary.json "
                      "and summary.txt atomically at the end and on SIGTERM/SIGINT (harness run passes it)")
@@ -75,6 +80,40 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_WRITER] = writer
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Scope first, then the shard: the same in every process (xdist workers included)."""
+    scope = config.getoption("harness_scope")
+    if scope == "commit":
+        keep = [i for i in items if getattr(i, "scope", "commit") == "commit"]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if getattr(i, "scope", "commit") != "commit"])
+            items[:] = keep
+    spec = config.getoption("harness_shard")
+    if not spec:
+        return
+    from harness import shard
+
+    k, n = shard.parse(spec)
+    recorded = _recorded(config)
+    expected = shard.expected(((i.nodeid, _check_name(i), _size(i)) for i in items), recorded)
+    where = shard.assign(expected, n)
+    keep = [i for i in items if where[i.nodeid] == k]
+    config.hook.pytest_deselected(items=[i for i in items if where[i.nodeid] != k])
+    items[:] = keep
+
+
+def _check_name(item) -> str:
+    return item.check.name if isinstance(item, HarnessItem) else ("load" if isinstance(item, SuiteLoadItem) else "python")
+
+
+def _size(item) -> float:
+    if isinstance(item, HarnessItem):
+        from harness.shard import size_factor
+
+        return size_factor(item.suite.raw_config, item.suite.suite.prune)
+    return 0.01 if isinstance(item, SuiteLoadItem) else 1.0
+
+
 def _validate_options(config: pytest.Config) -> None:
     """A typo in --harness-check/--harness-backend/--harness-dtype would silently select nothing."""
     from harness.suite.schema import DTYPES
@@ -84,6 +123,14 @@ def _validate_options(config: pytest.Config) -> None:
         known["--harness-backend"] = backend_registry().names()
     except Exception as e:  # a bad harness.toml: say so once, in one line
         raise pytest.UsageError(str(e)) from None
+    spec = config.getoption("harness_shard", None)
+    if spec:
+        from harness import shard
+
+        try:
+            shard.parse(spec)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
     for opt, names in known.items():
         asked = _split(config.getoption(opt.lstrip("-").replace("-", "_"), None)) or set()
         bad = sorted(asked - set(names))
@@ -260,6 +307,7 @@ class HarnessItem(pytest.Item):
         self.suite, self.check, self.backend_name = suite, check, backend_name
         self.dtype, self.variant = dtype, variant
         self.result: ItemResult | None = None
+        self.scope = check.scope(suite, variant) if hasattr(check, "scope") else "commit"
         self.add_marker(getattr(pytest.mark, check.name))
 
     def setup(self) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +48,9 @@ class CheckConfig(BaseModel):
     variants: list[str] = Field(
         default_factory=list, description="Only these variants of the check (empty: every variant the "
         "check generates, e.g. every op for `ops`). An unknown name is an error listing the known ones.")
+    scope: Literal["commit", "nightly"] = Field(
+        "commit", description="Which runs generate this check's items: 'commit' (every run) or 'nightly' "
+        "(only `--scope nightly`, which also runs every commit item).")
 
 
 # Phase listeners: the run-integrity layer registers one to learn which step an item is in
@@ -135,6 +138,11 @@ class Check:
 
     def variants(self, suite: LoadedSuite, backend: Backend) -> list[str | None]:
         return [None]
+
+    def scope(self, suite: LoadedSuite, variant: str | None) -> str:
+        """'commit' or 'nightly' for one item; a check may put some variants (full-size shapes, the
+        full parallel matrix) in the nightly scope only."""
+        return getattr(self.config(suite), "scope", "commit")
 
     def new_state(self, ctx: CheckContext) -> Any:
         return SimpleNamespace()

@@ -26,6 +26,11 @@ def register(sub) -> None:
                         "duration and >= 60 s, else 900 s); a hung item is killed and reported")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                    help="host RSS limit of one item (default: the suite's memory_limit_gib, else none)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only shard I of N (1-based), balanced by recorded durations (harness durations)")
+    p.add_argument("--scope", choices=("commit", "nightly"), default="commit",
+                   help="commit (default): what every commit runs; nightly: plus real weights, full-size "
+                        "shapes and the full parallel matrix")
     p.add_argument("--no-isolate", action="store_true",
                    help="run items in this process (faster on trusted CPU runs; a hang or crash then costs "
                         "the run; device backends stay isolated)")
@@ -63,7 +68,17 @@ def main(args) -> int:
         console.print(f"[red]unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})")
         return 2
     backends = args.backend or [b.name for b in reg if b.available()]
-    extra = args.passthrough
+    extra = list(args.passthrough)
+    if args.shard:
+        from harness import shard
+
+        try:
+            shard.parse(args.shard)
+        except ValueError as e:
+            console.print(f"[red]{e}")
+            return 2
+        extra += [f"--harness-shard={args.shard}"]
+    extra += [f"--harness-scope={args.scope}"]
     return runner.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
                       results=args.results or Path(settings.results_dir), workers=args.workers,
                       keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,
