@@ -27,7 +27,14 @@ from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, CouldNotRun
 from harness.golden.store import GoldenError, load_golden
 from harness.precision import align
-from harness.precision.runner import check_against_golden, tolerances_for
+from harness.precision.runner import (
+    budgets_for,
+    build_target,
+    compare_run,
+    run_isolated,
+    run_model,
+    tolerances_for,
+)
 from harness.suite.loader import LoadedSuite
 from harness.suite.schema import DTYPES
 
@@ -43,6 +50,11 @@ metrics.declare("modules_over_tolerance", "", "lower", "captured modules whose e
 metrics.declare("generation_top1_agreement", "share", "higher", "greedy tokens equal to the golden's")
 metrics.declare("generation_logprob_max_abs_diff", "nats", "lower", "max |logprob diff| of agreeing greedy tokens")
 metrics.declare("router_expert_agreement", "share", "higher", "min share of router choices equal to the golden's")
+metrics.declare("isolated_worst_rel_rmse", "", "lower", "largest rel_rmse of a module run on the golden's inputs")
+metrics.declare("isolated_worst_budget_use", "", "lower", "largest isolated rel_rmse / the module's budget (fails > 1)")
+metrics.declare("isolated_modules_over_budget", "", "lower", "modules whose isolated error exceeds their budget")
+metrics.declare("routing_flips_near_tie", "", "lower", "tokens left out of isolated MoE comparisons after a "
+                "legitimate near-tie routing flip")
 
 
 class _Table(BaseModel):
@@ -86,6 +98,21 @@ class PrecisionConfig(CheckConfig):
         "full", description="'sampled' stores per-tensor statistics and a fixed sample of elements instead "
         "of whole tensors (for large models).")
     sample_size: int = Field(4096, ge=16, description="Elements kept per tensor in 'sampled' mode.")
+    numerics: Literal["realistic", "init"] = Field(
+        "realistic", description="'realistic': rescale the seeded weights so activations look like a trained "
+        "model's (peaky attention, residual RMS growing per layer; gains calibrated on the reference and "
+        "stored in the golden); 'init': the bare initialisation (near-uniform attention).")
+    attention_logit_std: float = Field(3.0, gt=0, description="realistic numerics: std of the attention logits "
+                                       "the attention gain aims at (3.0: normalised entropy ~0.4-0.5).")
+    residual_growth: float = Field(1.5, ge=1, description="realistic numerics: residual-stream RMS growth per "
+                                   "decoder layer the residual gains aim at (rounded to powers of two).")
+    isolated: bool = Field(True, description="Also run each captured module on the golden's recorded inputs "
+                           "(isolated comparison) and localize with it; off: propagated comparison only.")
+    budget_draws: int = Field(4, ge=1, description="Input draws over which `golden generate` measures each "
+                              "module's clean error per low-precision dtype (draw 0 is the golden's input).")
+    budget_k: float = Field(1.5, ge=1, description="A module fails when its isolated error exceeds "
+                            "budget_k x its measured clean error (max over draws) + the dtype's floor; "
+                            "the per-dtype tolerance stays the ceiling.")
     layer_report: Literal["on_failure", "always"] = Field("on_failure", description="When to write the "
                                                           "layer table and error plot.")
     tolerances: dict[str, Tolerance] = Field(default_factory=dict, description="Per dtype overrides of the defaults.")
@@ -138,12 +165,12 @@ class PrecisionCheck(Check):
     name = "precision"
     config_model = PrecisionConfig
     headline = ("logits_rel_rmse", "worst_module_rel_rmse")  # `harness run`'s table
-    steps = ("golden", "tolerances", "compare", "record", "report", "verdict")
-    setup_steps = ("golden", "tolerances")
+    steps = ("golden", "tolerances", "budgets", "compare", "isolate", "routing", "record", "report", "verdict")
+    setup_steps = ("golden", "tolerances", "budgets")
 
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, results_dir=None,
-                               force_report=False)
+                               force_report=False, model=None)
 
     def golden(self, ctx: CheckContext, st) -> None:
         st.g = load_golden_for(ctx, st.golden_root)
@@ -156,11 +183,40 @@ class PrecisionCheck(Check):
         ctx.detail("tolerance_source", ", ".join(f"{k}={src[k]}" for k in tol if tol[k] is not None))
         st.tol = tol
 
+    def budgets(self, ctx: CheckContext, st) -> None:
+        """Per-module budgets from the golden's measured clean errors in this dtype (k x clean + floor,
+        the tolerance as ceiling), the logits' propagated budget and the router flip limits."""
+        p = ctx.suite.suite.checks.precision
+        st.budgets = budgets_for(st.g, ctx.dtype, st.tol, p.budget_k)
+        per = st.budgets.modules
+        if st.budgets.logprob_atol is not None:
+            ctx.tolerance("generation_logprob_budget", st.budgets.logprob_atol)
+        if per:
+            ctx.detail("budget_source", f"measured clean error x {p.budget_k:g} + floor, ceiling "
+                       f"{st.tol['rel_rmse']:.3g} ({len(per)} modules, {st.g.budgets(ctx.dtype).get('draws')} draws)")
+        else:
+            ctx.detail("budget_source", f"no measurement for {ctx.dtype} in the golden: tolerance {st.tol['rel_rmse']:.3g}")
+
     def compare(self, ctx: CheckContext, st) -> None:
-        """The target on the golden's inputs, captured modules aligned with the golden's."""
-        st.res, st.tol, run = check_against_golden(ctx.suite, st.g, ctx.backend, ctx.dtype, transform=st.transform,
-                                                   context=st.context, tol=st.tol)
-        ctx.notes.extend(run.notes)
+        """Propagated: the target on the golden's inputs, every captured module aligned with the golden's."""
+        ls = ctx.suite
+        st.model, mc = build_target(ls, ctx.backend, ctx.dtype, st.transform, st.g)
+        st.run = run_model(st.model, st.g, ls, ctx.backend.device(), st.context)
+        ctx.notes.extend(mc.notes)
+
+    def isolate(self, ctx: CheckContext, st) -> None:
+        """Isolated: each captured module of the target on the golden's recorded inputs (run dtype)."""
+        if ctx.suite.suite.checks.precision.isolated and st.g.structures:
+            st.run.replayed = run_isolated(st.model, st.g, ctx.dtype, ctx.backend.device(), st.context)
+        elif ctx.suite.suite.checks.precision.isolated:
+            ctx.notes.append("golden has no recorded module inputs (sampled mode): propagated comparison only")
+
+    def routing(self, ctx: CheckContext, st) -> None:
+        """Verdict rows, routing-aware: in isolated MoE modules, tokens whose experts flipped at a
+        near tie (golden router margin within the measured router noise) are left out and counted;
+        a flip at a wide margin fails the module."""
+        st.res = compare_run(st.g, st.run, st.tol, st.budgets)
+        st.model = None  # free the target before reporting
 
     def record(self, ctx: CheckContext, st) -> None:
         res = st.res
@@ -177,6 +233,12 @@ class PrecisionCheck(Check):
             ctx.metric("generation_logprob_max_abs_diff", res.generation["logprob_max_abs_diff"])
         if res.expert_agreement:
             ctx.metric("router_expert_agreement", min(res.expert_agreement.values()))
+        if res.isolated:
+            ctx.metric("isolated_worst_rel_rmse", max(r.metrics["rel_rmse"] for r in res.isolated))
+            ctx.metric("isolated_worst_budget_use", max(r.metrics["rel_rmse"] / r.budget if r.budget else 0.0
+                                                        for r in res.isolated))
+            ctx.metric("isolated_modules_over_budget", sum(not r.ok for r in res.isolated))
+            ctx.metric("routing_flips_near_tie", res.routing_flips)
         if res.problems:
             raise CheckFailure(f"target outputs do not line up with the golden: {res.problems[0]}",
                                metric="captured_modules", expected="same modules and shapes as the golden",
@@ -204,13 +266,17 @@ class PrecisionCheck(Check):
         res, tol, table = st.res, st.tol, st.table
         first = res.first_divergent
         if first is not None:
+            n_bad = len(res.failing)
+            iso = first in res.isolated
+            prop = next((r for r in res.rows if r.module == first.module), None)
+            also = (f"; propagated rel_rmse {prop.metrics['rel_rmse']:.3g}" if iso and prop is not None else "")
             raise CheckFailure(
-                f"{first.module} diverges from the golden ({first.reason}); first of "
-                f"{sum(not r.ok for r in res.rows)} module(s) over tolerance",
-                metric=f"{first.module}.rel_rmse",
-                expected=f"<= {tol['rel_rmse']:.3g} (cosine >= {tol['min_cosine']:.10g})",
+                f"{first.module} diverges from the golden ({first.reason}{also}); first of "
+                f"{n_bad} module(s) over budget" + (" (isolated: the module run on the golden's inputs)" if iso else ""),
+                metric=f"{first.module}.{'isolated_' if iso else ''}rel_rmse",
+                expected=f"<= {first.budget:.3g} (cosine >= {tol['min_cosine']:.10g})",
                 observed=f"{first.metrics['rel_rmse']:.4g} (cosine {first.metrics['cosine']:.10g})",
-                tolerance=tol["rel_rmse"], details=table)
+                tolerance=first.budget, details=table)
         if res.generation_failure:
             raise CheckFailure(f"greedy generation differs from the golden: {res.generation_failure}",
                                metric="generation_top1_agreement", expected="equal tokens except at near ties",

@@ -35,8 +35,11 @@ class QuantizationConfig(CheckConfig):
     block_size: list[int] = Field(default_factory=lambda: [128, 128], description="FP8 weight block (rows, cols).")
     compute_dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="Dtype activations run in (unset: the item's dtype).")
-    rel_rmse: float = Field(0.08, ge=0, description="Budget: max relative RMSE of the logits vs the golden.")
-    min_cosine: float = Field(0.995, le=1, description="Budget: min cosine similarity of the logits.")
+    # Measured with the goldens' realistic numerics (peaky attention amplifies FP8 weight error in q/k):
+    # deepseek-v3 / kimi-k2 logits rel_rmse 0.141 / 0.132, cosine 0.990 / 0.991, top-1 0.91 / 0.88-0.91
+    # (with the bare initialisation it was 0.02; the old 0.08 / 0.995 budget came from that).
+    rel_rmse: float = Field(0.2, ge=0, description="Budget: max relative RMSE of the logits vs the golden.")
+    min_cosine: float = Field(0.98, le=1, description="Budget: min cosine similarity of the logits.")
     min_top1_agreement: float = Field(0.8, ge=0, le=1, description="Budget: min share of positions whose "
                                       "argmax token equals the golden's.")
 
@@ -111,7 +114,10 @@ class QuantizationCheck(Check):
 
         ls, q = ctx.suite, ctx.config
         st.scheme = quant_scheme(ls) or "fp8"
+        from harness.precision import numerics
+
         model, _ = build_model(ls, "float32", "cpu", seed=ls.suite.checks.precision.seed)
+        numerics.apply(model, st.g.manifest.get("numerics"))  # the golden's realistic-numerics gains
         n = quantize_weights(model, st.scheme, q.block_size)
         act = q.compute_dtype or ctx.dtype
         st.model = model.to(ctx.device, getattr(torch, act)).eval()

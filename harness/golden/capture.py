@@ -61,16 +61,71 @@ def _router_outputs(name: str, out) -> dict[str, torch.Tensor]:
     return res
 
 
+class NotReplayable(Exception):
+    """A module input that cannot be stored as data (an object, a cache): no isolated comparison."""
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # identity of a tensor's contents: the same storage seen through the same view
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 class Capture:
     """Context manager: ``with Capture(model) as cap: model(ids)``; then ``cap.outputs`` is an
-    ordered dict name -> tensor (detached, on CPU, in the run dtype)."""
+    ordered dict name -> tensor (detached, on CPU, in the run dtype).
+
+    With ``inputs=True`` it also records what each captured module was called with (first call):
+    ``cap.inputs[name]`` is a JSON-able structure ``{"args": [...], "kwargs": {...}}`` whose tensor
+    leaves are ``{"o": module}`` (the very tensor another captured module returned) or
+    ``{"t": key}`` (a tensor in ``cap.input_tensors``); identical tensors are stored once, so a
+    layer's input is not stored again when it is the previous layer's output."""
 
     def __init__(self, model: torch.nn.Module, patterns: Iterable[str] | None = None,
-                 convert: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 convert: Callable[[torch.Tensor], torch.Tensor] | None = None, inputs: bool = False):
         self.model, self.patterns = model, patterns
         self.convert = convert or (lambda t: t.detach().to("cpu"))
         self.outputs: dict[str, torch.Tensor] = {}
+        self.record_inputs = inputs
+        self.inputs: dict[str, dict] = {}
+        self.input_tensors: dict[str, torch.Tensor] = {}
+        self.not_replayable: dict[str, str] = {}
+        self._seen: dict[tuple, dict] = {}  # tensor identity -> leaf
+        self._alive: list[torch.Tensor] = []  # keeps identities unique while capturing
         self._handles = []
+
+    def _encode(self, v):
+        if isinstance(v, torch.Tensor):
+            k = _tensor_key(v)
+            leaf = self._seen.get(k)
+            if leaf is None:
+                key = f"i{len(self.input_tensors)}"
+                self.input_tensors[key] = self.convert(v)
+                self._alive.append(v)
+                leaf = self._seen[k] = {"t": key}
+            return leaf
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return {"v": v}
+        if isinstance(v, (tuple, list)):
+            return {"seq": [self._encode(x) for x in v], "tuple": isinstance(v, tuple)}
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return {"map": {k: self._encode(x) for k, x in v.items()}}
+        raise NotReplayable(type(v).__name__)
+
+    def _pre_hook(self, name: str):
+        def pre(_mod, args, kwargs):
+            if name in self.inputs or name in self.not_replayable:
+                return
+            try:
+                self.inputs[name] = {"args": [self._encode(a) for a in args],
+                                     "kwargs": {k: self._encode(v) for k, v in kwargs.items()}}
+            except NotReplayable as e:
+                self.not_replayable[name] = f"an input of type {e} cannot be stored"
+        return pre
+
+    def _remember_output(self, name: str, t: torch.Tensor) -> None:
+        if self.record_inputs:
+            self._seen.setdefault(_tensor_key(t), {"o": name})
+            self._alive.append(t)
 
     def _hook(self, name: str):
         is_router = name.endswith(ROUTER_SUFFIXES)
@@ -84,10 +139,14 @@ class Capture:
             for k, t in got.items():
                 if k not in self.outputs:  # a module called twice keeps its first call
                     self.outputs[k] = self.convert(t)
+                    if k == name:
+                        self._remember_output(name, t)
         return hook
 
     def __enter__(self) -> Capture:
         for name, mod in selected_modules(self.model, self.patterns):
+            if self.record_inputs:
+                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._hook(name)))
         return self
 
@@ -95,6 +154,7 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._alive.clear()
 
 
 def forward_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -115,12 +175,21 @@ def _accepts_use_cache(model) -> bool:
 def capture_forward(model: torch.nn.Module, ids: torch.Tensor, patterns: Iterable[str] | None = None,
                     ) -> dict[str, torch.Tensor]:
     """One forward; returns captured module outputs plus ``logits`` (last), on CPU."""
-    with torch.no_grad(), Capture(model, patterns) as cap:
+    return capture_with_inputs(model, ids, patterns, inputs=False)[0]
+
+
+def capture_with_inputs(model: torch.nn.Module, ids: torch.Tensor, patterns: Iterable[str] | None = None,
+                        inputs: bool = True, convert=None) -> tuple[dict[str, torch.Tensor], Capture]:
+    """One forward: (outputs incl. ``logits`` last, the Capture with each module's recorded inputs).
+    ``lm_head``'s output is the logits; its inputs are kept under the name ``logits``."""
+    with torch.no_grad(), Capture(model, patterns, convert, inputs=inputs) as cap:
         logits = forward_logits(model, ids)
     outs = dict(cap.outputs)
     outs.pop("lm_head", None)  # identical to the logits
-    outs["logits"] = logits.detach().to("cpu")
-    return outs
+    outs["logits"] = logits.detach().to("cpu") if convert is None else convert(logits)
+    if "lm_head" in cap.inputs:
+        cap.inputs["logits"] = cap.inputs.pop("lm_head")
+    return outs, cap
 
 
 def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int, topk: int = 5) -> dict[str, torch.Tensor]:

@@ -26,9 +26,8 @@ def parse_reference(spec: str) -> tuple[str, str]:
     return backend, dtype
 
 
-def reference_outputs(ls: LoadedSuite, ids: torch.Tensor, reference: str | None = None, transform=None
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """(module outputs incl. logits, generation, reference info) of the reference run."""
+def reference_model(ls: LoadedSuite, reference: str | None = None, transform=None):
+    """(model, ModelConfig, reference info) of the reference run, before any numerics gains."""
     from harness.backends import get
     from harness.models.build import build_model
 
@@ -43,35 +42,78 @@ def reference_outputs(ls: LoadedSuite, ids: torch.Tensor, reference: str | None 
     if transform is not None:
         model = transform(model)
     model.eval()
-    outs = capture_forward(model, ids.to(dev), p.capture)
-    gen = greedy(model, ids.to(dev), p.generate_tokens)
     info = {"backend": bname, "dtype": dtype, "device": be.device_name(), "notes": mc.notes,
             "architecture": mc.architecture}
+    return model, dev, info
+
+
+def reference_outputs(ls: LoadedSuite, ids: torch.Tensor, reference: str | None = None, transform=None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(module outputs incl. logits, generation, reference info) of the reference run."""
+    model, dev, info = reference_model(ls, reference, transform)
+    p = ls.suite.checks.precision
+    outs = capture_forward(model, ids.to(dev), p.capture)
+    gen = greedy(model, ids.to(dev), p.generate_tokens)
     return outs, gen, info
 
 
+def budget_draws(ls: LoadedSuite, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Input draws for budget measurement: the golden's own ids, then seeded draws of the same shape."""
+    from harness.models.build import model_config, seeded_tokens
+
+    p = ls.suite.checks.precision
+    vocab = model_config(ls).config.vocab_size
+    return [ids] + [seeded_tokens(vocab, p.batch_size, p.seq_len, p.seed + 1 + 1000 * d)
+                    for d in range(1, p.budget_draws)]
+
+
 def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tensor | None = None,
-                 transform=None) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """(manifest without files, {file stem: tensors}) for the suite."""
+                 transform=None, budgets: bool = True) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(manifest without files, {file stem: tensors}) for the suite: reference outputs, each captured
+    module's inputs, realistic-numerics gains and measured per-module budgets."""
     import safetensors
     import transformers
 
+    from harness.golden.capture import capture_with_inputs
     from harness.models.build import model_config, seeded_tokens
+    from harness.precision import budgets as bud
+    from harness.precision import numerics
 
     p = ls.suite.checks.precision
     if ids is None:
         vocab = model_config(ls).config.vocab_size
         ids = seeded_tokens(vocab, p.batch_size, p.seq_len, p.seed + 1)
     t = time.perf_counter()
-    outs, gen, info = reference_outputs(ls, ids, reference, transform)
-    packed, meta = store.pack(outs, p.golden_mode, p.sample_size)
+    model, dev, info = reference_model(ls, reference, transform)
+    num = None
+    if p.numerics == "realistic":
+        num = numerics.calibrate(model, ids.to(dev), p.attention_logit_std, p.residual_growth)
+    record = p.golden_mode == "full"
+    outs, cap = capture_with_inputs(model, ids.to(dev), p.capture, inputs=record,
+                                    convert=lambda x: x.detach().to("cpu"))
+    gen = greedy(model, ids.to(dev), p.generate_tokens)
+    packed, meta = store.pack(outs, p.golden_mode, p.sample_size, cap.input_tensors if record else None)
     manifest = {
         "format": store.FORMAT, "suite": ls.name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "safetensors": safetensors.__version__, "python": platform.python_version()},
         "reference": info, "config_hash": store.config_hash(ls), "input_spec": store.input_spec(ls),
-        "order": list(outs), "tensors": meta, "reference_seconds": round(time.perf_counter() - t, 3),
+        "order": list(outs), "tensors": meta,
     }
+    if record:
+        manifest["module_inputs"] = {n: st for n, st in cap.inputs.items() if n in outs}
+        if cap.not_replayable:
+            manifest["not_replayable"] = cap.not_replayable
+    if num is not None:
+        manifest["numerics"] = {k: num[k] for k in ("attention_logit_std", "residual_growth", "attention_gain",
+                                                       "residual_gain")}
+        manifest["numerics"]["stats"] = {"init": num["before"], "realistic": num["after"]}
+    dtypes = [d for d in ls.suite.dtypes if d in bud.MEASURED_DTYPES and d != info["dtype"]]
+    if budgets and record and dtypes and info["dtype"] == "float64":
+        draws = budget_draws(ls, ids)
+        runs = [(outs, cap)]
+        manifest["budgets"] = bud.measure(ls, draws, model, dtypes, runs, manifest.get("numerics"))
+    manifest["reference_seconds"] = round(time.perf_counter() - t, 3)
     files = {"inputs": {"input_ids": ids.cpu().to(torch.int64).contiguous()}, "modules": packed,
              "generation": {k: v.contiguous() for k, v in gen.items()}}
     return manifest, files

@@ -7,6 +7,16 @@ Layout::
     golden/<suite>/modules.safetensors    captured module outputs and logits (float32; int64 expert ids)
     golden/<suite>/generation.safetensors greedy tokens, logprobs, top-k candidates
 
+Format 2 also stores, for the isolated comparison, what each captured module was called with:
+``manifest["module_inputs"][module]`` is a structure of its args/kwargs whose tensor leaves are
+``{"o": module}`` (another module's stored output) or ``{"t": key}`` (``<key>::in`` in
+``modules.safetensors``, float32 copies of the float64 reference values), and the clean-error
+``budgets`` measured per low-precision dtype (``harness.precision.budgets``), and the realistic
+``numerics`` gains (``harness.precision.numerics``).
+
+Everything loaded is validated as data: names are plain identifiers, every tensor matches the
+manifest's shape and storage dtype and is finite, every entry the check needs is present.
+
 In ``sampled`` mode (large models) ``modules.safetensors`` holds, per tensor, a fixed sample of
 elements (``<name>`` values, ``<name>::idx`` flat indices) and the manifest holds per-tensor
 statistics of the whole tensor. Writes are atomic: files go to a temporary sibling directory which
@@ -17,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -25,9 +37,14 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 FILES = ("inputs", "modules", "generation")
 IDX = "::idx"
+IN = "::in"
+GENERATION_KEYS = ("tokens", "logprobs", "top_ids", "top_logprobs")
+# A golden's name becomes a directory under the golden root: a plain identifier, nothing that could
+# climb out of the root or hide (no separators, no "..", no leading dot).
+NAME_RX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
 class GoldenError(Exception):
@@ -53,8 +70,20 @@ def golden_root(root: str | Path | None = None) -> Path:
     return Path(load_settings().golden_dir)
 
 
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RX.fullmatch(name) or ".." in name:
+        raise GoldenError(f"golden name {name!r} is not a plain identifier (letters, digits, '_', '-', '.', '+'; "
+                          "no path separators or '..'): set a plain model.name in the suite")
+    return name
+
+
 def golden_dir(suite_name: str, root: str | Path | None = None) -> Path:
-    return golden_root(root) / suite_name
+    """``<root>/<suite_name>``, refusing any name that would resolve outside the root."""
+    base = golden_root(root)
+    path = base / check_name(suite_name)
+    if path.resolve().parent != base.resolve():
+        raise GoldenError(f"golden name {suite_name!r} resolves outside the golden root {_display(base)}")
+    return path
 
 
 def sha256_bytes(b: bytes) -> str:
@@ -69,16 +98,20 @@ def config_hash(ls) -> str:
     """What determines the reference numbers besides the input: the published config, the pruning,
     the model section (adapter, architecture, weights path) and the weight seed."""
     s = ls.suite
-    return canonical_hash({"config": ls.raw_config, "prune": s.prune.model_dump(mode="json"),
-                           "model": s.model.model_dump(mode="json", exclude={"name"}),
-                           "seed": s.checks.precision.seed})
+    p = s.checks.precision
+    h = {"config": ls.raw_config, "prune": s.prune.model_dump(mode="json"),
+         "model": s.model.model_dump(mode="json", exclude={"name"}), "seed": p.seed}
+    if p.numerics != "init":  # the weights' rescaling changes every reference number
+        h["numerics"] = [p.numerics, p.attention_logit_std, p.residual_growth]
+    return canonical_hash(h)
 
 
 def input_spec(ls) -> dict:
     p = ls.suite.checks.precision
     return {"batch_size": p.batch_size, "seq_len": p.seq_len, "input_seed": p.seed + 1,
             "generate_tokens": p.generate_tokens, "capture": p.capture, "mode": p.golden_mode,
-            "sample_size": p.sample_size if p.golden_mode == "sampled" else None}
+            "sample_size": p.sample_size if p.golden_mode == "sampled" else None,
+            "budget_draws": p.budget_draws}
 
 
 def sample_indices(numel: int, k: int) -> torch.Tensor:
@@ -107,6 +140,15 @@ class Golden:
     modules: dict[str, torch.Tensor]  # values (sampled: only the sample)
     indices: dict[str, torch.Tensor] = field(default_factory=dict)  # sampled mode: flat indices
     generation: dict[str, torch.Tensor] = field(default_factory=dict)
+    module_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # <key> -> stored input tensor
+
+    @property
+    def structures(self) -> dict[str, dict]:
+        """module -> its recorded call (see harness.precision.isolate); empty for format-1/sampled goldens."""
+        return self.manifest.get("module_inputs") or {}
+
+    def budgets(self, dtype: str) -> dict:
+        return (self.manifest.get("budgets") or {}).get(dtype) or {}
 
     @property
     def order(self) -> list[str]:
@@ -117,10 +159,16 @@ class Golden:
         return self.manifest["input_spec"].get("mode") == "sampled"
 
 
-def pack(outputs: dict[str, torch.Tensor], mode: str = "full", sample_size: int = 4096
-         ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Module outputs -> (tensors to store, manifest 'tensors' entries)."""
+def pack(outputs: dict[str, torch.Tensor], mode: str = "full", sample_size: int = 4096,
+         inputs: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Module outputs (and recorded module-input tensors) -> (tensors to store, manifest 'tensors'
+    entries). Floating tensors are stored as float32, integers as int64, booleans as bool."""
     store, meta = {}, {}
+    for key, t in (inputs or {}).items():
+        t = t.detach().cpu()
+        v = t.float() if t.is_floating_point() else (t if t.dtype == torch.bool else t.to(torch.int64))
+        store[key + IN] = v.contiguous()
+        meta[key + IN] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     for name, t in outputs.items():
         t = t.detach().cpu()
         entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -145,6 +193,9 @@ def write_golden(path: Path, manifest: dict, files: dict[str, dict[str, torch.Te
     from safetensors.torch import save
 
     path = Path(path)
+    check_name(path.name)  # every write stays under <root>/<plain name>
+    if ".." in path.parts:
+        raise GoldenError(f"{path}: a golden path must not contain '..' (writes stay under the golden root)")
     if path.exists() and not update:
         raise GoldenError(f"{_display(path)}: a golden already exists; pass --update to replace it "
                           "(see `harness golden diff` for what would change)")
@@ -185,8 +236,15 @@ def read_manifest(path: Path) -> dict:
                           f"`harness golden generate {path.name} --update`") from None
     except (OSError, ValueError) as e:
         raise GoldenError(f"{_display(mf)}: corrupt manifest ({type(e).__name__}: {e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
-        raise GoldenError(f"{_display(mf)}: not a harness golden manifest (format {FORMAT} expected)")
+    if not isinstance(manifest, dict) or "files" not in manifest or not isinstance(manifest["files"], dict):
+        raise GoldenError(f"{_display(mf)}: not a harness golden manifest")
+    if manifest.get("format") != FORMAT:
+        raise GoldenError(f"{_display(mf)}: golden format {manifest.get('format')!r}, this harness reads format "
+                          f"{FORMAT}; regenerate with `harness golden generate {path.name} --update`")
+    need = [k for k in ("order", "tensors", "input_spec", "config_hash", "reference") if k not in manifest]
+    if need:
+        raise GoldenError(f"{_display(mf)}: manifest lacks {', '.join(need)}; regenerate with "
+                          f"`harness golden generate {path.name} --update`")
     return manifest
 
 
@@ -214,19 +272,105 @@ def _load_file(path: Path, fname: str, manifest: dict) -> dict[str, torch.Tensor
 
 
 def load_golden_dir(path: Path) -> Golden:
-    """Load and verify (sha256, sizes) without checking which suite it belongs to."""
+    """Load and verify (sha256, sizes, every tensor against the manifest) without checking which
+    suite it belongs to."""
     path = Path(path)
     manifest = read_manifest(path)
+    spec = manifest["input_spec"] if isinstance(manifest["input_spec"], dict) else {}
     inputs = _load_file(path, "inputs.safetensors", manifest)
     mods = _load_file(path, "modules.safetensors", manifest)
+    n_gen = spec.get("generate_tokens") or 0
+    if n_gen and "generation.safetensors" not in manifest["files"]:
+        # never a silent skip: the suite asks for greedy tokens, so the golden must have them
+        raise GoldenError(f"{_display(path / 'manifest.json')}: lists no generation.safetensors but the input spec "
+                          f"asks for {n_gen} greedy tokens; regenerate with `harness golden generate {path.name} --update`")
     gen = _load_file(path, "generation.safetensors", manifest) if "generation.safetensors" in manifest["files"] else {}
-    values = {k: v for k, v in mods.items() if not k.endswith(IDX)}
+    values = {k: v for k, v in mods.items() if not k.endswith((IDX, IN))}
     idx = {k[: -len(IDX)]: v for k, v in mods.items() if k.endswith(IDX)}
-    missing = [n for n in manifest.get("order", []) if n not in values]
-    if "input_ids" not in inputs or missing:
-        raise GoldenError(f"{_display(path)}: golden files do not match the manifest "
-                          f"(missing {missing[:3] or ['input_ids']})")
-    return Golden(path, manifest, inputs["input_ids"], values, idx, gen)
+    mins = {k[: -len(IN)]: v for k, v in mods.items() if k.endswith(IN)}
+    g = Golden(path, manifest, inputs.get("input_ids"), values, idx, gen, mins)
+    validate(g)
+    return g
+
+
+def _bad(g: Golden, fname: str, what: str) -> GoldenError:
+    return GoldenError(f"{_display(g.path / fname)}: {what}; the golden is bad, not the target: regenerate with "
+                       f"`harness golden generate {g.path.name} --update`")
+
+
+def _check_tensor(g: Golden, fname: str, name: str, t: torch.Tensor | None, shape: list | None,
+                  kind: str) -> None:
+    """``kind``: 'float' (stored float32, finite), 'int' (int64), 'bool' or 'any'."""
+    if t is None:
+        raise _bad(g, fname, f"{name} is in the manifest but not in the file")
+    if shape is not None and list(t.shape) != list(shape):
+        raise _bad(g, fname, f"{name} has shape {list(t.shape)}, the manifest says {list(shape)}")
+    want = {"float": (torch.float32,), "int": (torch.int64,), "bool": (torch.bool,),
+            "any": (torch.float32, torch.int64, torch.bool)}[kind]
+    if t.dtype not in want:
+        raise _bad(g, fname, f"{name} is stored as {str(t.dtype).removeprefix('torch.')}, expected "
+                   f"{'/'.join(str(w).removeprefix('torch.') for w in want)}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise _bad(g, fname, f"{name} has {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/inf)")
+
+
+def _kind(dtype_name: str) -> str:
+    if dtype_name == "bool":
+        return "bool"
+    return "float" if dtype_name.startswith(("float", "bfloat", "complex")) else "int"
+
+
+def validate(g: Golden) -> None:
+    """Every tensor the check will read agrees with the manifest (shape, storage dtype, finite) and
+    every entry it needs is present; a disagreement is the golden's fault (GoldenError)."""
+    mf = g.manifest
+    spec = mf["input_spec"]
+    order, meta = mf["order"], mf["tensors"]
+    if not isinstance(order, list) or not isinstance(meta, dict) or not isinstance(spec, dict):
+        raise _bad(g, "manifest.json", "order / tensors / input_spec have the wrong type")
+    for name in order:
+        if not isinstance(name, str) or name not in meta:
+            raise _bad(g, "manifest.json", f"{name!r} is in the order but has no tensors entry")
+    if "logits" not in order:
+        raise _bad(g, "manifest.json", "no logits entry")
+    shape_ids = [spec.get("batch_size"), spec.get("seq_len")]
+    _check_tensor(g, "inputs.safetensors", "input_ids", g.inputs, shape_ids, "int")
+    for name in order:
+        m = meta[name]
+        kind = _kind(str(m.get("dtype", "")))
+        shape = [m["sampled"]] if m.get("sampled") else m.get("shape")
+        _check_tensor(g, "modules.safetensors", name, g.modules.get(name), shape, kind)
+        if m.get("sampled"):
+            _check_tensor(g, "modules.safetensors", name + IDX, g.indices.get(name), [m["sampled"]], "int")
+            if int(g.indices[name].max()) >= math.prod(m["shape"]) or int(g.indices[name].min()) < 0:
+                raise _bad(g, "modules.safetensors", f"{name + IDX} points outside the tensor")
+    for key, t in g.module_inputs.items():
+        m = meta.get(key + IN)
+        if m is None:
+            raise _bad(g, "modules.safetensors", f"{key + IN} is not in the manifest")
+        _check_tensor(g, "modules.safetensors", key + IN, t, m.get("shape"), _kind(str(m.get("dtype", ""))))
+    from harness.precision.isolate import leaves
+
+    for mod, st in g.structures.items():
+        for leaf in leaves(st):
+            ok = leaf.get("t") in g.module_inputs if "t" in leaf else leaf.get("o") in g.modules
+            if not ok:
+                raise _bad(g, "manifest.json", f"module_inputs of {mod} refer to {leaf}, which the golden lacks")
+    n_gen = spec.get("generate_tokens") or 0
+    if n_gen:
+        b = spec.get("batch_size")
+        k = g.generation.get("top_ids").shape[-1] if g.generation.get("top_ids") is not None else None
+        for key, shape, kind in (("tokens", [b, n_gen], "int"), ("logprobs", [b, n_gen], "float"),
+                                 ("top_ids", [b, n_gen, k], "int"), ("top_logprobs", [b, n_gen, k], "float")):
+            t = g.generation.get(key)
+            if t is not None and t.dtype == torch.float64 and kind == "float":
+                t = t.float()  # generation logprobs are stored in float64
+            _check_tensor(g, "generation.safetensors", key, t, shape, kind)
+    for dtype, b in (mf.get("budgets") or {}).items():
+        for mod, e in (b.get("modules") or {}).items() if isinstance(b, dict) else ():
+            v = e.get("budget") if isinstance(e, dict) else None
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise _bad(g, "manifest.json", f"budget of {mod} in {dtype} is {v!r}, not a positive number")
 
 
 def load_golden(ls, root: str | Path | None = None) -> Golden:

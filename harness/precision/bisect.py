@@ -118,16 +118,19 @@ def bisect_modules(ls: LoadedSuite, golden: Golden, backend, dtype: str, *, with
 
         rbe = get(rb)
         ref_model, _ = build_model(ls, rd, rbe.device(), seed=p.seed)
+        from harness.precision import numerics
+
+        numerics.apply(ref_model, golden.manifest.get("numerics"))  # the golden's realistic gains
         ref_model.eval()
         ref_mods, ref_dtype, ref_dev = dict(ref_model.named_modules()), getattr(torch, rd), rbe.device()
     elif with_ != "float32":
         raise ValueError(f"with_ must be 'reference' or 'float32', got {with_!r}")
 
-    probe, _ = build_target(ls, backend, dtype, transform)
+    probe, _ = build_target(ls, backend, dtype, transform, golden)
     res = BisectResult("module", None, [], False)
 
     def test(subset: list[str]) -> bool:
-        model, _ = build_target(ls, backend, dtype, transform)
+        model, _ = build_target(ls, backend, dtype, transform, golden)
         mods = dict(model.named_modules())
         for n in subset:
             if with_ == "reference":
@@ -206,7 +209,7 @@ def bisect_ops(ls: LoadedSuite, golden: Golden, backend, dtype: str, *, transfor
 
     tol = tolerances_for(ls, backend, dtype)[0]
     dev = backend.device()
-    model, _ = build_target(ls, backend, dtype, transform)
+    model, _ = build_target(ls, backend, dtype, transform, golden)
     res = BisectResult("op", None, [], False)
 
     def run(fallback: set[str]):

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from harness.golden.capture import capture_forward, greedy
+from harness.golden.capture import ROUTER_SUFFIXES, capture_forward, greedy
 from harness.golden.store import Golden
 from harness.precision import tolerance
-from harness.precision.compare import Comparison, compare_generation, compare_modules
+from harness.precision.compare import Comparison, compare_generation, compare_isolated, compare_modules
+from harness.precision.isolate import Replayed, replay
 from harness.suite.loader import LoadedSuite
 
 Transform = Callable[[torch.nn.Module], torch.nn.Module]
@@ -27,12 +28,18 @@ class TargetRun:
     outputs: dict[str, torch.Tensor]
     generation: dict[str, torch.Tensor]
     notes: list[str]
+    replayed: Replayed | None = None  # isolated outputs (each module on the golden's inputs)
 
 
-def build_target(ls: LoadedSuite, backend, dtype: str, transform: Transform | None = None):
+def build_target(ls: LoadedSuite, backend, dtype: str, transform: Transform | None = None,
+                 golden: Golden | None = None):
+    """The suite's model on the backend in the dtype, with the golden's realistic-numerics gains."""
     from harness.models.build import build_model
+    from harness.precision import numerics
 
     model, mc = build_model(ls, dtype, backend.device(), seed=ls.suite.checks.precision.seed)
+    if golden is not None:
+        numerics.apply(model, golden.manifest.get("numerics"))
     if transform is not None:
         model = transform(model)
     model.eval()
@@ -50,10 +57,61 @@ def run_model(model, golden: Golden, ls: LoadedSuite, device, context=None, gene
     return TargetRun(outs, gen, [])
 
 
-def compare_run(golden: Golden, run: TargetRun, tol: dict) -> Comparison:
-    res = compare_modules(golden, run.outputs, tol)
+def run_isolated(model, golden: Golden, dtype: str, device, context=None) -> Replayed:
+    """Each captured module of ``model`` on the golden's recorded inputs, converted to ``dtype``."""
+    from harness.models.build import torch_dtype
+
+    names = [n for n in golden.order if n in golden.structures]
+    return replay(model, golden.structures, golden.modules, golden.module_inputs, torch_dtype(dtype), device,
+                  names, context)
+
+
+@dataclass
+class Budgets:
+    """What one run is held to, from the golden's measurement for its dtype (see budgets_for)."""
+
+    modules: dict[str, float] = field(default_factory=dict)  # isolated rel_rmse budget per module
+    scales: dict[str, float] = field(default_factory=dict)  # isolated |scale error| budget per module
+    logits: float | None = None  # propagated logits rel_rmse (enforced only without isolated rows)
+    router_limits: dict[str, float] = field(default_factory=dict)  # widest legitimate flip margin per router
+    logprob_atol: float | None = None  # greedy-token logprob budget
+
+
+def budgets_for(golden: Golden, dtype: str, tol: dict, k: float) -> Budgets:
+    """Budgets for a run: k x measured clean error + the dtype's floor, capped by the tolerance (the
+    ceiling). Modules without a measurement (dtype not measured) get the tolerance. A router flip is
+    legitimate when the golden's margin is within 2 k x the router logits' measured error (2: a flip
+    needs the difference of two logits to change sign). Greedy logprobs: k x the measured max + 0.01
+    nats (capped by logprob_atol)."""
+    from harness.precision.budgets import budget, scale_budget
+
+    b = golden.budgets(dtype)
+    ceiling = tol["rel_rmse"]
+    mods = b.get("modules") or {}
+    out = Budgets({n: budget(st, dtype, ceiling, k) for n, st in mods.items()},
+                  {n: scale_budget(st["scale"], dtype, k) for n, st in mods.items() if "scale" in st})
+    lg = (b.get("propagated") or {}).get("logits")
+    out.logits = budget(lg, dtype, ceiling, k) if lg else None
+    out.router_limits = {g: 2 * k * v for g, v in (b.get("router_noise") or {}).items()}
+    gen = (b.get("generation") or {}).get("logprob_diff")
+    if gen and gen.get("n"):
+        out.logprob_atol = min(tol["logprob_atol"], k * gen["max"] + 0.01)
+    return out
+
+
+def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | None = None) -> Comparison:
+    bud = budgets or Budgets()
+    enforce = None
+    if run.replayed is not None:
+        enforce = {n for n in golden.order if n not in run.replayed.outputs}
+    res = compare_modules(golden, run.outputs, tol, enforce=enforce, logits_budget=bud.logits)
+    if run.replayed is not None:
+        lim = dict.fromkeys([n for n in golden.order if n.endswith(ROUTER_SUFFIXES)], tol["tie_margin"])
+        lim.update(bud.router_limits)
+        compare_isolated(golden, run.replayed, tol, bud.modules, lim, res, bud.scales)
     if run.generation:
-        compare_generation(golden, run.generation, tol, res)
+        gtol = dict(tol, logprob_atol=bud.logprob_atol) if bud.logprob_atol is not None else tol
+        compare_generation(golden, run.generation, gtol, res)
     return res
 
 
@@ -62,9 +120,13 @@ def tolerances_for(ls: LoadedSuite, backend, dtype: str) -> tuple[dict, dict]:
 
 
 def check_against_golden(ls: LoadedSuite, golden: Golden, backend, dtype: str, *, transform: Transform | None = None,
-                         context=None, tol: dict | None = None) -> tuple[Comparison, dict, TargetRun]:
+                         context=None, tol: dict | None = None, isolated: bool | None = None
+                         ) -> tuple[Comparison, dict, TargetRun]:
+    p = ls.suite.checks.precision
     tol = tol or tolerances_for(ls, backend, dtype)[0]
-    model, mc = build_target(ls, backend, dtype, transform)
+    model, mc = build_target(ls, backend, dtype, transform, golden)
     run = run_model(model, golden, ls, backend.device(), context)
+    if (p.isolated if isolated is None else isolated) and golden.structures:
+        run.replayed = run_isolated(model, golden, dtype, backend.device(), context)
     run.notes = list(mc.notes)
-    return compare_run(golden, run, tol), tol, run
+    return compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k)), tol, run

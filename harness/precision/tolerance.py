@@ -20,9 +20,12 @@ DEFAULTS: dict[str, dict] = {
                 "logprob_atol": 1e-4, "tie_margin": 1e-4},
     "float16": {"rel_rmse": 1e-2, "min_cosine": 0.9995, "max_abs_err": None, "min_within_1e3": None,
                 "logprob_atol": 0.02, "tie_margin": 0.02},
-    # measured worst module 1.1e-2 rel_rmse, 6e-5 cosine gap, 2.4e-3 logprob: margin 4x / 16x / 20x
+    # measured worst module 1.1e-2 rel_rmse, 6e-5 cosine gap, 2.4e-3 logprob: margin 4x / 16x / 20x.
+    # logprob_atol: with realistic numerics (peaky attention, see numerics.py) greedy logprobs of
+    # agreeing tokens differ by up to 0.061 (deepseek-v3, routing flips upstream); the golden's
+    # measured budget (k x max + 0.01) applies below this ceiling.
     "bfloat16": {"rel_rmse": 4e-2, "min_cosine": 0.999, "max_abs_err": None, "min_within_1e3": None,
-                 "logprob_atol": 0.05, "tie_margin": 0.1},
+                 "logprob_atol": 0.15, "tie_margin": 0.1},
 }
 
 

@@ -191,3 +191,115 @@ def test_build_golden_is_deterministic():
     g = store.load_golden(ls, GOLDEN)
     assert torch.equal(f1["inputs"]["input_ids"], g.inputs)
     assert torch.equal(f1["modules"]["logits"], g.modules["logits"])
+
+
+# --- goldens validated as data (issue #9, item 5) ------------------------------------------------------
+
+
+def test_golden_name_must_be_plain_identifier(write_suite, tmp_path, capsys):
+    """A suite whose model.name is ``../victim`` must not make `golden generate --update` replace (and
+    delete) a directory outside the golden root."""
+    from harness.suite.loader import load_suite
+
+    body = (REPO / "suites" / "qwen3-8b.toml").read_text().replace("[model]\n", "[model]\nname = \"../victim\"\n", 1)
+    ls = load_suite(write_suite("victim-suite", body))
+    assert ls.name == "../victim"
+    root = tmp_path / "golden"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    with pytest.raises(store.GoldenError, match="not a plain identifier"):
+        generate(ls, root, update=True)
+    assert (victim / "keep.txt").read_text() == "precious"
+    assert cli(["golden", "generate", str(ls.path), "--update", "--golden-dir", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "not a plain identifier" in err and err.strip().count("\n") == 0
+    assert (victim / "keep.txt").read_text() == "precious" and list(root.iterdir()) == []
+    for bad in ("a/b", "..", ".hidden", "x/../../y", ""):
+        with pytest.raises(store.GoldenError):
+            store.golden_dir(bad, root)
+    with pytest.raises(store.GoldenError):  # the low-level writer refuses too
+        store.write_golden(root / ".." / "victim", {}, {}, update=True)
+    assert (victim / "keep.txt").read_text() == "precious"
+
+
+def _rewrite(root, name: str, fname: str, edit) -> None:
+    """Rewrite one golden file with ``edit(tensors)`` and fix its sha256/size in the manifest, so that
+    only the content check can catch what was changed."""
+    from safetensors.torch import load, save
+
+    d = root / name
+    f = d / fname
+    tensors = load(f.read_bytes())
+    edit(tensors)
+    data = save(tensors, metadata={"format": "pt"})
+    f.write_bytes(data)
+    mf = json.loads((d / "manifest.json").read_text())
+    mf["files"][fname] = {"sha256": store.sha256_bytes(data), "bytes": len(data)}
+    (d / "manifest.json").write_text(json.dumps(mf))
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("nan", "non-finite value"),
+    ("shape", "has shape [2, 16, 63]"),
+    ("dtype", "stored as float16"),
+    ("input_nan", "non-finite value"),
+])
+def test_golden_tensor_disagreeing_with_manifest_is_the_goldens_fault(one_golden, damage, message, tmp_path, capsys):
+    ls, root = one_golden
+    name = "model.layers.0.self_attn"
+
+    def edit(t):
+        if damage == "nan":
+            t[name][0, 3, 5] = float("nan")
+        elif damage == "shape":
+            t[name] = t[name][..., :63].contiguous()
+        elif damage == "dtype":
+            t[name] = t[name].half()
+        else:
+            key = next(k for k in t if k.endswith(store.IN) and t[k].is_floating_point())
+            t[key].view(-1)[0] = float("nan")
+    _rewrite(root, ls.name, "modules.safetensors", edit)
+    with pytest.raises(store.GoldenError, match=message.replace("[", r"\[")) as e:
+        store.load_golden(ls, root)
+    assert "the golden is bad, not the target" in str(e.value) and "\n" not in str(e.value)
+    assert cli(["golden", "verify", "qwen3-8b", "--golden-dir", str(root)]) == 1
+    assert message in capsys.readouterr().err
+    ctx, failure = run_check(ls, "bfloat16", tmp_path, golden_root=root)
+    assert isinstance(failure, CouldNotRun) and failure.step == "golden" and message in failure.message
+
+
+def test_golden_generation_nan_or_missing_entry(one_golden, tmp_path):
+    ls, root = one_golden
+
+    def nan_logprobs(t):
+        t["logprobs"] = torch.full_like(t["logprobs"], float("nan"))
+    _rewrite(root, ls.name, "generation.safetensors", nan_logprobs)
+    with pytest.raises(store.GoldenError, match="logprobs has .* non-finite"):
+        store.load_golden(ls, root)
+    # a manifest without the generation entry must not silently skip generation
+    mf = json.loads((root / ls.name / "manifest.json").read_text())
+    del mf["files"]["generation.safetensors"]
+    (root / ls.name / "manifest.json").write_text(json.dumps(mf))
+    with pytest.raises(store.GoldenError, match="lists no generation.safetensors but the input spec asks for 4"):
+        store.load_golden(ls, root)
+    ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
+    assert isinstance(failure, CouldNotRun) and "generation" in failure.message
+
+
+def test_nan_target_generation_logprobs_fail():
+    """max(x, nan) keeps x: all-NaN logprobs of agreeing greedy tokens used to pass."""
+    from harness.precision.compare import Comparison, compare_generation
+    from harness.precision.tolerance import DEFAULTS
+
+    g = store.load_golden(suite("qwen3-8b"), GOLDEN)
+    gen = {"tokens": g.generation["tokens"].clone(),
+           "logprobs": torch.full_like(g.generation["logprobs"], float("nan"))}
+    res = Comparison()
+    compare_generation(g, gen, DEFAULTS["bfloat16"], res)
+    assert res.generation_failure is not None and "non-finite" in res.generation_failure
+    ok = Comparison()
+    compare_generation(g, {"tokens": gen["tokens"], "logprobs": g.generation["logprobs"].clone()},
+                       DEFAULTS["bfloat16"], ok)
+    assert ok.generation_failure is None

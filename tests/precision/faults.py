@@ -99,3 +99,179 @@ class FaultyKernel(TorchDispatchMode):
         if name == self.op and isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64:
             out = out * (1 + self.rel)
         return out
+
+
+# --- faults a new accelerator ships: kernels that misbehave only in bfloat16/float16 -----------------
+#
+# Dispatcher level: the wrong kernel is registered with torch.library for the CPU dispatch key (as a
+# vendor's backend registers its kernels for PrivateUse1), so the model code is untouched and every
+# call of the op in the run goes through it. In float32/float64 the replacement computes the right
+# result (from other aten ops, so it never calls itself); in bfloat16/float16 it is wrong.
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def _softmax_math(x: torch.Tensor, dim: int, scale: float = 1.0) -> torch.Tensor:
+    xf = x.float() * scale
+    xf = xf - xf.amax(dim, keepdim=True)
+    e = xf.exp()
+    return e / e.sum(dim, keepdim=True)
+
+
+def _k_softmax(scale):
+    def softmax(x, dim, half_to_float):
+        s = scale if x.dtype in LOW else 1.0
+        out = _softmax_math(x, dim, s)
+        return out if half_to_float or x.dtype == torch.float32 else out.to(x.dtype if x.dtype != torch.float64 else x.dtype)
+    return softmax
+
+
+def _k_safe_softmax(scale):
+    def safe_softmax(x, dim, dtype=None):
+        s = scale if x.dtype in LOW else 1.0
+        if x.dtype == torch.float64:
+            xm = x - x.amax(dim, keepdim=True)
+            e = xm.exp()
+            out = e / e.sum(dim, keepdim=True)
+        else:
+            out = _softmax_math(x, dim, s)
+        out = torch.nan_to_num(out, nan=0.0)  # fully masked rows are 0, as _safe_softmax does
+        return out.to(dtype or x.dtype)
+    return safe_softmax
+
+
+def _k_sdpa_cpu(scale_error):
+    def flash(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        if q.dtype in LOW:
+            sc = sc * scale_error
+        out, _ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                  scale=sc, enable_gqa=True)
+        lse = torch.zeros(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32)
+        return out, lse
+    return flash
+
+
+def _k_silu(slope):
+    def silu(x):
+        xf = x.float() if x.dtype != torch.float64 else x
+        out = xf * torch.sigmoid(xf)
+        if x.dtype in LOW:
+            out = out * slope
+        return out.to(x.dtype)
+    return silu
+
+
+def _k_mm(block: int, min_k: int):
+    """Matrix product whose partial sums over K-blocks of ``block`` are accumulated in the low
+    dtype when K >= min_k (split-K without an fp32 accumulator); exact products through bmm."""
+    def mm(a, b):
+        if a.dtype not in LOW or a.shape[1] < min_k:
+            return torch.ops.aten.bmm(a[None], b[None])[0]
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype)
+        af, bf = a.float(), b.float()
+        for j in range(0, a.shape[1], block):
+            part = torch.ops.aten.bmm(af[None, :, j:j + block], bf[None, j:j + block])[0]
+            acc = (acc.float() + part).to(a.dtype)  # the fault: the running sum is rounded to bf16
+        return acc
+    return mm
+
+
+def _k_rms_norm(acc_low: bool):
+    """``aten::rms_norm`` with transformers' semantics (float32 statistics, weight applied in the input
+    dtype); faulty: the sum of squares accumulated element by element in the low dtype."""
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
+        eps = 1e-6 if eps is None else eps
+        xf = x.to(torch.float32) if x.dtype != torch.float64 else x.to(torch.float32)
+        if acc_low and x.dtype in LOW:
+            acc = torch.zeros(x.shape[:-1], dtype=x.dtype)
+            sq = (x * x)
+            for j in range(x.shape[-1]):
+                acc = acc + sq[..., j]
+            var = (acc.float() / x.shape[-1])[..., None]
+        else:
+            var = xf.pow(2).mean(-1, keepdim=True)
+        y = (xf * torch.rsqrt(var + eps)).to(x.dtype)
+        return weight * y if weight is not None else y
+    return rms_norm
+
+
+class KernelFault:
+    """``with KernelFault("silu"):`` - faulty CPU kernels registered with torch.library for the
+    duration (removed on exit, restoring the real ones). Kinds: ``sdpa_scale`` (SDPA and softmax
+    with the scale off by ``rel``), ``silu_slope`` (SiLU off by ``rel``), ``matmul_bf16_acc``
+    (aten::mm accumulating K-blocks of 4 in the low dtype for K >= 32: the pruned models' reductions
+    are 64-256 long, so 16-32 partial sums, as a 4096-long reduction in K-tiles of 128-256 has), ``rmsnorm_bf16_acc``
+    (aten::rms_norm accumulating in the low dtype; use with ``route_rmsnorm``)."""
+
+    def __init__(self, kind: str, rel: float = 0.03):
+        self.kind, self.rel = kind, rel
+        self.lib = None
+
+    def kernels(self) -> dict:
+        f = 1 + self.rel
+        return {"sdpa_scale": {"_scaled_dot_product_flash_attention_for_cpu": _k_sdpa_cpu(f),
+                               "_softmax": _k_softmax(f), "_safe_softmax": _k_safe_softmax(f)},
+                "silu_slope": {"silu": _k_silu(f)},
+                "matmul_bf16_acc": {"mm": _k_mm(4, 32)},
+                "rmsnorm_bf16_acc": {"rms_norm": _k_rms_norm(True)},
+                "rmsnorm_ok": {"rms_norm": _k_rms_norm(False)}}[self.kind]
+
+    def __enter__(self):
+        import warnings
+
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
+            for op, fn in self.kernels().items():
+                self.lib.impl(op, fn, "CPU")
+        return self
+
+    def __exit__(self, *exc):
+        self.lib._destroy()
+        self.lib = None
+
+
+def route_rmsnorm(model):
+    """Every RMSNorm module calls ``torch.nn.functional.rms_norm`` (the fused kernel a port uses)
+    instead of transformers' Python code; with the real kernel (or ``rmsnorm_ok``) the numbers are
+    the same as transformers' (float32 statistics)."""
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "weight"):
+            eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+
+            def fwd(h, _m=mod, _eps=eps):
+                return torch.nn.functional.rms_norm(h, (h.shape[-1],), _m.weight, _eps)
+            mod.forward = fwd
+    return model
+
+
+def rotary_low_precision(model):
+    """Rotary tables computed in the run dtype (angles, cos and sin in bf16/fp16 instead of float32),
+    as a port that builds the tables in the model dtype does. transformers computes them in float32
+    whatever the dtype, so on CPU no dispatcher kernel ever sees them in bf16: this one replaces the
+    rotary module's forward (the same formula, other precision)."""
+    rot = model.model.rotary_emb
+    orig = rot.forward
+
+    def fwd(x, position_ids=None, *a, **k):
+        if x.dtype not in LOW:
+            return orig(x, position_ids, *a, **k)
+        freqs = position_ids[..., None].to(x.dtype) * rot.inv_freq.to(x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = getattr(rot, "attention_scaling", 1.0)
+        return emb.cos() * scale, emb.sin() * scale
+    rot.forward = fwd
+    return model
+
+
+def residual_scale(layer: int, rel: float = 0.01):
+    """Model level: one decoder layer's output (the residual stream after it) scaled by 1 + rel."""
+    def t(model):
+        def hook(_m, _a, out):
+            if isinstance(out, torch.Tensor):
+                return out * (1 + rel)
+            return (out[0] * (1 + rel),) + tuple(out[1:])
+        model.model.layers[layer].register_forward_hook(hook)
+        return model
+    return t

@@ -58,7 +58,7 @@ def test_bisect_float32_promotion_fixes_precision_loss(monkeypatch):
     from harness.precision.runner import build_target, compare_run, run_model
 
     ls, g, be = _setup("qwen3-8b")
-    model, _ = build_target(ls, be, "bfloat16")
+    model, _ = build_target(ls, be, "bfloat16", golden=g)
     loose = dict(tolerance.DEFAULTS["bfloat16"], rel_rmse=1.0, min_cosine=0.0)
     r = compare_run(g, run_model(model, g, ls, be.device(), generate=False), loose)
     worst = max(x.metrics["rel_rmse"] for x in r.rows)

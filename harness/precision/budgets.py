@@ -1,0 +1,187 @@
+"""Per-module error budgets from measurement.
+
+When a golden is made, each captured module's *clean* isolated error is measured on the reference
+backend in every low-precision dtype the suite lists: the float64 model is run on several input
+draws (draw 0 is the golden's own input ids), recording every module's inputs and outputs; the
+same weights in the dtype then run each module on those inputs converted to the dtype, and the
+module's rel_rmse against the float64 output is its clean error for that draw. The manifest stores,
+per dtype and module, the mean / std / max over the draws, and per router the largest router-logit
+error seen in any isolated call (``router_noise``: how close to a tie a legitimate routing flip
+can be). The propagated logits error (the whole model in the dtype) is measured the same way.
+
+A module then fails when ``error > k * clean_max + floor`` (``budget``), capped by the per-dtype
+default tolerance (the ceiling). ``k`` and the floors are chosen from the measured spread (see
+docs/precision.md, "Budgets"): over the bundled suites the largest ratio of one draw's clean error
+to the max over the other draws is about 1.2, a correct kernel on another backend (other
+accumulation order, fused kernels that round intermediates) adds at most a similar factor, so
+k = 2 leaves a >= 1.6x margin for clean runs while a kernel fault that doubles a module's own
+error is caught.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.golden.capture import EXPERTS_SUFFIX, ROUTER_SUFFIXES
+from harness.precision.compare import tensor_metrics
+from harness.precision.isolate import keep_tokens, replay
+
+K = 1.5
+# Floors: a quarter of the dtype's unit roundoff for bf16/fp16 (2^-8, 2^-11) - below what rounding a
+# module's output alone costs (~0.6 x unit roundoff in rel_rmse), so they only matter for modules
+# whose clean error is (almost) zero. float32: 8 unit roundoffs (2^-21, 4.8e-7): on CPU a norm or a
+# rotary table is bit-identical to the reference (transformers computes them in float32 even in the
+# float64 model), and another backend's float32 rsqrt/cos may differ by an ulp or two - that is not
+# a fault.
+FLOORS = {"bfloat16": 2.0 ** -10, "float16": 2.0 ** -13, "float32": 2.0 ** -21, "float64": 1e-12}
+# Floors of the scale error |<a-r, r>| / <r, r>: rounding noise puts it at ~rel_rmse / sqrt(numel)
+# (~1e-4 in bf16 for a 2x16x64 activation); the floor sits ~5-10 sigma above that, so that a
+# systematic error of a few tenths of a percent (a scale, a slope) is still caught.
+SCALE_FLOORS = {"bfloat16": 1e-3, "float16": 1.5e-4, "float32": 5e-7, "float64": 1e-12}
+
+
+def scale_budget(stats: dict, dtype: str, k: float = K) -> float:
+    return k * stats["max"] + SCALE_FLOORS.get(dtype, 0.0)
+MEASURED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _rounded(d):
+    if isinstance(d, dict):
+        return {k: _rounded(v) for k, v in d.items()}
+    return float(f"{d:.4g}") if isinstance(d, float) else d
+
+
+def budget(stats: dict, dtype: str, ceiling: float, k: float = K, floor: float | None = None) -> float:
+    f = FLOORS.get(dtype, 0.0) if floor is None else floor
+    return min(ceiling, k * stats["max"] + f)
+
+
+def _summary(values: list[float]) -> dict:
+    vals = [v for v in values if math.isfinite(v)]
+    if not vals:
+        return {"mean": math.inf, "std": 0.0, "max": math.inf, "n": 0}
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) if len(vals) > 1 else 0.0
+    return {"mean": mean, "std": std, "max": max(vals), "min": min(vals), "n": len(vals)}
+
+
+def isolated_errors(names: list[str], ref_outputs: dict, structures: dict, tensors: dict, model, dtype, device,
+                    context=None) -> tuple[dict[str, float], dict[str, float], dict[str, float], int]:
+    """(rel_rmse per module, |scale error| per module, largest router-logit abs error per router,
+    routing flips) of ``model``
+    run module by module on a reference run's recorded inputs. Tokens whose routing flipped are
+    left out (measurement cannot judge them; the check does, against the noise measured here)."""
+    rp = replay(model, structures, ref_outputs, tensors, dtype, device, names, context)
+    errs, scales, noise, flips = {}, {}, {}, 0
+    for name in names:
+        got = rp.outputs.get(name)
+        ref = ref_outputs.get(name)
+        if got is None or ref is None or not ref.is_floating_point() or got.shape != ref.shape:
+            continue
+        keep = None
+        for gate, chosen in (rp.inner_choices.get(name) or {}).items():
+            rc = ref_outputs.get(gate + EXPERTS_SUFFIX)
+            if rc is not None and rc.shape == chosen.shape:
+                same = (rc.reshape(chosen.shape[0], -1) == chosen.reshape(chosen.shape[0], -1)).all(-1)
+                flips += int((~same).sum())
+                keep = same if keep is None else keep & same
+        for gate, lg in (rp.inner_logits.get(name) or {}).items():
+            rl = ref_outputs.get(gate)
+            if rl is not None and rl.shape == lg.shape:
+                noise[gate] = max(noise.get(gate, 0.0), (lg.double() - rl.double()).abs().max().item())
+        if name.endswith(ROUTER_SUFFIXES):
+            noise[name] = max(noise.get(name, 0.0), (got.double() - ref.double()).abs().max().item())
+        m = tensor_metrics(keep_tokens(got, keep), keep_tokens(ref, keep))
+        errs[name], scales[name] = m["rel_rmse"], abs(m["scale_err"])
+    return errs, scales, noise, flips
+
+
+def measure(ls, draws: list[torch.Tensor], reference_model, dtypes: list[str], reference_runs=None,
+            numerics_entry: dict | None = None) -> dict:
+    """The manifest's ``budgets``: {dtype: {"k", "floor", "draws", "modules": {name: stats + budget},
+    "router_noise": {gate: value}, "propagated": {"logits": stats}, "flips": n}}."""
+    from harness.golden.capture import capture_with_inputs
+    from harness.models.build import build_model, torch_dtype
+    from harness.precision import numerics
+    from harness.precision.tolerance import DEFAULTS
+
+    p = ls.suite.checks.precision
+    n_gen = p.generate_tokens
+    ref_gens: dict[int, dict] = {}
+    runs = reference_runs or []
+    for i in range(len(runs), len(draws)):
+        outs, cap = capture_with_inputs(reference_model, draws[i], p.capture)
+        runs.append((outs, cap))
+    result = {}
+    for dtype in dtypes:
+        dt = torch_dtype(dtype)
+        model, _ = build_model(ls, dtype, "cpu", seed=p.seed)
+        numerics.apply(model, numerics_entry)
+        model.eval()
+        per_mod: dict[str, list[float]] = {}
+        per_scale: dict[str, list[float]] = {}
+        noise: dict[str, float] = {}
+        logits_err: list[float] = []
+        gen_lp: list[float] = []
+        tie_gaps: list[float] = []
+        flips = 0
+        for (outs, cap), ids in zip(runs, draws, strict=True):
+            names = [n for n in outs if n in cap.inputs]
+            errs, sc, nz, fl = isolated_errors(names, outs, cap.inputs, cap.input_tensors, model, dt, "cpu")
+            flips += fl
+            for n, e in errs.items():
+                per_mod.setdefault(n, []).append(e)
+                per_scale.setdefault(n, []).append(sc[n])
+            for g, v in nz.items():
+                noise[g] = max(noise.get(g, 0.0), v)
+            with torch.no_grad():
+                from harness.golden.capture import forward_logits
+
+                lg = forward_logits(model, ids).to("cpu")
+            logits_err.append(tensor_metrics(lg, outs["logits"])["rel_rmse"])
+            if n_gen:
+                lp, gap = _generation_errors(reference_model, model, ids, n_gen, ref_gens, len(logits_err) - 1)
+                gen_lp.append(lp)
+                tie_gaps.extend(gap)
+        ceiling = DEFAULTS.get(dtype, DEFAULTS["float32"])["rel_rmse"]
+        mods = {}
+        for n, vals in per_mod.items():
+            st = _summary(vals)
+            st["budget"] = budget(st, dtype, ceiling)
+            sst = _summary(per_scale[n])
+            st["scale"] = {"mean": sst["mean"], "max": sst["max"], "budget": scale_budget(sst, dtype)}
+            mods[n] = _rounded(st)
+        lst = _summary(logits_err)
+        lst["budget"] = budget(lst, dtype, ceiling)
+        result[dtype] = {"k": K, "floor": FLOORS.get(dtype, 0.0), "scale_floor": SCALE_FLOORS.get(dtype, 0.0),
+                         "draws": len(draws), "modules": mods,
+                         "router_noise": {g: float(f"{v:.4g}") for g, v in noise.items()},
+                         "propagated": {"logits": {k: float(f"{v:.4g}") if isinstance(v, float) else v
+                                                   for k, v in lst.items()}},
+                         "flips": flips}
+        if n_gen:
+            result[dtype]["generation"] = _rounded({"logprob_diff": _summary(gen_lp), "mismatch_gaps": sorted(tie_gaps)})
+    return result
+
+
+def _generation_errors(reference_model, model, ids, n: int, ref_gens: dict, draw: int) -> tuple[float, list[float]]:
+    """(max |logprob diff| of agreeing greedy tokens, reference gaps at mismatching tokens) of the
+    dtype model's greedy generation against the reference's on one draw."""
+    from harness.golden.capture import greedy
+
+    ref = ref_gens.get(draw)
+    if ref is None:
+        ref = ref_gens[draw] = greedy(reference_model, ids, n)
+    got = greedy(model, ids, n)
+    lp, gaps = 0.0, []
+    for b in range(ref["tokens"].shape[0]):
+        for t in range(n):
+            if got["tokens"][b, t] == ref["tokens"][b, t]:
+                lp = max(lp, abs(got["logprobs"][b, t].item() - ref["logprobs"][b, t].item()))
+                continue
+            hit = (ref["top_ids"][b, t] == got["tokens"][b, t]).nonzero()
+            gaps.append((ref["logprobs"][b, t] - ref["top_logprobs"][b, t, hit[0, 0]]).item() if len(hit) else math.inf)
+            break
+    return lp, gaps

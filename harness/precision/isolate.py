@@ -1,0 +1,181 @@
+"""Isolated comparison: run each captured module of the target on the *golden's* inputs.
+
+The golden records what every captured module was called with (``Capture(inputs=True)``: a
+structure of args/kwargs whose tensor leaves point at stored tensors). Here each module of the
+target model is called on those inputs, converted to the run dtype, so its error is its own and not
+the sum of everything upstream (the propagated comparison shows the latter).
+
+Routing: a module that contains a router (an MoE block, a decoder layer of an MoE model) may choose
+other experts than the golden for a token whose router scores are near-tied. ``routing_mask``
+decides per token whether such a flip is legitimate - the golden's router-logit margin between the
+experts swapped is within the dtype's router noise (measured when the golden was made) - and the
+comparison then leaves those tokens out and counts them; a flip at a wide margin is a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.golden.capture import EXPERTS_SUFFIX, ROUTER_SUFFIXES, _router_outputs, first_tensor
+
+
+def decode(node, resolve):
+    """Inverse of ``Capture._encode`` with ``resolve(kind, key)`` giving each tensor leaf."""
+    if "t" in node:
+        return resolve("t", node["t"])
+    if "o" in node:
+        return resolve("o", node["o"])
+    if "v" in node:
+        return node["v"]
+    if "seq" in node:
+        seq = [decode(x, resolve) for x in node["seq"]]
+        return tuple(seq) if node.get("tuple") else seq
+    if "map" in node:
+        return {k: decode(v, resolve) for k, v in node["map"].items()}
+    raise ValueError(f"unknown input node {sorted(node)}")
+
+
+def leaves(node):
+    """Every tensor leaf ({"t": key} / {"o": name}) of a structure."""
+    if "t" in node or "o" in node:
+        yield node
+    elif "seq" in node:
+        for x in node["seq"]:
+            yield from leaves(x)
+    elif "map" in node:
+        for x in node["map"].values():
+            yield from leaves(x)
+    elif "args" in node:
+        for x in node["args"]:
+            yield from leaves(x)
+        for x in node["kwargs"].values():
+            yield from leaves(x)
+
+
+@dataclass
+class Replayed:
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> its isolated output
+    inner_choices: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> gate -> chosen
+    inner_logits: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> gate -> logits
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def replay(model: torch.nn.Module, structures: dict[str, dict], outputs: dict[str, torch.Tensor],
+           tensors: dict[str, torch.Tensor], dtype: torch.dtype, device, names: list[str],
+           context=None) -> Replayed:
+    """Call each module in ``names`` on its recorded inputs (``structures``; leaves resolved from the
+    reference ``outputs`` / ``tensors``; floating tensors converted to ``dtype`` on ``device``)."""
+    import contextlib
+
+    mods = dict(model.named_modules())
+    routers = [n for n in mods if n.endswith(ROUTER_SUFFIXES) and n]
+    res = Replayed()
+    seen: dict[str, tuple] = {}
+    handles = []
+
+    def router_hook(name):
+        def hook(_m, _a, out):
+            if name not in seen:
+                seen[name] = out
+        return hook
+
+    for n in routers:
+        handles.append(mods[n].register_forward_hook(router_hook(n)))
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def resolve(kind, key):
+        got = cache.get((kind, key))
+        if got is None:
+            t = outputs[key] if kind == "o" else tensors[key]
+            got = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+            cache[(kind, key)] = got
+        return got
+
+    ctx = context() if context is not None else contextlib.nullcontext()
+    try:
+        with ctx, torch.no_grad():
+            for name in names:
+                st = structures.get(name)
+                mod = mods.get("lm_head" if name == "logits" else name)
+                if st is None or mod is None:
+                    res.skipped[name] = "no recorded inputs" if st is None else "module not in the target"
+                    continue
+                args = [decode(a, resolve) for a in st["args"]]
+                kwargs = {k: decode(v, resolve) for k, v in st["kwargs"].items()}
+                seen.clear()
+                out = mod(*args, **kwargs)
+                if name.endswith(ROUTER_SUFFIXES):
+                    for k, v in _router_outputs(name, out).items():
+                        res.outputs[k] = v.detach().to("cpu")
+                else:
+                    t = first_tensor(out)
+                    if t is not None:
+                        res.outputs[name] = t.detach().to("cpu")
+                inner = {g: _router_outputs(g, o) for g, o in seen.items()}
+                res.inner_choices[name] = {g: d[g + EXPERTS_SUFFIX].to("cpu") for g, d in inner.items()
+                                           if g + EXPERTS_SUFFIX in d}
+                res.inner_logits[name] = {g: d[g].detach().to("cpu") for g, d in inner.items() if g in d}
+    finally:
+        for h in handles:
+            h.remove()
+    return res
+
+
+def flip_margins(ref_chosen: torch.Tensor, got_chosen: torch.Tensor, ref_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flipped token mask [T], golden margin per token [T]): for a token whose chosen expert set
+    differs, the largest golden router-logit gap between an expert the golden chose and the target
+    did not and one the target chose and the golden did not (how far from a tie the flip was)."""
+    ref_chosen, got_chosen = ref_chosen.reshape(-1, ref_chosen.shape[-1]), got_chosen.reshape(-1, got_chosen.shape[-1])
+    lg = ref_logits.reshape(ref_chosen.shape[0], -1).double()
+    n_e = lg.shape[-1]
+    ref_set = torch.zeros(lg.shape, dtype=torch.bool).scatter_(1, ref_chosen.long().clamp(0, n_e - 1), True)
+    got_set = torch.zeros(lg.shape, dtype=torch.bool).scatter_(1, got_chosen.long().clamp(0, n_e - 1), True)
+    flipped = (ref_set != got_set).any(-1)
+    dropped = ref_set & ~got_set
+    added = got_set & ~ref_set
+    inf = torch.tensor(float("inf"), dtype=lg.dtype)
+    hi = torch.where(dropped, lg, inf).min(-1).values  # weakest expert the target dropped
+    lo = torch.where(added, lg, -inf).max(-1).values  # strongest expert the target added
+    margin = torch.where(flipped, (hi - lo).abs(), torch.zeros_like(hi))
+    return flipped, margin
+
+
+def routing_mask(name: str, replayed: Replayed, golden_outputs: dict[str, torch.Tensor],
+                 noise: dict[str, float]) -> tuple[torch.Tensor | None, int, list[str]]:
+    """(tokens to keep [T] or None, legitimate flips, wide-flip messages) for one isolated module."""
+    choices = replayed.inner_choices.get(name) or {}
+    keep, legit, wide = None, 0, []
+    for gate, got in choices.items():
+        ref = golden_outputs.get(gate + EXPERTS_SUFFIX)
+        logits = golden_outputs.get(gate)
+        if ref is None or logits is None or ref.shape != got.shape:
+            continue
+        flipped, margin = flip_margins(ref, got, logits)
+        if not flipped.any():
+            continue
+        lim = noise.get(gate)
+        ok = flipped & (margin <= lim) if lim is not None else torch.zeros_like(flipped)
+        bad = flipped & ~ok
+        legit += int(ok.sum())
+        if bad.any():
+            t = int(bad.nonzero()[0, 0])
+            wide.append(f"{gate}: {int(bad.sum())} token(s) routed to other experts at a wide router margin "
+                        f"(token {t}: golden margin {margin[t].item():.3g} > noise "
+                        f"{'unmeasured' if lim is None else f'{lim:.3g}'})")
+        keep = ~flipped if keep is None else keep & ~flipped
+    return keep, legit, wide
+
+
+def keep_tokens(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``t`` (viewed as [tokens, ...]) for the kept tokens; unchanged when ``t`` is not
+    token-major or nothing is left out."""
+    if keep is None or bool(keep.all()):
+        return t
+    n = keep.numel()
+    if t.numel() % n or t.dim() == 0:
+        return t
+    flat = t.reshape(n, -1) if t.shape[0] != n else t.reshape(n, -1)
+    return flat[keep]
