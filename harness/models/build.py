@@ -20,7 +20,7 @@ from harness.models.config import (
     build_config,
     use_eager_experts,
 )
-from harness.suite.loader import LoadedSuite
+from harness.suite.loader import LoadedSuite, SuiteError
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -34,10 +34,18 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+class SuiteModelError(SuiteError, ModelBuildError):
+    """A suite whose model cannot be built (unknown architecture, a pruned config transformers rejects):
+    a SuiteError naming the file, so every command that reports bad suites in one line reports it too."""
+
+
 def model_config(ls: LoadedSuite, *, pruned: bool = True) -> ModelConfig:
     m = ls.suite.model
-    return build_config(ls.raw_config, ls.suite.prune if pruned else None, architecture=m.architecture,
-                        trust_remote_code=m.trust_remote_code)
+    try:
+        return build_config(ls.raw_config, ls.suite.prune if pruned else None, architecture=m.architecture,
+                            trust_remote_code=m.trust_remote_code)
+    except ModelBuildError as e:
+        raise SuiteModelError(ls.path, [str(e)]) from None
 
 
 def load_adapter(spec: str) -> Callable:
