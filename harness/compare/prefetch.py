@@ -11,7 +11,9 @@ cannot start, the baseline has problems) simply means the parent parses the base
 
 The child is tied to its parent: it holds the read end of a pipe whose write end only the parent
 has, and a watcher thread ends the child the moment that pipe reports end-of-file -- which the
-kernel does when the parent exits for any reason, ``kill -9`` included. (A killed comparison must
+kernel does when the parent exits for any reason, ``kill -9`` included. On Linux the kernel is also
+asked to kill the child when its parent dies (``PR_SET_PDEATHSIG``), which does not wait for the
+watcher thread to get the interpreter lock from a long parse. (A killed comparison must
 not leave a process behind that goes on writing into the history.) The child does not take the
 history's lock: its parent holds it for both of them.
 """
@@ -22,13 +24,13 @@ import os
 import subprocess
 import sys
 
-from harness.compare.junit import expand
-
 MIN_BYTES = 8 << 20  # below this a second process costs more than it saves
 
 
 def start(paths: list[str], db_path: str, key: str) -> subprocess.Popen | None:
     """Start the child if it is worth it; None when the parent should parse by itself."""
+    from harness.compare.junit import expand  # here, not at the top: the child starts light
+
     if (os.cpu_count() or 1) < 2:
         return None
     try:
@@ -37,7 +39,8 @@ def start(paths: list[str], db_path: str, key: str) -> subprocess.Popen | None:
         return None
     if size < MIN_BYTES:
         return None
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "HARNESS_PREFETCH_PARENT": str(os.getpid())}
     try:
         # stdin is the lifeline: the parent never writes to it, and never closes it until done
         return subprocess.Popen([sys.executable, "-m", "harness.compare.prefetch", db_path, key, *paths],
@@ -69,6 +72,17 @@ def _die_with_parent() -> None:
     committing anything (SQLite rolls back an unfinished transaction)."""
     import threading
 
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.environ.get("HARNESS_PREFETCH_PARENT") not in (None, str(os.getppid())):
+            os._exit(4)  # the parent died before the request took effect
+
     def watch() -> None:
         try:  # os.read on the raw descriptor: no buffered-reader lock to trip over at shutdown
             while os.read(0, 65536):
@@ -87,7 +101,6 @@ def main(argv: list[str]) -> int:
     from harness.compare.junit import read_results
 
     db_path, key, *paths = argv
-    _die_with_parent()
     gc.disable()  # see harness.compare.pipeline.run_compare
     baseline = read_results(paths)
     if baseline.problems or not baseline.cases:
@@ -99,4 +112,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    _die_with_parent()  # first, before the imports that take a while
     sys.exit(main(sys.argv[1:]))

@@ -315,6 +315,7 @@ def test_12_killing_compare_ends_its_prefetch_child(tmp_path):
         kids = _children(parent.pid)
         time.sleep(0.02)
     assert kids, "compare started no prefetch child"
+    time.sleep(1.0)  # let it get well into the parse: the case of a compare killed mid-run
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     t = time.monotonic()
