@@ -47,7 +47,7 @@ def test_prune_choices_respect_the_architecture():
     q, why = choose_prune(raw["Qwen3-30B-A3B"])
     assert q["num_attention_heads"] // q["num_key_value_heads"] == 8  # 32:4
     assert q["head_dim"] * q["num_attention_heads"] != q["hidden_size"]  # stays explicit
-    assert "first_k_dense_replace" not in q and any("(1 kind)" in w for w in why)  # every layer MoE
+    assert "first_k_dense_replace" not in q and any("(1 kind" in w for w in why)  # every layer MoE
     ll, _ = choose_prune(raw["Llama-3.1-8B"])
     assert ll["num_attention_heads"] // ll["num_key_value_heads"] == 4 and "num_experts" not in ll
     assert ll["hidden_size"] % ll["num_attention_heads"] == 0
@@ -63,3 +63,25 @@ def test_init_refuses_to_overwrite_and_unknown_architecture(tmp_path, capsys):
     (tmp_path / "c.toml").write_text("")
     assert _run([str(cfg), "--suites-dir", str(tmp_path), "--no-validate"]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_suites_written_elsewhere_are_found_by_name(tmp_path, monkeypatch):
+    """`init --suites-dir DIR` records DIR; resolve_names (golden generate, run) then finds NAME there."""
+    from harness.suite.loader import SUITE_DIRS_FILE, SuiteError, resolve_names
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "suites").mkdir()
+    cfg = tmp_path / "c.json"
+    shutil.copy(REPO_SUITES / "configs" / "Llama-3.1-8B.json", cfg)
+    with pytest.raises(SuiteError, match="no such suite 'mine'"):
+        resolve_names(["mine"], "suites")
+    assert _run([str(cfg), "--suites-dir", "elsewhere", "--name", "mine", "--no-validate"]) == 0
+    assert (tmp_path / SUITE_DIRS_FILE).read_text().strip() == str(tmp_path / "elsewhere")
+    assert resolve_names(["mine"], "suites") == [tmp_path / "elsewhere" / "mine.toml"]
+    (tmp_path / "third").mkdir()
+    (tmp_path / "third" / "other.toml").write_text("")
+    monkeypatch.setenv("HARNESS_SUITES_PATH", str(tmp_path / "third"))
+    assert resolve_names(["other"], "suites") == [tmp_path / "third" / "other.toml"]
+    with pytest.raises(SuiteError) as e:
+        resolve_names(["nope"], "suites")
+    assert "elsewhere" in str(e.value) and "third" in str(e.value)
