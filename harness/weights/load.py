@@ -90,8 +90,16 @@ def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype 
     ckpt = open_checkpoint(path, allow_pickle=m.weights_allow_pickle)
     p = build_plan(model, ls, mc, ckpt)
     reader = ShardReader(ckpt)
+    swapped: list[str] = []
+    why = ""
     try:
         kinds = fill(model, p, ckpt, reader)
+        if m.weights_quantized == "native" and kinds.get("fp8_block"):
+            from harness.weights.native import native_fp8, swap_fp8_linears
+
+            ok, why = native_fp8("cpu")  # the host builds; a device without FP8 fails at its first forward
+            if ok:
+                swapped = swap_fp8_linears(model, ckpt, p, reader, quant.block_size(ckpt))
     finally:
         reader.close()
     notes = [f"real weights from {_display(path)}: {p.selection.describe()}; read {reader.bytes_read / 2**20:.1f} MiB "
@@ -100,7 +108,9 @@ def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype 
     if q:
         notes.append("dequantized exactly: " + ", ".join(f"{v} {k} tensors" for k, v in sorted(q.items())))
         if m.weights_quantized == "native":
-            notes.append("weights_quantized = 'native': no native kernel path on this build, ran dequantized")
+            why = why or "no FP8 Linear layers"
+            notes.append(f"weights_quantized = 'native': {len(swapped)} Linear layers kept in FP8 (torch._scaled_mm)"
+                         if swapped else f"weights_quantized = 'native': nothing runs natively ({why}), ran dequantized")
     if ckpt.pickle:
         notes.append("weights read from pickle files with torch.load(weights_only=True) (model.weights_allow_pickle)")
     return notes

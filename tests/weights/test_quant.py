@@ -118,3 +118,52 @@ def test_pruned_model_from_int4_checkpoint_equals_dequantized_tensors(kimi_int4,
     assert torch.equal(p["model.layers.1.self_attn.o_proj.weight"], q.double() * s.double().repeat_interleave(8, 1))
     # the unquantized tensors (norms, router, embeddings) are the originals
     assert torch.equal(p["model.layers.1.mlp.gate.weight"], full.state_dict()["model.layers.1.mlp.gate.weight"][:4].double())
+
+
+def test_native_fp8_linear_matches_the_dequantized_reference():
+    from harness.weights.native import Fp8BlockLinear, native_fp8
+
+    ok, why = native_fp8("cpu")
+    assert ok, why  # torch 2.13's CPU build has _scaled_mm with row-wise scales
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 160, generator=g)  # ragged last 128-block along K and N
+    q, s = quant.quantize_fp8_block(w, (128, 128))
+    lin = Fp8BlockLinear(q, s, (128, 128), None)
+    x = torch.randn(3, 5, 160, generator=g)
+    ref = x.double() @ quant.dequant_fp8_block(q, s, (128, 128)).t()
+    y = lin(x)
+    assert y.shape == (3, 5, 96) and y.dtype == torch.float32
+    # only the activations' e4m3 rounding (2^-4 relative per element) separates the two
+    rel = (y.double() - ref).norm() / ref.norm()
+    assert 1e-4 < rel < 2**-5
+    lin.to(torch.bfloat16)  # build_model casts the model: the payload and scales must survive it
+    assert lin.q_bits.dtype == torch.uint8 and lin.scale_bits.dtype == torch.int32
+
+
+def test_native_fp8_suite_keeps_linears_quantized(tmp_path):
+    """A suite that asks for native FP8 runs its Linear layers through _scaled_mm and stays close to the
+    dequantized build of the same checkpoint (FP8 block 128x128 on real-width layers: wide model here)."""
+    from harness.weights.native import Fp8BlockLinear
+    from tests.weights.conftest import make_model, rewrite_shards, save_checkpoint, small_config
+
+    raw = small_config("Llama-3.1-8B.json", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128, bos_token_id=0,
+                       eos_token_id=1, torch_dtype="float32")
+    src = save_checkpoint(make_model(raw, seed=8), raw, tmp_path / "f32", shard="1MB")
+
+    def conv(name, t):
+        q, s = quant.quantize_fp8_block(t, (128, 128))
+        return {name: q, f"{name}_scale_inv": s}
+
+    fp8 = tmp_path / "fp8"
+    rewrite_shards(src, fp8, conv, {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    deq, _ = build_model(load_suite(write_suite(tmp_path, "d", raw, f'weights = "{fp8}"\n')), "float32")
+    nat, mc = build_model(load_suite(write_suite(tmp_path, "n", raw, f'weights = "{fp8}"\nweights_quantized = '
+                                                                     '"native"\n')), "float32")
+    assert any("14 Linear layers kept in FP8" in n for n in mc.notes), mc.notes
+    assert isinstance(nat.model.layers[1].mlp.down_proj, Fp8BlockLinear)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = nat.eval()(ids).logits.double(), deq.eval()(ids).logits.double()
+    rel = ((a - b).norm() / b.norm()).item()
+    assert 0 < rel < 0.05, rel
