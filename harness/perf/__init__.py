@@ -1,0 +1,18 @@
+"""Performance measurement for the ``perf`` check: samples worth comparing on noisy machines.
+
+One module per concern:
+
+=================  ===========================================================================
+module             what
+=================  ===========================================================================
+``timing``         warm-up, synchronize around every timing, repeats within a time budget, GC
+                   off, CPU affinity and thread count fixed and recorded
+``stats``          median, IQR, bootstrap confidence interval, Mann-Whitney U (exact / normal)
+``fingerprint``    the machine: backend, devices, driver, versions, CPU; its comparability class
+``calibrate``      reference kernels (matmul FLOP/s per dtype, copy bandwidth), measured in the run
+``roofline``       FLOPs and bytes per token from ``harness.inspect``'s formulas -> MFU / MBU
+``decide``         the regression rule: past the threshold AND significant, calibrated ratio
+``baseline``       samples sidecar files in the results dir; baselines under ``golden/perf/``
+``workload``       the perf-sized model and its prefill / decode / train-step workloads
+=================  ===========================================================================
+"""

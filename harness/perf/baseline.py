@@ -1,0 +1,164 @@
+"""Where samples live: a sidecar file per item in the results dir, baselines under ``golden/perf/``.
+
+Sidecar (written by every perf item)::
+
+    results/perf/<suite>/<backend>-<dtype>-<variant>.json
+    {"format": 1, "suite", "backend", "dtype", "variant", "fingerprint", "class",
+     "calibration", "samples": {metric: [seconds...]}, "summary": {metric: {median, iqr, ...}},
+     "roofline", "memory", "verdicts"}
+
+Baseline (one file per suite and machine class, written by ``harness baseline update RESULTS``)::
+
+    golden/perf/<suite>/<class key>.json
+    {"format": 1, "suite", "class": {...}, "items": {"<backend>-<dtype>-<variant>": <sidecar>}}
+
+A baseline is keyed by machine class (fingerprint.py), so a CPU runner and an H200 keep their own
+and never meet. Updating merges: items of the run replace the same items, others stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from harness.perf import fingerprint as fpmod
+
+FORMAT = 1
+
+
+class BaselineError(Exception):
+    """A baseline or sidecar that cannot be used; ``str()`` is one line naming the file."""
+
+
+def results_root(results_dir: str | Path | None = None) -> Path:
+    if results_dir is not None:
+        return Path(results_dir)
+    env = os.environ.get("HARNESS_RESULTS_DIR")
+    if env:
+        return Path(env)
+    from harness.settings import load_settings
+
+    return Path(load_settings().results_dir)
+
+
+def perf_golden_root(golden_root: str | Path | None = None) -> Path:
+    from harness.golden.store import golden_root as root
+
+    return root(golden_root) / "perf"
+
+
+def item_key(backend: str, dtype: str, variant: str | None) -> str:
+    return f"{backend}-{dtype}" + (f"-{variant}" if variant else "")
+
+
+def sidecar_path(suite: str, key: str, results_dir: str | Path | None = None) -> Path:
+    return results_root(results_dir) / "perf" / suite / f"{key}.json"
+
+
+def write_sidecar(record: dict, results_dir: str | Path | None = None) -> Path:
+    record = {"format": FORMAT, **record}
+    p = sidecar_path(record["suite"], record["key"], results_dir)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=_jsonable))
+    tmp.replace(p)  # a reader never sees half a file
+    return p
+
+
+def _jsonable(o):
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    return str(o)
+
+
+def _read(p: Path) -> dict:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise BaselineError(f"{p}: cannot read: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BaselineError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise BaselineError(f"{p}: not a harness perf file of format {FORMAT}")
+    return data
+
+
+def read_sidecars(results_dir: str | Path) -> list[tuple[Path, dict]]:
+    """Every perf sidecar under ``results_dir`` (the dir itself, or its ``perf/`` folder)."""
+    root = Path(results_dir)
+    if not root.exists():
+        raise BaselineError(f"{root}: no such results directory")
+    files = sorted(p for p in root.rglob("*.json") if p.parent.parent.name == "perf")
+    out = []
+    for p in files:
+        data = _read(p)
+        if "samples" in data and "suite" in data and "key" in data:
+            out.append((p, data))
+    return out
+
+
+def baseline_path(suite: str, cls_key: str, golden_root: str | Path | None = None) -> Path:
+    return perf_golden_root(golden_root) / suite / f"{cls_key}.json"
+
+
+def find_baseline(suite: str, key: str, fp: dict, golden_root: str | Path | None = None) -> tuple[dict | None, str]:
+    """The baseline item for this suite x item on this machine class, or None and why not."""
+    cls_key = fpmod.class_key(fp)
+    p = baseline_path(suite, cls_key, golden_root)
+    if p.exists():
+        data = _read(p)
+        item = data.get("items", {}).get(key)
+        if item is None:
+            return None, f"no baseline for {key} in {p}"
+        ok, why = fpmod.compare(item.get("fingerprint", {}), fp)
+        if not ok:  # a hand-edited or colliding file: never compare silently
+            return None, f"{p}: {why}"
+        return item, f"{p} ({why})"
+    others = sorted(perf_golden_root(golden_root).joinpath(suite).glob("*.json"))
+    for q in others:
+        try:
+            data = _read(q)
+        except BaselineError:
+            continue
+        item = data.get("items", {}).get(key)
+        if item is not None:
+            _, why = fpmod.compare(item.get("fingerprint", {}), fp)
+            return None, f"baseline {q.name} is from an {why}; not compared"
+    return None, f"no baseline for {suite} on machine class {cls_key} (harness baseline update RESULTS)"
+
+
+def update(results_dir: str | Path, golden_root: str | Path | None = None,
+           suites: list[str] | None = None) -> list[tuple[Path, list[str], list[str]]]:
+    """Take a reviewed run's perf samples as the new baselines. Returns, per baseline file written,
+    (path, items taken, items refused with why)."""
+    by_file: dict[Path, tuple[dict, list[str], list[str]]] = {}
+    for src, rec in read_sidecars(results_dir):
+        if suites and rec["suite"] not in suites:
+            continue
+        fp = rec.get("fingerprint") or {}
+        p = baseline_path(rec["suite"], fpmod.class_key(fp), golden_root)
+        if p not in by_file:
+            base = _read(p) if p.exists() else {"format": FORMAT, "suite": rec["suite"],
+                                                 "class": fpmod.class_of(fp), "items": {}}
+            by_file[p] = (base, [], [])
+        base, took, refused = by_file[p]
+        if not any(rec["samples"].get(m) for m in rec["samples"]):
+            refused.append(f"{rec['key']}: no samples ({rec.get('why_no_samples') or 'not measured'})")
+            continue
+        keep = {k: rec[k] for k in ("suite", "key", "backend", "dtype", "variant", "fingerprint", "class",
+                                     "calibration", "reference", "samples", "summary", "roofline", "memory",
+                                     "shape")
+                if k in rec}
+        keep["source"] = str(src)
+        base["items"][rec["key"]] = keep
+        took.append(rec["key"])
+    out = []
+    for p, (base, took, refused) in by_file.items():
+        if took:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({"format": FORMAT, **base}, indent=1, sort_keys=True))
+            tmp.replace(p)
+        out.append((p, took, refused))
+    return out
