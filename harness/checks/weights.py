@@ -21,6 +21,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -44,6 +45,9 @@ metrics.declare("stream_reference_bytes_read", "B", "none", "bytes the streamed 
 class WeightsConfig(CheckConfig):
     """Real checkpoint at full size: tensor layout and checksums; streamed float64 per-layer precision."""
 
+    scope: Literal["commit", "nightly"] = Field(
+        "nightly", description="Full-size work (checksums of every shard, the whole model on the device): "
+        "nightly by default (`harness run --scope nightly`).")
     manifest: str | None = Field(
         None, description="Manifest path relative to the suite file (default: <checkpoint>/harness-manifest.json).")
     require_manifest: bool = Field(

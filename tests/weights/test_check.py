@@ -59,7 +59,7 @@ def test_broken_checkpoints_fail_alone_and_absent_ones_skip(pytester, kimi_ckpt,
     write_suite(d, "absent", raw, f'weights = "$HARNESS_WEIGHTS_ABSENT"\n{ONLY}', top=DTYPES)
     write_suite(d, "random", raw, ONLY, top=DTYPES)  # no weights: no weights items at all
     monkeypatch.delenv("HARNESS_WEIGHTS_ABSENT", raising=False)
-    pytester.makeini("[pytest]\naddopts = --harness-check=weights -p no:cacheprovider\n")
+    pytester.makeini("[pytest]\naddopts = --harness-check=weights --harness-scope=nightly -p no:cacheprovider\n")
     r = pytester.runpytest("suites", "--harness-backend=cpu", "--junitxml=j.xml")
     cases = _cases(pytester.path / "j.xml")
     by_suite = {k.split("::")[0].split(".")[1]: v for k, v in cases.items()}
