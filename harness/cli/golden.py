@@ -115,9 +115,38 @@ def diff(args) -> int:
             if k in old.generation and not torch_equal(old.generation[k], v):
                 print(f"  ~ generation.{k} differs")
                 n_changed += 1
+        _print_budgets(old.manifest.get("budgets") or {}, manifest.get("budgets") or {})
         print(f"  {n_changed} tensor(s) would change" if n_changed else "  no change")
         changed += bool(n_changed)
     return 1 if changed else 0
+
+
+def _print_budgets(old: dict, new: dict) -> None:
+    """Per dtype and module: the measured clean isolated error (max over draws) and the budget the
+    check holds the module to (k x clean + floor, capped by the tolerance), stored -> regenerated.
+    Budgets are informative: they do not count as a change unless they move by more than 10%."""
+    for dtype in sorted(set(old) | set(new)):
+        o, n = (old.get(dtype) or {}), (new.get(dtype) or {})
+        om, nm = o.get("modules") or {}, n.get("modules") or {}
+        print(f"  budgets[{dtype}] (isolated rel_rmse: clean max over {n.get('draws', o.get('draws'))} draws, "
+              f"budget = {n.get('k', o.get('k'))} x clean + {n.get('floor', o.get('floor'))}; "
+              f"|scale error| budget after '/'):")
+        for mod in list(dict.fromkeys(list(om) + list(nm))):
+            a, b = om.get(mod), nm.get(mod)
+            if a and b:
+                moved = abs(b["budget"] - a["budget"]) / a["budget"] if a["budget"] else 0.0
+                mark = f"  (moved {moved:.0%})" if moved > 0.1 else ""
+                print(f"    {mod:<44} clean {b['max']:.3g}  budget {a['budget']:.3g} -> {b['budget']:.3g}"
+                      f" / {b.get('scale', {}).get('budget', float('nan')):.3g}{mark}")
+            else:
+                e = b or a
+                print(f"    {mod:<44} clean {e['max']:.3g}  budget {e['budget']:.3g}  ({'new' if b else 'removed'})")
+        noise = n.get("router_noise") or o.get("router_noise") or {}
+        for gate, v in noise.items():
+            print(f"    {gate:<44} router-logit noise {v:.3g} (flips within 2k x this are near ties)")
+        lg = (n.get("propagated") or {}).get("logits")
+        if lg:
+            print(f"    {'logits (propagated)':<44} clean {lg['max']:.3g}  budget {lg['budget']:.3g}")
 
 
 def torch_equal(a, b) -> bool:

@@ -12,6 +12,7 @@ from precision.helpers import GOLDEN, REPO, SUITES, cli, run_check, suite
 from harness.checks import CouldNotRun
 from harness.golden import store
 from harness.golden.generate import build_golden, generate
+from harness.precision import tolerance
 
 
 @pytest.mark.parametrize("name", SUITES)
@@ -30,6 +31,21 @@ def test_committed_goldens_verify(name):
     for f, meta in mf["files"].items():
         assert len((g.path / f).read_bytes()) == meta["bytes"]
     assert sum(m["bytes"] for m in mf["files"].values()) < 400_000  # the repo stays small
+    # format 2: every captured module's inputs are recorded (isolated comparison) ...
+    assert mf["format"] == 2 and {n for n in g.order if not n.endswith("chosen_experts")} <= set(g.structures)
+    # ... budgets measured per low-precision dtype the suite lists, over several draws ...
+    for dtype in ("bfloat16", "float32"):
+        b = mf["budgets"][dtype]
+        assert b["draws"] == 4 and set(b["modules"]) == {n for n in g.order if not n.endswith("chosen_experts")}
+        assert all(0 < e["budget"] <= tolerance.DEFAULTS[dtype]["rel_rmse"] for e in b["modules"].values())
+    # ... and realistic numerics: attention well below uniform entropy, residual RMS growing per layer
+    st = mf["numerics"]["stats"]
+    assert all(v["entropy_ratio"] > 0.95 or name in ("qwen3-8b", "qwen3-30b-a3b")
+               for v in st["init"]["attention"].values())
+    assert all(v["entropy_ratio"] < 0.55 for v in st["realistic"]["attention"].values())
+    rms = st["realistic"]["rms"]
+    chain = [rms["in"]] + [rms[k] for k in sorted((k for k in rms if k != "in"), key=int)]
+    assert all(b > 1.2 * a for a, b in zip(chain, chain[1:], strict=False))
 
 
 def test_sample_indices_fixed_and_unique():
@@ -191,6 +207,13 @@ def test_build_golden_is_deterministic():
     g = store.load_golden(ls, GOLDEN)
     assert torch.equal(f1["inputs"]["input_ids"], g.inputs)
     assert torch.equal(f1["modules"]["logits"], g.modules["logits"])
+    # budgets are reproducible: regenerating gives the committed golden's budgets within 10%
+    for dtype, b in g.manifest["budgets"].items():
+        new = m1["budgets"][dtype]["modules"]
+        assert set(new) == set(b["modules"])
+        for mod, e in b["modules"].items():
+            assert abs(new[mod]["budget"] - e["budget"]) <= 0.1 * e["budget"], (dtype, mod)
+    assert m1["numerics"]["attention_gain"] == g.manifest["numerics"]["attention_gain"]
 
 
 # --- goldens validated as data (issue #9, item 5) ------------------------------------------------------

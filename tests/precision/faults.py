@@ -275,3 +275,37 @@ def residual_scale(layer: int, rel: float = 0.01):
         model.model.layers[layer].register_forward_hook(hook)
         return model
     return t
+
+
+class WrongTopK:
+    """``with WrongTopK(n_experts, k):`` a router top-k kernel (torch.library, CPU) that, for every
+    second token, returns the (k+1)-th best expert instead of the k-th: routing flips at whatever
+    margin the scores have, while the router logits themselves stay right."""
+
+    def __init__(self, n_experts: int, k: int):
+        self.n_experts, self.k = n_experts, k
+
+    def __enter__(self):
+        import warnings
+
+        n_e, k_sel = self.n_experts, self.k
+
+        def topk(x, k, dim=-1, largest=True, sorted=True):
+            # the real values/indices from sort (not overridden), then the fault on router-shaped calls
+            vals, idx = torch.sort(x, dim=dim, descending=largest, stable=True)
+            vals, idx = vals.narrow(dim, 0, k).clone(), idx.narrow(dim, 0, k).clone()
+            if k == k_sel and x.shape[-1] == n_e and x.dim() == 2 and dim in (-1, 1):
+                full_v, full_i = torch.sort(x, dim=-1, descending=True, stable=True)
+                rows = torch.arange(0, x.shape[0], 2)
+                vals[rows, k - 1] = full_v[rows, k]
+                idx[rows, k - 1] = full_i[rows, k]
+            return vals, idx
+
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.lib.impl("topk", topk, "CPU")
+        return self
+
+    def __exit__(self, *exc):
+        self.lib._destroy()
