@@ -1,0 +1,305 @@
+"""Parallel layouts against the single-process reference: TP, PP, DP, EP, FSDP and combinations.
+
+One item per layout (``tp2``, ``ep2xtp2``, ...); the layouts of one world size run in *one*
+torchrun launch, shared by their items (the first item of a world size launches, the others read
+its results), so start-up is paid once. Per layout, as named steps:
+
+``layout``     the variant's layout, and whether the pruned model can take it (else skipped);
+``reference``  the single-process step (logits, loss, gradients, weights after one SGD step,
+               logits after it, every module's output) - once per suite x dtype;
+``launch``     torchrun with every layout of this world size (harness.parallel.launcher): a hung
+               layout is killed and reported with rank, step and collective; a crash with its signal;
+``compare``    logits, loss, every gradient gathered to full shape, the weights after the step and
+               the logits after it, rank by rank, under dtype-aware tolerances (docs/parallel.md);
+               on a mismatch: the first diverging module and its ranks, the worst gradient;
+``memory``     recomputation on vs off: equal gradients, lower measured peak; FSDP: per-rank
+               parameter and optimizer bytes about 1/world of the whole.
+
+Collectives issued (count and bytes per kind) are recorded as metrics, so a change in communication
+volume is itself a regression signal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from harness import metrics
+from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+
+metrics.declare("parallel_logits_error", "", "lower", "max |logits - reference| / max |reference| over ranks")
+metrics.declare("parallel_loss_error", "", "lower", "|loss - reference| / |reference|, worst rank")
+metrics.declare("parallel_grad_error", "", "lower", "worst scale-relative error of a full-shape gradient")
+metrics.declare("parallel_weight_error", "", "lower", "worst scale-relative error of a weight after one step")
+metrics.declare("parallel_logits_after_error", "", "lower", "logits after the optimizer step vs the reference")
+metrics.declare("parallel_world_size", "", "none", "ranks of the layout")
+metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout on its slowest rank")
+metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout")
+metrics.declare("parallel_launch_layouts", "", "none", "layouts sharing the launch")
+metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker)")
+metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activation recomputation / without")
+metrics.declare("recompute_grad_error", "", "lower", "gradients with recomputation vs without")
+metrics.declare("fsdp_param_fraction", "", "lower", "per-rank parameter bytes / whole model's (~1/world)")
+metrics.declare("fsdp_optimizer_fraction", "", "lower", "per-rank optimizer-state bytes / whole model's (~1/world)")
+metrics.declare("ep_dropped_tokens", "", "lower", "(token, expert) pairs dropped at expert capacity, all ranks")
+metrics.declare("ep_max_expert_load", "", "none", "most pairs one local expert received in one call")
+for _k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+    metrics.declare(f"comm_{_k}_count", "", "none", f"{_k} collectives issued, all ranks")
+    metrics.declare(f"comm_{_k}_bytes", "bytes", "lower", f"bytes given to {_k} collectives, all ranks")
+
+# Tolerances on the scale-relative max error (docs/parallel.md, "Tolerances"): 8x the worst error
+# measured over five clean sweeps of every bundled suite's default matrix, rounded up to a power of 2.
+DEFAULT_TOLERANCES = {
+    "float32": {"logits": 2**-14, "loss": 2**-18, "grads": 2**-10, "weights": 2**-14, "logits_after": 2**-12,
+                "activations": 2**-12},
+    "bfloat16": {"logits": 2**-3, "loss": 2**-8, "grads": 2**-1, "weights": 2**-6, "logits_after": 2**-3,
+                 "activations": 2**-3},
+}
+DEFAULT_TOLERANCES["float64"] = {k: v * 2**-28 for k, v in DEFAULT_TOLERANCES["float32"].items()}
+DEFAULT_TOLERANCES["float16"] = {k: v * 2**-3 for k, v in DEFAULT_TOLERANCES["bfloat16"].items()}
+
+
+class LayoutEntry(BaseModel):
+    """One ``[[checks.parallel.configs]]`` entry: a degree per strategy; world size is the product."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, description="Item variant name (default: from the degrees, e.g. ep2xtp2).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (DTensor; transformers' tp plan or `tp_plan`).")
+    pp: int = Field(1, ge=1, description="Pipeline stages (torch.distributed.pipelining, split at decoder layers).")
+    dp: int = Field(1, ge=1, description="Data-parallel degree (DDP).")
+    ep: int = Field(1, ge=1, description="Expert-parallel degree (experts partitioned; all_to_all_single dispatch).")
+    fsdp: int = Field(1, ge=1, description="FSDP2 fully_shard degree (ZeRO-3).")
+    cp: int = Field(1, ge=1, description="Context-parallel degree (where the attention supports it).")
+    recompute: bool = Field(False, description="Activation recomputation of every decoder layer; also checked "
+                            "against the same layout without it (equal gradients, lower peak memory).")
+    microbatches: int = Field(2, ge=1, description="Pipeline microbatches.")
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"] = Field(
+        "GPipe", description="Pipeline schedule (torch.distributed.pipelining name).")
+
+
+class ParallelConfig(CheckConfig):
+    """Parallel layouts (TP, PP, DP, EP, FSDP, combinations) against the single-process reference."""
+
+    enabled: bool = Field(False, description="Generate one item per layout (opt-in: each world size is one "
+                          "torchrun launch of several processes).")
+    configs: list[LayoutEntry] = Field(
+        default_factory=list, description="The matrix ([[checks.parallel.configs]]). Empty: the default per "
+        "architecture - dense: tp2, pp2, dp2, fsdp2-ac, tp2xdp2; MoE adds ep2, ep2xtp2.")
+    batch_size: int = Field(4, ge=1, description="Sequences in the batch (split over data ranks and microbatches).")
+    seq_len: int = Field(8, ge=2, description="Tokens per sequence.")
+    seed: int = Field(0, description="Seed of the weights (the batch uses seed + 1).")
+    memory_seq_len: int = Field(128, ge=2, description="Tokens per sequence of the recompute on/off memory "
+                                "comparison (long enough for activations, not weights, to make the peak).")
+    lr: float = Field(0.5, gt=0, description="SGD learning rate of the one optimizer step (momentum 0.9).")
+    timeout_s: float = Field(180.0, gt=0, description="A layout that makes no progress for this long is a hang: "
+                             "its launch is killed and the layouts after it relaunched.")
+    max_world: int = Field(4, ge=1, description="Layouts needing more ranks are skipped (say why).")
+    tp_plan: dict[str, str] = Field(default_factory=dict, description="Tensor-parallel plan (module pattern "
+                                    "relative to the base model -> colwise | rowwise | "
+                                    "replicated_with_grad_allreduce). Empty: transformers' base_model_tp_plan.")
+    capacity_factor: float = Field(0.0, ge=0, description="EP expert capacity factor (0: dropless). Dropped "
+                                   "tokens are recorded; with drops the layout cannot match the reference.")
+    tolerances: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="Per dtype, per quantity (logits, loss, grads, weights, logits_after, "
+        "activations) overrides of the measured defaults (scale-relative max error).")
+    fsdp_slack: float = Field(1.5, ge=1, description="FSDP per-rank parameter/optimizer bytes may be up to "
+                              "slack / world of the whole (padding of uneven shards).")
+
+
+# --- shared between the items of one process --------------------------------------------------------
+
+_REFS: dict = {}
+_LAUNCHES: dict = {}
+_TMP: list[Path] = []
+
+
+def _tmp_root() -> Path:
+    if not _TMP:
+        p = Path(tempfile.mkdtemp(prefix="harness-parallel-"))
+        _TMP.append(p)
+        atexit.register(shutil.rmtree, p, True)
+    return _TMP[0]
+
+
+def _facts(ls):
+    from harness.inspect.params import _num_experts
+    from harness.models.build import model_config
+    from harness.parallel.layouts import ArchFacts
+
+    mc = model_config(ls)
+    cfg = mc.config
+    n = _num_experts(cfg) or 0
+    return ArchFacts(moe=n > 0, num_layers=int(cfg.num_hidden_layers), num_experts=n,
+                     tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False))), mc
+
+
+def layouts_of(ls, cfg: ParallelConfig):
+    from harness.parallel.layouts import Layout, default_layouts
+
+    facts, _ = _facts(ls)
+    if not cfg.configs:
+        return default_layouts(facts)
+    return [Layout(**e.model_dump(exclude={"name"}), name=e.name or "") for e in cfg.configs]
+
+
+def tolerances(cfg: ParallelConfig, dtype: str) -> dict[str, float]:
+    tol = dict(DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"]))
+    tol.update(cfg.tolerances.get(dtype, {}))
+    return tol
+
+
+class ParallelCheck(Check):
+    name = "parallel"
+    config_model = ParallelConfig
+    description = "parallel layouts (TP, PP, DP, EP, FSDP) against the single-process reference"
+    headline = ("parallel_grad_error", "parallel_launch_time_s")
+    steps = ("layout", "reference", "launch", "compare", "memory")
+    setup_steps = ("layout", "reference")
+
+    def variants(self, suite, backend):
+        return [lay.label for lay in layouts_of(suite, self.config(suite))]
+
+    def layout(self, ctx: CheckContext, st) -> None:
+        from harness.inspect.flops import head_dims
+        from harness.parallel.layouts import validate
+
+        st.cfg = cfg = ctx.config
+        lays = {lay.label: lay for lay in layouts_of(ctx.suite, cfg)}
+        st.layout = lays[ctx.variant] if ctx.variant in lays else next(iter(lays.values()))
+        facts, mc = _facts(ctx.suite)
+        heads, kv, _, _ = head_dims(mc.config)
+        st.facts, st.mc = facts, mc
+        why = validate(st.layout, facts, heads=heads, kv_heads=kv)
+        if st.layout.world > cfg.max_world:
+            why = f"needs {st.layout.world} ranks; max_world is {cfg.max_world}"
+        if ctx.backend.device_type != "cpu" and ctx.backend.device_count() < st.layout.world:
+            why = f"needs {st.layout.world} devices, {ctx.backend.device_count()} present"
+        if why:
+            raise NotApplicable(f"layout {st.layout.label}: {why}")
+        # Every valid layout of the same world size shares one launch.
+        st.peers = [lay for lay in lays.values() if lay.world == st.layout.world and lay.world <= cfg.max_world
+                    and validate(lay, facts, heads=heads, kv_heads=kv) is None]
+        ctx.metric("parallel_world_size", st.layout.world)
+        ctx.detail("layout", json.dumps(st.layout.to_dict(), sort_keys=True))
+
+    def reference(self, ctx: CheckContext, st) -> None:
+        from harness.models.build import build_model
+        from harness.parallel.reference import batch, run_reference
+
+        cfg = st.cfg
+        key = (str(ctx.suite.path), ctx.dtype, cfg.seed, cfg.batch_size, cfg.seq_len, cfg.lr)
+        if key not in _REFS:
+            with torch.random.fork_rng(devices=[]):
+                model, _ = build_model(ctx.suite, ctx.dtype, "cpu", seed=cfg.seed, mc=st.mc)
+                ids = batch(st.mc.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+                ref, order = run_reference(model, ids, cfg.lr)
+            _REFS[key] = (ref, order, ids)
+        st.ref, st.order, st.ids = _REFS[key]
+
+    def launch(self, ctx: CheckContext, st) -> None:
+        from harness.parallel.launcher import launch
+
+        cfg = st.cfg
+        spec = {"suite": str(ctx.suite.path), "collective": ctx.backend.collective, "dtype": ctx.dtype,
+                "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
+                "memory_seq_len": cfg.memory_seq_len,
+                "pg_timeout_s": max(600.0, 2 * cfg.timeout_s), "capacity_factor": cfg.capacity_factor,
+                "tp_plan": cfg.tp_plan, "fault": getattr(st, "fault", None)}
+        peers = [lay.to_dict() for lay in st.peers]
+        key = hashlib.sha256(json.dumps([spec, peers, ctx.backend.name], sort_keys=True).encode()).hexdigest()[:16]
+        if key not in _LAUNCHES:
+            root = _tmp_root() / key
+            rep = launch(spec, st.peers, st.layout.world, root, timeout_s=cfg.timeout_s)
+            _LAUNCHES[key] = (rep, {})
+        st.report, st.verdicts = _LAUNCHES[key]
+        out = st.report.outcomes[st.layout.label]
+        st.outcome = out
+        ctx.metric("parallel_launch_time_s", out.launch_wall_s)
+        ctx.metric("parallel_launch_layouts", len(st.peers))
+        ctx.notes.extend(out.warnings)
+        if out.status != "ok":
+            raise CheckFailure(out.message, metric="parallel_status", expected="ok", observed=out.status,
+                               details=_logs(out.dir))
+
+    def compare(self, ctx: CheckContext, st) -> None:
+        from harness.parallel.compare import compare_layout, describe, load_ranks
+
+        lay, tol = st.layout, tolerances(st.cfg, ctx.dtype)
+        if lay.label not in st.verdicts:
+            ranks = load_ranks(st.outcome.dir, lay.world)
+            st.verdicts[lay.label] = (compare_layout(st.ref, st.order, st.ids, lay, ranks, tol),
+                                      [rd.meta for rd in ranks])
+        v, metas = st.verdicts[lay.label]
+        st.verdict, st.metas = v, metas
+        for q, name in (("logits", "parallel_logits_error"), ("loss", "parallel_loss_error"),
+                        ("grads", "parallel_grad_error"), ("weights", "parallel_weight_error"),
+                        ("logits_after", "parallel_logits_after_error")):
+            if q in v.errors:
+                ctx.metric(name, v.errors[q])
+                ctx.tolerance(name, tol[q])
+        ctx.metric("parallel_layout_time_s", max(m.get("wall_s", 0.0) for m in metas))
+        for kind in sorted({k for m in metas for k in (m.get("comm") or {})}):
+            ctx.metric(f"comm_{kind}_count", sum(m["comm"].get(kind, {}).get("count", 0) for m in metas))
+            ctx.metric(f"comm_{kind}_bytes", sum(m["comm"].get(kind, {}).get("bytes", 0) for m in metas))
+        ctx.metric("parallel_peak_bytes", max(m.get("peak_bytes", 0) for m in metas))
+        if lay.ep > 1:
+            ctx.metric("ep_dropped_tokens", sum((m.get("ep") or {}).get("dropped", 0) for m in metas))
+            ctx.metric("ep_max_expert_load", max((m.get("ep") or {}).get("max_expert_load", 0) for m in metas))
+        for n in sorted({n for m in metas for n in m.get("notes", [])}):
+            ctx.notes.append(n)
+        if v.first_module:
+            ctx.detail("first_diverging_module", v.first_module)
+            ctx.detail("first_diverging_ranks", ",".join(map(str, v.first_module_ranks)))
+        if v.worst_grad and v.worst_grad[0]:
+            ctx.detail("worst_gradient", v.worst_grad[0])
+        if not v.ok:
+            raise CheckFailure(describe(v, lay), metric="parallel_grad_error", expected=f"<= {tol['grads']:.3g}",
+                               observed=f"{v.errors.get('grads', float('nan')):.3g}", tolerance=tol)
+
+    def memory(self, ctx: CheckContext, st) -> None:
+        lay, v, metas, cfg = st.layout, st.verdict, st.metas, st.cfg
+        if lay.recompute:
+            on = max(m.get("peak_bytes_recompute_on", 0) for m in metas)
+            off = max(m.get("peak_bytes_recompute_off", 0) for m in metas)
+            ratio = ctx.metric("recompute_peak_ratio", on / off if off else float("nan"))
+            ctx.metric("recompute_grad_error", v.recompute_grad_error or 0.0)
+            if not on < off:
+                raise CheckFailure("activation recomputation did not lower the measured peak memory",
+                                   metric="recompute_peak_ratio", expected="< 1", observed=f"{ratio:.3g}")
+        if lay.fsdp > 1:
+            pf = ctx.metric("fsdp_param_fraction", max(m["param_bytes_local"] / m["param_bytes_full"] for m in metas))
+            of = ctx.metric("fsdp_optimizer_fraction",
+                            max(m["optimizer_bytes_local"] / m["param_bytes_full"] for m in metas))
+            limit = cfg.fsdp_slack / lay.fsdp
+            ctx.tolerance("fsdp_param_fraction", limit)
+            for name, val in (("fsdp_param_fraction", pf), ("fsdp_optimizer_fraction", of)):
+                if val > limit:
+                    raise CheckFailure(f"FSDP keeps {val:.3f} of the whole model's {name.split('_')[1]} bytes per "
+                                       f"rank; expected about 1/{lay.fsdp}", metric=name,
+                                       expected=f"<= {limit:.3f}", observed=f"{val:.3f}")
+
+
+def _logs(d: Path | None) -> str | None:
+    """The tail of the launch's rank logs, for the failure report."""
+    if d is None:
+        return None
+    run_dir = d.parent
+    out = []
+    for p in sorted(run_dir.glob("rank*.log")) + [run_dir / "torchrun.log"]:
+        if p.exists():
+            tail = p.read_text(errors="replace").strip().splitlines()[-6:]
+            if tail:
+                out.append(f"--- {p.name}\n" + "\n".join(tail))
+    return "\n".join(out) or None
+
+
+def register(registry: CheckRegistry) -> None:
+    registry.add(ParallelCheck())

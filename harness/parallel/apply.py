@@ -1,0 +1,175 @@
+"""Apply a layout to a model, one strategy at a time, in torchtitan's order:
+``apply_tp -> apply_ep -> apply_ac -> apply_fsdp | apply_dp``, and ``pipeline_stage`` for pp.
+
+Each function takes the model built on every rank from the same seed (identical weights) and the
+device mesh dimension it parallelizes over.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from harness.parallel.reference import clean_name, lm_loss
+
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+def tp_plan_of(model: torch.nn.Module, override: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """The tensor-parallel plan: the suite's ``tp_plan`` if given, else transformers' own
+    ``base_model_tp_plan`` of the architecture (keys relative to the base model, ``*`` = a layer
+    index). Entries with styles harness does not apply (``packed_colwise`` and ``moe_tp_experts``
+    for fused experts) are left out, with a note: those modules stay replicated on the tp ranks."""
+    plan = dict(override) if override else dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    kept, notes = {}, []
+    skipped = sorted({v for v in plan.values() if v not in TP_STYLES})
+    for k, v in plan.items():
+        if v in TP_STYLES:
+            kept[k] = v
+    if skipped:
+        notes.append(f"tp plan styles not applied (modules stay replicated on the tp ranks): {', '.join(skipped)}")
+    return kept, notes
+
+
+def _match(plan: dict[str, str], model: torch.nn.Module) -> dict[str, str]:
+    """Plan keys (relative to the base model) -> full module names of nn.Linear / other modules."""
+    base = getattr(model, "base_model_prefix", "model")
+    pats = [(re.compile(r"^(?:" + re.escape(base) + r"\.)?" + re.escape(k).replace(r"\*", r"\d+") + "$"), v)
+            for k, v in plan.items()]
+    out = {}
+    for name, mod in model.named_modules():
+        for pat, style in pats:
+            if pat.match(name):
+                if style in ("colwise", "rowwise") and not isinstance(mod, torch.nn.Linear):
+                    continue
+                out[name] = style
+                break
+    return out
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh, plan: dict[str, str]) -> list[str]:
+    """DTensor tensor parallelism: colwise / rowwise Linear layers (outputs as local tensors, so the
+    attention's ``view(..., -1, head_dim)`` sees the local heads). Returns the names of the modules
+    whose weights must have their gradients all-reduced over tp (``replicated_with_grad_allreduce``:
+    norms applied to local heads)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    matched = _match(plan, model)
+    styles = {n: ColwiseParallel() if s == "colwise" else RowwiseParallel()
+              for n, s in matched.items() if s in ("colwise", "rowwise")}
+    if not styles:
+        raise ValueError("the tensor-parallel plan matches no Linear layer of this model")
+    parallelize_module(model, tp_mesh, styles)
+    return [n for n, s in matched.items() if s == "replicated_with_grad_allreduce"]
+
+
+def apply_ep(model: torch.nn.Module, num_experts: int, ep_group, capacity_factor: float) -> list[str]:
+    from harness.parallel.ep import shard_experts
+
+    names = shard_experts(model, num_experts, ep_group, capacity_factor)
+    if not names:
+        raise ValueError("no experts module found to shard")
+    return names
+
+
+def apply_ac(model: torch.nn.Module) -> None:
+    """Activation recomputation of every decoder layer, through transformers' own
+    ``gradient_checkpointing_enable`` (non-reentrant torch.utils.checkpoint)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    base = getattr(model, model.base_model_prefix)
+    return base.layers
+
+
+def apply_fsdp(model: torch.nn.Module, fsdp_mesh) -> None:
+    """FSDP2 (ZeRO-3): every decoder layer is one unit, the rest (embedding, norm, lm_head) the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+
+
+def apply_dp(model: torch.nn.Module, group, counter=None) -> torch.nn.Module:
+    """DistributedDataParallel over ``group`` (gradients averaged by bucketed all-reduce)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=1)
+    if counter is not None:
+        from harness.parallel.comm import ddp_counting_hook
+
+        ddp.register_comm_hook(group, ddp_counting_hook(counter))
+    return ddp
+
+
+def sync_grads(model: torch.nn.Module, group, skip: set[str] = frozenset()) -> None:
+    """Sum gradients over ``group`` (the data dimension of a layout without DDP/FSDP; the loss was
+    scaled by 1/data degree). DTensor gradients are summed shard by shard."""
+    for name, p in model.named_parameters():
+        if p.grad is None or clean_name(name) in skip:
+            continue
+        g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        dist.all_reduce(g, group=group)
+
+
+# --- pipeline ------------------------------------------------------------------------------------
+
+
+class _PassLayer(torch.nn.Module):
+    """A decoder layer owned by another stage: the hidden states pass through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class StageModule(torch.nn.Module):
+    """One pipeline stage of a causal LM, split at decoder layers. It runs transformers' own base
+    model forward (masks, rotary embeddings, every architecture's quirks) with the layers of other
+    stages passing through; the first stage embeds, the last applies the final norm and lm_head.
+    Parameter names stay those of the full model."""
+
+    def __init__(self, lm: torch.nn.Module, stage: int, num_stages: int):
+        super().__init__()
+        base_name = lm.base_model_prefix
+        base = getattr(lm, base_name)
+        layers = base.layers
+        n = len(layers)
+        bounds = [round(i * n / num_stages) for i in range(num_stages + 1)]
+        self.owned = range(bounds[stage], bounds[stage + 1])
+        for i in range(n):
+            if i not in self.owned:
+                layers[i] = _PassLayer()
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        if not self.first:
+            base.embed_tokens = None
+        if not self.last:
+            base.norm = torch.nn.Identity()
+        self.add_module(base_name, base)
+        self.base_name = base_name
+        self.lm_head = lm.lm_head if self.last else None
+
+    def forward(self, x):
+        base = getattr(self, self.base_name)
+        if self.first:
+            h = base(input_ids=x, use_cache=False).last_hidden_state
+        else:
+            h = base(inputs_embeds=x, use_cache=False).last_hidden_state
+        return self.lm_head(h) if self.last else h
+
+
+def pipeline_stage(lm: torch.nn.Module, pp_group, microbatches: int, schedule: str):
+    """(stage module, PipelineStage, schedule) for this rank's stage; the loss is the reference's (averaged per
+    microbatch, gradients scaled by the schedule)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    stage_idx, n = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    mod = StageModule(lm, stage_idx, n)
+    stage = PipelineStage(mod, stage_idx, n, torch.device("cpu"), group=pp_group)
+    cls = get_schedule_class(schedule)
+    sched = cls(stage, microbatches, loss_fn=lm_loss)
+    return mod, stage, sched

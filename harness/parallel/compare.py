@@ -1,0 +1,203 @@
+"""Equivalence of one layout with the single-process reference, and localization on a mismatch.
+
+Error of a tensor: ``max|x - ref| / max|ref|`` (scale-relative max error, computed in float64),
+so one number per tensor is comparable across tensors of any magnitude; the loss uses
+``|x - ref| / |ref|``. Every rank's own copy is compared (a gradient that differs on one data
+rank is a missed reduction there, not noise), each against the matching piece of the reference:
+
+* a rank that sees a slice of the batch (dp, fsdp, ep) is compared with that slice
+  (``data_index``), in call order for pipeline microbatches;
+* a tensor-parallel rank's sharded output with its shard (``tp`` index, the dimension where the
+  shapes differ by the tp degree).
+
+On a mismatch, the first module (in the reference's order of finished outputs: children finish
+before parents, so the first is where the error is born) whose output exceeds the activation
+tolerance on some rank, with the ranks, and the parameter whose gradient is furthest off.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from harness.parallel.layouts import Layout
+from harness.parallel.reference import lm_loss
+
+QUANTITIES = ("logits", "loss", "grads", "weights", "logits_after", "activations")
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    if x.shape != ref.shape:
+        return float("inf")
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    diff = (x - ref).abs().max().item() if ref.numel() else 0.0
+    if diff != diff:  # nan
+        return float("inf")
+    return diff / scale if scale > 0 else diff
+
+
+def ref_piece(ref: torch.Tensor, shape: tuple[int, ...], lay: Layout, rank: int) -> torch.Tensor | None:
+    """The part of the reference tensor ``ref`` that ``rank``'s tensor of ``shape`` holds."""
+    r = ref
+    if tuple(r.shape) == tuple(shape):
+        return r
+    d = lay.data_degree
+    if d > 1 and r.dim() and len(shape) == r.dim() and shape[0] * d == r.shape[0]:
+        r = r.chunk(d)[lay.data_index(rank)]
+        if tuple(r.shape) == tuple(shape):
+            return r
+    if lay.tp > 1 and len(shape) == r.dim():
+        diff = [k for k in range(r.dim()) if shape[k] != r.shape[k]]
+        if len(diff) == 1 and shape[diff[0]] * lay.tp == r.shape[diff[0]]:
+            return r.chunk(lay.tp, diff[0])[lay.coords(rank)["tp"]]
+    return None
+
+
+@dataclass
+class RankData:
+    rank: int
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+
+
+def load_ranks(layout_dir: Path, world: int) -> list[RankData]:
+    from safetensors.torch import load_file
+
+    out = []
+    for r in range(world):
+        meta = json.loads((layout_dir / f"rank{r}.json").read_text())
+        out.append(RankData(r, meta, load_file(str(layout_dir / f"rank{r}.safetensors"))))
+    return out
+
+
+@dataclass
+class Verdict:
+    errors: dict[str, float] = field(default_factory=dict)  # quantity -> worst error over ranks
+    failed: list[str] = field(default_factory=list)  # quantities over tolerance, with detail
+    first_module: str | None = None
+    first_module_ranks: list[int] = field(default_factory=list)
+    first_module_error: float = 0.0
+    worst_grad: tuple[str, float, list[int]] | None = None  # (param, error, ranks over tolerance)
+    worst_weight: tuple[str, float, list[int]] | None = None
+    recompute_grad_error: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def _worst_param(ranks: list[RankData], ref: dict, prefix: str, tol: float):
+    """(param, worst error, ranks over tol, error per rank) over every parameter in ``prefix``."""
+    worst, where, per = ("", 0.0), [], {}
+    missing = []
+    for rd in ranks:
+        for key, t in rd.tensors.items():
+            if not key.startswith(prefix):
+                continue
+            if key not in ref:
+                missing.append(key)
+                continue
+            e = rel_err(t, ref[key])
+            per.setdefault(key, {})[rd.rank] = e
+    for key, by_rank in per.items():
+        e = max(by_rank.values())
+        if e > worst[1] or not worst[0]:
+            worst = (key[len(prefix):], e)
+    if worst[0]:
+        where = sorted(r for r, e in per[prefix + worst[0]].items() if e > tol)
+    expected = {k for k in ref if k.startswith(prefix)}
+    absent = sorted(expected - set(per))
+    return worst[0], worst[1], where, absent, missing
+
+
+def compare_layout(ref: dict[str, torch.Tensor], order: list[str], ids: torch.Tensor, lay: Layout,
+                   ranks: list[RankData], tol: dict[str, float]) -> Verdict:
+    v = Verdict()
+    # logits, logits after the step, loss: every rank that has them, against its slice.
+    for q in ("logits", "logits_after"):
+        errs = {}
+        for rd in ranks:
+            if q in rd.tensors:
+                piece = ref_piece(ref[q], tuple(rd.tensors[q].shape), lay, rd.rank)
+                errs[rd.rank] = rel_err(rd.tensors[q], piece) if piece is not None else float("inf")
+        if errs:
+            v.errors[q] = max(errs.values())
+            bad = sorted(r for r, e in errs.items() if e > tol[q])
+            if bad:
+                v.failed.append(f"{q} differ on rank(s) {bad} (error {v.errors[q]:.3g} > {tol[q]:.3g})")
+    lerrs = {}
+    for rd in ranks:
+        if "loss" in rd.tensors:
+            logits_piece = ref_piece(ref["logits"], (rd.tensors["logits"].shape[0], *ref["logits"].shape[1:]), lay,
+                                     rd.rank)
+            ids_piece = ref_piece(ids, (logits_piece.shape[0], ids.shape[1]), lay, rd.rank)
+            want = lm_loss(logits_piece, ids_piece).reshape(1)
+            lerrs[rd.rank] = abs(rd.tensors["loss"].double().item() - want.double().item()) / max(abs(want.item()),
+                                                                                                  1e-30)
+    if lerrs:
+        v.errors["loss"] = max(lerrs.values())
+        bad = sorted(r for r, e in lerrs.items() if e > tol["loss"])
+        if bad:
+            v.failed.append(f"loss differs on rank(s) {bad} (error {v.errors['loss']:.3g} > {tol['loss']:.3g})")
+    for q, prefix in (("grads", "grad/"), ("weights", "weight/")):
+        name, err, where, absent, extra = _worst_param(ranks, ref, prefix, tol[q])
+        v.errors[q] = err
+        if q == "grads":
+            v.worst_grad = (name, err, where)
+        else:
+            v.worst_weight = (name, err, where)
+        if absent:
+            v.failed.append(f"{len(absent)} parameters have no {q[:-1]} on any rank, e.g. {absent[0][len(prefix):]}")
+        if err > tol[q]:
+            v.failed.append(f"{q} differ: worst {name} (error {err:.3g} > {tol[q]:.3g}) on rank(s) {where}")
+    # Recomputation: the same layout without it must give the same gradients.
+    noac = [(rd, k) for rd in ranks for k in rd.tensors if k.startswith("noac_grad/")]
+    if noac:
+        e = max(rel_err(rd.tensors["ac_" + k[len("noac_"):]], rd.tensors[k]) for rd, k in noac)
+        v.recompute_grad_error = e
+        if e > tol["grads"]:
+            v.failed.append(f"gradients with recomputation differ from those without (error {e:.3g})")
+    if v.failed:
+        localize(v, ref, order, lay, ranks, tol["activations"])
+    return v
+
+
+def localize(v: Verdict, ref: dict, order: list[str], lay: Layout, ranks: list[RankData], tol: float) -> None:
+    """First module (reference order) whose output diverges on some rank."""
+    for name in order:
+        key = f"act/{name}"
+        if key not in ref:
+            continue
+        bad, worst = [], 0.0
+        for rd in ranks:
+            t = rd.tensors.get(key)
+            if t is None:
+                continue
+            piece = ref_piece(ref[key], tuple(t.shape), lay, rd.rank)
+            if piece is None:
+                continue
+            e = rel_err(t, piece)
+            if e > tol:
+                bad.append(rd.rank)
+                worst = max(worst, e)
+        if bad:
+            v.first_module, v.first_module_ranks, v.first_module_error = name, bad, worst
+            return
+
+
+def describe(v: Verdict, lay: Layout) -> str:
+    msg = f"layout {lay.label} differs from the single-process reference: " + "; ".join(v.failed)
+    if v.first_module:
+        msg += (f". First diverging module: {v.first_module} on rank(s) {v.first_module_ranks} "
+                f"(error {v.first_module_error:.3g})")
+    else:
+        msg += ". Every module's forward output agrees"
+    if v.worst_grad and v.worst_grad[0]:
+        msg += f". Gradient furthest off: {v.worst_grad[0]} (error {v.worst_grad[1]:.3g})"
+    return msg

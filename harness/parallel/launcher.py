@@ -1,0 +1,219 @@
+"""Launch every layout of one world size through torchrun, once, under a time limit.
+
+Why torchrun (``python -m torch.distributed.run``) rather than ``torch.multiprocessing.spawn``: it
+is what a vendor runs on a cluster, and the same launch reaches several nodes for the nightly runs
+by swapping ``--standalone`` for a c10d rendezvous (``HARNESS_TORCHRUN_ARGS``, docs/parallel.md);
+spawn only forks one host's processes. torchrun's own report of a dead rank is log text, so each
+rank runs under ``harness.parallel.rank``, which records the exit status or signal as a file.
+
+The ideas of ``harness.isolation``, per rank: the launch gets its own session (one ``killpg``
+takes torchrun, the wrappers and the ranks), every process dies with its parent
+(PR_SET_PDEATHSIG), and each rank keeps a status file (layout, step, collective, module) that is
+read after a kill. Layouts run one after another; a layout that makes no progress within
+``timeout_s`` is a hang: the group is killed and the ranks' statuses name who was computing and who
+waited in which collective. After a hang, a crash or an error, the layouts not yet run are launched
+again, so one broken layout does not hide the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.parallel.layouts import Layout
+from harness.parallel.status import RankStatus, read_status
+
+
+@dataclass
+class LayoutOutcome:
+    layout: Layout
+    status: str  # ok | error (a rank raised) | hung | crashed | not_run
+    message: str = ""
+    dir: Path | None = None
+    warnings: list[str] = field(default_factory=list)
+    launch_wall_s: float = 0.0
+    ranks: list[RankStatus] = field(default_factory=list)
+
+
+@dataclass
+class LaunchReport:
+    outcomes: dict[str, LayoutOutcome]
+    launches: int
+    wall_s: float
+
+
+def _torchrun_cmd(world: int, spec_path: Path) -> list[str]:
+    extra = os.environ.get("HARNESS_TORCHRUN_ARGS")
+    rdzv = shlex.split(extra) if extra else ["--standalone", "--nnodes", "1"]
+    return [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(world),
+            "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "harness.parallel.rank", str(spec_path)]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"  # one thread per rank: the machine is shared
+    # The ranks import fault hooks and vendor modules from the working directory, as pytest does.
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.pop("HARNESS_ISOLATION_FDS", None)
+    env.pop("HARNESS_ISOLATION_STATUS", None)
+    return env
+
+
+def _done(run_dir: Path, lay: Layout, world: int) -> bool:
+    return all((run_dir / lay.label / f"rank{r}.json").exists() for r in range(world))
+
+
+def _exits(run_dir: Path, world: int) -> dict[int, dict]:
+    out = {}
+    for r in range(world):
+        p = run_dir / f"exit-{r}.json"
+        if p.exists():
+            try:
+                out[r] = json.loads(p.read_text())
+            except ValueError:
+                pass
+    return out
+
+
+def _errors(run_dir: Path, lay: Layout, world: int) -> dict[int, dict]:
+    out = {}
+    for r in range(world):
+        p = run_dir / lay.label / f"rank{r}.error.json"
+        if p.exists():
+            out[r] = json.loads(p.read_text())
+    return out
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, timeout_s: float,
+                startup_s: float) -> tuple[str, list[RankStatus], dict[int, dict], float]:
+    """Returns ('exited' | 'hung', statuses at the end, exit records, wall seconds)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = dict(spec, layouts=[lay.to_dict() for lay in layouts])
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    with open(run_dir / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(_torchrun_cmd(world, spec_path), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=_env(), start_new_session=True)
+        try:
+            last_key, since = None, time.monotonic()
+            while proc.poll() is None:
+                time.sleep(0.1)
+                sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
+                idx = min(s.index for s in sts)
+                done = sum(_done(run_dir, lay, world) for lay in layouts)
+                key = (idx, done)
+                if key != last_key:
+                    last_key, since = key, time.monotonic()
+                limit = startup_s if idx < 0 else timeout_s
+                if time.monotonic() - since > limit:
+                    sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
+                    _kill(proc)
+                    return "hung", sts, _exits(run_dir, world), time.monotonic() - t0
+        except BaseException:
+            _kill(proc)
+            raise
+    sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
+    return "exited", sts, _exits(run_dir, world), time.monotonic() - t0
+
+
+def _hang_message(lay: Layout, sts: list[RankStatus], timeout_s: float) -> str:
+    here = [s for s in sts if s.layout == lay.label] or sts
+    computing = [s for s in here if not s.collective]
+    waiting = [s for s in here if s.collective]
+    parts = []
+    if computing and waiting:
+        parts.append("hung rank(s) " + "; ".join(s.describe() for s in computing))
+        parts.append("waiting for it: " + "; ".join(s.describe() for s in waiting))
+    else:
+        parts.append("; ".join(s.describe() for s in here))
+    return (f"layout {lay.label}: no progress within the {timeout_s:g} s time limit; the launch was killed with "
+            f"its process group. " + ". ".join(parts))
+
+
+def _crash_message(lay: Layout, sts: list[RankStatus], exits: dict[int, dict], errors: dict[int, dict]) -> str:
+    by_rank = {s.rank: s for s in sts}
+    first = []
+    for r, e in sorted(errors.items()):
+        where = f"step {e['step']}" + (f", inside collective {e['collective']}" if e.get("collective") else "")
+        first.append(f"rank {r} raised {e['error'].splitlines()[0][:300]} ({where})")
+    for r, x in sorted(exits.items()):
+        if x.get("signal") and not x.get("stopped_by_launcher") and r not in errors:
+            s = by_rank.get(r)
+            first.append(f"rank {r} crashed with {x['signal']}" + (f" ({s.describe()})" if s else ""))
+    if not first:
+        codes = {r: x.get("code") for r, x in exits.items()}
+        first.append(f"ranks exited before reporting (exit codes {codes or 'unknown'}); see the torchrun log")
+    stopped = [r for r, x in exits.items() if x.get("stopped_by_launcher")]
+    tail = f"; torchrun stopped rank(s) {', '.join(map(str, sorted(stopped)))} afterwards" if stopped else ""
+    return f"layout {lay.label}: " + "; ".join(first) + tail
+
+
+def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeout_s: float = 120.0,
+           startup_s: float | None = None) -> LaunchReport:
+    """Run ``layouts`` (all of world size ``world``) in as few launches as faults allow."""
+    outcomes: dict[str, LayoutOutcome] = {}
+    remaining = list(layouts)
+    n = 0
+    t_all = time.monotonic()
+    while remaining:
+        run_dir = run_root / f"w{world}-launch{n}"
+        n += 1
+        how, sts, exits, wall = _one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s)
+        finished = []
+        for lay in remaining:
+            if not _done(run_dir, lay, world):
+                break
+            finished.append(lay)
+            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=run_dir / lay.label, launch_wall_s=wall)
+        rest = remaining[len(finished):]
+        bad_exit = {r: x for r, x in exits.items() if x.get("code")}
+        if not rest:
+            if how == "hung" or bad_exit:
+                # Every layout reported; the ranks then failed to end (the DTensor teardown abort).
+                what = ", ".join(f"rank {r} {x.get('signal') or 'exit ' + str(x.get('code'))}"
+                                 for r, x in sorted(bad_exit.items())) or "did not exit in time"
+                for lay in finished:
+                    outcomes[lay.label].warnings.append(
+                        f"after every rank wrote its results, the launch ended badly in teardown ({what}); "
+                        "results kept (a teardown abort is a warning, not a failure)")
+            break
+        lay = rest[0]
+        errors = _errors(run_dir, lay, world)
+        if not finished and min((s.index for s in sts), default=-1) < 0 and not errors:
+            # Nothing started (a rank could not even set up): every layout left shares that fate.
+            log = (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-3:]
+            msg = ("hung before the first layout started" if how == "hung" else
+                   _crash_message(lay, sts, exits, errors)) + (" | " + " / ".join(log) if log else "")
+            for lay in rest:
+                outcomes[lay.label] = LayoutOutcome(lay, "crashed" if how != "hung" else "hung", msg,
+                                                    launch_wall_s=wall, ranks=sts)
+            break
+        if how == "hung":
+            outcomes[lay.label] = LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), run_dir / lay.label,
+                                                launch_wall_s=wall, ranks=sts)
+        else:
+            status = "error" if errors else "crashed"
+            outcomes[lay.label] = LayoutOutcome(lay, status, _crash_message(lay, sts, exits, errors),
+                                                run_dir / lay.label, launch_wall_s=wall, ranks=sts)
+        remaining = rest[1:]
+    return LaunchReport(outcomes, n, time.monotonic() - t_all)

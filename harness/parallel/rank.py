@@ -1,0 +1,69 @@
+"""What torchrun starts on every rank: a small wrapper (no torch import) that runs the real rank
+(``harness.parallel.worker``) as its child and records how it ended - exit status, or the signal
+that killed it - in ``exit-<rank>.json``. torchrun itself only reports "exitcode -6" in its log
+text; the wrapper makes the signal a fact the launcher reads.
+
+The worker dies with the wrapper (PR_SET_PDEATHSIG), and a SIGTERM from torchrun (stopping the
+other ranks after one failed) is passed on to the worker and recorded as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _signal_name(n: int) -> str:
+    # As harness.isolation names signals; not imported from there, since that module pulls in
+    # torch through harness.execute and this wrapper must start in milliseconds.
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    spec_path = argv[0]
+    run_dir = os.path.dirname(spec_path)
+    rank = int(os.environ.get("RANK", "0"))
+    log = open(os.path.join(run_dir, f"rank{rank}.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "harness.parallel.worker", spec_path], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    stopped = []
+
+    def forward(signum, _frame):
+        stopped.append(_signal_name(signum))
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = proc.wait()
+    rec = {"rank": rank, "code": code, "time": time.time(),
+           "signal": _signal_name(-code) if code < 0 else None,
+           "stopped_by_launcher": stopped[0] if stopped else None}
+    tmp = os.path.join(run_dir, f".exit-{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump(rec, f)
+    os.replace(tmp, os.path.join(run_dir, f"exit-{rank}.json"))
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""Every bundled suite's default parallel matrix, float32 and bfloat16, N times in a row (by hand:
+``python -m tests.parallel.sweep --repeat 5``). Prints one line per item with its errors, and the
+worst error per dtype and quantity over everything (what docs/parallel.md derives tolerances from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from harness.checks import parallel as par  # noqa: E402
+from tests.parallel.helpers import metrics_of, run_variant, suite_with  # noqa: E402
+
+SUITES = ("llama-3.1-8b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2")
+Q = {"logits": "parallel_logits_error", "loss": "parallel_loss_error", "grads": "parallel_grad_error",
+     "weights": "parallel_weight_error", "logits_after": "parallel_logits_after_error"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--suites", default=",".join(SUITES))
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default="", help="only these layouts (comma-separated)")
+    a = ap.parse_args()
+    worst: dict = {}
+    fails = 0
+    rows = []
+    for rep in range(a.repeat):
+        for dtype in a.dtypes.split(","):
+            for name in a.suites.split(","):
+                par._LAUNCHES.clear()
+                only = [x for x in a.variants.split(",") if x]
+                ls = suite_with(name, variants=only)
+                for v in par.ParallelCheck().variants(ls, None):
+                    if only and v not in only:
+                        continue
+                    t = time.time()
+                    out, ctx = run_variant(ls, v, dtype)
+                    m = metrics_of(ctx)
+                    status = "passed" if out is None else type(out).__name__
+                    fails += out is not None and status != "NotApplicable"
+                    for q, k in Q.items():
+                        if k in m:
+                            worst.setdefault(dtype, {})[q] = max(worst.get(dtype, {}).get(q, 0.0), m[k])
+                    rows.append({"repeat": rep, "dtype": dtype, "suite": name, "layout": v, "status": status,
+                                 **{q: m.get(k) for q, k in Q.items()}, "recompute_peak_ratio": m.get(
+                                     "recompute_peak_ratio"), "fsdp_param_fraction": m.get("fsdp_param_fraction")})
+                    print(f"{rep} {dtype:8} {name:14} {v:9} {status:13} " + " ".join(
+                        f"{q}={m[k]:.2e}" for q, k in Q.items() if k in m) + f"  ({time.time() - t:.1f}s)"
+                        + ("" if out is None else f"\n    {str(out)[:400]}"), flush=True)
+    print("worst:", json.dumps(worst, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "worst": worst}, f, indent=1)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
