@@ -95,6 +95,8 @@ class PerfConfig(CheckConfig):
     budget_s: float = Field(2.0, gt=0, description="Time budget per phase; repeats continue until it is spent.")
     calibration_budget_s: float = Field(0.5, gt=0, description="Time budget of the calibration kernels.")
     kernel_sample_s: float = Field(0.04, gt=0, description="Each calibration sample repeats its kernel to about this long.")
+    kernel_size: float = Field(1.0, gt=0, le=4, description="Scale of the calibration kernels' dimensions "
+                               "(1: matmul [128, 1024] @ [1024, 1024], matvec 4096^2, copy 32 MiB on CPU).")
     threshold: float = Field(0.05, gt=0, description="Relative change that may count as a regression.")
     thresholds: dict[str, float] = Field(
         default_factory=lambda: {"decode_token_s": 0.10},
@@ -214,7 +216,7 @@ class PerfCheck(Check):
         st.fp = fpmod.fingerprint(ctx.backend, st.pin.threads, st.pin.cpus)
         st.kernels, st.calib = calib.calibrate(ctx.backend, torch_dtype(ctx.dtype), ctx.dtype,
                                                Budget(1, 7, 40, st.cfg.calibration_budget_s), clock=st.clock,
-                                               min_sample_s=st.cfg.kernel_sample_s)
+                                               min_sample_s=st.cfg.kernel_sample_s, size=st.cfg.kernel_size)
         ctx.metric("calib_matmul_flops_per_s", st.calib["matmul_flops_per_s"])
         ctx.metric("calib_copy_bytes_per_s", st.calib["copy_bytes_per_s"])
         ctx.metric("calib_matvec_bytes_per_s", st.calib["matvec_bytes_per_s"])

@@ -47,14 +47,21 @@ class Kernels:
     matvec_shape: tuple[int, int] = ()  # k, n
     copy_bytes: int = 0
     min_sample_s: float = 0.04
+    size: float = 1.0  # scales every kernel's dimensions (tests use small kernels)
     cpu_clock: bool = False  # also time each sample on the process CPU clock (timing.timed_both)
     reps: dict = field(default_factory=dict)
 
     def __post_init__(self):
         cpu = self.backend.device_type == "cpu"
-        self.shape = tuple(self.shape) or ((128, 1024, 1024) if cpu else (8192, 8192, 8192))
-        self.matvec_shape = tuple(self.matvec_shape) or ((4096, 4096) if cpu else (16384, 16384))
-        self.copy_bytes = self.copy_bytes or ((32 if cpu else 1024) << 20)
+        f = self.size
+
+        def dim(d):
+            return max(8, int(d * f))
+
+        m, k, n = tuple(self.shape) or ((128, 1024, 1024) if cpu else (8192, 8192, 8192))
+        self.shape = (m, dim(k), dim(n)) if not tuple(self.shape) else (m, k, n)
+        self.matvec_shape = tuple(self.matvec_shape) or tuple(dim(d) for d in ((4096, 4096) if cpu else (16384, 16384)))
+        self.copy_bytes = self.copy_bytes or max(4096, int(((32 if cpu else 1024) << 20) * f * f)) // 4 * 4
         dev = self.backend.device()
         g = torch.Generator().manual_seed(0)
         m, k, n = self.shape
@@ -138,8 +145,8 @@ def summarize_calibration(k: Kernels, samples: dict[str, list[float]], dtype_nam
 
 
 def calibrate(backend, dtype: torch.dtype, dtype_name: str, budget: Budget | None = None,
-              clock: str = "wall", min_sample_s: float = 0.04) -> tuple[Kernels, dict]:
-    k = Kernels(backend, dtype, cpu_clock=clock == "cpu", min_sample_s=min_sample_s)
+              clock: str = "wall", min_sample_s: float = 0.04, size: float = 1.0) -> tuple[Kernels, dict]:
+    k = Kernels(backend, dtype, cpu_clock=clock == "cpu", min_sample_s=min_sample_s, size=size)
     samples = collect(k.sample, budget or Budget(warmup=1, min_repeats=7, max_repeats=40, budget_s=0.5))
     return k, summarize_calibration(k, samples, dtype_name, clock)
 

@@ -44,6 +44,7 @@ class Decision:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["change"] = self.calibrated_ratio - 1.0
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
     @property

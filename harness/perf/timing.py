@@ -91,8 +91,8 @@ def pinned(threads: int = 0, cpus: list[int] | None = None) -> Iterator[Pinning]
 
 @contextmanager
 def gc_off() -> Iterator[None]:
+    # Disable only: a full gc.collect() first costs ~1 s with transformers imported, per phase.
     was = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         yield

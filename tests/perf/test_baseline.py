@@ -1,0 +1,77 @@
+"""Baselines: `harness baseline update RESULTS` takes a run's samples; lookups by machine class."""
+
+from __future__ import annotations
+
+import json
+
+from harness.backends import get
+from harness.cli import main
+from harness.perf import baseline as store
+from harness.perf import fingerprint as fpmod
+
+
+def record(suite="llama-3.1-8b", key="cpu-float32-b1-s128", fp=None, prefill=(0.1, 0.11, 0.12)):
+    fp = fp or fpmod.fingerprint(get("cpu"), threads=1)
+    return {"suite": suite, "key": key, "backend": "cpu", "dtype": "float32", "variant": "b1-s128",
+            "fingerprint": fp, "class": fpmod.class_key(fp), "shape": {"batch": 1, "seq": 128},
+            "calibration": {"dtype": "float32", "samples": {"calib_matmul_s": [0.01]}},
+            "reference": {"prefill": {"calib_matmul_s": [0.01]}},
+            "samples": {"prefill_s": list(prefill)}, "summary": {"prefill_s": {"median": prefill[1]}}}
+
+
+def test_round_trip_through_the_command_line(tmp_path, capsys):
+    results, golden = tmp_path / "results", tmp_path / "golden"
+    side = store.write_sidecar(record(), results)
+    assert side == results / "perf" / "llama-3.1-8b" / "cpu-float32-b1-s128.json"
+    assert main(["baseline", "update", str(results), "--golden-dir", str(golden)]) == 0
+    out = capsys.readouterr().out
+    assert "1 item(s)" in out and "cpu-float32-b1-s128" in out
+    fp = fpmod.fingerprint(get("cpu"), threads=1)
+    item, why = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, golden)
+    assert item["samples"]["prefill_s"] == [0.1, 0.11, 0.12] and "same machine class" in why
+    assert item["reference"] == {"prefill": {"calib_matmul_s": [0.01]}} and item["source"] == str(side)
+    path = golden / "perf" / "llama-3.1-8b" / f"{fpmod.class_key(fp)}.json"
+    assert json.loads(path.read_text())["class"] == fpmod.class_of(fp)
+
+    # A later reviewed run replaces its items and keeps the others.
+    results2 = tmp_path / "results2"
+    store.write_sidecar(record(prefill=(0.2, 0.2, 0.2)), results2)
+    store.write_sidecar(record(key="cpu-float32-b4-s128"), results2)
+    assert main(["baseline", "update", str(results2), "--golden-dir", str(golden)]) == 0
+    items = json.loads(path.read_text())["items"]
+    assert sorted(items) == ["cpu-float32-b1-s128", "cpu-float32-b4-s128"]
+    assert items["cpu-float32-b1-s128"]["samples"]["prefill_s"] == [0.2, 0.2, 0.2]
+    assert main(["baseline", "show", "--golden-dir", str(golden)]) == 0
+    assert "cpu-float32-b4-s128: prefill_s 110 ms" in capsys.readouterr().out
+
+
+def test_another_machine_class_is_said_to_be_incomparable(tmp_path):
+    fp = fpmod.fingerprint(get("cpu"), threads=1)
+    other = {**fp, "cpu_model": "Other CPU 9000", "device_name": "Other CPU 9000"}
+    store.write_sidecar(record(fp=other), tmp_path / "r")
+    store.update(tmp_path / "r", tmp_path / "g")
+    item, why = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, tmp_path / "g")
+    assert item is None
+    assert "incomparable machine" in why and "cpu_model: baseline 'Other CPU 9000'" in why
+    item, why = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, tmp_path / "nothing")
+    assert item is None and why.startswith("no baseline for llama-3.1-8b")
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["baseline", "update", str(tmp_path / "missing")]) == 2
+    assert "no such results directory" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["baseline", "update", str(empty), "--golden-dir", str(tmp_path / "g")]) == 2
+    assert "no perf samples" in capsys.readouterr().err
+    bad = empty / "perf" / "s" / "x.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    assert main(["baseline", "update", str(empty), "--golden-dir", str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "x.json: not valid JSON" in err
+    # an item that measured nothing (e.g. a backend without timer-safe synchronize) is refused
+    bad.unlink()
+    store.write_sidecar({**record(), "samples": {}, "why_no_samples": "no synchronize"}, empty)
+    assert main(["baseline", "update", str(empty), "--golden-dir", str(tmp_path / "g")]) == 1
+    assert "refused cpu-float32-b1-s128: no samples (no synchronize)" in capsys.readouterr().err
