@@ -1,0 +1,125 @@
+"""`harness ci-local`: the rehearsal of ci.yml end to end, with real shards, a real comparison and
+the file sink. A commit that breaks a model fails its shard and files an issue; the next two clean
+runs close it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests_support import REPO_SUITES, TINY_PRUNE
+
+# The model code of the rehearsal's project: a suite's adapter, the way a vendor's builder is one.
+MODEL_OK = '''
+from transformers import LlamaForCausalLM
+
+
+def build(config, dtype, device):
+    return LlamaForCausalLM(config)
+'''
+
+# The "commit that breaks a model": layer 0's MLP now returns NaN (a wrong kernel, a bad cast).
+MODEL_BROKEN = '''
+from transformers import LlamaForCausalLM
+
+
+def build(config, dtype, device):
+    m = LlamaForCausalLM(config)
+    m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * float("nan"))
+    return m
+'''
+
+
+def suite(adapter: str | None) -> str:
+    model = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n'
+    if adapter:
+        model += f'adapter = "{adapter}"\n'
+    return ('backends = ["cpu"]\ndtypes = ["float32"]\n' + model + TINY_PRUNE
+            + "\n[checks.smoke]\nsteps = 2\ngenerate_tokens = 2\n")
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """Two tiny suites in a project of their own: `a-model` built by the project's model code,
+    `b-healthy` by transformers."""
+    shutil.copytree(REPO_SUITES / "configs", tmp_path / "suites" / "configs")
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\n')
+    (tmp_path / "suites" / "a-model.toml").write_text(suite("project_model:build"))
+    (tmp_path / "suites" / "b-healthy.toml").write_text(suite(None))
+    (tmp_path / "project_model.py").write_text(MODEL_OK)
+    return tmp_path
+
+
+def ci_local(project: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("harness")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200",
+                        "HARNESS_CONFIG": str(project / "harness.toml"),
+                        "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for k in [k for k in env if k.startswith("GITHUB_")]:  # not a GitHub Actions run, even inside one
+        del env[k]
+    # -n 0: no xdist workers inside a shard (two more torch imports per shard, on a 2-core machine)
+    return subprocess.run([str(exe), "ci-local", "--shards", "2", "--parallel", "2", "-n", "0", "--check", "smoke",
+                           "--out", "ci"], cwd=project, env=env, capture_output=True, text=True, timeout=600)
+
+
+def issues(project: Path) -> dict:
+    p = project / "ci" / "issues" / "issues.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+@pytest.mark.slow
+def test_a_breaking_commit_fails_its_shard_files_an_issue_and_two_clean_runs_close_it(project):
+    # the commit that breaks the model
+    (project / "project_model.py").write_text(MODEL_BROKEN)
+    r = ci_local(project)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    # one shard failed, the other passed: the two suites went to different shards
+    assert ("shard 1/2: passed" in out) != ("shard 2/2: passed" in out), out
+    assert "1/2 shard(s) passed" in out, out
+    failed_shard = 1 if "shard 1/2: FAILED" in out else 2
+    journal = (project / "ci" / "results" / f"shard-{failed_shard}" / "summary.json").read_text()
+    assert "a-model.toml::smoke[cpu-float32]" in journal
+    # the merged report names the failure, and the file sink filed one issue for it
+    assert "a-model" in out
+    filed = issues(project)
+    assert len(filed) == 1, out
+    (number, issue), = filed.items()
+    assert issue["state"] == "open"
+    assert "suite:a-model" in issue["labels"] and "backend:cpu" in issue["labels"]
+    assert "smoke" in issue["body"]
+    assert (project / "ci" / "issues" / f"issue-{number}.md").exists()
+    assert (project / "ci" / "summary.md").read_text().strip()
+    # a failed run never becomes the baseline
+    assert not (project / "ci" / "baseline").exists()
+
+    # the fix; the first clean run leaves the issue open (one clean run is not enough)...
+    (project / "project_model.py").write_text(MODEL_OK)
+    r = ci_local(project)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2/2 shard(s) passed" in r.stdout
+    assert issues(project)[number]["state"] == "open", r.stdout
+    assert (project / "ci" / "baseline" / "shard-1" / "junit.xml").exists()
+
+    # ...the second closes it, with one comment that says so
+    r = ci_local(project)
+    assert r.returncode == 0, r.stdout + r.stderr
+    closed = issues(project)[number]
+    assert closed["state"] == "closed", r.stdout
+    assert len(issues(project)) == 1  # no duplicate was ever opened
+    log = json.loads((project / "ci" / "issues" / "actions.json").read_text())
+    assert [e["op"] for e in log if e["issue"] == int(number)].count("create") == 1
+    assert any(e["op"] == "edit" and e["state"] == "closed" for e in log)
+
+
+def test_bad_shard_count_is_one_line(tmp_path, capsys):
+    from harness.cli import main
+
+    assert main(["ci-local", "--shards", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--shards and --parallel must be at least 1" in capsys.readouterr().err
