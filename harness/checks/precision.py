@@ -2,14 +2,19 @@
 compared module by module with the golden (see docs/precision.md).
 
 Steps: ``golden`` (load and validate it; a bad golden is "could not run", never blamed on the
-target) -> ``tolerances`` (resolve per dtype / backend / device) -> ``compare`` (run the target on
-the golden's inputs, align captured modules) -> ``record`` (metrics) -> ``report`` (layer table and
-plot on failure) -> ``verdict`` (first divergent module, generation).
+target) -> ``tolerances`` (per-dtype ceilings, resolved per dtype / backend / device) -> ``budgets``
+(per-module budgets from the clean errors the golden measured: k x clean + floor, under the
+ceiling) -> ``compare`` (propagated: the whole target model on the golden's inputs) -> ``isolate``
+(each captured module of the target on the golden's recorded inputs of that module) -> ``routing``
+(verdict rows; in MoE modules, tokens whose routing flipped at a near tie are left out and counted,
+flips at wide margins fail) -> ``record`` (metrics) -> ``report`` (layer table and plot on
+failure) -> ``verdict`` (first module over its budget, generation).
 
-Fails when any captured module output or the logits exceed the resolved tolerance (rel_rmse,
-cosine; max_abs_err / within_1e3 when set) or greedy generation disagrees beyond near ties. On a
-failure (or with ``layer_report = "always"``) it records the layer table and the first divergent
-module as details, prints the table with the error growth per layer, and plots error per module into
+Fails when a module's isolated error exceeds its budget (rel_rmse or scale error), a router flips at
+a wide margin, a module without an isolated comparison exceeds the tolerance propagated, or greedy
+generation disagrees beyond near ties. On a failure (or with ``layer_report = "always"``) it records
+the layer table and the first divergent module as details, prints the table with both comparisons
+and the error growth per layer, and plots error per module into
 ``results/precision/<suite>-<backend>-<dtype>.png``.
 
 The quantization budget check lives in ``harness.checks.quantization``.
