@@ -16,16 +16,16 @@ on a perf-sized model (harness/perf/workload.py: the suite's architecture at hid
 ``verdict``    a confirmed regression fails the item (``fail_on_regression``).
 
 Every timing follows harness/perf/timing.py (warm-up, synchronize, repeats within a budget, GC off,
-threads and affinity fixed). Disabled by default: one item costs ~10-20 s of a CPU against ~1 s for
-the other checks, so the bundled suites' per-commit runs leave it out; the nightly job turns it on
-with ``HARNESS_PERF=1`` (or a suite with ``[checks.perf] enabled = true``). See docs/perf.md.
+threads and affinity fixed). Nightly scope by default: one item costs ~10-20 s of a CPU against
+~1 s for the other checks, so per-commit runs leave it out (``harness run --scope nightly``, or a
+suite's ``[checks.perf] scope = "commit"``). On devices the nightly run adds one item per shape at
+the real model's per-layer size (``-published``). See docs/perf.md.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from types import SimpleNamespace
 from typing import Literal
 
@@ -71,8 +71,14 @@ for _m in PHASE_OF:
 class PerfConfig(CheckConfig):
     """Throughput and latency against a per-machine-class baseline, with roofline fractions."""
 
-    enabled: bool = Field(False, description="Generate perf items. Off by default (10-20 s per item on a CPU); "
-                          "HARNESS_PERF=1 in the environment turns it on for every suite (the nightly job).")
+    scope: Literal["commit", "nightly"] = Field(
+        "nightly", description="Nightly by default (10-20 s per item on a CPU): `harness run --scope nightly`.")
+    published: Literal["devices", "always", "never"] = Field(
+        "devices", description="Also one item per shape at the real model's per-layer size (width 'published', "
+        "variant suffix -published): on device backends only, on every backend, or never.")
+    published_phases: list[Literal["prefill", "decode", "train"]] = Field(
+        default_factory=lambda: ["prefill", "decode"], description="Phases of the -published items (training a "
+        "published MoE layer with AdamW needs ~16 bytes per parameter).")
     batch_sizes: list[int] = Field(default_factory=lambda: [1], description="Batch grid (one item per batch x seq).")
     seq_lens: list[int] = Field(default_factory=lambda: [128], description="Prompt-length grid.")
     decode_tokens: int = Field(8, ge=1, description="Greedy tokens decoded after the prompt (per decode sample).")
@@ -138,11 +144,16 @@ def shape_id(batch: int, seq: int) -> str:
     return f"b{batch}-s{seq}"
 
 
-def parse_shape(variant: str | None, cfg: PerfConfig) -> tuple[int, int]:
+PUBLISHED = "-published"
+
+
+def parse_shape(variant: str | None, cfg: PerfConfig) -> tuple[int, int, bool]:
+    """``b1-s128`` -> (1, 128, False); ``b1-s128-published`` -> (1, 128, True)."""
     if not variant:
-        return cfg.batch_sizes[0], cfg.seq_lens[0]
-    b, s = variant.split("-")
-    return int(b[1:]), int(s[1:])
+        return cfg.batch_sizes[0], cfg.seq_lens[0], False
+    published = variant.endswith(PUBLISHED)
+    b, s = variant.removesuffix(PUBLISHED).split("-")
+    return int(b[1:]), int(s[1:]), published
 
 
 def _fmt_s(v: float) -> str:
@@ -157,12 +168,11 @@ class PerfCheck(Check):
     steps = ("setup", "calibrate", "prefill", "decode", "train", "roofline", "compare", "record", "verdict")
     setup_steps = ("setup", "calibrate")
 
-    def enabled(self, suite) -> bool:
-        return bool(self.config(suite).enabled) or os.environ.get("HARNESS_PERF", "") not in ("", "0")
-
     def variants(self, suite, backend) -> list[str | None]:
         cfg = self.config(suite)
-        return [shape_id(b, s) for b in cfg.batch_sizes for s in cfg.seq_lens]
+        shapes = [shape_id(b, s) for b in cfg.batch_sizes for s in cfg.seq_lens]
+        full = cfg.published == "always" or (cfg.published == "devices" and backend.device_type != "cpu")
+        return shapes + ([v + PUBLISHED for v in shapes] if full else [])
 
     def new_state(self, ctx: CheckContext):
         # Options (run(ctx, **options)): results_dir / golden_root redirect files; transform(model)
@@ -179,7 +189,9 @@ class PerfCheck(Check):
     # --- steps -------------------------------------------------------------------------------
     def setup(self, ctx: CheckContext, st) -> None:
         cfg = st.cfg = ctx.config
-        st.batch, st.seq = parse_shape(ctx.variant, cfg)
+        st.batch, st.seq, published = parse_shape(ctx.variant, cfg)
+        if published:  # the real model's per-layer size: its own width and phases
+            cfg = st.cfg = cfg.model_copy(update={"width": "published", "phases": cfg.published_phases})
         st.key = store.item_key(ctx.backend.name, ctx.dtype, ctx.variant or shape_id(st.batch, st.seq))
         st.samples, st.memory, st.ref = {}, {}, {}  # ref: phase -> {kernel key: interleaved samples}
         ok, why = timer_safety(ctx.backend)

@@ -151,17 +151,18 @@ def test_a_backend_without_synchronize_reports_that_instead_of_a_number(write_su
     assert not any(k.startswith("metric.") for k in p)
 
 
-def test_off_by_default_on_with_harness_perf_and_one_item_per_shape(monkeypatch, write_suite):
+def test_nightly_scope_and_one_item_per_shape(write_suite):
     check = registry().get("perf")
     bundled = load_suite(REPO_SUITES / "llama-3.1-8b.toml")
-    monkeypatch.delenv("HARNESS_PERF", raising=False)
-    assert not check.enabled(bundled)
-    monkeypatch.setenv("HARNESS_PERF", "1")
-    assert check.enabled(bundled)
+    assert check.enabled(bundled) and check.scope(bundled, "b1-s128") == "nightly"
     assert check.variants(bundled, get("cpu")) == ["b1-s128"]
+    # a device backend also gets the real model's per-layer size, in the nightly scope too
+    dev = Backend(name="npu", device_type="npu", collective="hccl")
+    assert check.variants(bundled, dev) == ["b1-s128", "b1-s128-published"]
     ls = load_suite(write_suite("grid", PERF.format(prune=TINY_PRUNE).replace(
-        "seq_lens = [8]", "seq_lens = [8, 16]\nbatch_sizes = [1, 4]")))
-    assert check.variants(ls, get("cpu")) == ["b1-s8", "b1-s16", "b4-s8", "b4-s16"]
+        "seq_lens = [8]", 'seq_lens = [8, 16]\nbatch_sizes = [1, 4]\nscope = "commit"\npublished = "never"')))
+    assert check.variants(ls, dev) == ["b1-s8", "b1-s16", "b4-s8", "b4-s16"]
+    assert check.scope(ls, "b1-s8") == "commit"
 
 
 def test_bad_table_is_a_suite_error(write_suite):
