@@ -131,3 +131,14 @@ def test_weights_from_environment_variable(kimi_ckpt, tmp_path, monkeypatch):
     assert ls.weights_path == root.resolve()
     _, mc = build_model(ls)
     assert any(n.startswith("real weights from") for n in mc.notes)
+
+
+def test_smoke_check_runs_on_the_real_weights(kimi_ckpt, tmp_path):
+    """The smoke check's build goes through build_model, so it trains and generates on real numerics."""
+    from harness.checks import run_one
+
+    root, raw, _ = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n{PRUNE_2L_4E}'))
+    ctx = run_one(ls, "smoke", "cpu", "float32")
+    assert any(n.startswith("real weights from") and "layers [0, 1] of 4" in n for n in ctx.notes)
+    assert float(dict(ctx.properties)["metric.loss_drop"]) > 0
