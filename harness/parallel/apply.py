@@ -49,13 +49,26 @@ def _match(plan: dict[str, str], model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh, plan: dict[str, str]) -> list[str]:
+def apply_tp(model: torch.nn.Module, tp_mesh, plan: dict[str, str], kv_heads: int | None = None) -> list[str]:
     """DTensor tensor parallelism: colwise / rowwise Linear layers (outputs as local tensors, so the
     attention's ``view(..., -1, head_dim)`` sees the local heads). Returns the names of the modules
     whose weights must have their gradients all-reduced over tp (``replicated_with_grad_allreduce``:
-    norms applied to local heads)."""
+    norms applied to local heads).
+
+    With one key/value head (MQA) and tp > 1 the k/v projections cannot be split by heads: they
+    are replicated (each rank's query heads all read the one KV head; its gradient is summed over
+    tp), as inference engines do when tp exceeds the KV heads."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    tp = tp_mesh.size()
+    if kv_heads is not None and kv_heads % tp:
+        if kv_heads != 1:
+            raise ValueError(f"tp{tp} with {kv_heads} key/value heads: only a single KV head can be replicated")
+        plan = {k: ("replicated_with_grad_allreduce" if k.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "k_norm")
+                    else v) for k, v in plan.items()}
+        for mod in model.modules():
+            if hasattr(mod, "num_key_value_groups") and hasattr(mod, "k_proj"):
+                mod.num_key_value_groups = max(1, mod.num_key_value_groups // tp)
     matched = _match(plan, model)
     styles = {n: ColwiseParallel() if s == "colwise" else RowwiseParallel()
               for n, s in matched.items() if s in ("colwise", "rowwise")}

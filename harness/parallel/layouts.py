@@ -128,7 +128,7 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int) -> str
         return "expert parallelism needs a mixture-of-experts model"
     if lay.ep > 1 and facts.num_experts % lay.ep:
         return f"ep{lay.ep} does not divide the {facts.num_experts} experts"
-    if lay.tp > 1 and (heads % lay.tp or kv_heads % lay.tp):
+    if lay.tp > 1 and (heads % lay.tp or (kv_heads % lay.tp and kv_heads != 1)):
         return f"tp{lay.tp} does not divide {heads} query / {kv_heads} key-value heads"
     if lay.cp > 1:
         return "context parallelism is not supported by this harness yet (needs ring attention on the backend)"

@@ -134,7 +134,9 @@ class RankRun:
         if lay.tp > 1:
             plan, notes = tp_plan_of(model, spec.get("tp_plan") or None)
             res["notes"] += notes
-            tp_norms = apply_tp(model, mesh["tp"], plan)
+            from harness.inspect.flops import head_dims
+
+            tp_norms = apply_tp(model, mesh["tp"], plan, kv_heads=head_dims(self.mc.config)[1])
         if lay.ep > 1:
             ep_names = apply_ep(model, n_exp, groups["ep"], spec.get("capacity_factor", 0.0))
         if recompute:

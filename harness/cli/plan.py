@@ -1,0 +1,62 @@
+"""``harness plan SUITE|CONFIG.json --devices N --device-memory 141GiB``: the feasible
+(tp, pp, ep, dp, cp, ZeRO stage, recompute) layouts of the full-size model, with a per-device memory
+breakdown and the communication per step, ranked, and the recommendation with its reason. Same
+parameter, checkpoint and KV-cache figures as ``harness inspect``. See docs/parallel.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="which parallel layouts of the full-size model fit a cluster, ranked",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="suite name, suite .toml, or a config.json")
+    p.add_argument("--devices", type=int, required=True, help="devices per node")
+    p.add_argument("--device-memory", required=True, help="memory of one device, e.g. 141GiB or 80GB")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--mode", choices=("inference", "training"), default="inference")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--weights", choices=("checkpoint", "bfloat16", "float32"), default="checkpoint",
+                   help="inference weight format: the checkpoint's (quantized where it is), or a dtype")
+    p.add_argument("--usable", type=float, default=0.9, help="fraction of device memory a layout may use")
+    p.add_argument("--top", type=int, default=12, help="layouts shown")
+    p.add_argument("--json", metavar="PATH", help="write the whole plan as JSON ('-' for stdout)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from harness.inspect.params import load_target
+    from harness.models.config import UnknownArchitectureError
+    from harness.parallel.plan import model_facts, parse_bytes, plan, render
+    from harness.settings import load_settings
+    from harness.suite.loader import SuiteError
+
+    try:
+        mem = parse_bytes(args.device_memory)
+        for name in ("devices", "nodes", "batch", "context"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+        if not 0 < args.usable <= 1:
+            raise ValueError(f"--usable must be in (0, 1], got {args.usable}")
+        target = load_target(args.target, load_settings().suites_dir)
+        facts = model_facts(target, args.weights, args.context)
+    except (SuiteError, UnknownArchitectureError, ValueError, KeyError) as e:
+        print(f"harness plan: {e}", file=sys.stderr)
+        return 2
+    rep = plan(facts, devices_per_node=args.devices, nodes=args.nodes, device_memory=mem, mode=args.mode,
+               batch=args.batch, context=args.context, usable=args.usable)
+    if args.json == "-":
+        print(json.dumps(rep.to_dict(), indent=1))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep.to_dict(), indent=1))
+    print(render(rep, args.top))
+    return 0

@@ -1,0 +1,352 @@
+"""``harness plan``: which (tp, pp, ep, dp, cp, ZeRO stage, recompute) layouts of the *full-size*
+model fit a cluster, with a per-device memory breakdown and the communication per step, ranked.
+
+The parameter counts, checkpoint bytes (quantized formats with their scales) and KV-cache bytes per
+token are ``harness inspect``'s own (``harness.inspect.report.inspect`` on the meta device), so
+the two commands agree where they overlap: at tp = pp = ep = 1 the weight bytes per device are
+inspect's checkpoint total. The model of how a layout divides them (docs/parallel.md, "harness plan"):
+
+* **weights**: attention, dense MLP, shared experts, embedding and lm_head are split by ``tp``
+  (vocabulary-parallel embedding); routed experts by ``ep`` (by ``tp`` when ``ep`` = 1); decoder
+  layers by ``pp`` (the worst stage also keeps the larger of embedding / lm_head); norms, routers
+  and buffers are replicated; in training ZeRO-3 also splits what is left by ``dp``;
+* **KV cache** (inference): inspect's bytes per token x the sequences of one replica
+  (ceil(batch / dp)) x context / cp, split by ``pp`` (layers) and by ``tp`` over the KV heads (GQA:
+  at most ``num_key_value_heads`` ways; MLA's compressed latent is not split by tp);
+* **activations**: inference - one layer's working set for the prefill of the context; training -
+  Korthikanti et al. 2022 (``34 s b h`` bytes per layer with sequence parallelism and flash
+  attention, ``2 s b h`` with full recomputation), plus float32 logits;
+* **training state**: bf16 gradients (2 B/param, split by ``dp`` from ZeRO-2) and Adam in float32
+  (master weights, m, v: 12 B/param, split by ``dp`` from ZeRO-1);
+* **communication** per step and device: ring all-reduce ``2 (n-1)/n`` of the tensor (TP: two per
+  layer and pass; DP: the gradients; ZeRO-3: 3 (n-1)/n of the parameters), all-to-all dispatch +
+  combine for EP, one activation per pipeline boundary, the KV ring for CP; backward doubles the
+  activation terms in training. Groups that span nodes are costed at the inter-node bandwidth.
+
+A layout fits when its total per device is within ``usable`` (default 0.9) of the device memory
+(the rest: runtime, allocator fragmentation, communication buffers).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+INTRA_NODE_BW = 450e9  # bytes/s per device within a node (NVLink-class); a ranking weight, not a claim
+INTER_NODE_BW = 50e9  # bytes/s per device across nodes (400 Gb/s InfiniBand-class)
+DEVICE_FLOPS = 1e15  # dense bf16 FLOP/s of one device (H100/H200-class), a ranking weight
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``141GiB``, ``80GB``, ``80G`` (binary), ``1.5TiB`` -> bytes; ValueError with the reason."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 141GiB, 80GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+@dataclass
+class ModelFacts:
+    name: str
+    params_by_kind: dict[str, int]
+    total_params: int
+    weight_bytes: dict[str, float]  # kind -> bytes in the chosen format (sums to inspect's total)
+    weight_format: str
+    buffer_bytes: int
+    kv_bytes_per_token: int  # all layers, inspect's figure
+    kv_split_by_tp: int  # how many ways tp can split the KV cache (kv heads; 1 for MLA)
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    intermediate: int  # per-token MLP width (top-k + shared experts for MoE)
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    flops_per_token: float = 0.0  # forward, prefill at the planned context (inspect's figure)
+    notes: list[str] = field(default_factory=list)
+
+
+QUANTIZABLE = ("attention", "dense_mlp", "routed_experts", "shared_experts")
+
+
+def model_facts(target, weights: str = "checkpoint", context: int = 4096) -> ModelFacts:
+    from harness.inspect.flops import head_dims, is_mla, text_config
+    from harness.inspect.report import inspect
+
+    rep = inspect(target, trace="none", prefill_len=context, decode_context=context)
+    p, fl = rep.params, rep.flops
+    cfg = text_config(target.model_config(False).config)
+    by = dict(p.by_kind)
+    scen = {k: v for k, v in p.bytes.items()}
+    quant = [k for k in scen if k not in ("float32", "bfloat16")]
+    fmt = quant[0] if weights == "checkpoint" and quant else ("float32" if weights == "float32" else "bfloat16")
+    sc = scen[fmt]
+    buffers = int(sc.get("float32 (buffers)", 0)) if fmt != "float32" else p.buffers_persistent * 4
+    wb: dict[str, float] = {}
+    if fmt in quant:
+        # inspect gives the quantized Linear weights + scales as one figure and the bf16 rest as another;
+        # split them over kinds in proportion to parameters (totals stay inspect's exactly).
+        keep16 = next(v for k, v in sc.items() if k.startswith("bfloat16"))
+        qbytes = sc["total"] - keep16 - buffers
+        outside = sum(n for k, n in by.items() if k not in QUANTIZABLE)
+        inside16 = max(0.0, keep16 - 2 * outside)
+        qparams = sum(by.get(k, 0) for k in QUANTIZABLE) or 1
+        for k, n in by.items():
+            wb[k] = n * 2.0 if k not in QUANTIZABLE else (qbytes + inside16) * n / qparams
+    else:
+        per = 4 if fmt == "float32" else 2
+        for k, n in by.items():
+            wb[k] = float(n * per)
+    heads, kvh, _, _ = head_dims(cfg)
+    mla = is_mla(cfg)
+    kv_key = next(iter(fl.kv_cache_bytes_per_token))
+    n_exp = p.num_experts or 0
+    top_k = p.experts_per_token or 0
+    inter = int(getattr(cfg, "intermediate_size", 0) or 0)
+    if n_exp:
+        moe_i = int(getattr(cfg, "moe_intermediate_size", 0) or inter)
+        shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
+        inter = max(inter if getattr(cfg, "first_k_dense_replace", 0) else 0, moe_i * (top_k + shared))
+    moe_layers = 0
+    if n_exp:
+        moe_layers = p.num_layers - int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    notes = [f"weights as {fmt}: {gib(sum(wb.values()) + buffers)} GiB (harness inspect: "
+             f"{gib(sc['total'])} GiB)"]
+    return ModelFacts(target.name, by, p.total, wb, fmt, buffers, fl.kv_cache_bytes_per_token[kv_key],
+                      1 if mla else kvh, p.num_layers, int(cfg.hidden_size), int(cfg.vocab_size), heads, inter,
+                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes)
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    cp: int
+    zero: int
+    recompute: bool
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "dp", "ep", "cp") if getattr(self, k) > 1]
+        s = "x".join(parts) or "single"
+        if self.zero:
+            s += f" zero{self.zero}"
+        if self.recompute:
+            s += " +recompute"
+        return s
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    weights: float
+    kv_cache: float
+    activations: float
+    gradients: float
+    optimizer: float
+    total: float
+    fits: bool
+    free: float
+    comm_bytes: float
+    comm_cross_node_bytes: float
+    comm_time_s: float
+    compute_time_s: float = 0.0
+    why_not: str = ""
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_time_s + self.comm_time_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layout"] = self.layout.name
+        d["degrees"] = asdict(self.layout)
+        return d
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int, device_memory: int,
+             devices_per_node: int, usable: float = 0.9) -> Estimate:
+    tp, pp, dp, ep, cp = lay.tp, lay.pp, lay.dp, lay.ep, lay.cp
+    train = mode == "training"
+    by, wb = m.params_by_kind, m.weight_bytes
+    # --- weights (and the parameter share the training state follows) -------------------------
+    layer_kinds = ("attention", "dense_mlp", "routed_experts", "shared_experts", "router", "norm", "other")
+
+    def share(kind: str) -> float:
+        f = 1.0
+        if kind in ("attention", "dense_mlp", "shared_experts", "embedding", "lm_head"):
+            f /= tp
+        if kind == "routed_experts":
+            f /= ep if ep > 1 else tp
+        if kind in layer_kinds:
+            f /= pp
+        return f
+
+    def per_device(values: dict[str, float]) -> float:
+        s = sum(v * share(k) for k, v in values.items() if k not in ("embedding", "lm_head"))
+        ends = [values.get("embedding", 0.0) * share("embedding"), values.get("lm_head", 0.0) * share("lm_head")]
+        return s + (max(ends) if pp > 1 else sum(ends))
+
+    params_dev = per_device({k: float(v) for k, v in by.items()})
+    if train:
+        weights = params_dev * 2 / (dp if lay.zero >= 3 else 1)
+        grads = params_dev * 2 / (dp if lay.zero >= 2 else 1)
+        optim = params_dev * 12 / (dp if lay.zero >= 1 else 1)
+    else:
+        weights = per_device(wb) + m.buffer_bytes
+        grads = optim = 0.0
+    # --- KV cache, activations ------------------------------------------------------------------
+    seqs = math.ceil(batch / dp)
+    tokens = seqs * context / cp  # tokens of one replica on this device's context shard
+    kv = 0.0 if train else m.kv_bytes_per_token * seqs * context / cp / pp / min(tp, m.kv_split_by_tp)
+    layers_dev = math.ceil(m.layers / pp)
+    if train:
+        per_layer = (2 if lay.recompute else 34) * tokens * m.hidden / tp
+        act = per_layer * layers_dev + (34 * tokens * m.hidden / tp if lay.recompute else 0)
+        act += tokens * m.vocab / tp * 4  # float32 logits for the loss (last stage)
+    else:
+        act = tokens * 2 * (4 * m.hidden + 3 * m.intermediate / tp) + seqs * m.vocab / tp * 4
+    total = weights + kv + act + grads + optim
+    # --- communication per step -----------------------------------------------------------------
+    passes = 2 if train else 1
+    act_bytes = tokens * m.hidden * 2
+    comm: dict[str, float] = {}
+    if tp > 1:
+        comm["tp"] = layers_dev * 2 * passes * 2 * (tp - 1) / tp * act_bytes
+    if pp > 1:
+        comm["pp"] = passes * act_bytes
+    if ep > 1 and m.num_experts:
+        moe_dev = math.ceil(m.moe_layers / pp)
+        comm["ep"] = moe_dev * 2 * passes * tokens * m.top_k * m.hidden * 2 * (ep - 1) / ep
+    if cp > 1:
+        comm["cp"] = passes * (m.kv_bytes_per_token / max(m.layers, 1)) * layers_dev * tokens * (cp - 1)
+    if train and dp > 1:
+        comm["dp"] = (3 if lay.zero >= 3 else 2) * (dp - 1) / dp * params_dev * 2
+    # Which groups cross nodes: ranks are laid out tp (innermost), cp, ep/dp, pp (outermost).
+    cross = 0.0
+    inner = 1
+    for dim, n in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
+        inner *= n
+        spans = inner > devices_per_node
+        if dim == "dp":
+            for k in ("dp", "ep"):
+                if spans and k in comm:
+                    cross += comm[k]
+        elif spans and dim in comm:
+            cross += comm[dim]
+    comm_total = sum(comm.values())
+    time_s = (comm_total - cross) / INTRA_NODE_BW + cross / INTER_NODE_BW
+    # Compute: the step's FLOPs over the devices that work at once. A pipeline keeps its stages busy
+    # only with several microbatches in flight (bubble (pp-1)/(m+pp-1), m = sequences per replica);
+    # replicas beyond the batch idle; training is 3 forward passes (4 with recomputation).
+    m_mb = seqs
+    busy = tp * cp * min(dp, batch) * pp * m_mb / (m_mb + pp - 1)
+    flops = m.flops_per_token * batch * context * ((4 if lay.recompute else 3) if train else 1)
+    compute_s = flops / busy / DEVICE_FLOPS
+    limit = device_memory * usable
+    why = "" if total <= limit else f"needs {gib(total)} GiB per device, {gib(limit)} GiB usable"
+    return Estimate(lay, weights, kv, act, grads, optim, total, total <= limit, limit - total, comm_total, cross,
+                    time_s, compute_s, why)
+
+
+def candidate_layouts(m: ModelFacts, devices: int, devices_per_node: int, mode: str) -> list[Layout]:
+    out = []
+    for tp in _divisors(devices):
+        if tp > devices_per_node or m.heads % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > m.layers:
+                continue
+            for cp in _divisors(devices // tp // pp):
+                dp = devices // tp // pp // cp
+                eps = [1]
+                if m.num_experts:
+                    eps = [e for e in _divisors(tp * dp) if m.num_experts % e == 0]
+                for ep in eps:
+                    zeros = [0, 1, 2, 3] if mode == "training" and dp > 1 else [0]
+                    rcs = [False, True] if mode == "training" else [False]
+                    for z in zeros:
+                        for rc in rcs:
+                            out.append(Layout(tp, pp, dp, ep, cp, z, rc))
+    return out
+
+
+@dataclass
+class PlanReport:
+    model: ModelFacts
+    mode: str
+    devices: int
+    nodes: int
+    device_memory: int
+    batch: int
+    context: int
+    ranked: list[Estimate]
+    recommendation: str
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.name, "mode": self.mode, "devices": self.devices, "nodes": self.nodes,
+                "device_memory": self.device_memory, "batch": self.batch, "context": self.context,
+                "weight_format": self.model.weight_format, "notes": self.model.notes,
+                "layouts": [e.to_dict() for e in self.ranked], "recommendation": self.recommendation}
+
+
+def plan(m: ModelFacts, *, devices_per_node: int, nodes: int, device_memory: int, mode: str = "inference",
+         batch: int = 1, context: int = 4096, usable: float = 0.9) -> PlanReport:
+    n = devices_per_node * nodes
+    ests = [estimate(m, lay, mode=mode, batch=batch, context=context, device_memory=device_memory,
+                     devices_per_node=devices_per_node, usable=usable)
+            for lay in candidate_layouts(m, n, devices_per_node, mode)]
+    # Feasible first; among them the shortest estimated step (compute over the busy devices plus
+    # communication at nominal bandwidths), then the most headroom, then the simplest layout.
+    ests.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6) if e.fits else e.total, -e.free,
+                             sum(getattr(e.layout, k) > 1 for k in ("tp", "pp", "dp", "ep", "cp")) + e.layout.zero))
+    if ests and ests[0].fits:
+        b = ests[0]
+        rec = (f"{b.layout.name}: fits with {gib(b.free)} GiB to spare per device "
+               f"({gib(b.total)} of {gib(device_memory)} GiB used), and has the shortest estimated step of the "
+               f"{sum(e.fits for e in ests)} layouts that fit ({b.step_time_s * 1e3:.1f} ms: compute "
+               f"{b.compute_time_s * 1e3:.1f} ms over the busy devices, {b.comm_bytes / 1e9:.2f} GB of "
+               "communication per device"
+               + (f", {b.comm_cross_node_bytes / 1e9:.2f} GB of it across nodes" if b.comm_cross_node_bytes else
+                  ", all within a node") + ")")
+    else:
+        best = min(ests, key=lambda e: e.total) if ests else None
+        rec = (f"no layout fits {n} x {gib(device_memory)} GiB for {mode}"
+               + (f"; the smallest need is {best.layout.name} at {gib(best.total)} GiB per device "
+                  f"(weights alone {gib(best.weights)} GiB): more devices or nodes, or a smaller format"
+                  if best else ""))
+    return PlanReport(m, mode, n, nodes, device_memory, batch, context, ests, rec)
+
+
+def render(rep: PlanReport, top: int = 12) -> str:
+    m = rep.model
+    lines = [f"{m.name}: {m.total_params / 1e9:.1f}B parameters, {rep.mode}, {rep.nodes} node(s) x "
+             f"{rep.devices // rep.nodes} devices x {gib(rep.device_memory)} GiB, batch {rep.batch}, "
+             f"context {rep.context}", *("  " + x for x in m.notes), ""]
+    hdr = (f"{'layout':<28}{'weights':>9}{'kv':>8}{'act':>8}{'grads':>8}{'optim':>8}{'total':>9}{'free':>8}"
+           f"{'comm GB':>9}{'x-node':>8}{'step ms':>9}  fits")
+    lines += ["per device, GiB:", hdr]
+    for e in rep.ranked[:top]:
+        lines.append(f"{e.layout.name:<28}{gib(e.weights):>9}{gib(e.kv_cache):>8}{gib(e.activations):>8}"
+                     f"{gib(e.gradients):>8}{gib(e.optimizer):>8}{gib(e.total):>9}{gib(e.free):>8}"
+                     f"{e.comm_bytes / 1e9:>9.2f}{e.comm_cross_node_bytes / 1e9:>8.2f}{e.step_time_s * 1e3:>9.1f}  "
+                     f"{'yes' if e.fits else 'no'}")
+    if len(rep.ranked) > top:
+        lines.append(f"... {len(rep.ranked) - top} more (--top N, --json)")
+    lines += ["", f"recommendation: {rep.recommendation}"]
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""Faults injected into real ranks (``fault="tests.parallel.faults:<name>"``): each rank calls the
+hook after its layout is applied, with ``ctx`` = layout, rank, model, wrapped model, pipeline stage
+and schedule, mesh and groups. Each hook breaks only the layout it targets, so the healthy layouts of
+the same matrix still run and must still pass."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def skip_rowwise_allreduce(ctx) -> None:
+    """tp: layer 0's attention output projection (row-parallel) returns its partial sum: the
+    all-reduce that DTensor's RowwiseParallel issues on its output is skipped, on every rank."""
+    if ctx.layout.tp < 2:
+        return
+    from torch.distributed.tensor import DTensor
+
+    mod = ctx.model.get_submodule("model.layers.0.self_attn.o_proj")
+    mod._forward_hooks.clear()  # RowwiseParallel's output hook: Partial -> Replicate (the all-reduce)
+    mod.register_forward_hook(lambda _m, _i, out: out.to_local() if isinstance(out, DTensor) else out)
+
+
+def ep_drop_tokens(ctx) -> None:
+    """ep: rank 1's dispatch silently drops every 4th (token, expert) pair it routes."""
+    if ctx.layout.ep < 2 or ctx.rank != 1:
+        return
+    from harness.parallel import ep
+
+    orig = ep.plan_dispatch
+
+    def dropping(flat_e, num_experts, n_ep, capacity):
+        order, keep, counts = orig(flat_e, num_experts, n_ep, capacity)
+        keep = keep.clone()
+        keep[::4] = False
+        owner = flat_e[order] // (num_experts // n_ep)
+        return order, keep, torch.bincount(owner[keep], minlength=n_ep)
+
+    ep.plan_dispatch = dropping
+
+
+def pp_reorder_microbatches(ctx) -> None:
+    """pp: the first stage runs its microbatches in reverse order (the last stage, and its targets,
+    in the right one)."""
+    if ctx.layout.pp < 2 or ctx.schedule is None or not ctx.stage.is_first:
+        return
+    sched = ctx.schedule
+    orig = sched._split_inputs
+
+    def reordered(args, kwargs=None):
+        a, k = orig(args, kwargs)
+        return list(reversed(a)), list(reversed(k))
+
+    sched._split_inputs = reordered
+
+
+def fsdp_stale_shard(ctx) -> None:
+    """fsdp: rank 1 keeps feeding the all-gather (unshard) of layer 0's MLP down projection the
+    shard it had before the optimizer step."""
+    if ctx.layout.fsdp < 2 or ctx.rank != 1:
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    layer = ctx.model.model.layers[0]
+    group = layer._get_fsdp_state()._fsdp_param_group
+    target = next(p for p in group.fsdp_params if p._param_fqn.endswith("mlp.down_proj.weight"))
+    stale = target._sharded_param_data.detach().clone()
+    orig = FSDPParam.all_gather_inputs
+
+    def patched(self):
+        out = orig.fget(self)
+        return [stale.view(-1)] if self is target else out
+
+    FSDPParam.all_gather_inputs = property(patched)
+
+
+def _on_layout(ctx, name: str, rank: int, fn) -> None:
+    if ctx.layout.label == name and ctx.rank == rank:
+        layer = ctx.model.model.layers[0]
+        layer.register_forward_pre_hook(lambda _m, _a: fn())
+
+
+def hang_dp2(ctx) -> None:
+    """dp2: rank 1 stops in layer 0's forward (rank 0 goes on and waits in DDP's all-reduce)."""
+    _on_layout(ctx, "dp2", 1, lambda: time.sleep(10**6))
+
+
+def abort_tp2(ctx) -> None:
+    """tp2: rank 1 calls abort() in layer 0's forward."""
+    _on_layout(ctx, "tp2", 1, os.abort)
+
+
+def several(ctx) -> None:
+    """One fault per layout, for one launch: ep2 drops tokens, pp2 reorders microbatches, fsdp2
+    gathers a stale shard (tp2 and dp2 stay healthy)."""
+    ep_drop_tokens(ctx)
+    pp_reorder_microbatches(ctx)
+    fsdp_stale_shard(ctx)
+
+
+def hang_and_abort(ctx) -> None:
+    hang_dp2(ctx)
+    abort_tp2(ctx)

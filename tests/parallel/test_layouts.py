@@ -1,0 +1,79 @@
+"""Layouts, names, meshes, the check's table and the comparison arithmetic (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.checks.parallel import ParallelCheck, layouts_of, tolerances
+from harness.parallel.compare import ref_piece, rel_err
+from harness.parallel.layouts import ArchFacts, Layout, default_layouts, parse_name, validate
+from harness.suite.loader import SuiteError, load_suite
+from tests.parallel.helpers import suite_with
+
+
+def test_names_round_trip_and_world():
+    for name, world in (("tp2", 2), ("ep2xtp2", 4), ("tp2xdp2", 4), ("fsdp2-ac", 2), ("pp2", 2)):
+        lay = parse_name(name)
+        assert lay.label == name and lay.world == world
+    assert parse_name("fsdp2-ac").recompute
+    for bad in ("tp", "tp2xtp2", "zz2", "tp0"):
+        with pytest.raises(ValueError, match="not a layout name"):
+            parse_name(bad)
+
+
+def test_mesh_coordinates_put_tp_innermost_and_slice_data():
+    lay = Layout(tp=2, dp=2)
+    assert lay.mesh_shape() == (("dp", "tp"), (2, 2))
+    assert [lay.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert [lay.data_index(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [Layout(ep=2, tp=2).data_index(r) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_default_matrix_per_architecture_and_validation():
+    dense = [lay.label for lay in default_layouts(ArchFacts(moe=False, num_layers=2))]
+    assert dense == ["tp2", "pp2", "dp2", "fsdp2-ac", "tp2xdp2"]
+    moe = [lay.label for lay in default_layouts(ArchFacts(moe=True, num_layers=2, num_experts=8))]
+    assert moe == dense + ["ep2", "ep2xtp2"]
+    facts = ArchFacts(moe=False, num_layers=1)
+    assert "decoder layers" in validate(Layout(pp=2), facts, heads=8, kv_heads=2)
+    assert "mixture-of-experts" in validate(Layout(ep=2), facts, heads=8, kv_heads=2)
+    assert "does not divide" in validate(Layout(tp=4), facts, heads=8, kv_heads=2)
+    assert validate(Layout(tp=2), facts, heads=8, kv_heads=1) is None  # MQA: KV replicated over tp
+
+
+def test_suite_table_variants_and_errors(write_suite):
+    ls = suite_with("mixtral-8x7b")
+    assert ParallelCheck().variants(ls, None) == ["tp2", "pp2", "dp2", "fsdp2-ac", "tp2xdp2", "ep2", "ep2xtp2"]
+    ls = suite_with("llama-3.1-8b", configs=[{"tp": 2, "recompute": True}, {"pp": 2, "microbatches": 4,
+                                                                          "name": "deep"}])
+    assert [lay.label for lay in layouts_of(ls, ls.suite.checks.parallel)] == ["tp2-ac", "deep"]
+    bad = write_suite("bad", """
+        [model]
+        config = "configs/Llama-3.1-8B.json"
+        [checks.parallel]
+        enabled = true
+        [[checks.parallel.configs]]
+        tp = 0
+    """)
+    with pytest.raises(SuiteError, match=r"checks\.parallel\.configs\[0\]\.tp: must be >= 1"):
+        load_suite(bad)
+
+
+def test_tolerances_are_per_dtype_and_overridable():
+    ls = suite_with("llama-3.1-8b", tolerances={"bfloat16": {"grads": 0.25}})
+    cfg = ls.suite.checks.parallel
+    assert tolerances(cfg, "float32")["grads"] < tolerances(cfg, "bfloat16")["grads"] == 0.25
+
+
+def test_reference_pieces_follow_data_and_tp_shards():
+    ref = torch.arange(4 * 3 * 8, dtype=torch.float32).reshape(4, 3, 8)
+    lay = Layout(tp=2, dp=2)
+    # rank 3: data index 1 (rows 2..3), tp index 1 (last half of the features)
+    piece = ref_piece(ref, (2, 3, 4), lay, 3)
+    assert torch.equal(piece, ref[2:, :, 4:])
+    assert ref_piece(ref, (4, 3, 8), lay, 3) is ref
+    assert ref_piece(ref, (3, 3, 8), lay, 0) is None
+    assert rel_err(ref, ref) == 0.0
+    assert rel_err(ref + 1, ref) == pytest.approx(1 / ref.abs().max().item())
+    assert rel_err(torch.full_like(ref, float("nan")), ref) == float("inf")

@@ -1,0 +1,107 @@
+"""The parallel check through real torchrun launches of 2 gloo ranks on CPU.
+
+Default run: two launches on tiny bundled-suite prunes - a matrix with a row-parallel layer whose
+all-reduce is skipped (caught and localized; the healthy layouts of the same launch still pass), and
+a healthy MoE matrix (expert parallelism, FSDP2 with recomputation: memory metrics). The heavier
+fault sets and a whole default matrix in bfloat16 are ``slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.checks import CheckFailure
+from harness.checks import parallel as par
+from tests.parallel.helpers import details_of, metrics_of, run_variant, suite_with
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_cache():
+    par._LAUNCHES.clear()
+    yield
+    par._LAUNCHES.clear()
+
+
+def _run_all(ls, dtype="float32", **options):
+    return {v: run_variant(ls, v, dtype, **options) for v in par.ParallelCheck().variants(ls, None)}
+
+
+def _launches():
+    return {key: rep.launches for key, (rep, _) in par._LAUNCHES.items()}
+
+
+def test_skipped_rowwise_allreduce_is_caught_at_its_module_and_healthy_layouts_pass():
+    ls = suite_with("qwen3-8b", configs=[{"tp": 2}, {"dp": 2}, {"pp": 2}])
+    res = _run_all(ls, fault="tests.parallel.faults:skip_rowwise_allreduce")
+    assert list(_launches().values()) == [1], "every layout of world size 2 runs in one launch"
+    out, ctx = res["tp2"]
+    assert isinstance(out, CheckFailure), out
+    assert "First diverging module: model.layers.0.self_attn.o_proj on rank(s) [0, 1]" in str(out)
+    assert details_of(ctx)["first_diverging_module"] == "model.layers.0.self_attn.o_proj"
+    assert "Gradient furthest off: model." in str(out)
+    for v in ("dp2", "pp2"):
+        out, ctx = res[v]
+        assert out is None, f"{v}: {out}"
+        m = metrics_of(ctx)
+        assert m["parallel_grad_error"] <= par.DEFAULT_TOLERANCES["float32"]["grads"]
+        assert m["parallel_logits_after_error"] <= par.DEFAULT_TOLERANCES["float32"]["logits_after"]
+    m = metrics_of(res["tp2"][1])
+    # The column/row-parallel layers all-reduce (DTensor) and every gradient was gathered (all_gather).
+    assert m["comm_all_reduce_count"] > 0 and m["comm_all_gather_bytes"] > 0
+    assert metrics_of(res["dp2"][1])["comm_all_reduce_bytes"] > 0  # DDP's bucket, through its comm hook
+
+
+def test_moe_expert_parallel_and_fsdp_memory():
+    ls = suite_with("mixtral-8x7b", configs=[{"ep": 2}, {"fsdp": 2, "recompute": True}])
+    res = _run_all(ls)
+    for v, (out, _) in res.items():
+        assert out is None, f"{v}: {out}"
+    ep = metrics_of(res["ep2"][1])
+    assert ep["comm_all_to_all_count"] > 0 and ep["ep_dropped_tokens"] == 0 and ep["ep_max_expert_load"] > 0
+    fs = metrics_of(res["fsdp2-ac"][1])
+    assert 0.45 <= fs["fsdp_param_fraction"] <= 0.6 and 0.45 <= fs["fsdp_optimizer_fraction"] <= 0.6
+    assert fs["recompute_peak_ratio"] < 1 and fs["recompute_grad_error"] <= 1e-6
+    assert fs["comm_reduce_scatter_count"] > 0
+
+
+@pytest.mark.slow
+def test_ep_drop_pp_reorder_fsdp_stale_shard_each_caught():
+    ls = suite_with("mixtral-8x7b", configs=[{"tp": 2}, {"pp": 2}, {"fsdp": 2}, {"ep": 2}, {"dp": 2}])
+    res = _run_all(ls, fault="tests.parallel.faults:several")
+    assert list(_launches().values()) == [1]
+    out = res["ep2"][0]
+    assert isinstance(out, CheckFailure) and "model.layers.0.mlp.experts on rank(s) [1]" in str(out), out
+    out = res["pp2"][0]
+    # Stage 0 (rank 0) ran its microbatches in reverse: its first module's output is out of order.
+    assert isinstance(out, CheckFailure) and "First diverging module: model.embed_tokens on rank(s) [0]" in str(out)
+    out = res["fsdp2"][0]
+    assert isinstance(out, CheckFailure) and "logits_after differ" in str(out), out
+    assert "weights differ" not in str(out)  # the step itself was right; the gather after it was stale
+    for v in ("tp2", "dp2"):
+        assert res[v][0] is None, f"{v}: {res[v][0]}"
+
+
+@pytest.mark.slow
+def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal():
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"pp": 2}], timeout_s=25)
+    res = _run_all(ls, fault="tests.parallel.faults:hang_and_abort")
+    out, ctx = res["dp2"]
+    msg = str(out)
+    assert isinstance(out, CheckFailure) and "no progress within the 25 s time limit" in msg, msg
+    assert "hung rank(s) rank 1: layout dp2, step forward" in msg and "model.layers.0" in msg
+    assert "rank 0: layout dp2" in msg and "inside collective all_reduce" in msg
+    out, _ = res["tp2"]
+    assert isinstance(out, CheckFailure) and "rank 1 crashed with SIGABRT" in str(out), out
+    assert res["pp2"][0] is None, res["pp2"][0]
+    (rep, _), = par._LAUNCHES.values()
+    assert rep.launches == 3  # the layouts after a hang or a crash were launched again
+    assert metrics_of(ctx)["parallel_launch_time_s"] < 25 + 120
+
+
+@pytest.mark.slow
+def test_default_matrix_bfloat16_mla_moe():
+    ls = suite_with("deepseek-v3")
+    res = _run_all(ls, "bfloat16")
+    for v, (out, _) in res.items():
+        assert out is None, f"{v}: {out}"
+    assert sorted(k for k in res) == sorted(["tp2", "pp2", "dp2", "fsdp2-ac", "tp2xdp2", "ep2", "ep2xtp2"])
