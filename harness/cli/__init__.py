@@ -25,6 +25,7 @@ SUBCOMMANDS = [
     "harness.cli.durations",
     "harness.cli.baseline",
     "harness.cli.weights",
+    "harness.cli.plan",
     "harness.cli.ci_local",
 ]
 
