@@ -89,3 +89,44 @@ def test_cli_manifest_and_verify(kimi_ckpt, tmp_path, capsys):
     assert "model.safetensors.index.json: " in out  # the index changed too
     assert main(["weights", "manifest", str(tmp_path / "nowhere")]) == 2
     assert "error: checkpoint not found" in capsys.readouterr().err
+
+
+def _meta(raw):
+    from harness.models.build import architecture_class
+    from harness.models.config import build_config
+
+    mc = build_config(raw)
+    with torch.device("meta"):
+        return architecture_class(mc.architecture)(mc.config)
+
+
+def test_layout_of_plain_fp8_and_int4_checkpoints_matches_the_meta_model(kimi_ckpt, kimi_fp8, kimi_int4):
+    from harness.weights.expected import compare
+
+    root, raw, _ = kimi_ckpt
+    meta = _meta(raw)
+    for d in (root, kimi_fp8, kimi_int4):
+        rep = compare(meta, open_checkpoint(d))
+        assert rep.ok and rep.expected == 129, (d, rep.summary(), rep.mismatched[:2], rep.unexpected[:2])
+
+
+def test_layout_reports_a_wrong_scale_tiling_and_an_unexpected_tensor(kimi_ckpt, kimi_fp8, tmp_path):
+    from safetensors.torch import load_file
+
+    from harness.weights.expected import compare
+
+    _, raw, _ = kimi_ckpt
+    bad = tmp_path / "ckpt"
+    shutil.copytree(kimi_fp8, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.self_attn.o_proj.weight_scale_inv"
+    shard = index["weight_map"][name]
+    sd = load_file(str(bad / shard))
+    sd[name] = torch.ones(1, 1)  # a 64x64 weight in 32x32 blocks needs [2, 2]
+    sd["model.layers.2.self_attn.rogue.weight"] = torch.zeros(2)
+    index["weight_map"]["model.layers.2.self_attn.rogue.weight"] = shard
+    save_file(sd, str(bad / shard), metadata={"format": "pt"})
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    rep = compare(_meta(raw), open_checkpoint(bad))
+    assert rep.mismatched == [f"{name} ({shard}): shape [1, 1], 32x32 blocks of [64, 64] need [2, 2]"]
+    assert rep.unexpected == [f"model.layers.2.self_attn.rogue.weight ({shard})"] and not rep.missing
