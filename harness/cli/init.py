@@ -87,11 +87,19 @@ def _plan(raw: dict, config: str):
     cls = getattr(tf, arch)
     sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
     part = next((k for k in ("text_config", "language_config", "llm_config") if isinstance(raw.get(k), dict)), None)
-    if part is None and "text_config" in sub and not any(k in raw for k in ("text_config", "vision_config")):
+    if part is None and "text_config" in sub:
+        # A flat (remote-code format) config for a registered wrapper (Step-3.7's step3p7): transformers'
+        # text config class reads other key names, so a suite would test its defaults, not this model.
+        text_cls = sub["text_config"]
+        known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set()
+        unread = sorted(k for k in raw if k not in known and k not in ("architectures", "model_type", "auto_map",
+                                                                        "torch_dtype", "quantization_config"))
         raise InitRefused(
-            f"{config}: {notes[0] if notes else arch} but {arch} is a multimodal wrapper that expects "
-            "text_config/vision_config, which this flat config does not have: set model.architecture to a "
-            "transformers class that takes this config, or model.adapter = 'your_package.module:build'")
+            f"{config}: {notes[0] if notes else arch}, a multimodal wrapper whose text model "
+            f"({getattr(text_cls, '__name__', text_cls)}) does not read this flat, remote-code format config"
+            + (f" (keys it ignores: {', '.join(unread)})" if unread else "")
+            + ": set model.architecture to a transformers class that takes this config, or model.adapter = "
+            "'your_package.module:build'")
     if part is None:
         plan = plan_config(raw)
         plan.notes += notes

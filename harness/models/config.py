@@ -237,6 +237,21 @@ def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: 
         notes.append(f"quantization_config dropped for a random-weight build: {describe_quantization(quant)}")
     if prune is not None:
         notes += apply_prune(d, prune)
+    sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
+    if not part and "text_config" in sub and not isinstance(raw.get("text_config"), dict):
+        # A flat (remote-code format) config for a wrapper transformers registers (Step-3.7's step3p7):
+        # its keys describe the language model; without this they would be ignored for the defaults.
+        # Nested here, after pruning, so that [prune] keys reach the text model and "vision_config.*"
+        # overrides the wrapper's default vision tower.
+        keep = {"architectures", "model_type", "tie_word_embeddings", *sub}
+        d = {**{k: v for k, v in d.items() if k in keep}, "text_config": {k: v for k, v in d.items() if k not in keep}}
+        text_cls = sub["text_config"]
+        known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set(d["text_config"])
+        unread = sorted(k for k in d["text_config"] if k not in known and k not in ("torch_dtype", "auto_map"))
+        notes.append(f"flat config read as {arch}'s text_config; its other parts "
+                     f"({', '.join(k for k in sub if k != 'text_config')}) are transformers' defaults"
+                     + (f"; keys {text_cls.__name__} does not read (its defaults stand instead): {', '.join(unread)}"
+                        if unread else ""))
 
     model_type = d.pop("model_type", None) or ""
     cfg_cls = getattr(cls, "config_class", None)
