@@ -84,14 +84,37 @@ def _read(p: Path) -> dict:
     return data
 
 
+def _from_junit(root: Path) -> list[Path]:
+    """Sidecars named by the JUnit XML of a run (``harness.detail.perf_samples``): the check writes
+    them to the configured results dir, which need not be the one ``harness run --results`` got."""
+    import xml.etree.ElementTree as ET
+
+    found = []
+    for x in sorted(root.rglob("*.xml")):
+        try:
+            tree = ET.parse(x)
+        except (ET.ParseError, OSError):
+            continue  # not ours to judge: the comparator reports bad XML
+        for prop in tree.iter("property"):
+            if prop.get("name") == "harness.detail.perf_samples" and prop.get("value"):
+                found.append(Path(prop.get("value")))
+    return found
+
+
 def read_sidecars(results_dir: str | Path) -> list[tuple[Path, dict]]:
-    """Every perf sidecar under ``results_dir`` (the dir itself, or its ``perf/`` folder)."""
+    """Every perf sidecar of a run: under ``results_dir`` (the dir itself, or its ``perf/``
+    folder), and those its JUnit XML names."""
     root = Path(results_dir)
     if not root.exists():
         raise BaselineError(f"{root}: no such results directory")
-    files = sorted(p for p in root.rglob("*.json") if p.parent.parent.name == "perf")
+    files = {p.resolve(): p for p in root.rglob("*.json") if p.parent.parent.name == "perf"}
+    for p in _from_junit(root):
+        if p.resolve() not in files:
+            if not p.exists():
+                raise BaselineError(f"{p}: perf samples named in {root}'s JUnit XML are missing")
+            files[p.resolve()] = p
     out = []
-    for p in files:
+    for p in sorted(files.values()):
         data = _read(p)
         if "samples" in data and "suite" in data and "key" in data:
             out.append((p, data))

@@ -75,3 +75,25 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     store.write_sidecar({**record(), "samples": {}, "why_no_samples": "no synchronize"}, empty)
     assert main(["baseline", "update", str(empty), "--golden-dir", str(tmp_path / "g")]) == 1
     assert "refused cpu-float32-b1-s128: no samples (no synchronize)" in capsys.readouterr().err
+
+
+def test_sidecars_named_by_the_junit_xml_of_the_run(tmp_path):
+    # `harness run --results R` writes R/junit.xml; the check wrote its samples to the configured
+    # results dir: the XML's perf_samples detail leads there.
+    side = store.write_sidecar(record(), tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "junit.xml").write_text(
+        '<testsuites><testsuite name="pytest"><testcase classname="suites.llama-3.1-8b.toml" '
+        'name="perf[cpu-float32-b1-s128]"><properties>'
+        f'<property name="harness.detail.perf_samples" value="{side}"/></properties></testcase>'
+        '</testsuite></testsuites>')
+    (taken,) = store.update(run, tmp_path / "g")
+    assert taken[1] == ["cpu-float32-b1-s128"]
+    side.unlink()
+    try:
+        store.update(run, tmp_path / "g")
+    except store.BaselineError as e:
+        assert "are missing" in str(e)
+    else:
+        raise AssertionError("a sidecar named by the XML but gone must be an error")
