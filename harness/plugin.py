@@ -77,6 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
         except ResultsError as e:
             raise pytest.UsageError(str(e)) from None
         config.pluginmanager.register(writer, "harness-results")
+        os.environ["HARNESS_RESULTS_DIR"] = str(Path(results).resolve())  # where checks put their files
         config.stash[_WRITER] = writer
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,9 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
     except ResultsError as e:
         console.print(f"[red]{e}")
         return 2
+    # Checks that write files (precision plots, perf samples) put them beside this run's results,
+    # in this process and in the isolated workers, which inherit the environment.
+    os.environ["HARNESS_RESULTS_DIR"] = str(Path(results).resolve())
     observer = RunObserver(console, writer, show_progress=console.is_terminal)
     args = build_args(suites, backends, dtypes, checks, workers, keyword, extra or [])
     args += [f"--harness-isolate={'on' if isolate else 'off'}"]
