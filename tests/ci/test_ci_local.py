@@ -95,7 +95,9 @@ def test_a_breaking_commit_fails_its_shard_files_an_issue_and_two_clean_runs_clo
     assert "suite:a-model" in issue["labels"] and "backend:cpu" in issue["labels"]
     assert "smoke" in issue["body"]
     assert (project / "ci" / "issues" / f"issue-{number}.md").exists()
-    assert (project / "ci" / "summary.md").read_text().strip()
+    # the merged report (printed, and kept as summary.md) says what was filed
+    actions = (project / "ci" / "summary.md").read_text().split("### Issue actions")[1]
+    assert "create" in actions and "a-model" in actions and "b-healthy" not in actions
     # a failed run never becomes the baseline
     assert not (project / "ci" / "baseline").exists()
 
