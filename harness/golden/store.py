@@ -299,8 +299,9 @@ def _bad(g: Golden, fname: str, what: str) -> GoldenError:
 
 
 def _check_tensor(g: Golden, fname: str, name: str, t: torch.Tensor | None, shape: list | None,
-                  kind: str) -> None:
-    """``kind``: 'float' (stored float32, finite), 'int' (int64), 'bool' or 'any'."""
+                  kind: str, allow_inf: bool = False) -> None:
+    """``kind``: 'float' (stored float32, finite; ``allow_inf``: +-inf allowed, NaN never), 'int'
+    (int64), 'bool' or 'any'."""
     if t is None:
         raise _bad(g, fname, f"{name} is in the manifest but not in the file")
     if shape is not None and list(t.shape) != list(shape):
@@ -310,8 +311,11 @@ def _check_tensor(g: Golden, fname: str, name: str, t: torch.Tensor | None, shap
     if t.dtype not in want:
         raise _bad(g, fname, f"{name} is stored as {str(t.dtype).removeprefix('torch.')}, expected "
                    f"{'/'.join(str(w).removeprefix('torch.') for w in want)}")
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise _bad(g, fname, f"{name} has {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/inf)")
+    if t.is_floating_point():
+        bad = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
+        if bool(bad.any()):
+            raise _bad(g, fname, f"{name} has {int(bad.sum())} {'NaN' if allow_inf else 'non-finite'} value(s)"
+                       f"{'' if allow_inf else ' (NaN/inf)'}")
 
 
 def _kind(dtype_name: str) -> str:
@@ -348,7 +352,9 @@ def validate(g: Golden) -> None:
         m = meta.get(key + IN)
         if m is None:
             raise _bad(g, "modules.safetensors", f"{key + IN} is not in the manifest")
-        _check_tensor(g, "modules.safetensors", key + IN, t, m.get("shape"), _kind(str(m.get("dtype", ""))))
+        # module inputs may hold -inf legitimately (an additive attention mask), never NaN
+        _check_tensor(g, "modules.safetensors", key + IN, t, m.get("shape"), _kind(str(m.get("dtype", ""))),
+                      allow_inf=True)
     from harness.precision.isolate import leaves
 
     for mod, st in g.structures.items():

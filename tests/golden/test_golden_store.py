@@ -267,7 +267,7 @@ def _rewrite(root, name: str, fname: str, edit) -> None:
     ("nan", "non-finite value"),
     ("shape", "has shape [2, 16, 63]"),
     ("dtype", "stored as float16"),
-    ("input_nan", "non-finite value"),
+    ("input_nan", "NaN value"),
 ])
 def test_golden_tensor_disagreeing_with_manifest_is_the_goldens_fault(one_golden, damage, message, tmp_path, capsys):
     ls, root = one_golden
