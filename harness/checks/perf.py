@@ -18,7 +18,8 @@ on a perf-sized model (harness/perf/workload.py: the suite's architecture at hid
 Every timing follows harness/perf/timing.py (warm-up, synchronize, repeats within a budget, GC off,
 threads and affinity fixed). Nightly scope by default: one item costs ~10-20 s of a CPU against
 ~1 s for the other checks, so per-commit runs leave it out (``harness run --scope nightly``, or a
-suite's ``[checks.perf] scope = "commit"``). On devices the nightly run adds one item per shape at
+suite's ``[checks.perf] scope = "commit"``; ``HARNESS_PERF=1`` turns it on in every scope and for
+every suite, as the golden-update and nightly workflows do). On devices the nightly run adds one item per shape at
 the real model's per-layer size (``-published``). See docs/perf.md.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from types import SimpleNamespace
 from typing import Literal
 
@@ -147,6 +149,10 @@ def shape_id(batch: int, seq: int) -> str:
 PUBLISHED = "-published"
 
 
+def _forced() -> bool:
+    return os.environ.get("HARNESS_PERF", "") not in ("", "0")
+
+
 def parse_shape(variant: str | None, cfg: PerfConfig) -> tuple[int, int, bool]:
     """``b1-s128`` -> (1, 128, False); ``b1-s128-published`` -> (1, 128, True)."""
     if not variant:
@@ -167,6 +173,14 @@ class PerfCheck(Check):
     headline = ("prefill_s", "decode_token_s", "prefill_mfu")
     steps = ("setup", "calibrate", "prefill", "decode", "train", "roofline", "compare", "record", "verdict")
     setup_steps = ("setup", "calibrate")
+
+    def enabled(self, suite) -> bool:
+        return bool(self.config(suite).enabled) or _forced()
+
+    def scope(self, suite, variant) -> str:
+        # HARNESS_PERF=1 (the golden-update and nightly workflows): perf items in whatever scope
+        # the run has, so `harness run --check perf` measures without --scope nightly.
+        return "commit" if _forced() else super().scope(suite, variant)
 
     def variants(self, suite, backend) -> list[str | None]:
         cfg = self.config(suite)

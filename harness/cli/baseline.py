@@ -35,8 +35,8 @@ def update(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not written:
-        print(f"error: no perf samples under {args.results} (run the perf check first: HARNESS_PERF=1 "
-              "harness run --check perf)", file=sys.stderr)
+        print(f"error: no perf samples under {args.results} (run the perf check first: harness run "
+              "--scope nightly --check perf)", file=sys.stderr)
         return 2
     code = 0
     for path, took, refused in written:

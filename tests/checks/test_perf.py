@@ -151,10 +151,14 @@ def test_a_backend_without_synchronize_reports_that_instead_of_a_number(write_su
     assert not any(k.startswith("metric.") for k in p)
 
 
-def test_nightly_scope_and_one_item_per_shape(write_suite):
+def test_nightly_scope_and_one_item_per_shape(write_suite, monkeypatch):
     check = registry().get("perf")
     bundled = load_suite(REPO_SUITES / "llama-3.1-8b.toml")
+    monkeypatch.delenv("HARNESS_PERF", raising=False)
     assert check.enabled(bundled) and check.scope(bundled, "b1-s128") == "nightly"
+    monkeypatch.setenv("HARNESS_PERF", "1")  # the workflows: perf in any scope
+    assert check.scope(bundled, "b1-s128") == "commit"
+    monkeypatch.delenv("HARNESS_PERF")
     assert check.variants(bundled, get("cpu")) == ["b1-s128"]
     # a device backend also gets the real model's per-layer size, in the nightly scope too
     dev = Backend(name="npu", device_type="npu", collective="hccl")
