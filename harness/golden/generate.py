@@ -86,7 +86,7 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
     t = time.perf_counter()
     model, dev, info = reference_model(ls, reference, transform)
     num = None
-    if p.numerics == "realistic":
+    if p.numerics == "realistic" and ls.weights_path is None:  # real weights are used as they are
         num = numerics.calibrate(model, ids.to(dev), p.attention_logit_std, p.residual_growth)
     record = p.golden_mode == "full"
     outs, cap = capture_with_inputs(model, ids.to(dev), p.capture, inputs=record,
