@@ -62,8 +62,28 @@ def test_unknown_architecture_says_how_to_plug_in_an_adapter():
     with pytest.raises(UnknownArchitectureError) as e:
         build_config(r, None)
     msg = str(e.value)
-    assert "'BrandNewForCausalLM' is not known to transformers" in msg
-    assert "model.adapter" in msg and "module:build" in msg
+    assert "tried architectures[0] 'BrandNewForCausalLM': no such class; model_type 'brand_new': not in the " \
+           "config mapping" in msg
+    assert "model.architecture" in msg and "model.adapter" in msg and "module:build" in msg
+    assert "\n" not in msg
+
+
+def test_registered_model_type_under_another_class_name():
+    """Kimi-K2.5: architectures[0] KimiK25ForConditionalGeneration is not a transformers class, but its
+    model_type kimi_k25 maps to Kimi_K25ForConditionalGeneration through the image-text-to-text mapping."""
+    import json
+
+    from tests_support import REPO
+
+    r = json.loads((REPO / "tests" / "data" / "day0" / "Kimi-K2.5.json").read_text())
+    mc = build_config(r, None)
+    assert mc.architecture == "Kimi_K25ForConditionalGeneration" and "image-text-to-text" in mc.resolved_via
+    assert any("maps to Kimi_K25ForConditionalGeneration" in n for n in mc.notes)
+    assert mc.quantization["quant_method"] == "compressed-tensors"  # found in text_config
+    # its language decoder: text_config names DeepseekV3ForCausalLM (model_type kimi_k2 is unregistered)
+    mc = build_config(r, PruneSection(num_hidden_layers=2, vocab_size=64), architecture="DeepseekV3ForCausalLM")
+    assert mc.part == "text_config" and type(mc.config).__name__ == "DeepseekV3Config"
+    assert mc.config.num_hidden_layers == 2 and mc.config.pad_token_id < 64
 
 
 def test_prune_maps_experts_and_token_ids():
