@@ -40,6 +40,7 @@ metrics.declare("parallel_loss_error", "", "lower", "|loss - reference| / |refer
 metrics.declare("parallel_grad_error", "", "lower", "worst scale-relative error of a full-shape gradient")
 metrics.declare("parallel_weight_error", "", "lower", "worst scale-relative error of a weight after one step")
 metrics.declare("parallel_logits_after_error", "", "lower", "logits after the optimizer step vs the reference")
+metrics.declare("parallel_activation_error", "", "lower", "worst module output vs the reference (localization)")
 metrics.declare("parallel_world_size", "", "none", "ranks of the layout")
 metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout on its slowest rank")
 metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout")
@@ -56,14 +57,16 @@ for _k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcas
     metrics.declare(f"comm_{_k}_bytes", "bytes", "lower", f"bytes given to {_k} collectives, all ranks")
 
 # Tolerances on the scale-relative max error (docs/parallel.md, "Tolerances"): 8x the worst error
-# measured over five clean sweeps of every bundled suite's default matrix, rounded up to a power of 2.
+# measured over clean sweeps of every bundled suite's default matrix, rounded up to a power of 2.
 DEFAULT_TOLERANCES = {
-    "float32": {"logits": 2**-14, "loss": 2**-18, "grads": 2**-10, "weights": 2**-14, "logits_after": 2**-12,
-                "activations": 2**-12},
-    "bfloat16": {"logits": 2**-3, "loss": 2**-8, "grads": 2**-1, "weights": 2**-6, "logits_after": 2**-3,
-                 "activations": 2**-3},
+    "float32": {"logits": 2**-17, "loss": 2**-19, "grads": 2**-16, "weights": 2**-18, "logits_after": 2**-17,
+                "activations": 2**-14},
+    "bfloat16": {"logits": 2**-4, "loss": 2**-10, "grads": 2**-2, "weights": 2**-3, "logits_after": 2**-2,
+                 "activations": 2**-2},
 }
-DEFAULT_TOLERANCES["float64"] = {k: v * 2**-28 for k, v in DEFAULT_TOLERANCES["float32"].items()}
+# Not measured by a bundled run: scaled by the unit roundoff (float64 2^-53 vs float32 2^-24;
+# float16 2^-11 vs bfloat16 2^-8).
+DEFAULT_TOLERANCES["float64"] = {k: v * 2**-29 for k, v in DEFAULT_TOLERANCES["float32"].items()}
 DEFAULT_TOLERANCES["float16"] = {k: v * 2**-3 for k, v in DEFAULT_TOLERANCES["bfloat16"].items()}
 
 
@@ -101,6 +104,8 @@ class ParallelConfig(CheckConfig):
     lr: float = Field(0.5, gt=0, description="SGD learning rate of the one optimizer step (momentum 0.9).")
     timeout_s: float = Field(180.0, gt=0, description="A layout that makes no progress for this long is a hang: "
                              "its launch is killed and the layouts after it relaunched.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Time for the ranks to start (imports, "
+                                     "rendezvous) before the first layout; beyond it the launch is a hang.")
     max_world: int = Field(4, ge=1, description="Layouts needing more ranks are skipped (say why).")
     tp_plan: dict[str, str] = Field(default_factory=dict, description="Tensor-parallel plan (module pattern "
                                     "relative to the base model -> colwise | rowwise | "
@@ -217,7 +222,10 @@ class ParallelCheck(Check):
         key = hashlib.sha256(json.dumps([spec, peers, ctx.backend.name], sort_keys=True).encode()).hexdigest()[:16]
         if key not in _LAUNCHES:
             root = _tmp_root() / key
-            rep = launch(spec, st.peers, st.layout.world, root, timeout_s=cfg.timeout_s)
+            # Start-up (interpreters, imports, rendezvous) is not a layout's progress: on a loaded
+            # machine it alone can take minutes, so it gets its own, longer limit.
+            rep = launch(spec, st.peers, st.layout.world, root, timeout_s=cfg.timeout_s,
+                         startup_s=max(cfg.timeout_s, cfg.startup_timeout_s))
             _LAUNCHES[key] = (rep, {})
         st.report, st.verdicts = _LAUNCHES[key]
         out = st.report.outcomes[st.layout.label]
@@ -241,7 +249,8 @@ class ParallelCheck(Check):
         st.verdict, st.metas = v, metas
         for q, name in (("logits", "parallel_logits_error"), ("loss", "parallel_loss_error"),
                         ("grads", "parallel_grad_error"), ("weights", "parallel_weight_error"),
-                        ("logits_after", "parallel_logits_after_error")):
+                        ("logits_after", "parallel_logits_after_error"),
+                        ("activations", "parallel_activation_error")):
             if q in v.errors:
                 ctx.metric(name, v.errors[q])
                 ctx.tolerance(name, tol[q])
@@ -253,7 +262,7 @@ class ParallelCheck(Check):
         if lay.ep > 1:
             ctx.metric("ep_dropped_tokens", sum((m.get("ep") or {}).get("dropped", 0) for m in metas))
             ctx.metric("ep_max_expert_load", max((m.get("ep") or {}).get("max_expert_load", 0) for m in metas))
-        for n in sorted({n for m in metas for n in m.get("notes", [])}):
+        for n in sorted({n for m in metas for n in m.get("notes", [])}) + v.notes:
             ctx.notes.append(n)
         if v.first_module:
             ctx.detail("first_diverging_module", v.first_module)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.isolation import _die_with_parent
 from harness.parallel.layouts import Layout
 from harness.parallel.status import RankStatus, read_status
 
@@ -112,8 +113,11 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
     spec_path.write_text(json.dumps(spec))
     t0 = time.monotonic()
     with open(run_dir / "torchrun.log", "wb") as log:
+        # Own session (one killpg ends the launch) and death with our process: an item killed by the
+        # run-integrity launcher must not leave torchrun and its ranks running.
         proc = subprocess.Popen(_torchrun_cmd(world, spec_path), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=_env(), start_new_session=True)
+                                stdin=subprocess.DEVNULL, env=_env(), start_new_session=True,
+                                preexec_fn=_die_with_parent)
         try:
             last_key, since = None, time.monotonic()
             while proc.poll() is None:

@@ -229,6 +229,10 @@ class RankRun:
                      "max_expert_load": ep_mod.STATS.max_expert_load} if lay.ep > 1 else None
         if cap is not None:
             for name, ts in cap.outputs.items():
+                if sched is not None:
+                    # The stage's first forward is a shape-inference run of a microbatch: keep the
+                    # schedule's own calls, one per microbatch in the order they ran.
+                    ts = ts[-lay.microbatches:]
                 shapes = {tuple(t.shape) for t in ts}
                 # Several calls (pipeline microbatches): in call order along the batch dimension.
                 out[f"act/{name}"] = torch.cat(ts) if len(ts) > 1 and len(shapes) == 1 else ts[0]

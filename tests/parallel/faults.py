@@ -65,7 +65,9 @@ def fsdp_stale_shard(ctx) -> None:
 
     layer = ctx.model.model.layers[0]
     group = layer._get_fsdp_state()._fsdp_param_group
-    target = next(p for p in group.fsdp_params if p._param_fqn.endswith("mlp.down_proj.weight"))
+    param = layer.get_parameter("mlp.down_proj.weight") if hasattr(layer.mlp, "down_proj") else next(
+        p for n, p in layer.named_parameters() if n.endswith("down_proj"))
+    target = next(p for p in group.fsdp_params if p.sharded_param is param)
     stale = target._sharded_param_data.detach().clone()
     orig = FSDPParam.all_gather_inputs
 
