@@ -41,8 +41,10 @@ def main(argv: list[str]) -> int:
     run_dir = os.path.dirname(spec_path)
     rank = int(os.environ.get("RANK", "0"))
     log = open(os.path.join(run_dir, f"rank{rank}.log"), "ab")
+    # PR_SET_PDEATHSIG set before exec (preexec_fn): the worker dies with this wrapper even while it
+    # is still importing torch, long before its own code could ask for it.
     proc = subprocess.Popen([sys.executable, "-m", "harness.parallel.worker", spec_path], stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     stopped = []
 
     def forward(signum, _frame):

@@ -102,6 +102,16 @@ def several(ctx) -> None:
     fsdp_stale_shard(ctx)
 
 
+def abort_at_exit_pp2(ctx) -> None:
+    """pp2: rank 0 aborts when its interpreter exits, after every result is written (as DTensor
+    teardown sometimes does)."""
+    if ctx.layout.label == "pp2" and ctx.rank == 0:
+        import atexit
+
+        atexit.register(os.abort)
+
+
 def hang_and_abort(ctx) -> None:
     hang_dp2(ctx)
     abort_tp2(ctx)
+    abort_at_exit_pp2(ctx)

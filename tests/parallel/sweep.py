@@ -18,7 +18,8 @@ from tests.parallel.helpers import metrics_of, run_variant, suite_with  # noqa: 
 
 SUITES = ("llama-3.1-8b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2")
 Q = {"logits": "parallel_logits_error", "loss": "parallel_loss_error", "grads": "parallel_grad_error",
-     "weights": "parallel_weight_error", "logits_after": "parallel_logits_after_error"}
+     "weights": "parallel_weight_error", "logits_after": "parallel_logits_after_error",
+     "activations": "parallel_activation_error"}
 
 
 def main() -> int:

@@ -82,7 +82,7 @@ def test_ep_drop_pp_reorder_fsdp_stale_shard_each_caught():
 
 
 @pytest.mark.slow
-def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal():
+def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal_teardown_abort_a_note():
     ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"pp": 2}], timeout_s=25)
     res = _run_all(ls, fault="tests.parallel.faults:hang_and_abort")
     out, ctx = res["dp2"]
@@ -92,7 +92,9 @@ def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal():
     assert "rank 0: layout dp2" in msg and "inside collective all_reduce" in msg
     out, _ = res["tp2"]
     assert isinstance(out, CheckFailure) and "rank 1 crashed with SIGABRT" in str(out), out
-    assert res["pp2"][0] is None, res["pp2"][0]
+    out, pp_ctx = res["pp2"]
+    assert out is None, out  # rank 0 aborted in teardown after writing its results: a note, not a failure
+    assert any("teardown" in n and "SIGABRT" in n for n in pp_ctx.notes), pp_ctx.notes
     (rep, _), = par._LAUNCHES.values()
     assert rep.launches == 3  # the layouts after a hang or a crash were launched again
     assert metrics_of(ctx)["parallel_launch_time_s"] < 25 + 120
