@@ -138,9 +138,11 @@ class PrecisionConfig(CheckConfig):
 def results_path(ls: LoadedSuite, backend: str, dtype: str, results_dir: str | Path | None = None,
                  suffix: str = "") -> Path:
     if results_dir is None:
+        import os
+
         from harness.settings import load_settings
 
-        results_dir = load_settings().results_dir
+        results_dir = os.environ.get("HARNESS_RESULTS_DIR") or load_settings().results_dir
     return Path(results_dir) / "precision" / f"{ls.name}-{backend}-{dtype}{suffix}.png"
 
 
@@ -169,7 +171,7 @@ def run_precision(ctx: CheckContext, *, transform=None, context=None, golden_roo
 class PrecisionCheck(Check):
     name = "precision"
     config_model = PrecisionConfig
-    headline = ("logits_rel_rmse", "worst_module_rel_rmse")  # `harness run`'s table
+    headline = ("isolated_worst_budget_use", "logits_rel_rmse")  # `harness run`'s table (budget use > 1 fails)
     steps = ("golden", "tolerances", "budgets", "compare", "isolate", "routing", "record", "report", "verdict")
     setup_steps = ("golden", "tolerances", "budgets")
 
