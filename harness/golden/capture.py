@@ -95,6 +95,8 @@ class Capture:
 
     def _encode(self, v):
         if isinstance(v, torch.Tensor):
+            if v.is_complex():  # complex rotary tables (freqs_cis): not stored, the module is compared propagated
+                raise NotReplayable("complex tensor")
             k = _tensor_key(v)
             leaf = self._seen.get(k)
             if leaf is None:
@@ -135,7 +137,7 @@ class Capture:
                 got = _router_outputs(name, out)
             else:
                 t = first_tensor(out)
-                got = {name: t} if t is not None else {}
+                got = {name: t} if t is not None and not t.is_complex() else {}  # complex: not compared
             for k, t in got.items():
                 if k not in self.outputs:  # a module called twice keeps its first call
                     self.outputs[k] = self.convert(t)
