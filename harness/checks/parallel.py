@@ -88,6 +88,18 @@ class LayoutEntry(BaseModel):
         "GPipe", description="Pipeline schedule (torch.distributed.pipelining name).")
 
 
+class PlanRequest(BaseModel):
+    """The cluster ``harness plan`` recommends a layout for; its shape is checked at pruned scale."""
+
+    model_config = ConfigDict(extra="forbid")
+    devices: int = Field(..., ge=1, description="Devices per node.")
+    device_memory: str = Field(..., description="Memory of one device, e.g. 141GiB.")
+    nodes: int = Field(1, ge=1, description="Nodes.")
+    mode: Literal["inference", "training"] = Field("inference", description="What the cluster runs.")
+    batch: int = Field(1, ge=1, description="Sequences per step.")
+    context: int = Field(4096, ge=1, description="Tokens per sequence.")
+
+
 class ParallelConfig(CheckConfig):
     """Parallel layouts (TP, PP, DP, EP, FSDP, combinations) against the single-process reference."""
 
@@ -115,6 +127,9 @@ class ParallelConfig(CheckConfig):
     tolerances: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="Per dtype, per quantity (logits, loss, grads, weights, logits_after, "
         "activations) overrides of the measured defaults (scale-relative max error).")
+    plan: PlanRequest | None = Field(None, description="Add a layout with the shape of the one `harness plan` "
+                                     "recommends for this cluster (each strategy it uses at degree 2; ZeRO-3 as fsdp), "
+                                     "named plan-<layout>.")
     fsdp_slack: float = Field(1.5, ge=1, description="FSDP per-rank parameter/optimizer bytes may be up to "
                               "slack / world of the whole (padding of uneven shards).")
 
@@ -146,13 +161,48 @@ def _facts(ls):
                      tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False))), mc
 
 
+_PLANS: dict = {}
+
+
+def planned_layout(ls, req: PlanRequest):
+    """The recommended layout of ``harness plan`` for ``req``, scaled to the pruned model: every
+    strategy it uses at degree 2 (inference replicas dropped: they do not change the numbers)."""
+    from harness.inspect.params import Target
+    from harness.parallel.layouts import Layout
+    from harness.parallel.plan import model_facts, parse_bytes, plan
+
+    key = (str(ls.path), req.model_dump_json())
+    if key not in _PLANS:
+        rep = plan(model_facts(Target(ls.name, ls.raw_config, ls, ls.path), context=req.context),
+                   devices_per_node=req.devices, nodes=req.nodes, device_memory=parse_bytes(req.device_memory),
+                   mode=req.mode, batch=req.batch, context=req.context)
+        best = rep.ranked[0] if rep.ranked and rep.ranked[0].fits else None
+        lay = None
+        if best is not None:
+            b = best.layout
+            train = req.mode == "training"
+            deg = {k: 2 for k in ("tp", "pp", "ep", "cp") if getattr(b, k) > 1}
+            if train and b.dp > 1:
+                deg["fsdp" if b.zero >= 3 else "dp"] = 2
+            lay = Layout(**deg, recompute=b.recompute)
+            lay = Layout(**deg, recompute=b.recompute, name=f"plan-{lay.label}")
+        _PLANS[key] = (lay, rep.recommendation)
+    return _PLANS[key]
+
+
 def layouts_of(ls, cfg: ParallelConfig):
     from harness.parallel.layouts import Layout, default_layouts
 
     facts, _ = _facts(ls)
     if not cfg.configs:
-        return default_layouts(facts)
-    return [Layout(**e.model_dump(exclude={"name"}), name=e.name or "") for e in cfg.configs]
+        out = default_layouts(facts)
+    else:
+        out = [Layout(**e.model_dump(exclude={"name"}), name=e.name or "") for e in cfg.configs]
+    if cfg.plan is not None:
+        lay, _ = planned_layout(ls, cfg.plan)
+        if lay is not None and lay.label not in {x.label for x in out}:
+            out.append(lay)
+    return out
 
 
 def tolerances(cfg: ParallelConfig, dtype: str) -> dict[str, float]:
@@ -193,6 +243,8 @@ class ParallelCheck(Check):
         st.peers = [lay for lay in lays.values() if lay.world == st.layout.world and lay.world <= cfg.max_world
                     and validate(lay, facts, heads=heads, kv_heads=kv) is None]
         ctx.metric("parallel_world_size", st.layout.world)
+        if st.layout.label.startswith("plan-") and cfg.plan is not None:
+            ctx.notes.append("harness plan recommends " + planned_layout(ctx.suite, cfg.plan)[1])
         ctx.detail("layout", json.dumps(st.layout.to_dict(), sort_keys=True))
 
     def reference(self, ctx: CheckContext, st) -> None:

@@ -77,3 +77,12 @@ def test_reference_pieces_follow_data_and_tp_shards():
     assert rel_err(ref, ref) == 0.0
     assert rel_err(ref + 1, ref) == pytest.approx(1 / ref.abs().max().item())
     assert rel_err(torch.full_like(ref, float("nan")), ref) == float("inf")
+
+
+def test_plan_recommendation_becomes_a_layout_at_pruned_scale():
+    ls = suite_with("llama-3.1-8b", configs=[{"dp": 2}],
+                    plan={"devices": 8, "device_memory": "80GiB", "mode": "training", "batch": 64})
+    names = ParallelCheck().variants(ls, None)
+    # harness plan recommends dp8 with ZeRO-2 and recomputation for training on one 8-device node:
+    # checked as dp2 with recomputation
+    assert names == ["dp2", "plan-dp2-ac"]
