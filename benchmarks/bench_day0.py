@@ -6,7 +6,9 @@ a shell. Time is wall clock including interpreter start; memory is the process's
 (``wait4``'s ``ru_maxrss``). Goal: each step under 60 s and 2 GiB. A config that init refuses shows
 its one-line reason instead.
 
-Usage: python benchmarks/bench_day0.py [-k SUBSTRING] [--keep DIR]
+Usage: python benchmarks/bench_day0.py [-k SUBSTRING] [--keep DIR] [--steps init,golden,run]
+
+Also prints the machine's load average at start and end: on a shared machine the times scale with it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def step(args: list[str], cwd: Path) -> tuple[int, float, int, str]:
     return rc, wall, usage.ru_maxrss * 1024, (lines[-1] if lines else "")
 
 
-def run_one(config: Path, root: Path) -> list[str]:
+def run_one(config: Path, root: Path, steps: tuple[str, ...] = ("init", "golden", "run")) -> list[str]:
     work = root / config.stem
     work.mkdir(parents=True)
     (work / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\nresults_dir = "results"\n')
@@ -50,6 +52,8 @@ def run_one(config: Path, root: Path) -> list[str]:
     for label, args in (("init", ["init", str(config), "--suites-dir", "new", "--name", name]),
                         ("golden", ["golden", "generate", name]),
                         ("run", ["run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16"])):
+        if label not in steps:
+            break
         rc, wall, rss, last = step(args, work)
         ok = "ok" if rc == 0 else ("refused" if label == "init" and rc == 2 else f"rc={rc}")
         goal = "" if wall < GOAL_S and rss < GOAL_BYTES else " OVER GOAL"
@@ -64,16 +68,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", default="", help="only configs whose file name contains this")
     ap.add_argument("--keep", help="scratch directory to keep (default: a temporary one, removed)")
+    ap.add_argument("--steps", default="init,golden,run", help="comma-separated prefix of init,golden,run")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench_day0_"))
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("| model | step | wall s | peak RSS MiB | outcome | detail |")
     print("|---|---|---:|---:|---|---|")
     try:
         for config in sorted(DAY0.glob("*.json")):
             if args.k in config.name:
-                for row in run_one(config, root):
+                for row in run_one(config, root, tuple(args.steps.split(","))):
                     print(row, flush=True)
     finally:
+        print(f"load average at end: {os.getloadavg()[0]:.1f}")
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     return 0
