@@ -182,11 +182,17 @@ def main() -> int:
     ap.add_argument("--effective-pairs", type=int, default=5, help="a/b pairs per share for the effective slowdown")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_perf_detection.json"))
+    ap.add_argument("--report", help="print the table of a saved (possibly partial) run and exit")
     a = ap.parse_args()
     if a.child:
         child(a.child)
         return 0
     levels = [float(x) for x in a.levels.split(",") if x]
+    if a.report:
+        d = json.loads(Path(a.report).read_text())
+        a.out = a.report
+        report(d["trials"], d["effective"], d["baselines"], levels, a, 0.0, 0)
+        return 0
     plan = [0.0] * a.clean + [lv for lv in levels for _ in range(a.trials)]
     random.Random(a.seed).shuffle(plan)
     chunks = [plan[i:i + a.per_child] for i in range(0, len(plan), a.per_child)]
@@ -210,7 +216,14 @@ def main() -> int:
             effective.append(r["effective"])
         print(f"[{time.perf_counter() - started:6.0f} s] child {ci + 1}/{len(chunks)}: "
               + " ".join(f"{t['share']:.2f}:{'R' if regressed(t) else '.'}" for t in r["trials"]), flush=True)
+        # Saved after every child: a run cut short still has its trials (--report prints them).
+        Path(a.out).write_text(json.dumps({"trials": trials, "effective": effective, "baselines": baselines,
+                                           "args": vars(a), "partial": True}))
+    report(trials, effective, baselines, levels, a, time.perf_counter() - started, len(chunks))
+    return 0
 
+
+def report(trials, effective, baselines, levels, a, seconds, children) -> None:
     rows = []
     print(f"\n{a.suite}, phases {a.phases}; threshold 5%, Mann-Whitney p < 0.01, re-measure on suspicion")
     print(f"{'injected':>9} {'effective':>9} {'trials':>6} {'detected':>9} {'suspected':>9}  per metric")
@@ -230,11 +243,10 @@ def main() -> int:
     reliable = [r["share"] for r in rows if r["share"] and r["rate"] is not None and r["rate"] >= 0.95]
     print(f"\nfalse alarms: {rows[0]['detected']}/{rows[0]['trials']}; smallest share detected in >= 95% of "
           f"trials: {min(reliable):.0%}" if reliable else "\nno share detected in >= 95% of trials")
-    print(f"total {time.perf_counter() - started:.0f} s, {len(chunks)} trial children, {len(baselines)} baselines")
+    print(f"total {seconds:.0f} s, {children} trial children, {len(baselines)} baselines")
     Path(a.out).write_text(json.dumps({"rows": rows, "trials": trials, "effective": effective,
                                        "baselines": baselines, "args": vars(a)}, indent=1))
     print(f"wrote {a.out}")
-    return 0
 
 
 if __name__ == "__main__":
