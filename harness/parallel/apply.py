@@ -66,9 +66,15 @@ def apply_tp(model: torch.nn.Module, tp_mesh, plan: dict[str, str], kv_heads: in
             raise ValueError(f"tp{tp} with {kv_heads} key/value heads: only a single KV head can be replicated")
         plan = {k: ("replicated_with_grad_allreduce" if k.rsplit(".", 1)[-1] in ("k_proj", "v_proj", "k_norm")
                     else v) for k, v in plan.items()}
+        group = tp_mesh.get_group()
         for mod in model.modules():
             if hasattr(mod, "num_key_value_groups") and hasattr(mod, "k_proj"):
                 mod.num_key_value_groups = max(1, mod.num_key_value_groups // tp)
+                # Each rank's k/v serve only its own query heads, so the gradient flowing back into
+                # the attention input through them is partial: summed over tp (Megatron's "f").
+                for proj in (mod.k_proj, mod.v_proj):
+                    proj.register_forward_pre_hook(lambda _m, args, g=group: (_GradAllReduce.apply(args[0], g),
+                                                                              *args[1:]))
     matched = _match(plan, model)
     styles = {n: ColwiseParallel() if s == "colwise" else RowwiseParallel()
               for n, s in matched.items() if s in ("colwise", "rowwise")}
@@ -76,6 +82,21 @@ def apply_tp(model: torch.nn.Module, tp_mesh, plan: dict[str, str], kv_heads: in
         raise ValueError("the tensor-parallel plan matches no Linear layer of this model")
     parallelize_module(model, tp_mesh, styles)
     return [n for n, s in matched.items() if s == "replicated_with_grad_allreduce"]
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def apply_ep(model: torch.nn.Module, num_experts: int, ep_group, capacity_factor: float) -> list[str]:

@@ -138,6 +138,8 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int) -> str
         return "expert parallelism combines with tp only so far"
     if lay.pp > 1 and (lay.tp > 1 or lay.fsdp > 1 or lay.dp > 1):
         return "pipeline parallelism runs alone so far"
+    if lay.pp > 1 and lay.recompute:
+        return "recomputation inside pipeline stages is not supported yet"
     if lay.fsdp > 1 and lay.tp > 1:
         return "fsdp x tp is not supported yet"
     return None

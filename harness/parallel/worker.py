@@ -177,6 +177,8 @@ class RankRun:
                     loss = torch.stack([x.detach() for x in losses]).mean()
             else:
                 logits = wrapped(input_ids=ids).logits
+                if cap is not None:
+                    cap.enabled = False  # recomputation re-runs forwards inside backward: not captured
                 loss = lm_loss(logits, ids)
                 st.step("backward")
                 (loss / d if manual_sync else loss).backward()
