@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from types import SimpleNamespace
 from typing import Literal
 
@@ -100,7 +101,8 @@ class PerfConfig(CheckConfig):
     warmup: int = Field(2, ge=0, description="Warm-up repeats per phase, not recorded.")
     min_repeats: int = Field(5, ge=2, description="At least this many samples per phase.")
     max_repeats: int = Field(40, ge=2, description="At most this many samples per phase.")
-    budget_s: float = Field(2.0, gt=0, description="Time budget per phase; repeats continue until it is spent.")
+    budget_s: float = Field(2.0, gt=0, description="Time budget per phase on the decision's clock; repeats continue "
+                            "until it is spent.")
     calibration_budget_s: float = Field(0.5, gt=0, description="Time budget of the calibration kernels.")
     kernel_sample_s: float = Field(0.04, gt=0, description="Each calibration sample repeats its kernel to about this long.")
     kernel_size: float = Field(1.0, gt=0, le=4, description="Scale of the calibration kernels' dimensions "
@@ -223,7 +225,8 @@ class PerfCheck(Check):
             st.clock = "wall"
             ctx.notes.append("perf: clock = 'cpu' needs the cpu backend; wall clock used")
         ctx.detail("perf_clock", st.clock)
-        st.budget = Budget(cfg.warmup, cfg.min_repeats, cfg.max_repeats, cfg.budget_s)
+        st.budget = Budget(cfg.warmup, cfg.min_repeats, cfg.max_repeats, cfg.budget_s,
+                           time.process_time if st.clock == "cpu" else time.perf_counter)
         mc = perf_model_config(ctx.suite, cfg.width, cfg.layers, cfg.prune)
         st.wl = Workload(ctx.suite, mc, ctx.dtype, ctx.backend, st.batch, st.seq, cfg.decode_tokens, cfg.seed,
                          cpu_clock=ctx.backend.device_type == "cpu")

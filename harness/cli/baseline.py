@@ -17,6 +17,8 @@ def register(sub) -> None:
     u.add_argument("results", help="results directory of the run (the one holding perf/)")
     u.add_argument("--suite", action="append", default=[], help="only these suites (repeatable)")
     u.add_argument("--golden-dir", default=None, help="golden root (default: harness.toml golden_dir)")
+    u.add_argument("--append", action="store_true",
+                   help="pool the run's samples with the stored baseline's (a baseline of several runs)")
     u.set_defaults(func=update)
     s = bs.add_parser("show", help="list stored perf baselines")
     s.add_argument("suites", nargs="*")
@@ -30,7 +32,7 @@ def update(args) -> int:
     from harness.perf.baseline import update as do_update
 
     try:
-        written = do_update(args.results, args.golden_dir, args.suite or None)
+        written = do_update(args.results, args.golden_dir, args.suite or None, append=args.append)
     except BaselineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

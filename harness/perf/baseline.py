@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from harness.perf import fingerprint as fpmod
+from harness.perf import stats
 
 FORMAT = 1
 
@@ -151,10 +152,34 @@ def find_baseline(suite: str, key: str, fp: dict, golden_root: str | Path | None
     return None, f"no baseline for {suite} on machine class {cls_key} (harness baseline update RESULTS)"
 
 
+def _pool(old: dict, new: dict) -> dict:
+    """``new``'s samples added to ``old``'s (same workload and calibration kernels): a baseline
+    of several processes. One process's level can be 15% off another's on a loaded CPU
+    (docs/perf.md); pooled, that spread is part of the baseline instead of its luck."""
+    if old.get("shape") != new.get("shape"):
+        raise BaselineError(f"{new['key']}: cannot pool a baseline of another workload "
+                            f"({old.get('shape')} vs {new.get('shape')}); update without --append")
+    out = dict(new)
+    out["samples"] = {k: list(old.get("samples", {}).get(k, [])) + list(v) for k, v in new["samples"].items()}
+    ref = {}
+    for phase in set(old.get("reference") or {}) | set(new.get("reference") or {}):
+        a, b = (old.get("reference") or {}).get(phase, {}), (new.get("reference") or {}).get(phase, {})
+        ref[phase] = {k: list(a.get(k, [])) + list(b.get(k, [])) for k in set(a) | set(b)}
+    out["reference"] = ref
+    cal = dict(new.get("calibration") or {})
+    cal["samples"] = {k: list((old.get("calibration") or {}).get("samples", {}).get(k, [])) + list(v)
+                      for k, v in (cal.get("samples") or {}).items()}
+    out["calibration"] = cal
+    out["summary"] = {k: stats.summarize(v).to_dict() for k, v in out["samples"].items()}
+    out["runs"] = int(old.get("runs", 1)) + 1
+    out["source"] = f"{old.get('source')}; {new.get('source')}"
+    return out
+
+
 def update(results_dir: str | Path, golden_root: str | Path | None = None,
-           suites: list[str] | None = None) -> list[tuple[Path, list[str], list[str]]]:
-    """Take a reviewed run's perf samples as the new baselines. Returns, per baseline file written,
-    (path, items taken, items refused with why)."""
+           suites: list[str] | None = None, append: bool = False) -> list[tuple[Path, list[str], list[str]]]:
+    """Take a reviewed run's perf samples as the new baselines (``append``: pooled with the stored
+    ones). Returns, per baseline file written, (path, items taken, items refused with why)."""
     by_file: dict[Path, tuple[dict, list[str], list[str]]] = {}
     for src, rec in read_sidecars(results_dir):
         if suites and rec["suite"] not in suites:
@@ -174,7 +199,8 @@ def update(results_dir: str | Path, golden_root: str | Path | None = None,
                                      "shape")
                 if k in rec}
         keep["source"] = str(src)
-        base["items"][rec["key"]] = keep
+        old = base["items"].get(rec["key"])
+        base["items"][rec["key"]] = _pool(old, keep) if append and old else keep
         took.append(rec["key"])
     out = []
     for p, (base, took, refused) in by_file.items():

@@ -97,3 +97,21 @@ def test_sidecars_named_by_the_junit_xml_of_the_run(tmp_path):
         assert "are missing" in str(e)
     else:
         raise AssertionError("a sidecar named by the XML but gone must be an error")
+
+
+def test_append_pools_the_samples_of_several_runs(tmp_path, capsys):
+    golden = tmp_path / "golden"
+    store.write_sidecar(record(prefill=(0.1, 0.11, 0.12)), tmp_path / "r1")
+    store.write_sidecar(record(prefill=(0.2, 0.21, 0.22)), tmp_path / "r2")
+    assert main(["baseline", "update", str(tmp_path / "r1"), "--golden-dir", str(golden)]) == 0
+    assert main(["baseline", "update", str(tmp_path / "r2"), "--golden-dir", str(golden), "--append"]) == 0
+    fp = fpmod.fingerprint(get("cpu"), threads=1)
+    item, _ = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, golden)
+    assert item["samples"]["prefill_s"] == [0.1, 0.11, 0.12, 0.2, 0.21, 0.22] and item["runs"] == 2
+    assert item["reference"]["prefill"]["calib_matmul_s"] == [0.01, 0.01]
+    assert item["calibration"]["samples"]["calib_matmul_s"] == [0.01, 0.01]
+    assert item["summary"]["prefill_s"]["n"] == 6
+    # another workload cannot be pooled
+    store.write_sidecar({**record(), "shape": {"batch": 2, "seq": 128}}, tmp_path / "r3")
+    assert main(["baseline", "update", str(tmp_path / "r3"), "--golden-dir", str(golden), "--append"]) == 2
+    assert "cannot pool a baseline of another workload" in capsys.readouterr().err
