@@ -19,7 +19,7 @@ Reports per level: detection rate (a confirmed regression verdict on any timed m
 metric) and, for clean trials, the false-alarm rate. Writes results/bench_perf_detection.json.
 
 Usage: python benchmarks/bench_perf_detection.py [--suite llama-3.1-8b] [--trials 20] [--clean 40]
-       [--levels 0.05,0.10,0.20] [--per-child 10] [--block 2] [--phases prefill,decode]
+       [--levels 0.05,0.10,0.20] [--per-child 10] [--block 2] [--phases prefill,decode] [--baseline-runs 1]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def child(spec_path: str) -> None:
         r = _run_check(ls, {}, Path(spec["results"]), Path(spec["golden"]), 0.0)
         from harness.perf.baseline import update
 
-        update(spec["results"], spec["golden"])
+        update(spec["results"], spec["golden"], append=spec.get("append", False))
         res["baseline"] = r["metrics"]
     else:
         for i, share in enumerate(spec["levels"]):
@@ -179,6 +179,8 @@ def main() -> int:
     ap.add_argument("--per-child", type=int, default=10, help="trials per child process")
     ap.add_argument("--block", type=int, default=2, help="trial children per baseline process")
     ap.add_argument("--phases", default="prefill,decode")
+    ap.add_argument("--baseline-runs", type=int, default=1,
+                    help="baseline processes per block, pooled with `harness baseline update --append`")
     ap.add_argument("--effective-pairs", type=int, default=5, help="a/b pairs per share for the effective slowdown")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "bench_perf_detection.json"))
@@ -205,9 +207,10 @@ def main() -> int:
     for ci, chunk in enumerate(chunks):
         if ci % a.block == 0:
             golden = work / f"golden-{ci}"
-            b = spawn({**base, "role": "baseline", "results": str(work / f"base-{ci}"), "golden": str(golden)},
-                      work, f"base-{ci}")
-            baselines.append(b["baseline"])
+            for bi in range(a.baseline_runs):
+                b = spawn({**base, "role": "baseline", "results": str(work / f"base-{ci}-{bi}"),
+                           "golden": str(golden), "append": bi > 0}, work, f"base-{ci}-{bi}")
+                baselines.append(b["baseline"])
         r = spawn({**base, "role": "trials", "levels": chunk, "results": str(work / f"trials-{ci}"),
                    "golden": str(golden), "effective": a.effective_pairs if ci % a.block == 0 else 0},
                   work, f"trials-{ci}")
