@@ -103,8 +103,9 @@ class PlanRequest(BaseModel):
 class ParallelConfig(CheckConfig):
     """Parallel layouts (TP, PP, DP, EP, FSDP, combinations) against the single-process reference."""
 
-    enabled: bool = Field(False, description="Generate one item per layout (opt-in: each world size is one "
-                          "torchrun launch of several processes).")
+    scope: Literal["commit", "nightly"] = Field(
+        "nightly", description="Nightly by default (each world size is one torchrun launch of several processes, "
+        "~30-60 s on 2 CPU cores): `harness run --scope nightly`, or `scope = \"commit\"` in a suite.")
     configs: list[LayoutEntry] = Field(
         default_factory=list, description="The matrix ([[checks.parallel.configs]]). Empty: the default per "
         "architecture - dense: tp2, pp2, dp2, fsdp2-ac, tp2xdp2; MoE adds ep2, ep2xtp2.")
