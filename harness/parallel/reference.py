@@ -69,13 +69,13 @@ class ModuleCapture:
     tensor per call (a DTensor as its local shard), detached, on CPU; ``order`` lists names in the
     order their first output was born."""
 
-    def __init__(self, model: torch.nn.Module, skip_root: bool = True):
+    def __init__(self, model: torch.nn.Module, skip_root: bool = True, skip: frozenset = frozenset()):
         self.outputs: dict[str, list[torch.Tensor]] = {}
         self.order: list[str] = []
         self.handles = []
         self.enabled = True
         for name, mod in model.named_modules():
-            if skip_root and not name:
+            if (skip_root and not name) or mod in skip:
                 continue
             self.handles.append(mod.register_forward_hook(self._hook(clean_name(name))))
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from harness.parallel import ep as ep_mod
 from harness.parallel.apply import (
+    _PassLayer,
     apply_ac,
     apply_dp,
     apply_ep,
@@ -155,7 +156,12 @@ class RankRun:
         if self.fault is not None and not light:
             self.fault(SimpleNamespace(layout=lay, rank=self.rank, world=self.world, model=model, wrapped=wrapped,
                                        stage=stage, schedule=sched, mesh=mesh, groups=groups))
-        cap = ModuleCapture(wrapped) if capture else None
+        # A pipeline stage's plumbing is not the model's: layers of other stages (pass-through), the
+        # final norm before the last stage (identity), the base model's output mid-pipeline.
+        plumbing = frozenset(m for m in wrapped.modules() if isinstance(m, (_PassLayer, torch.nn.Identity))) | (
+            frozenset([getattr(wrapped, wrapped.base_name)]) if stage is not None and not stage.is_last
+            else frozenset())
+        cap = ModuleCapture(wrapped, skip=plumbing) if capture else None
         ep_mod.STATS.__init__()
         from torch.distributed._tools.mem_tracker import MemTracker
 
