@@ -162,7 +162,8 @@ def test_variants_in_a_check_table_select_items_and_an_unknown_one_is_an_error(p
     try:
         write(project, "some", 'backends = ["cpu"]\ndtypes = ["float32"]\n' + TINY + '[checks.layouts]\nvariants = ["pp2"]\n')
         write(project, "typo", 'backends = ["cpu"]\ndtypes = ["float32"]\n' + TINY + '[checks.layouts]\nvariants = ["tp3"]\n')
-        r = project.runpytest("suites", "--harness-check=layouts", "-v")
+        # in-process: the check is registered in this process only, an isolated worker would not know it
+        r = project.runpytest("suites", "--harness-check=layouts", "--harness-isolate=off", "-v")
         r.assert_outcomes(passed=2, errors=1)  # some: smoke + layouts[pp2] only; typo: one erroring item
         r.stdout.fnmatch_lines(["*some.toml::layouts[[]cpu-float32-pp2[]] PASSED*",
                                 "*suites/typo.toml: checks.layouts.variants: unknown variant 'tp3' (known: tp2, pp2, dp2)*"])
