@@ -269,9 +269,12 @@ def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: 
     except Exception as e:  # transformers validates configs with ValueError/TypeError/AttributeError...
         raise _config_error(e, d, config_cls.__name__) from None
     cfg.architectures = [arch]
-    if not hasattr(cfg, "vocab_size") and hasattr(cfg, "get_text_config"):
-        # A wrapper built whole: checks size the token ids and logits by config.vocab_size.
-        cfg.vocab_size = cfg.get_text_config().vocab_size
+    if hasattr(cfg, "get_text_config") and cfg.get_text_config() is not cfg:
+        # A wrapper built whole: checks size token ids and logits by config.vocab_size and walk the
+        # decoder by config.num_hidden_layers; give them the language model's.
+        for k in ("vocab_size", "num_hidden_layers", "hidden_size"):
+            if not hasattr(cfg, k) and hasattr(cfg.get_text_config(), k):
+                setattr(cfg, k, getattr(cfg.get_text_config(), k))
     return ModelConfig(cfg, arch, raw.get("model_type") or model_type, via, quant, notes, part)
 
 
