@@ -36,3 +36,11 @@ def write_suite(suite_dir: Path):
         return p
 
     return write
+
+
+@pytest.fixture(autouse=True)
+def _private_suite_dirs_record(tmp_path, monkeypatch):
+    """`harness init --suites-dir` records the directory in .harness/suite-dirs under the current
+    directory; tests must not leave their tmp directories in the repository's record (every later
+    "no such suite" message would list them)."""
+    monkeypatch.setattr("harness.suite.loader.SUITE_DIRS_FILE", str(tmp_path / ".harness-state" / "suite-dirs"))

@@ -119,14 +119,22 @@ def test_adapter_errors_are_clear():
 
 
 def test_local_safetensors_weights_load(write_suite, suite_dir):
+    """Real weights load exactly; a checkpoint that lacks tensors the model needs is an error that
+    names the tensor (no silent mix of real and random weights; docs/weights.md)."""
     from safetensors.torch import save_file
+
+    from harness.weights import WeightsError
 
     body = "[model]\nconfig = 'configs/Llama-3.1-8B.json'\n" + TINY_PRUNE
     model, _ = build_model(load_suite(write_suite("rand", body)), "float32", seed=0)
-    state = {k: v.clone() * 2 for k, v in model.state_dict().items() if k.startswith("model.layers.0")}
-    save_file(state, str(suite_dir / "w.safetensors"))
+    full = {k: v.clone() * 2 for k, v in model.state_dict().items()}
+    save_file(full, str(suite_dir / "w.safetensors"))
     ls = load_suite(write_suite("local", body.replace("[prune]", "weights = 'w.safetensors'\n[prune]")))
     loaded, mc = build_model(ls, "float32", seed=0)
-    for k, v in state.items():
+    for k, v in full.items():
         assert torch.equal(loaded.state_dict()[k], v), k
-    assert any("not in the weights (kept random)" in n for n in mc.notes)
+    part = {k: v for k, v in full.items() if k.startswith("model.layers.0")}
+    save_file(part, str(suite_dir / "part.safetensors"))
+    ls = load_suite(write_suite("partial", body.replace("[prune]", "weights = 'part.safetensors'\n[prune]")))
+    with pytest.raises(WeightsError, match="missing from the checkpoint"):
+        build_model(ls, "float32", seed=0)
