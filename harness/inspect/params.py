@@ -285,38 +285,66 @@ def module_part(fqn: str) -> str:
     return "text"
 
 
-def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
-    cfg = mc.config
-    tcfg = _text(cfg)
-    n_exp = _num_experts(cfg)
-    top_k = next((getattr(tcfg, k) for k in TOPK_KEYS if isinstance(getattr(tcfg, k, None), int)), None) if n_exp \
-        else None
-    _EXPERT_PARENTS.clear()
-    for fqn, mod in model.named_modules():
-        if _is_experts(mod, n_exp):
-            _EXPERT_PARENTS.add(fqn.rsplit(".", 1)[0])
+@dataclass
+class _Count:
+    """What the steps of :func:`count_parameters` share."""
 
-    by_kind: dict[str, int] = defaultdict(int)
-    act_by_kind: dict[str, float] = defaultdict(float)
-    by_part: dict[str, int] = defaultdict(int)
+    model: torch.nn.Module
+    mc: ModelConfig
+    tcfg: object = None
+    n_exp: int = 0
+    top_k: int | None = None
+    scheme: QuantScheme | None = None
+    by_kind: dict = field(default_factory=lambda: defaultdict(int))
+    act_by_kind: dict = field(default_factory=lambda: defaultdict(float))
+    by_part: dict = field(default_factory=lambda: defaultdict(int))
+    qbytes: int = 0
+    scales: int = 0
+    keep16: int = 0
+    buffers: int = 0
+    rep: ParamReport | None = None
+
+
+def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
+    """Parameters by kind and part, activated per token, and checkpoint bytes per format, as named
+    steps: find_experts -> tally -> summarize -> checkpoint_bytes -> mtp_note."""
+    c = _Count(model, mc)
+    for step in (_find_experts, _tally, _summarize, _checkpoint_bytes, _mtp_note):
+        step(c)
+    return c.rep
+
+
+def _find_experts(c: _Count) -> None:
+    """Expert count and top-k from the (text) config; which modules hold routed experts."""
+    c.tcfg = _text(c.mc.config)
+    c.n_exp = _num_experts(c.mc.config)
+    c.top_k = next((getattr(c.tcfg, k) for k in TOPK_KEYS if isinstance(getattr(c.tcfg, k, None), int)),
+                   None) if c.n_exp else None
+    _EXPERT_PARENTS.clear()
+    for fqn, mod in c.model.named_modules():
+        if _is_experts(mod, c.n_exp):
+            _EXPERT_PARENTS.add(fqn.rsplit(".", 1)[0])
+    c.scheme = quant_scheme(c.mc.quantization)
+
+
+def _tally(c: _Count) -> None:
+    """Each parameter once (tied ones too): its kind, part, activated share and checkpoint bytes."""
     seen: set[int] = set()
-    quant = mc.quantization
-    scheme = quant_scheme(quant)
-    qbytes = scales = keep16 = 0
-    for fqn, mod in model.named_modules():
-        kind = module_kind(fqn, mod, n_exp)
+    scheme = c.scheme
+    for fqn, mod in c.model.named_modules():
+        kind = module_kind(fqn, mod, c.n_exp)
         part = module_part(fqn)
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
             n = p.numel()
-            by_kind[kind] += n
-            by_part[part] += n
-            if kind == "routed_experts" and p.dim() == 3 and top_k:
-                act_by_kind[kind] += n * top_k / p.shape[0]
+            c.by_kind[kind] += n
+            c.by_part[part] += n
+            if kind == "routed_experts" and p.dim() == 3 and c.top_k:
+                c.act_by_kind[kind] += n * c.top_k / p.shape[0]  # [E, out, in]: top_k of E experts per token
             else:
-                act_by_kind[kind] += n
+                c.act_by_kind[kind] += n
             # Quantized: Linear weights of attention / MLP / experts of the language model, unless the
             # config's ignore list keeps them; everything else stays bf16.
             quantized = (scheme is not None and part == "text"
@@ -324,39 +352,49 @@ def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
                          and p.dim() >= 2 and pname != "bias" and not pname.endswith("_bias")
                          and not scheme.skips(fqn) and not scheme.skips(f"{fqn}.{pname}"))
             if not quantized:
-                keep16 += n
+                c.keep16 += n
             elif p.dim() == 2:
                 a, b = scheme.bytes_of(p.shape[0], p.shape[1])
-                qbytes, scales = qbytes + a, scales + b
+                c.qbytes, c.scales = c.qbytes + a, c.scales + b
             else:  # fused experts [E, out, in] (or [E, in, out] when transposed); gate_up is two weights
                 e, d1, d2 = p.shape
                 out_f, in_f = (d2, d1) if getattr(mod, "is_transposed", False) else (d1, d2)
                 parts = 2 if "gate_up" in pname else 1
                 a, b = scheme.bytes_of(out_f // parts, in_f)
-                qbytes, scales = qbytes + e * parts * a, scales + e * parts * b
-    persistent = set(model.state_dict(keep_vars=True))
-    buffers = sum(b.numel() for n, b in model.named_buffers() if n in persistent)
+                c.qbytes, c.scales = c.qbytes + e * parts * a, c.scales + e * parts * b
+    persistent = set(c.model.state_dict(keep_vars=True))
+    c.buffers = sum(b.numel() for n, b in c.model.named_buffers() if n in persistent)
+
+
+def _summarize(c: _Count) -> None:
+    """Totals, activated (with and without the input embedding), per part for wrappers."""
+    by_kind, act_by_kind, tcfg = c.by_kind, c.act_by_kind, c.tcfg
     total = sum(by_kind.values())
     emb = by_kind.get("embedding", 0)
     activated = int(round(sum(act_by_kind.values()) - emb))
     tied = bool(getattr(tcfg, "tie_word_embeddings", False)) and by_kind.get("lm_head", 0) == 0
-    rep = ParamReport(
+    c.rep = rep = ParamReport(
         total=total, activated=activated, activated_with_embedding=activated + emb,
         by_kind={k: by_kind[k] for k in KINDS if by_kind.get(k)},
         activated_by_kind={k: round(act_by_kind[k]) for k in KINDS if act_by_kind.get(k)},
         non_embedding=total - emb - by_kind.get("lm_head", 0),
-        num_layers=int(getattr(tcfg, "num_hidden_layers", 0) or 0), num_experts=n_exp, experts_per_token=top_k,
-        tied_embeddings=tied, buffers_persistent=buffers)
-    if set(by_part) - {"text"}:
-        rep.by_part = {k: by_part[k] for k in ("text", "vision", "projector") if by_part.get(k)}
+        num_layers=int(getattr(tcfg, "num_hidden_layers", 0) or 0), num_experts=c.n_exp,
+        experts_per_token=c.top_k, tied_embeddings=tied, buffers_persistent=c.buffers)
+    if set(c.by_part) - {"text"}:
+        rep.by_part = {k: c.by_part[k] for k in ("text", "vision", "projector") if c.by_part.get(k)}
         rep.by_part["overall"] = total
         rep.notes.append("parts: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in rep.by_part.items()))
+
+
+def _checkpoint_bytes(c: _Count) -> None:
+    """Bytes per format: float32, bfloat16, and the config's quantized checkpoint format."""
+    rep, scheme, quant, buffers, total = c.rep, c.scheme, c.mc.quantization, c.buffers, c.rep.total
     rep.bytes["float32"] = {"float32": total * 4 + buffers * 4}
     rep.bytes["bfloat16"] = {"bfloat16": total * 2, "float32 (buffers)": buffers * 4}
     if scheme is not None:
         rep.bytes[scheme.label] = {
-            f"{scheme.weight_dtype} (weights)": qbytes, f"{scheme.scale_dtype} ({scheme.scale_name})": scales,
-            "bfloat16 (embeddings, lm_head, norms, router)": keep16 * 2, "float32 (buffers)": buffers * 4}
+            f"{scheme.weight_dtype} (weights)": c.qbytes, f"{scheme.scale_dtype} ({scheme.scale_name})": c.scales,
+            "bfloat16 (embeddings, lm_head, norms, router)": c.keep16 * 2, "float32 (buffers)": buffers * 4}
         grain = {"block": f"{scheme.block[0]}x{scheme.block[1]} blocks" if scheme.block else "",
                  "group": f"groups of {scheme.group}", "channel": "output channels", "tensor": "tensors"}
         rep.notes.append(f"checkpoint is {describe_quantization(quant)}: {scheme.weight_bits}-bit quantized Linear "
@@ -369,12 +407,14 @@ def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
                          "for; checkpoint bytes shown for float32 / bfloat16 only")
     for scenario in rep.bytes.values():
         scenario["total"] = sum(scenario.values())
+
+
+def _mtp_note(c: _Count) -> None:
     mtp = next((k for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
-                if (tcfg.to_dict().get(k) or 0) > 0), None)
+                if (c.tcfg.to_dict().get(k) or 0) > 0), None)
     if mtp:
-        rep.notes.append(f"the multi-token-prediction layers ({mtp}) are in the checkpoint but not built by "
-                         "transformers: not counted")
-    return rep
+        c.rep.notes.append(f"the multi-token-prediction layers ({mtp}) are in the checkpoint but not built by "
+                           "transformers: not counted")
 
 
 def inspect_params(target: Target) -> tuple[ParamReport, ModelConfig]:
