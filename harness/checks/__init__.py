@@ -48,7 +48,7 @@ _REGISTRY: CheckRegistry | None = None
 # Built-ins are declared as entry points like a vendor's (pyproject.toml), and registered from this
 # list so that their order is fixed and a source tree that was never pip-installed has them too.
 BUILTIN = ("harness.checks.smoke", "harness.checks.precision", "harness.checks.quantization",
-           "harness.checks.ops")
+           "harness.checks.ops", "harness.checks.parallel", "harness.checks.perf", "harness.checks.weights")
 
 
 def registry() -> CheckRegistry:
