@@ -154,6 +154,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         worker.close()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the isolated worker now, so that its imports (torch, transformers: seconds) overlap with
+    the rest of start-up instead of delaying the first item."""
+    config = session.config
+    if (config.getoption("harness_isolate") == "on" and not config.option.collectonly
+            and not _is_xdist_controller(config)
+            and any(isinstance(i, HarnessItem) for i in session.items)):
+        worker = _isolation_worker(config)
+        if not worker.alive():
+            import torch
+
+            worker.env = dict(os.environ, HARNESS_NUM_THREADS=str(torch.get_num_threads()))
+            worker._start()
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
 def _isolation_worker(config: pytest.Config):
     from harness.isolation import Worker
 
