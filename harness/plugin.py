@@ -154,19 +154,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         worker.close()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the isolated worker now, so that its imports (torch, transformers: seconds) overlap with
-    the rest of start-up instead of delaying the first item."""
-    config = session.config
-    if (config.getoption("harness_isolate") == "on" and not config.option.collectonly
-            and not _is_xdist_controller(config)
-            and any(isinstance(i, HarnessItem) for i in session.items)):
-        worker = _isolation_worker(config)
-        if not worker.alive():
-            import torch
+def _prestart_worker(config: pytest.Config) -> None:
+    """Start the isolated worker as soon as the first suite file is collected, so that its imports
+    (torch, transformers: seconds) overlap with collection instead of delaying the first item."""
+    if (config.getoption("harness_isolate") != "on" or config.option.collectonly
+            or _is_xdist_controller(config)):
+        return
+    worker = _isolation_worker(config)
+    if not worker.alive():
+        import torch
 
-            worker.env = dict(os.environ, HARNESS_NUM_THREADS=str(torch.get_num_threads()))
-            worker._start()
+        worker.env = dict(os.environ, HARNESS_NUM_THREADS=str(torch.get_num_threads()))
+        worker._start()
 
 
 def _is_xdist_controller(config: pytest.Config) -> bool:
@@ -227,6 +226,7 @@ _SEEN = pytest.StashKey[dict]()
 
 class SuiteFile(pytest.File):
     def collect(self):
+        _prestart_worker(self.config)
         try:
             ls = load_suite(self.path)
             self._unique(ls)
