@@ -44,3 +44,17 @@ def leak(config, dtype, device):
 
 def missing_module(config, dtype, device):  # pragma: no cover - never importable on purpose
     import harness_no_such_vendor_module  # noqa: F401
+
+
+def balloon(config, dtype, device):
+    """The first forward of layer 0's MLP grows the process by 64 MiB every 50 ms, up to 3 GiB: a
+    runaway allocation that a memory limit must stop."""
+    m = LlamaForCausalLM(config)
+
+    def grow(mod, args):
+        for _ in range(48):
+            _LEAKED.append(torch.ones(64 * 2**20 // 4))
+            time.sleep(0.05)
+
+    m.model.layers[0].mlp.register_forward_pre_hook(grow)
+    return m

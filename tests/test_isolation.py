@@ -277,3 +277,17 @@ def test_one_bad_file_costs_only_its_own_suite(project, damage, tmp_path, monkey
     else:  # the corrupt cache was rebuilt, and the op item exists
         assert "suites/bad.toml::ops[cpu-float32-aten.mm.default]" in r.stdout, r.stdout
         assert isinstance(json.loads(path.read_text())["ops"], list)
+
+
+@pytest.mark.slow
+def test_memory_limit_kills_the_item_and_names_the_figures(project):
+    s = project / "suites"
+    (s / "a-balloon.toml").write_text(suite("balloon"))
+    (s / "b-healthy.toml").write_text(suite())
+    cmd, env = harness_cmd("run", "--check", "smoke", "--memory-limit", "1.5", "--results", "res")
+    r = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    rows = items(project / "res")
+    leak = rows["a-balloon.toml::smoke[cpu-float32]"]
+    assert leak["outcome"] == "error", leak
+    assert "exceeded the memory limit" in leak["message"] and "> 1.50 GiB) and was killed in forward" in leak["message"]
+    assert rows["b-healthy.toml::smoke[cpu-float32]"]["outcome"] == "passed", r.stdout[-3000:]
