@@ -33,6 +33,19 @@ FILES = ("junit.xml", "summary.json", "summary.txt", "journal.jsonl", "run.json"
 MIN_FREE_BYTES = 64 * 2**20
 
 
+def results_root(results_dir: str | Path | None = None) -> Path:
+    """Where a check puts its files: the explicit directory, else this run's (HARNESS_RESULTS_DIR,
+    set by `harness run` / --harness-results), else the configured results_dir."""
+    if results_dir is not None:
+        return Path(results_dir)
+    env = os.environ.get("HARNESS_RESULTS_DIR")
+    if env:
+        return Path(env)
+    from harness.settings import load_settings
+
+    return Path(load_settings().results_dir)
+
+
 class ResultsError(Exception):
     """The results directory cannot take this run's results (one-line message)."""
 

@@ -137,13 +137,9 @@ class PrecisionConfig(CheckConfig):
 
 def results_path(ls: LoadedSuite, backend: str, dtype: str, results_dir: str | Path | None = None,
                  suffix: str = "") -> Path:
-    if results_dir is None:
-        import os
+    from harness.results import results_root
 
-        from harness.settings import load_settings
-
-        results_dir = os.environ.get("HARNESS_RESULTS_DIR") or load_settings().results_dir
-    return Path(results_dir) / "precision" / f"{ls.name}-{backend}-{dtype}{suffix}.png"
+    return results_root(results_dir) / "precision" / f"{ls.name}-{backend}-{dtype}{suffix}.png"
 
 
 def load_golden_for(ctx: CheckContext, golden_root=None):

@@ -19,7 +19,6 @@ and never meet. Updating merges: items of the run replace the same items, others
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from harness.perf import fingerprint as fpmod
@@ -33,14 +32,9 @@ class BaselineError(Exception):
 
 
 def results_root(results_dir: str | Path | None = None) -> Path:
-    if results_dir is not None:
-        return Path(results_dir)
-    env = os.environ.get("HARNESS_RESULTS_DIR")
-    if env:
-        return Path(env)
-    from harness.settings import load_settings
+    from harness.results import results_root as root
 
-    return Path(load_settings().results_dir)
+    return root(results_dir)
 
 
 def perf_golden_root(golden_root: str | Path | None = None) -> Path:
