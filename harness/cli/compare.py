@@ -124,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
     text = summary_markdown(outcome)
     for p in outcome.problems:
         print(f"harness compare: {p}", file=sys.stderr)
+    for w in outcome.warnings:
+        print(f"harness compare: warning: {w}", file=sys.stderr)
     # rich renders the summary's tables for the terminal (plain text in CI logs)
     Console(width=None if sys.stdout.isatty() else 160).print(Markdown(text))
     if args.summary:

@@ -113,6 +113,57 @@ def _precision(group: Group) -> list[str]:
     return out
 
 
+def _secs(v: float | None) -> str:
+    """A timing as people read it: 64.2 ms, 1.23 s."""
+    if v is None:
+        return "n/a"
+    return f"{v * 1e3:.4g} ms" if abs(v) < 1 else f"{v:.4g} s"
+
+
+def _perf_value(metric: str, v: float | None) -> str:
+    return _secs(v) if metric.endswith("_s") and not metric.endswith("_per_s") else _fmt(v) or "n/a"
+
+
+def _perf(group: Group) -> list[str]:
+    """The perf check's own figures for each metric it decided (harness.compare.perfverdict):
+    baseline and measured medians on the clock it decided on, the spread of the measurement, its
+    noise band (threshold and significance level), the calibrated change, p and the decision."""
+    found = sorted((f for f in group.findings if f.perf is not None), key=lambda f: (f.key, f.metric))
+    if not found:
+        return []
+    out = ["### Performance: the perf check's verdict", "",
+           "Decided by the `perf` check itself (calibrated ratio of medians past its threshold *and* "
+           "one-sided Mann-Whitney p below alpha, a suspected regression re-measured once in the same "
+           "item); the comparator's generic thresholds were not applied to these timings.", "",
+           "| test | metric | clock | baseline median | measured median (IQR; 95% CI) | samples now / baseline "
+           "| calibrated change | noise band | p | decision | roofline |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    files = set()
+    for f in found[:_MAX_ROWS]:
+        g = f.perf
+        m = g.metric
+        spread = (f"{_perf_value(m, g.q1)}-{_perf_value(m, g.q3)}" if g.q1 is not None and g.q3 is not None
+                  else "n/a")
+        ci = (f"{_perf_value(m, g.ci_low)}-{_perf_value(m, g.ci_high)}"
+              if g.ci_low is not None and g.ci_high is not None else "n/a")
+        change = f"{g.change:+.1%}" if g.change is not None else "n/a"
+        if g.kernel_ratio is not None and abs(g.kernel_ratio - 1) > 1e-9:
+            change += f" (machine {g.kernel_ratio:.3f}x)"
+        decision = (f"**{_cell(g.verdict)}**"
+                    + _cell((" (confirmed on re-measure)" if g.remeasured else "") + f": {g.why}"))
+        roof = f"{g.roofline[0]} {g.roofline[1]:.1%}" if g.roofline else "n/a"
+        p = f"{g.p_value:.2g}" if g.p_value is not None else "n/a"
+        n = f"{g.n_current if g.n_current is not None else '?'} / {g.n_baseline if g.n_baseline is not None else '?'}"
+        out.append("| " + " | ".join([
+            md_code(f.case.name if f.case is not None else f.key), _cell(m), _cell(g.clock),
+            _cell(_perf_value(m, g.baseline)), _cell(f"{_perf_value(m, g.measured)} ({spread}; {ci})"),
+            _cell(n), _cell(change), _cell(g.band), _cell(p), decision, _cell(roof)]) + " |")
+        files.add((g.machine_class, g.baseline_file))
+    for cls, path in sorted(files):
+        out.append(f"\nMachine class {md_code(cls or 'unknown')}; baseline {md_code(path or 'unknown')}.")
+    return out
+
+
 def _num(v) -> float | None:
     try:
         return float(v)
@@ -164,7 +215,7 @@ def render(group: Group, ctx: RunContext, reopened: bool = False) -> str:
         dropped.append(f"{len(rows) - len(shown)} table rows")
     sections = ["\n".join(head + shown)]  # the rows belong to the table: no blank line before them
     used = _size(sections[0])
-    for section in ("\n".join(_precision(group)),
+    for section in ("\n".join(_perf(group)), "\n".join(_precision(group)),
                     _fenced("### Reproduce", scrub(repro(group)))):
         if not section:
             continue

@@ -18,12 +18,18 @@ not_run            absent now, and its suite x backend has no results or part of
 precision_drift    a metric with a tolerance used up ``drift_fraction`` of its          precision
                    headroom to the tolerance, against the baseline
 metric_regression  past the threshold the wrong way vs the baseline, or a change point  performance
+                   (or the perf check's own verdict said ``regression``)
 improvement        the same the good way: time to update the golden / baseline         improvement
+perf_not_compared  the perf check had no baseline of this machine class (or an         info
+                   incomparable one): nothing was decided
 =================  ==================================================================  ============
 
 ``error`` (the test could not run: setup crash, import error) is kept apart from ``failure`` (it
 ran and an assertion said no). Metric findings are only ``confirmed`` once ``min_bad_runs`` runs in
 a row are bad; an unconfirmed one is reported as *suspected* and never files an issue.
+
+An item that carries the perf check's verdict (``harness.detail.perf_verdict``) is judged by that
+verdict for its timings, never by the generic threshold (:mod:`harness.compare.perfverdict`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 from harness.compare import changepoint as cpt
+from harness.compare import perfverdict
 from harness.compare.history import History, SeriesView
 from harness.compare.junit import Case, Results
 from harness.metrics import direction, spec
@@ -73,6 +80,7 @@ class Finding:
     confirmed: bool = True
     bad_runs: int = 1
     note: str = ""
+    perf: perfverdict.Figures | None = None  # the perf check's figures, when it decided this
 
     @property
     def regression(self) -> bool:
@@ -88,6 +96,7 @@ class Finding:
 class Classification:
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # named input mistakes; the input is not partial
 
     def by_category(self, category: str) -> list[Finding]:
         return [f for f in self.findings if f.category == category]
@@ -102,9 +111,16 @@ def classify(current: Results, baseline: Results | None, history: History | None
     series = history.metric_series([r.id for r in runs]) if runs else SeriesView({}, {})
     ref_keys = set(base) | set(prev)
     for key, case in current.cases.items():
-        _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys))
-        if case.outcome == "passed":
-            _metric_findings(out, case, base.get(key), series, config)
+        verdict, why = perfverdict.read(case.details) if "perf_verdict" in case.details else (None, "")
+        if why:
+            out.warnings.append(f"{key}: {why}; its metrics are compared as for any item")
+        by_verdict = verdict is not None and perfverdict.caused_failure(case, verdict)
+        _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys), by_verdict)
+        if case.outcome == "passed" or by_verdict:
+            _metric_findings(out, case, base.get(key), series, config,
+                             perfverdict.TIMING_FAMILY if verdict is not None else frozenset())
+        if verdict is not None:
+            _verdict_findings(out, case, verdict)
     _missing_findings(out, current, base, prev, config)
     return out
 
@@ -136,14 +152,18 @@ def _failure_kind(case: Case) -> str:
 
 
 def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: str,
-                      have_ref: bool) -> None:
+                      have_ref: bool, by_verdict: bool = False) -> None:
+    """``by_verdict``: the item failed because the perf check confirmed a regression; that is a
+    performance finding (:func:`_verdict_findings`), neither a failure nor, next time, a fix of one."""
     def add(category: str, kind: str, **kw) -> None:
         out.findings.append(Finding(category, kind, case.key, case.suite, case.backend, case, **kw))
 
     was_bad = (base is not None and base.outcome in _BAD) or prev in _BAD
     if case.flaky:
         add("flaky", "flaky", note=f"{case.attempts} attempts")
-    if case.outcome in _BAD:
+    if by_verdict:
+        pass
+    elif case.outcome in _BAD:
         add("still_failing" if was_bad else "new_failure", _failure_kind(case))
     elif case.outcome == "passed" and was_bad:
         add("fixed", "info")
@@ -151,12 +171,33 @@ def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: 
         add("new_test", "info")
 
 
+def _verdict_findings(out: Classification, case: Case, verdict: perfverdict.Verdict) -> None:
+    """The perf check's decisions as findings, with its figures; confirmed at once (the check
+    re-measured a suspected regression in the same item before calling it one)."""
+    if verdict.status in ("no-baseline", "incomparable"):
+        out.findings.append(Finding("perf_not_compared", "info", case.key, case.suite, case.backend, case,
+                                    note=f"perf check: {verdict.status}: {verdict.baseline}"))
+        return
+    for name, fig in sorted(verdict.metrics.items()):
+        if fig.verdict == "unchanged":
+            continue  # within the check's noise band: no finding, the group may count as clean
+        regression = fig.verdict == "regression"
+        out.findings.append(Finding(
+            "metric_regression" if regression else "improvement", "performance" if regression else "improvement",
+            case.key, case.suite, case.backend, case, metric=name, baseline=fig.baseline, current=fig.measured,
+            change=fig.change, threshold=fig.band, confirmed=True, bad_runs=1,
+            note=f"perf check: {fig.why}", perf=fig))
+
+
 def _metric_findings(out: Classification, case: Case, base: Case | None, series: SeriesView,
-                     config: Config) -> None:
+                     config: Config, skip: frozenset[str] = frozenset()) -> None:
+    """``skip``: metrics another judge decided (the perf check's timings)."""
     for name, value in case.metrics.items():
         d = _direction(name)
-        if d == "none" or math.isnan(value):
+        if d == "none" or math.isnan(value) or name in skip:
             continue
+        if f"tolerance.{name}" in case.invalid:
+            continue  # its tolerance is not a number (an input warning): it cannot be judged
         base_v = base.metrics.get(name) if base is not None else None
         floor = config.time_floor_s if _is_time(name) else 0.0
         thr = config.threshold_for(case.suite, name)

@@ -15,6 +15,11 @@ cut to size: a cut must never leave the tail of a token behind.
 The same test id may appear several times: pytest-rerunfailures, a retried CI attempt, or two
 attempt folders passed together. Mixed outcomes make the test *flaky*; its final outcome is
 ``passed`` if any attempt passed.
+
+A ``metric.*`` or ``tolerance.*`` property whose value is not a number (``"abc"``, empty) is left
+out of that case and named in ``Results.warnings`` (file, test, property, value): a warning, not a
+problem, because the rest of the file was read whole and the shard is not partial. It is never
+compared as NaN (``"nan"`` and ``"inf"`` themselves are numbers: a check may record them).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from junitparser import JUnitXml, JUnitXmlError, TestCase, TestSuite
 
 from harness.compare.scrub import scrub
-from harness.metrics import parse_properties
+from harness.metrics import PREFIX_METRIC, PREFIX_TOLERANCE, parse_properties
 
 # Surefire-style rerun children (pytest-rerunfailures and others use them): the case was retried.
 _RERUN_TAGS = {"rerunFailure", "rerunError", "flakyFailure", "flakyError"}
@@ -58,6 +63,9 @@ class Case:
     time: float = 0.0
     flaky: bool = False
     attempts: int = 1
+    # property name -> its value, for metric./tolerance. properties that are not numbers: left out
+    # of ``metrics``/``tolerances`` and reported as a warning by the reader.
+    invalid: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +76,9 @@ class Results:
     # True when some input could not be read whole (a shard missing, cut off, not JUnit, fewer
     # files than expected): a test absent from this run then counts as not run, never as vanished.
     partial: bool = False
+    # Input that was read but is wrong in one place (a metric that is not a number): named, shown
+    # in the summary, and *not* a reason to call the input partial.
+    warnings: list[str] = field(default_factory=list)
 
     def suites(self) -> set[str]:
         return {c.suite for c in self.cases.values()}
@@ -130,6 +141,8 @@ def _read_all(files: list[str], res: Results) -> None:
         res.files.append(path)
         before = len(res.problems)
         for case in _read_file(path, res.problems):
+            for prop, value in case.invalid.items():
+                res.warnings.append(invalid_value_warning(path, case.key, prop, value))
             _merge(res.cases, case)
         res.partial |= len(res.problems) > before  # this file could not be read whole
 
@@ -154,6 +167,17 @@ def _read_file(path: str, problems: list[str]) -> list[Case]:
         return []
     # junitparser wraps a lone <testsuite> root in <testsuites>, so one loop serves both shapes.
     return [_case(tc) for s in xml if isinstance(s, TestSuite) for tc in s]
+
+
+def invalid_value_warning(path: str, key: str, prop: str, value: str) -> str:
+    """One line naming a property value that is not a number. The value is scrubbed (it came from a
+    run and may be anything, a token included) and cut, then shown as Python writes it, so an empty
+    or whitespace value is visible."""
+    shown = scrub(value)
+    shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    what = "metric" if prop.startswith(PREFIX_METRIC) else "tolerance"
+    return (f"{path}: {key}: {what} {prop.split('.', 1)[1]!r} is not a number ({shown!r}); "
+            "left out of the comparison, the test's other metrics are compared")
 
 
 def _salvage(path: str) -> list[Case]:
@@ -188,6 +212,7 @@ def _case(tc: TestCase) -> Case:
         elif tag in ("system-out", "system-err") and child.text:
             output += child.text + "\n"  # pytest -o junit_logging=...
     parsed = parse_properties(props)
+    invalid = _not_numbers(parsed, props)
     meta = parsed["meta"]
     classname, name = elem.get("classname", ""), elem.get("name", "")
     try:
@@ -207,8 +232,27 @@ def _case(tc: TestCase) -> Case:
         device=ident.get("device", ""), variant=ident.get("variant", ""),
         metrics=parsed["metrics"], tolerances=parsed["tolerances"], details=parsed["details"],
         message=message, time=duration, log=text,
-        flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns,
+        flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns, invalid=invalid,
     )
+
+
+def _not_numbers(parsed: dict, props: list[tuple[str, str]]) -> dict[str, str]:
+    """Take the ``metric.*``/``tolerance.*`` properties whose text ``float()`` refused (``"abc"``,
+    ``""``; parse_properties made them NaN) out of ``parsed``; return them, name -> text. Only a
+    NaN is looked at twice (a check may write ``nan`` on purpose), so 100,000 cases cost nothing."""
+    out: dict[str, str] = {}
+    raw = None
+    for group, prefix in (("metrics", PREFIX_METRIC), ("tolerances", PREFIX_TOLERANCE)):
+        values = parsed[group]
+        for name in [n for n, v in values.items() if v != v]:
+            raw = dict(props) if raw is None else raw  # the last of repeated names, as parsed
+            text = raw.get(prefix + name, "")
+            try:
+                float(text)
+            except (TypeError, ValueError):
+                out[prefix + name] = text
+                del values[name]  # never compare a NaN that was text
+    return out
 
 
 def _identity_from_id(classname: str, name: str) -> dict[str, str]:

@@ -82,6 +82,9 @@ class Outcome:
     context: body.RunContext
     timings: dict[str, float]
     run_key: str = ""  # this run's key in the history (an earlier key when the same XML came again)
+    # Named mistakes in input that was read whole (a metric that is not a number): shown as
+    # warnings, never a reason to call the report partial.
+    warnings: list[str] = field(default_factory=list)
 
 
 def default_run_key() -> str:
@@ -125,7 +128,9 @@ def _finish_baseline(opts: Options, history: History | None, key: str, cached, c
         if cached is not None:
             return cached
     baseline = read_results(opts.baseline)
-    if key and not baseline.problems and baseline.cases and not opts.dry_run:
+    # a baseline with warnings is not cached: the cache keeps numbers only, and the warning must
+    # be shown every time those files are the baseline
+    if key and not baseline.problems and not baseline.warnings and baseline.cases and not opts.dry_run:
         try:
             history.record(f"baseline-{key[:16]}", baseline, {}, kind="baseline", inputs=key, keep=2)
         except sqlite3.Error:
@@ -199,6 +204,8 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     if latest and inputs and latest[1] == inputs:
         run_key = latest[0]  # these very files were compared before: the same run, not a new one
     cls = classify(current, baseline, history, opts.config, run_key)
+    warnings = current.warnings + [f"baseline: {w}" for w in (baseline.warnings if baseline else [])] \
+        + cls.warnings
     active, mute_notes = mutes.load(opts.mute_file)
     kept, muted = mutes.apply(cls.findings, active)
     problems += cls.notes + mute_notes
@@ -255,4 +262,4 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     timings = {k: t[k] - t["start"] for k in t if k != "start"}
     return Outcome(current, baseline, cls, groups, status, actions, log,
                    getattr(sink, "calls", 0) if sink is not None else 0,
-                   [scrub(p) for p in problems], muted, ctx, timings, run_key)
+                   [scrub(p) for p in problems], muted, ctx, timings, run_key, [scrub(w) for w in warnings])

@@ -103,8 +103,8 @@ def main(argv: list[str]) -> int:
     db_path, key, *paths = argv
     gc.disable()  # see harness.compare.pipeline.run_compare
     baseline = read_results(paths)
-    if baseline.problems or not baseline.cases:
-        return 3  # the parent parses it again and reports the problems itself
+    if baseline.problems or baseline.warnings or not baseline.cases:
+        return 3  # the parent parses it again and reports the problems (and warnings) itself
     history = History(db_path, lock=False)  # the parent holds the lock for both
     history.record(f"baseline-{key[:16]}", baseline, {}, kind="baseline", inputs=key, keep=2)
     history.close()

@@ -22,7 +22,7 @@ from harness.compare.scrub import md_text, scrub
 
 _MAX_ROWS = 50
 _ORDER = ["new_failure", "still_failing", "vanished", "precision_drift", "metric_regression",
-          "improvement", "flaky", "fixed", "new_test", "dropped", "not_run"]
+          "improvement", "flaky", "fixed", "new_test", "dropped", "not_run", "perf_not_compared"]
 
 
 def _row(f: Finding) -> list[str]:
@@ -52,6 +52,9 @@ def summary_markdown(outcome) -> str:
     if outcome.problems:
         lines += ["### Input problems (this report is partial)", ""]
         lines += [f"- {md_text(p)}" for p in outcome.problems] + [""]
+    if getattr(outcome, "warnings", None):
+        lines += ["### Input warnings (read whole; these values were left out)", ""]
+        lines += [f"- {md_text(w)}" for w in outcome.warnings] + [""]
     nonzero = [c for c in _ORDER if counts.get(c)]
     if nonzero:
         lines += ["| category | count |", "|---|---|"]
@@ -182,6 +185,9 @@ def html_report(outcome, series=None, title: str = "harness report") -> str:
     if outcome.problems:
         parts.append("<h2>Input problems (this report is partial)</h2><ul>"
                      + "".join(f"<li>{esc(scrub(p))}</li>" for p in outcome.problems) + "</ul>")
+    if getattr(outcome, "warnings", None):
+        parts.append("<h2>Input warnings (read whole; these values were left out)</h2><ul>"
+                     + "".join(f"<li>{esc(scrub(w))}</li>" for w in outcome.warnings) + "</ul>")
     counts = Counter(f.category for f in cls.findings)
     parts.append("<table><tr><th>category</th><th>count</th></tr>" + "".join(
         f"<tr><td>{esc(c.replace('_', ' '))}</td><td>{counts[c]}</td></tr>" for c in _ORDER if counts.get(c))

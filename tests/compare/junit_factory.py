@@ -110,3 +110,64 @@ def write_junit(path, items: list[dict], reruns: dict[str, int] | None = None) -
 
 def _esc(s: str) -> str:
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+PERF_CLASS = "cpu-amd-epyc-x1-1t-0a7880fd"
+
+
+def perf_samples(level: float, n: int = 20) -> list[float]:
+    """``n`` CPU-clock samples around ``level`` seconds, +-0.4%, deterministic."""
+    return [level * (1 + 0.004 * (((i * 7) % 11) - 5) / 5) for i in range(n)]
+
+
+def perf_item(suite: str, cur: list[float], base: list[float] | None, *, wall: float = 2.2,
+              baseline_file: str = "", roofline: float = 0.81, memory: float = 3.0e8) -> tuple[dict, object]:
+    """A ``perf`` item as the check records it (harness/checks/perf.py ``record``/``verdict``), its
+    verdict made by the check's own decision rule (harness.perf.decide) on CPU-clock samples
+    ``cur`` against ``base`` (None: no baseline). ``wall``: the wall-clock samples are the CPU ones
+    times this (a loaded runner stretches wall time, not CPU time). A confirmed regression is
+    re-measured (the same samples again, as an interleaved re-run that agrees) and fails the item.
+    Returns ``(item, decision)``."""
+    from harness.perf.decide import decide
+    from harness.perf.stats import summarize
+
+    samples = {"prefill_cpu_s": cur, "prefill_s": [v * wall for v in cur]}
+    entries, decision = {}, None
+    if base is None:
+        status = "no-baseline"
+        why = f"no baseline for llama-3.1-8b cpu-float32-b1-s128 on {PERF_CLASS}; run harness baseline update"
+    else:
+        decision = first = decide("prefill_s", cur, base, direction="lower", threshold=0.05, alpha=0.01,
+                                  kernel_ratio=1.0)
+        entry = decision.to_dict()
+        if first.verdict == "regression":  # checks/perf.py _remeasure: once more, interleaved
+            samples["prefill_cpu_s_remeasured"] = list(cur)
+            samples["prefill_s_remeasured"] = [v * wall for v in cur]
+            decision = decide("prefill_s", cur, base, direction="lower", threshold=0.05, alpha=0.01,
+                              kernel_ratio=1.0)
+            entry = decision.to_dict()
+            entry["first"] = first.to_dict()
+        entry["summary"] = summarize(samples["prefill_s"]).to_dict()
+        entries["prefill_s"] = entry
+        status = decision.verdict if decision.verdict in ("regression", "improvement") else "unchanged"
+        why = baseline_file or f"golden/perf/{suite}/{PERF_CLASS}.json (same machine class)"
+    summary = {k: summarize(v).to_dict() for k, v in samples.items()}
+    verdict = {"status": status, "baseline": why, "class": PERF_CLASS, "metrics": entries,
+               "roofline": {"prefill_mfu": roofline}}
+    wall_med, cpu_med = summary["prefill_s"]["median"], summary["prefill_cpu_s"]["median"]
+    metrics = {"prefill_s": wall_med, "prefill_cpu_s": cpu_med, "prefill_tokens_per_s": 128 / wall_med,
+               "prefill_mfu": roofline, "prefill_peak_memory_bytes": memory, "wall_time_s": 14.0}
+    if decision is not None:
+        metrics.update({"prefill_s_p_value": decision.p_value, "prefill_s_change": decision.change})
+    details = {"perf_verdict": json.dumps(verdict, separators=(",", ":")),
+               "perf_summary": json.dumps({k: {f: s[f] for f in ("n", "median", "q1", "q3", "iqr", "ci_low",
+                                                                    "ci_high")} for k, s in summary.items()}),
+               "perf_clock": "cpu", "perf_class": PERF_CLASS}
+    fail = ""
+    if status == "regression":
+        fail = (f"prefill_s regressed {decision.change:+.1%} (calibrated, p={decision.p_value:.2g}, confirmed on "
+                "re-measure) against the baseline of this machine class")
+    it = item(suite, "perf", metrics=metrics, details=details, fail=fail)
+    it["name"] = "perf[cpu-float32-b1-s128]"
+    it["props"].append(["harness.variant", "b1-s128"])
+    return it, decision
