@@ -110,7 +110,7 @@ class QuantizationCheck(Check):
         st.g = load_golden_for(ctx, st.golden_root)
 
     def quantize(self, ctx: CheckContext, st) -> None:
-        from harness.models.build import build_model
+        from harness.models.build import build_model, cast_model
 
         ls, q = ctx.suite, ctx.config
         st.scheme = quant_scheme(ls) or "fp8"
@@ -120,7 +120,7 @@ class QuantizationCheck(Check):
         numerics.apply(model, st.g.manifest.get("numerics"))  # the golden's realistic-numerics gains
         n = quantize_weights(model, st.scheme, q.block_size)
         act = q.compute_dtype or ctx.dtype
-        st.model = model.to(ctx.device, getattr(torch, act)).eval()
+        st.model = cast_model(model, getattr(torch, act), ctx.device).eval()
         ctx.notes.append(f"{st.scheme} weights ({n} tensors, quantize-dequantize), activations in {act}")
 
     def compare(self, ctx: CheckContext, st) -> None:

@@ -108,8 +108,35 @@ def build_model(ls: LoadedSuite, dtype: str | torch.dtype = "float32", device: s
         from harness.weights import load_pruned  # real tensors of the kept layers/experts (docs/weights.md)
 
         mc.notes.extend(load_pruned(model, ls, mc, dtype=dt))
-    model = model.to(device=device, dtype=dt)
-    return model, mc
+    return cast_model(model, dt, device), mc
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """``model.to(device, dtype)`` as a deployed model is: floating parameters and checkpoint buffers
+    in ``dtype``, the float32 buffers a checkpoint does not hold kept in float32 (see below)."""
+    kept = _creation_dtype_buffers(model, dtype)
+    model = model.to(device=device, dtype=dtype)
+    for mod, name, t in kept:
+        setattr(mod, name, t.to(device=device))
+    return model
+
+
+def _creation_dtype_buffers(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Float32 buffers that are not part of a checkpoint (non-persistent: rotary ``inv_freq``, its
+    ``original_inv_freq``) and must stay float32 in a bf16/fp16 model. ``from_pretrained(dtype=bf16)``
+    casts only what it loads, so a deployed model holds ``inv_freq`` in float32; ``model.to(bf16)``
+    would round it to 8 bits (2^-9 relative: 0.03 rad of angle error at position 16 already), which
+    made the clean run as wrong as a port that builds its rotary tables in bf16 (issue #11). Float64
+    (the reference) casts them up as before: exact."""
+    if dt.itemsize >= 4:
+        return []
+    out = []
+    for mod in model.modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", ()):
+            t = mod._buffers.get(name)
+            if t is not None and t.dtype == torch.float32:
+                out.append((mod, name, t))
+    return out
 
 
 def seeded_tokens(vocab_size: int, batch: int, seq: int, seed: int) -> torch.Tensor:
