@@ -23,6 +23,40 @@ DEFAULT_CAPTURE = (
 )
 ROUTER_SUFFIXES = (".gate", ".router")
 EXPERTS_SUFFIX = ".chosen_experts"  # integer outputs: router's chosen expert ids (sorted per token)
+# Rotary modules are called once more after the forward at positions across the model's context
+# (``<name>@positions``): at the 16 positions of a golden's input a rotary table computed in bf16 is
+# as close as bf16 rounding of the float32 table (angles <= 15 rad, 8-bit mantissa), while at the
+# positions a deployment uses (thousands) bf16 position ids are rounded to multiples of 16 and more.
+PROBE = re.compile(r"(?:.*\.)?rotary_emb")
+PROBE_SUFFIX = "@positions"
+PROBE_POSITIONS = 48  # random positions in [16, max_position_embeddings), besides 0..15
+_CALL_NAME = re.compile(r"(\[[^\]]*\])?(@\w+)?$")
+
+
+def module_path(name: str) -> str:
+    """The module a captured name belongs to: ``model.rotary_emb[full_attention]@positions`` ->
+    ``model.rotary_emb``."""
+    return _CALL_NAME.sub("", name, count=1)
+
+
+def call_name(name: str, args, kwargs) -> str:
+    """A module called several times in one forward with other *string* arguments (Gemma-4's rotary
+    module, once per layer type, in ``set`` order: hash-randomized per process) is captured once per
+    such call, named by them (``model.rotary_emb[sliding_attention]``), so golden and target pair the
+    same calls whatever the order. Other arguments (tensors, flags) do not name a call."""
+    strs = [a for a in args if isinstance(a, str)] + [v for _, v in sorted(kwargs.items()) if isinstance(v, str)]
+    return f"{name}[{','.join(strs)}]" if strs else name
+
+
+def probe_positions(config, n: int = PROBE_POSITIONS) -> torch.Tensor:
+    """[16 + n] int64: 0..15 and ``n`` seeded positions (private generator: the same on every backend)
+    across the context, sorted. Mostly odd and not powers of two, which bf16 would hold exactly."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    top = int(getattr(cfg, "max_position_embeddings", None) or 4096)
+    top = max(min(top, 1 << 24), 32)
+    g = torch.Generator().manual_seed(12345)
+    far = torch.randint(16, top, (n,), generator=g)
+    return torch.cat([torch.arange(16), far]).unique().sort().values
 
 
 def first_tensor(obj):
@@ -92,6 +126,8 @@ class Capture:
         self._seen: dict[tuple, dict] = {}  # tensor identity -> leaf
         self._alive: list[torch.Tensor] = []  # keeps identities unique while capturing
         self._handles = []
+        self._suffix = ""  # PROBE_SUFFIX while probing
+        self._probe_calls: dict[str, tuple] = {}  # call name -> (module, args, kwargs) of rotary modules
 
     def _encode(self, v):
         if isinstance(v, torch.Tensor):
@@ -114,14 +150,19 @@ class Capture:
         raise NotReplayable(type(v).__name__)
 
     def _pre_hook(self, name: str):
-        def pre(_mod, args, kwargs):
-            if name in self.inputs or name in self.not_replayable:
+        probe = bool(PROBE.fullmatch(name))
+
+        def pre(mod, args, kwargs):
+            cname = call_name(name, args, kwargs) + self._suffix
+            if probe and not self._suffix:
+                self._probe_calls.setdefault(cname, (mod, args, kwargs))
+            if not self.record_inputs or cname in self.inputs or cname in self.not_replayable:
                 return
             try:
-                self.inputs[name] = {"args": [self._encode(a) for a in args],
-                                     "kwargs": {k: self._encode(v) for k, v in kwargs.items()}}
+                self.inputs[cname] = {"args": [self._encode(a) for a in args],
+                                      "kwargs": {k: self._encode(v) for k, v in kwargs.items()}}
             except NotReplayable as e:
-                self.not_replayable[name] = f"an input of type {e} cannot be stored"
+                self.not_replayable[cname] = f"an input of type {e} cannot be stored"
         return pre
 
     def _remember_output(self, name: str, t: torch.Tensor) -> None:
@@ -132,24 +173,53 @@ class Capture:
     def _hook(self, name: str):
         is_router = name.endswith(ROUTER_SUFFIXES)
 
-        def hook(_mod, _args, out):
+        def hook(_mod, args, kwargs, out):
+            cname = call_name(name, args, kwargs) + self._suffix
             if is_router:
-                got = _router_outputs(name, out)
+                got = _router_outputs(cname, out)
             else:
                 t = first_tensor(out)
-                got = {name: t} if t is not None and not t.is_complex() else {}  # complex: not compared
+                got = {cname: t} if t is not None and not t.is_complex() else {}  # complex: not compared
             for k, t in got.items():
-                if k not in self.outputs:  # a module called twice keeps its first call
+                if k not in self.outputs:  # a call made twice keeps its first
                     self.outputs[k] = self.convert(t)
-                    if k == name:
-                        self._remember_output(name, t)
+                    if k == cname:
+                        self._remember_output(cname, t)
         return hook
+
+    def probe(self) -> None:
+        """Call each rotary module once more at ``probe_positions`` (recorded as ``<call>@positions``,
+        inputs too, so the isolated comparison replays it). The call's integer tensors (position ids
+        [B, S]) become the positions ([B, P]); its floating tensors (hidden states, used for their
+        dtype and device) keep one position. A module that will not take them is left unprobed."""
+        config = getattr(self.model, "config", None)
+        if not self._probe_calls or config is None:
+            return
+        pos = probe_positions(config)
+
+        def swap(v):
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool and v.dim():
+                p = pos.to(v.device, v.dtype)
+                return p.expand(*v.shape[:-1], p.numel()).contiguous()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2:
+                return v[..., :1, :].contiguous()
+            return v
+
+        self._suffix = PROBE_SUFFIX
+        try:
+            for mod, args, kwargs in list(self._probe_calls.values()):
+                try:
+                    with torch.no_grad():
+                        mod(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+                except Exception:  # noqa: BLE001 - an exotic rotary signature: compared at the input's positions only
+                    continue
+        finally:
+            self._suffix = ""
 
     def __enter__(self) -> Capture:
         for name, mod in selected_modules(self.model, self.patterns):
-            if self.record_inputs:
-                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._hook(name)))
+            self._handles.append(mod.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -186,7 +256,12 @@ def capture_with_inputs(model: torch.nn.Module, ids: torch.Tensor, patterns: Ite
     ``lm_head``'s output is the logits; its inputs are kept under the name ``logits``."""
     with torch.no_grad(), Capture(model, patterns, convert, inputs=inputs) as cap:
         logits = forward_logits(model, ids)
-    outs = dict(cap.outputs)
+        cap.probe()
+    outs = {}
+    for k, v in cap.outputs.items():  # each probe right after its call: where its error is born
+        if not k.endswith(PROBE_SUFFIX):
+            outs[k] = v
+            outs.update((p, cap.outputs[p]) for p in (k + PROBE_SUFFIX,) if p in cap.outputs)
     outs.pop("lm_head", None)  # identical to the logits
     outs["logits"] = logits.detach().to("cpu") if convert is None else convert(logits)
     if "lm_head" in cap.inputs:

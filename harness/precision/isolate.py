@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.golden.capture import EXPERTS_SUFFIX, ROUTER_SUFFIXES, _router_outputs, first_tensor
+from harness.golden.capture import EXPERTS_SUFFIX, ROUTER_SUFFIXES, _router_outputs, first_tensor, module_path
 
 
 def decode(node, resolve):
@@ -98,7 +98,7 @@ def replay(model: torch.nn.Module, structures: dict[str, dict], outputs: dict[st
         with ctx, torch.no_grad():
             for name in names:
                 st = structures.get(name)
-                mod = mods.get("lm_head" if name == "logits" else name)
+                mod = mods.get("lm_head" if name == "logits" else module_path(name))
                 if st is None or mod is None:
                     res.skipped[name] = "no recorded inputs" if st is None else "module not in the target"
                     continue

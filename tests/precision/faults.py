@@ -152,6 +152,20 @@ def _k_sdpa_cpu(scale_error):
     return flash
 
 
+def _k_sdpa(scale_error):
+    """``aten::scaled_dot_product_attention`` itself, registered for AutogradCPU so that it comes before
+    the composite (which on CPU picks the flash kernel, or for unequal q/v head dims - DeepSeek's
+    MLA - the math path, whose softmax runs in float32 for bf16 inputs and so never reaches a
+    low-precision softmax kernel): a vendor's fused SDPA with the scale wrong in bf16/fp16."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        if q.dtype in LOW:
+            sc = sc * scale_error
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                 scale=sc, enable_gqa=enable_gqa)[0]
+    return sdpa
+
+
 def _k_silu(slope):
     def silu(x):
         xf = x.float() if x.dtype != torch.float64 else x
@@ -211,6 +225,7 @@ class KernelFault:
     def kernels(self) -> dict:
         f = 1 + self.rel
         return {"sdpa_scale": {"_scaled_dot_product_flash_attention_for_cpu": _k_sdpa_cpu(f),
+                               "scaled_dot_product_attention": (_k_sdpa(f), "AutogradCPU"),
                                "_softmax": _k_softmax(f), "_safe_softmax": _k_safe_softmax(f)},
                 "silu_slope": {"silu": _k_silu(f)},
                 "matmul_bf16_acc": {"mm": _k_mm(4, 32)},
@@ -224,7 +239,8 @@ class KernelFault:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
             for op, fn in self.kernels().items():
-                self.lib.impl(op, fn, "CPU")
+                fn, key = fn if isinstance(fn, tuple) else (fn, "CPU")
+                self.lib.impl(op, fn, key)
         return self
 
     def __exit__(self, *exc):

@@ -53,3 +53,36 @@ def cli(argv: list[str]) -> int:
     precision.register(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
+
+
+def modules_dispatching(name: str, op: str, dtype: str = "bfloat16") -> set[str]:
+    """Captured modules of the suite whose isolated call (the golden's inputs, the clean target in
+    ``dtype``) dispatches ``op`` (``"aten.mm"``): where a fault in that kernel can be born."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from harness.golden.store import load_golden
+    from harness.precision.isolate import replay
+    from harness.precision.runner import build_target
+
+    ls = suite(name)
+    g = load_golden(ls, GOLDEN)
+    model, _ = build_target(ls, get("cpu"), dtype, None, g)
+    hit: list[bool] = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if f"{func.namespace}.{func.overloadpacket.__name__}" == op:
+                hit.append(True)
+            return func(*args, **(kwargs or {}))
+
+    out = set()
+    for n in g.order:
+        if n not in g.structures:
+            continue
+        hit.clear()
+        with Seen():
+            replay(model, g.structures, g.modules, g.module_inputs, getattr(torch, dtype), "cpu", [n])
+        if hit:
+            out.add(n)
+    return out
