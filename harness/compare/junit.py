@@ -171,12 +171,11 @@ def _read_file(path: str, problems: list[str]) -> list[Case]:
 
 def invalid_value_warning(path: str, key: str, prop: str, value: str) -> str:
     """One line naming a property value that is not a number. The value is scrubbed (it came from a
-    run and may be anything, a token included) and cut, then shown as Python writes it, so an empty
-    or whitespace value is visible."""
+    run and may be anything, a token included), then cut, and quoted so an empty value is visible."""
     shown = scrub(value)
-    shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    shown = (shown if len(shown) <= 60 else shown[:60] + "...").replace("\r", "\\r").replace("\n", "\\n")
     what = "metric" if prop.startswith(PREFIX_METRIC) else "tolerance"
-    return (f"{path}: {key}: {what} {prop.split('.', 1)[1]!r} is not a number ({shown!r}); "
+    return (f"{path}: {key}: {what} '{prop.split('.', 1)[1]}' is not a number ('{shown}'); "
             "left out of the comparison, the test's other metrics are compared")
 
 
