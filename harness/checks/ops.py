@@ -4,6 +4,13 @@ Variants come from the op inventory of the pruned model (a real CPU trace of one
 per suite dtype, cached on disk: see :func:`harness.inspect.trace.suite_op_names`), so items read
 ``ops[cpu-float32-aten.mm.default]`` and shard and report like every other check.
 
+The trace applies the suite's realistic-numerics gains (:func:`harness.inspect.trace.trace_numerics`:
+the committed golden's when one exists for this config, else calibrated the same way; detail
+``numerics`` says which), so the model's own op inputs have trained-model-like scales: attention
+logits with std ~3 (the temperature is SDPA's ``scale`` argument, e.g. 16.3 instead of 0.25 in
+llama-3.1-8b), not the near-uniform attention of the bare std-0.02 initialisation.
+``[checks.ops] realistic = false`` gives the bare trace and the generic kinds only.
+
 Each item:
 
 1. classifies the op for the backend (:mod:`harness.inspect.coverage`). A ``missing`` op fails
@@ -13,9 +20,14 @@ Each item:
    and values: the pruned model *is* the scaled-down shape) and compares with a CPU float64
    reference (the same op, floating inputs upcast; ops without a float64 CPU kernel, such as
    ``_grouped_mm``, fall back to the CPU in the run dtype, noted);
-3. lets hypothesis vary the floating inputs (zeros, large magnitudes, negatives, denormals,
-   normal values; ``[checks.ops] examples`` of them, derandomized so that every backend sees the
-   same values) and compares again.
+3. lets hypothesis vary the floating inputs and compares again: the generic kinds (zeros, large
+   magnitudes, negatives, denormals, normal values) and, drawn from each input's captured statistics,
+   ``observed`` (normal values at the tensor's own RMS) and ``outliers`` (the same plus a few outlier
+   channels along the last dimension, 1 in 32, at the larger of the observed absmax and 20x the RMS,
+   as the outlier features of trained LLM activations). Each sample is run once with every input
+   ``observed`` and once with every input ``outliers`` (explicit examples), then on
+   ``[checks.ops] examples`` draws from all kinds, derandomized so that every backend sees the same
+   values. Detail ``input_kinds`` counts the cases per kind.
 
 Error: ``max |out - ref| / max(max |ref|, 1)`` with non-finite values required at the same places.
 It must be within ``[checks.ops] tolerance[dtype]``, or no worse than twice the CPU's own error in
@@ -27,6 +39,7 @@ uninitialized or random outputs (``empty*``, ``new_empty*``) are compared by sha
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 from pydantic import Field
@@ -55,6 +68,12 @@ TIE_INDICES = ("aten.sort", "aten.topk", "aten.max", "aten.min", "aten.argsort",
 DISCRETE = TIE_INDICES + ("aten.histc", "aten.argmax", "aten.argmin", "aten.bucketize", "aten.searchsorted",
                           "aten.floor_divide", "aten.eq", "aten.ne", "aten.gt", "aten.lt", "aten.ge", "aten.le")
 VALUE_KINDS = ("model", "zeros", "normal", "large", "negative", "denormal")
+# Kinds drawn from the captured statistics of the model's own input (its RMS and absmax).
+STAT_KINDS = ("observed", "outliers")
+# LLM activations carry a few outlier feature channels far above the rest (LLM.int8(), Dettmers et
+# al. 2022: up to 20x the other dimensions); "outliers" puts 1 channel in OUTLIER_EVERY there.
+OUTLIER_RMS = 20.0
+OUTLIER_EVERY = 32
 MAX_VARIED_NUMEL = 1 << 21
 
 
@@ -66,6 +85,10 @@ class OpsConfig(CheckConfig):
         "op inventory is traced once per suite and cached on disk).")
     examples: int = Field(6, ge=0, description="Hypothesis examples per op beyond the model's own inputs "
                           "(zeros, large magnitudes, negatives, denormals).")
+    realistic: bool = Field(
+        True, description="Trace the model with the suite's realistic-numerics gains (the golden's, else "
+        "calibrated) and add input kinds drawn from each input's captured statistics (observed scale, "
+        "outlier channels); false: the bare initialisation and the generic kinds only.")
     tolerance: dict[str, float] = Field(
         default_factory=lambda: {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 3e-3},
         description="Max |out - ref| / max(|ref|, 1) per dtype against the CPU float64 reference.")
@@ -150,13 +173,34 @@ def compare_outputs(op: str, out, ref) -> float:
     return worst
 
 
+def observed_scale(t: torch.Tensor) -> tuple[float, float]:
+    """(rms, absmax) of the tensor's finite values (masks hold -inf); (0, 0) if there are none."""
+    x = t.detach().double()
+    x = x[torch.isfinite(x)]
+    if not x.numel():
+        return 0.0, 0.0
+    return x.pow(2).mean().sqrt().item(), x.abs().max().item()
+
+
 def _vary(t: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
     if kind == "model" or not t.is_floating_point():
         return t
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(t.shape, generator=g, dtype=torch.float64)
     fi = torch.finfo(t.dtype)
-    if kind == "zeros":
+    if kind in STAT_KINDS:
+        rms, absmax = observed_scale(t)  # t: the model's own value of this input
+        v = base * rms
+        if kind == "outliers" and v.numel():
+            peak = min(max(absmax, OUTLIER_RMS * rms), fi.max / 4)
+            if v.dim() == 0:
+                v = v.new_tensor(peak)
+            else:
+                n = v.shape[-1]
+                ch = torch.randperm(n, generator=g)[:max(1, n // OUTLIER_EVERY)]  # [c] channels
+                sign = torch.randint(0, 2, (*v.shape[:-1], len(ch)), generator=g, dtype=torch.float64) * 2 - 1
+                v[..., ch] = sign * peak
+    elif kind == "zeros":
         v = torch.zeros_like(base)
     elif kind == "normal":
         v = base
@@ -183,14 +227,14 @@ class OpsCheck(Check):
     def variants(self, suite, backend) -> list[str | None]:
         from harness.inspect.trace import suite_op_names
 
-        names = suite_op_names(suite, list(suite.suite.dtypes))
+        names = suite_op_names(suite, list(suite.suite.dtypes), realistic=suite.suite.checks.ops.realistic)
         skip = set(suite.suite.checks.ops.skip)
         return sorted({op for ops in names.values() for op in ops} - skip)
 
     def new_state(self, ctx: CheckContext):
         from types import SimpleNamespace
 
-        return SimpleNamespace(worst=0.0, cases=0, notes=set())
+        return SimpleNamespace(worst=0.0, cases=0, notes=set(), kinds=Counter())
 
     def inventory(self, ctx: CheckContext, st) -> None:
         """The op's recorded calls in the pruned model (real CPU trace, cached on disk)."""
@@ -199,12 +243,20 @@ class OpsCheck(Check):
         st.op, st.cfg = ctx.variant, ctx.config
         if not st.op:
             raise CheckFailure("the ops check needs an op variant (ops[<backend>-<dtype>-aten.x.overload])")
-        inv = real_inventory(ctx.suite, ctx.dtype)
+        inv = real_inventory(ctx.suite, ctx.dtype, realistic=st.cfg.realistic)
         st.samples = inv.samples.get(st.op, [])
         if inv.ops.get(st.op) is None:
             raise NotApplicable(f"{st.op} is not executed by the model in {ctx.dtype}")
         st.modules = inv.modules_of(st.op)
         ctx.detail("modules", "; ".join(st.modules))
+        ctx.detail("numerics", inv.meta.get("numerics", {}).get("detail", "bare initialisation"))
+        scales = []
+        for sample in st.samples:  # what the stat kinds are drawn from
+            ts = [x for x in tree_flatten((sample.args, sample.kwargs))[0]
+                  if isinstance(x, torch.Tensor) and x.is_floating_point()]
+            scales.append(", ".join("rms {:.3g} absmax {:.3g}".format(*observed_scale(t)) for t in ts))
+        if any(scales):
+            ctx.detail("input_scale", "; ".join(f"[{s}]" for s in scales))
 
     def coverage(self, ctx: CheckContext, st) -> None:
         """Does the backend have a kernel? Missing fails (or is a declared known gap)."""
@@ -240,11 +292,14 @@ class OpsCheck(Check):
             if not n_float or not st.cfg.examples or _base(st.op) in DISCRETE or numel > MAX_VARIED_NUMEL:
                 continue
             self._hypothesis(lambda s, k, seeds: self._case(ctx, st, s, k, seeds), sample, n_float,
-                             st.cfg.examples)
+                             st.cfg.examples, st.cfg.realistic)
 
     def record(self, ctx: CheckContext, st) -> None:
         ctx.metric("op_max_rel_error", st.worst)
         ctx.metric("op_cases", st.cases)
+        if st.kinds:
+            ctx.detail("input_kinds", ", ".join(f"{k} {st.kinds[k]}" for k in VALUE_KINDS + STAT_KINDS
+                                                if st.kinds[k]))
         ctx.notes.extend(sorted(st.notes))
 
     def _case(self, ctx: CheckContext, st, sample, kinds: tuple[str, ...], seeds: tuple[int, ...]) -> None:
@@ -286,6 +341,7 @@ class OpsCheck(Check):
             raise CheckFailure(f"{op} on {be.name} differs from the {ref_name} reference for {label}: {m}",
                                metric="op_output", expected="equal", observed=str(m)) from None
         st.cases += 1
+        st.kinds.update(set(kinds) or {"model"})  # cases per kind (a case with two kinds counts for both)
         st.worst = max(st.worst, err)
         if err > tol:
             raise CheckFailure(f"{op} on {be.name} is off the {ref_name} reference for {label}",
@@ -293,20 +349,23 @@ class OpsCheck(Check):
                                tolerance=tol)
 
     @staticmethod
-    def _hypothesis(check_case, sample, n_float: int, examples: int) -> None:
-        from hypothesis import HealthCheck, Phase, given, settings
+    def _hypothesis(check_case, sample, n_float: int, examples: int, realistic: bool = True) -> None:
+        from hypothesis import HealthCheck, Phase, example, given, settings
         from hypothesis import strategies as st
 
-        kinds = st.lists(st.sampled_from(VALUE_KINDS[1:]), min_size=n_float, max_size=n_float)
+        pool = VALUE_KINDS[1:] + (STAT_KINDS if realistic else ())
+        kinds = st.lists(st.sampled_from(pool), min_size=n_float, max_size=n_float)
         seeds = st.lists(st.integers(0, 2**31 - 1), min_size=n_float, max_size=n_float)
 
-        @settings(max_examples=examples, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(kinds, seeds)
         def prop(k, s):
             check_case(sample, tuple(k), tuple(s))
 
-        prop()
+        prop = given(kinds, seeds)(prop)
+        if realistic:  # always both stat kinds on every input, whatever hypothesis draws next
+            for i, kind in enumerate(STAT_KINDS):
+                prop = example([kind] * n_float, [1000 * (i + 1) + j for j in range(n_float)])(prop)
+        settings(max_examples=examples, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
+                 phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))(prop)()
 
 
 def register(registry: CheckRegistry) -> None:

@@ -11,6 +11,12 @@ kernel per device type), the meta trace asks the target device type's selector (
 which kernel it would pick and calls that one, so that a meta trace equals the real trace on that
 device. Python-level device branches in model code (transformers feeds ``histc`` floats on
 cpu/mps and ints elsewhere) see ``meta`` as a non-CPU device: same overloads, other dtypes.
+
+The *real* CPU trace of the pruned model (its op inputs are what the ``ops`` check runs each op on)
+applies the suite's realistic-numerics gains first (:func:`trace_numerics`): the committed golden's
+``numerics`` when a golden for this config exists, else the same calibration the golden would make,
+so attention logits and the residual stream have trained-model-like scales instead of the bare
+initialisation's (std 0.02 weights: near-uniform attention, tiny residual updates).
 """
 
 from __future__ import annotations
@@ -303,6 +309,106 @@ def trace_model(model: torch.nn.Module, vocab_size: int, *, batch: int = 1, seq:
     return Inventory(rec.ops, info, dict(rec.samples))
 
 
+# --- realistic numerics for the real trace ----------------------------------------------------------
+@dataclass(frozen=True)
+class TraceNumerics:
+    """Which weight rescaling the real trace applies (``harness.precision.numerics``).
+
+    ``source``: ``golden`` (the committed golden's gains for this config), ``calibrated`` (no usable
+    golden: calibrated here the way ``golden generate`` does, on the float64 model and the golden's
+    input ids), ``init`` (bare initialisation: the suite or ``[checks.ops] realistic = false`` says so)
+    or ``weights`` (the suite's real weights, used as they are). ``key`` identifies the gains without
+    computing them (the calibration's inputs for ``calibrated``), so the on-disk op-name cache can be
+    keyed by it at collection time for free."""
+
+    source: str
+    detail: str
+    key: str
+    seed: int  # the weight seed the gains belong to
+    gains: dict | None = None  # golden: read from the manifest; calibrated: computed on first use
+
+
+def _valid_gains(num) -> dict | None:
+    """The manifest's gains as data: {attention_gain, residual_gain} of layer -> finite positive float."""
+    if not isinstance(num, dict):
+        return None
+    out = {}
+    for k in ("attention_gain", "residual_gain"):
+        g = num.get(k, {})
+        if not isinstance(g, dict) or not all(isinstance(i, str) and i.isdigit() and isinstance(v, int | float)
+                                              and not isinstance(v, bool) and 0 < v < 1e6 for i, v in g.items()):
+            return None
+        out[k] = {i: float(v) for i, v in g.items()}
+    return out
+
+
+def trace_numerics(ls, realistic: bool | None = None) -> TraceNumerics:
+    """The gains the real trace of ``ls`` applies (cheap: reads at most the golden's manifest).
+    ``realistic`` None: the suite's ``[checks.ops] realistic``."""
+    from harness.golden import store
+
+    ops_cfg = getattr(ls.suite.checks, "ops", None)
+    if realistic is None:
+        realistic = getattr(ops_cfg, "realistic", True)
+    p = ls.suite.checks.precision
+    bare_seed = ls.suite.checks.smoke.seed
+    if not realistic:
+        return TraceNumerics("init", "bare initialisation ([checks.ops] realistic = false)", "init", bare_seed)
+    if ls.weights_path is not None:
+        return TraceNumerics("weights", "the suite's real weights (no gains)", "weights", bare_seed)
+    if p.numerics == "init":
+        return TraceNumerics("init", "bare initialisation ([checks.precision] numerics = 'init')", "init",
+                             bare_seed)
+    why = "no golden"
+    try:
+        path = store.golden_dir(ls.name)
+        if path.exists():
+            manifest = store.read_manifest(path)
+            gains = _valid_gains(manifest.get("numerics"))
+            if manifest.get("config_hash") != store.config_hash(ls):
+                why = f"golden {store._display(path)} is for another config"
+            elif gains is None:
+                why = f"golden {store._display(path)} has no usable numerics gains"
+            else:
+                key = store.canonical_hash({"golden": gains})[:16]
+                num = manifest["numerics"]
+                return TraceNumerics(
+                    "golden", f"realistic: gains of golden {store._display(path)} (attention logit std "
+                    f"{num.get('attention_logit_std')}, residual growth {num.get('residual_growth')})",
+                    f"golden:{key}", p.seed, gains)
+    except store.GoldenError as e:
+        why = str(e)
+    params = [p.attention_logit_std, p.residual_growth, p.seed, p.batch_size, p.seq_len]
+    return TraceNumerics("calibrated", f"realistic: calibrated here ({why}; attention logit std "
+                         f"{p.attention_logit_std}, residual growth {p.residual_growth})",
+                         "calibrated:" + json.dumps(params), p.seed)
+
+
+_CALIBRATED: dict[tuple[str, str], dict] = {}
+
+
+def numerics_gains(ls, num: TraceNumerics) -> dict | None:
+    """The gains to apply (``None``: none). ``calibrated``: as ``golden generate`` calibrates (float64
+    model on the CPU, the golden's seeded input ids), once per process per suite."""
+    if num.source == "golden":
+        return num.gains
+    if num.source != "calibrated":
+        return None
+    ck = (str(ls.path), num.key)
+    if ck not in _CALIBRATED:
+        from harness.models.build import build_model, seeded_tokens
+        from harness.precision import numerics
+
+        p = ls.suite.checks.precision
+        model, mc = build_model(ls, "float64", "cpu", seed=p.seed)
+        model.eval()
+        ids = seeded_tokens(mc.config.vocab_size, p.batch_size, p.seq_len, p.seed + 1)
+        got = numerics.calibrate(model, ids, p.attention_logit_std, p.residual_growth)
+        _CALIBRATED[ck] = {k: got[k] for k in ("attention_gain", "residual_gain")}
+        del model
+    return _CALIBRATED[ck]
+
+
 # --- inventories of a suite, cached ---------------------------------------------------------------
 def cache_dir() -> Path:
     d = os.environ.get("HARNESS_CACHE_DIR")
@@ -311,40 +417,54 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness"
 
 
-def suite_key(ls, dtype: str, extra: str = "") -> str:
+def suite_key(ls, dtype: str, extra: str = "", numerics_key: str | None = None) -> str:
+    """Cache key of the suite's real trace; ``numerics_key`` None: that of :func:`trace_numerics`
+    (so a regenerated golden with other gains, or a switch to bare init, never reuses a stale trace)."""
     import transformers
 
+    if numerics_key is None:
+        numerics_key = trace_numerics(ls).key
     blob = json.dumps({"raw": ls.raw_config, "suite": ls.suite.model_dump(mode="json", exclude={"checks"}),
                        "dtype": dtype, "torch": torch.__version__, "transformers": transformers.__version__,
-                       "format": TRACE_FORMAT, "extra": extra}, sort_keys=True, default=str)
+                       "format": TRACE_FORMAT, "extra": extra, "numerics": numerics_key}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-_REAL: dict[tuple[str, str], Inventory] = {}
+_REAL: dict[tuple, Inventory] = {}
 
 
-def real_inventory(ls, dtype: str, *, batch: int = 2, seq: int = 16) -> Inventory:
-    """Trace the pruned model for real on CPU (values, samples): once per process per suite x dtype."""
+def real_inventory(ls, dtype: str, *, batch: int = 2, seq: int = 16, realistic: bool | None = None) -> Inventory:
+    """Trace the pruned model for real on CPU (values, samples), with the realistic-numerics gains of
+    :func:`trace_numerics`: once per process per suite x dtype x numerics."""
     from harness.models.build import build_model
+    from harness.precision import numerics
 
-    key = (str(ls.path), dtype)
+    num = trace_numerics(ls, realistic)
+    key = (str(ls.path), dtype, num.key, batch, seq)
     inv = _REAL.get(key)
     if inv is None:
-        seed = ls.suite.checks.smoke.seed
-        model, mc = build_model(ls, dtype, "cpu", seed=seed)
-        inv = trace_model(model, mc.config.vocab_size, batch=batch, seq=seq, seed=seed + 1, keep_samples=True,
-                          meta={"model": ls.name, "dtype": dtype, "pruned": True})
+        gains = numerics_gains(ls, num)
+        model, mc = build_model(ls, dtype, "cpu", seed=num.seed)
+        numerics.apply(model, gains)
+        inv = trace_model(model, mc.config.vocab_size, batch=batch, seq=seq, seed=ls.suite.checks.smoke.seed + 1,
+                          keep_samples=True, meta={"model": ls.name, "dtype": dtype, "pruned": True,
+                                                   "numerics": {"source": num.source, "detail": num.detail,
+                                                                "key": num.key}})
         del model
         _REAL[key] = inv
     return inv
 
 
-def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16) -> dict[str, list[str]]:
+def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16,
+                   realistic: bool | None = None) -> dict[str, list[str]]:
     """dtype -> op names of the pruned model's real CPU trace, from an on-disk cache keyed by the
-    config, the suite's model/prune sections, dtype and the torch/transformers versions."""
+    config, the suite's model/prune sections, dtype, the torch/transformers versions and the trace's
+    numerics (:func:`trace_numerics`)."""
     out = {}
+    nkey = trace_numerics(ls, realistic).key
     for dtype in dtypes:
-        path = cache_dir() / "ops" / f"{ls.path.stem}-{dtype}-{suite_key(ls, dtype, f'{batch}x{seq}')}.json"
+        path = cache_dir() / "ops" / f"{ls.path.stem}-{dtype}-{suite_key(ls, dtype, f'{batch}x{seq}', nkey)}.json"
         try:
             ops = json.loads(path.read_text(encoding="utf-8"))["ops"]
             if isinstance(ops, list) and all(isinstance(o, str) and o.count(".") >= 2 for o in ops):
@@ -353,7 +473,7 @@ def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16) -> d
             # valid JSON but not an op list (a corrupt or foreign cache file): rebuild it
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        names = real_inventory(ls, dtype, batch=batch, seq=seq).names()
+        names = real_inventory(ls, dtype, batch=batch, seq=seq, realistic=realistic).names()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -124,3 +124,100 @@ def test_items_in_pytest(ops_suite, tmp_path):
     assert "q.toml::ops[testdev-float32-aten.silu.default] - ops" in out, out[-3000:]
     assert "aten.silu.default is missing on backend testdev" in out and " passed" in out, out[-3000:]
     assert "model.layers.*.mlp.experts.act_fn [SiLUActivation]" in out
+
+
+# --- realistic inputs (issue #11, item 5) ------------------------------------------------------------
+SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+@pytest.fixture(scope="module")
+def bare_suite(ops_suite):
+    """The same suite with ``[checks.ops] realistic = false``: the bare trace and generic kinds only
+    (what the check did before realistic inputs)."""
+    p = ops_suite.path.with_name("bare.toml")
+    p.write_text(ops_suite.path.read_text().replace("[checks.ops]\n", "[checks.ops]\nrealistic = false\n"))
+    return load_suite(p)
+
+
+def _sdpa_default_scale(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """A fused CPU attention kernel whose low-precision path hard-wires the softmax scale to
+    1/sqrt(head_dim) (the `scale` argument dropped): right whenever a model passes the default,
+    wrong for any other attention temperature. Float32/float64 stay right."""
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    sc = q.shape[-1] ** -0.5 if low or scale is None else scale
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                              scale=sc, enable_gqa=True)
+    s = (q.float() @ k.float().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-2, -1)) * sc
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if attn_mask is not None:
+        s = s + attn_mask
+    return out, torch.logsumexp(s, -1)  # the logsumexp output consistent with the kernel's own scale
+
+
+@pytest.fixture
+def backend_kernel_fault(monkeypatch):
+    """Register the faulty kernel with torch.library for the CPU, around the *backend's* calls only:
+    the check's references (float64 and the CPU's own run-dtype result) keep torch's kernels, as
+    they would on a real accelerator whose vendor kernel is wrong."""
+    import warnings
+
+    import harness.checks.ops as ops_mod
+
+    real = ops_mod._execute
+
+    def backend_faulty(func, args, kwargs, device, float_dtype=None):
+        if not isinstance(device, torch.device):  # the references get the string "cpu"
+            return real(func, args, kwargs, device, float_dtype)
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
+            lib.impl("_scaled_dot_product_flash_attention_for_cpu", _sdpa_default_scale, "CPU")
+        try:
+            return real(func, args, kwargs, device, float_dtype)
+        finally:
+            lib._destroy()
+
+    monkeypatch.setattr(ops_mod, "_execute", backend_faulty)
+
+
+def test_realistic_inputs_catch_a_kernel_the_bare_inputs_miss(ops_suite, bare_suite, backend_kernel_fault):
+    """The attention kernel that drops `scale` in bfloat16 passes the old inputs (bare init: the model
+    passes the default scale, so every generic kind agrees) and fails with the realistic trace, whose
+    attention temperature (calibrated here: this tmp suite has no golden) is in `scale`."""
+    ctx = run_one(bare_suite, "ops", "cpu", "bfloat16", SDPA)
+    props = dict(ctx.properties)
+    assert "bare initialisation" in props["harness.detail.numerics"]
+    assert "observed" not in props["harness.detail.input_kinds"]
+    with pytest.raises(CheckFailure, match=f"{SDPA} on cpu is off the cpu float64 reference") as e:
+        run_one(ops_suite, "ops", "cpu", "bfloat16", SDPA)
+    assert float(e.value.observed) > 3 * float(props["metric.op_max_rel_error"])
+    # float32 keeps the right kernel: passes either way
+    run_one(ops_suite, "ops", "cpu", "float32", SDPA)
+
+
+def test_stat_kinds_are_drawn_from_the_observed_scale():
+    from harness.checks.ops import OUTLIER_EVERY, OUTLIER_RMS, _vary, observed_scale
+
+    t = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 0.2
+    t[0, 3] = 1.5  # the model's own peak
+    rms, peak = observed_scale(t)
+    obs = _vary(t, "observed", 7)
+    assert obs.shape == t.shape and abs(observed_scale(obs)[0] / rms - 1) < 0.15
+    out = _vary(t, "outliers", 7)
+    hot = (out.abs() == out.abs().max()).all(0)  # [64]: the outlier channels, the same for every row
+    assert int(hot.sum()) == 64 // OUTLIER_EVERY
+    assert out.abs().max().item() == pytest.approx(max(peak, OUTLIER_RMS * rms), rel=1e-6)
+    assert torch.equal(out, _vary(t, "outliers", 7))  # derandomized: every backend sees these values
+    masked = torch.tensor([[0.0, float("-inf")], [0.5, -0.5]])  # a mask's -inf does not set the scale
+    assert observed_scale(masked) == pytest.approx(((0.5**2 * 2 / 3) ** 0.5, 0.5))
+    assert torch.equal(_vary(torch.zeros(3, 8), "outliers", 1), torch.zeros(3, 8))
+
+
+def test_items_record_numerics_and_input_kinds(ops_suite):
+    ctx = run_one(ops_suite, "ops", "cpu", "bfloat16", "aten.mm.default")
+    props = dict(ctx.properties)
+    assert props["harness.detail.numerics"].startswith("realistic: calibrated here (no golden")
+    kinds = dict(x.rsplit(" ", 1) for x in props["harness.detail.input_kinds"].split(", "))
+    assert {"model", "observed", "outliers"} <= set(kinds) and int(kinds["outliers"]) >= 1
+    assert "rms" in props["harness.detail.input_scale"]
