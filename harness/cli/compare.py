@@ -47,10 +47,25 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def junit_key(nodeid: str) -> str:
-    """pytest node id -> the ``classname::name`` key its junitxml writes (pytest's own mangling)."""
-    names = nodeid.split("::")
-    names[0] = names[0].replace("/", ".").removesuffix(".py")
+    """pytest node id (``<folder>/<file>::<check>[<params>]``, harness/plugin.py) -> the
+    ``classname::name`` key pytest's junitxml writes for it.
+
+    pytest decides that key, so its own function makes it (``mangle_test_address``: only the path
+    before the first ``::`` becomes dotted; the ``[...]`` params stay one opaque name even when a
+    variant holds ``::`` or ``/``, e.g. an op ``aten::mm`` or a named parallel layout)."""
+    from _pytest.junitxml import mangle_test_address  # pytest's junitxml; pytest is a dependency
+
+    names = mangle_test_address(nodeid.strip())
     return ".".join(names[:-1]) + "::" + names[-1]
+
+
+def junit_keys(nodeid: str) -> set[str]:
+    """:func:`junit_key`, and the key harness's own results writer gives the same item
+    (harness/results.py ``junit_names`` still splits at every ``::``), so ``--collected`` works
+    with either JUnit XML. They differ only for params holding ``::``."""
+    legacy = nodeid.strip().split("::")
+    legacy[0] = legacy[0].replace("/", ".").removesuffix(".py")
+    return {junit_key(nodeid), ".".join(legacy[:-1]) + "::" + legacy[-1]}
 
 
 def suite_thresholds() -> dict[str, float]:
@@ -77,7 +92,7 @@ def config_from(args: argparse.Namespace) -> Config:
     collected = None
     if args.collected:
         with open(args.collected, encoding="utf-8") as f:
-            collected = {junit_key(line.strip()) for line in f if "::" in line}
+            collected = {k for line in f if "::" in line for k in junit_keys(line)}
     return Config(threshold=args.threshold, thresholds=thresholds, drift_fraction=args.drift_fraction,
                   min_bad_runs=args.min_bad_runs, collected=collected, time_floor_s=args.time_floor)
 
