@@ -18,6 +18,7 @@ import os
 from collections import Counter
 
 from harness.compare.classify import Finding
+from harness.compare.perfverdict import cpu_key
 from harness.compare.scrub import md_text, scrub
 
 _MAX_ROWS = 50
@@ -210,6 +211,11 @@ def html_report(outcome, series=None, title: str = "harness report") -> str:
     parts.append("<h2>Performance history</h2>")
     for f in [f for f in cls.findings if f.metric and f.category in ("metric_regression", "improvement")][:20]:
         s = (series or {}).get((f.key, f.metric), []) + ([f.current] if f.current is not None else [])
+        if f.perf is not None and f.perf.clock == "cpu" and f.case is not None:
+            # the perf check decided on the CPU clock: plot that series (its figures are on it),
+            # not the wall-clock one beside it
+            m = cpu_key(f.metric)
+            s = (series or {}).get((f.key, m), []) + ([f.case.metrics[m]] if m in f.case.metrics else [])
         img = _history_plot(f, s)
         if img:
             parts.append(f"<h3>{esc(f.metric)} of {esc(f.key)}</h3><img src='data:image/png;base64,{img}'>")

@@ -148,3 +148,15 @@ def test_the_comparators_timing_family_covers_what_the_check_derives_from_its_ti
     perf_metrics = {n for n, s in metrics.all_specs().items() if s.description.startswith("perf:")}
     judged = {n for n in perf_metrics if metrics.direction(n) != "none" and "peak_memory" not in n}
     assert judged <= perfverdict.TIMING_FAMILY, judged - perfverdict.TIMING_FAMILY
+
+
+def test_report_plots_the_clock_the_check_decided_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for n, items in enumerate([main_run(), main_run(), regressed()[0]]):
+        cur = write_junit(tmp_path / f"r{n}.xml", items)
+        assert harness_main(["compare", cur, "--history", "h.sqlite", "--sink", "stdout", "--run-id", f"r{n}",
+                             "--mute-file", ""]) == 0
+    assert harness_main(["report", cur, "--history", "h.sqlite", "-o", "report.html"]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "<h3>prefill_s of suites.llama-3.1-8b.toml::perf[cpu-float32-b1-s128]</h3><img" in page
+    assert "Input problems" not in page
