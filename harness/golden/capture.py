@@ -8,7 +8,7 @@ the order in which errors are born: ``model.layers.0.input_layernorm`` comes bef
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -145,7 +145,9 @@ class Capture:
             return {"v": v}
         if isinstance(v, (tuple, list)):
             return {"seq": [self._encode(x) for x in v], "tuple": isinstance(v, tuple)}
-        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        if isinstance(v, Mapping) and all(isinstance(k, str) for k in v):
+            # dicts and dict-likes (Gemma-4's KVSharingDict, a UserDict of the K/V earlier layers share),
+            # as they are when the module is called; replayed as a plain dict
             return {"map": {k: self._encode(x) for k, x in v.items()}}
         raise NotReplayable(type(v).__name__)
 
@@ -262,9 +264,13 @@ def capture_with_inputs(model: torch.nn.Module, ids: torch.Tensor, patterns: Ite
         if not k.endswith(PROBE_SUFFIX):
             outs[k] = v
             outs.update((p, cap.outputs[p]) for p in (k + PROBE_SUFFIX,) if p in cap.outputs)
-    outs.pop("lm_head", None)  # identical to the logits
+    lm = outs.pop("lm_head", None)
     outs["logits"] = logits.detach().to("cpu") if convert is None else convert(logits)
-    if "lm_head" in cap.inputs:
+    if lm is not None and not (lm.shape == outs["logits"].shape and torch.equal(lm, outs["logits"])):
+        # the model transforms lm_head's output (Gemma's final logit soft-capping, 30 tanh(x / 30)):
+        # lm_head is its own row, replayed on its inputs; the logits are compared propagated
+        outs = {**{k: v for k, v in outs.items() if k != "logits"}, "lm_head": lm, "logits": outs["logits"]}
+    elif "lm_head" in cap.inputs:
         cap.inputs["logits"] = cap.inputs.pop("lm_head")
     return outs, cap
 
