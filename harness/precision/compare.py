@@ -142,7 +142,7 @@ def compare_modules(golden, outputs: dict[str, torch.Tensor], tol: dict, enforce
 
 
 def compare_isolated(golden, replayed, tol: dict, budgets: dict[str, float], router_limits: dict[str, float],
-                     res: Comparison, scale_budgets: dict[str, float] | None = None) -> None:
+                     res: Comparison, scale_budgets: dict[str, float] | None = None, judge=None) -> None:
     """Each module's isolated output (``replayed``: the target module on the golden's inputs) against
     the golden, held to its own budget; tokens whose routing flipped at a margin within the router
     noise (``router_limits``) are left out and counted, flips at wider margins fail the module."""
@@ -156,7 +156,7 @@ def compare_isolated(golden, replayed, tol: dict, budgets: dict[str, float], rou
         if list(got.shape) != list(ref.shape):
             res.problems.append(f"module {name} (isolated): shape {list(got.shape)} != golden {list(ref.shape)}")
             continue
-        keep, legit, wide = routing_mask(name, replayed, golden.modules, router_limits)
+        keep, legit, wide = routing_mask(name, replayed, golden.modules, router_limits, judge)
         res.routing_flips += legit
         res.wide_flips.extend(w for w in wide if w not in res.wide_flips)
         m = tensor_metrics(keep_tokens(got, keep), keep_tokens(ref, keep))

@@ -143,8 +143,85 @@ def flip_margins(ref_chosen: torch.Tensor, got_chosen: torch.Tensor, ref_logits:
     return flipped, margin
 
 
+class SelectionJudge:
+    """Whether routing flips are within noise *in the router's own selection space*.
+
+    A router selects by something else than its logits: DeepSeek-V3/V4 take the top-k of
+    ``score_fn(logits) + e_score_correction_bias`` (group-limited for V3), so two experts far apart
+    in logits can be tied in what the router compares. The test, for each flipped token: move each
+    swapped expert's golden logit by the measured noise toward the target's choice (the experts the
+    target added up by ``limit / 2``, those it dropped down by as much; ``limit`` = 2 k x router
+    noise, as in the logit-space rule), and ask the *reference* router (float64, the golden's
+    weights) what it selects from those logits. The flip is legitimate when it selects what the
+    target did. For a plain top-k of logits (or of a monotone function of them) this is the
+    logit-margin rule; for biased and group-limited selection it is the same rule in the right space.
+
+    The logits are moved through the router's input: routers compute ``logits = h @ W.T`` (plus a
+    bias for some), so ``h + d @ pinv(W).T`` gives logits + d exactly (W has full row rank: experts <
+    hidden size). A router that is not affine in its input (checked on the call) or whose weight is
+    not found is judged by the logit margin (``None``)."""
+
+    def __init__(self, reference_model_fn, structures: dict, golden_outputs: dict, tensors: dict):
+        self._model_fn, self._model = reference_model_fn, None
+        self.structures, self.outputs, self.tensors = structures, golden_outputs, tensors
+
+    def _router(self, gate: str):
+        if self._model is None:
+            self._model = self._model_fn()
+        return dict(self._model.named_modules()).get(gate)
+
+    def legit(self, gate: str, flipped: torch.Tensor, got: torch.Tensor, ref: torch.Tensor,
+              limit: float) -> torch.Tensor | None:
+        """[T] bool (flipped tokens judged legitimate), or None where this router cannot be judged so."""
+        st = self.structures.get(gate)
+        if st is None:
+            return None
+        router = self._router(gate)
+        w = getattr(router, "weight", None) if router is not None else None
+        n_e = self.outputs[gate].shape[-1]
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != n_e or w.shape[1] <= n_e:
+            return None
+
+        def resolve(kind, key):
+            t = self.outputs[key] if kind == "o" else self.tensors[key]
+            return t.to(torch.float64) if t.is_floating_point() else t
+
+        args = [decode(a, resolve) for a in st["args"]]
+        kwargs = {k: decode(v, resolve) for k, v in st["kwargs"].items()}
+        pos = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if pos is None or args[pos].shape[-1] != w.shape[1]:
+            return None
+        h = args[pos]
+        ref2, got2 = ref.reshape(-1, ref.shape[-1]).long(), got.reshape(-1, got.shape[-1]).long()
+        n_t = ref2.shape[0]
+        if h.numel() != n_t * w.shape[1]:
+            return None
+        ref_set = torch.zeros(n_t, n_e, dtype=torch.bool).scatter_(1, ref2.clamp(0, n_e - 1), True)
+        got_set = torch.zeros(n_t, n_e, dtype=torch.bool).scatter_(1, got2.clamp(0, n_e - 1), True)
+        d = torch.zeros(n_t, n_e, dtype=torch.float64)
+        d[got_set & ~ref_set] = limit / 2
+        d[ref_set & ~got_set] = -limit / 2
+        d[~flipped.reshape(-1)] = 0
+        w64 = w.detach().to(torch.float64)
+        dh = d @ torch.linalg.pinv(w64).T  # [T, H]: moves logits by d
+        with torch.no_grad():
+            base = _router_outputs(gate, router(*args, **kwargs))
+            args[pos] = h + dh.reshape(h.shape)
+            moved = _router_outputs(gate, router(*args, **kwargs))
+        chosen = moved.get(gate + EXPERTS_SUFFIX)
+        if chosen is None or gate not in base:
+            return None
+        shift = moved[gate].reshape(n_t, n_e).double() - base[gate].reshape(n_t, n_e).double()
+        # routers that compute in float32 (DeepSeek-V3's) round the shift at ~1e-7 of the logits
+        if not torch.allclose(shift, d, rtol=1e-2, atol=1e-5 * (1 + base[gate].abs().max().item())):
+            return None  # not affine in its input: the logit-margin rule
+        same = (chosen.reshape(n_t, -1).long() == got2).all(-1)
+        return flipped.reshape(-1) & same
+
+
 def routing_mask(name: str, replayed: Replayed, golden_outputs: dict[str, torch.Tensor],
-                 noise: dict[str, float]) -> tuple[torch.Tensor | None, int, list[str]]:
+                 noise: dict[str, float], judge: SelectionJudge | None = None
+                 ) -> tuple[torch.Tensor | None, int, list[str]]:
     """(tokens to keep [T] or None, legitimate flips, wide-flip messages) for one isolated module."""
     choices = replayed.inner_choices.get(name) or {}
     keep, legit, wide = None, 0, []
@@ -158,6 +235,10 @@ def routing_mask(name: str, replayed: Replayed, golden_outputs: dict[str, torch.
             continue
         lim = noise.get(gate)
         ok = flipped & (margin <= lim) if lim is not None else torch.zeros_like(flipped)
+        if lim is not None and judge is not None and bool((flipped & ~ok).any()):
+            sel = judge.legit(gate, flipped, got, ref, lim)  # wide in logits: maybe a tie where it selects
+            if sel is not None:
+                ok = sel
         bad = flipped & ~ok
         legit += int(ok.sum())
         if bad.any():

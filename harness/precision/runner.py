@@ -99,7 +99,8 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float) -> Budgets:
     return out
 
 
-def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | None = None) -> Comparison:
+def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | None = None,
+                judge=None) -> Comparison:
     bud = budgets or Budgets()
     enforce = None
     if run.replayed is not None:
@@ -112,11 +113,27 @@ def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | No
     if run.replayed is not None:
         lim = dict.fromkeys([n for n in golden.order if n.endswith(ROUTER_SUFFIXES)], tol["tie_margin"])
         lim.update(bud.router_limits)
-        compare_isolated(golden, run.replayed, tol, bud.modules, lim, res, bud.scales)
+        compare_isolated(golden, run.replayed, tol, bud.modules, lim, res, bud.scales, judge)
     if run.generation:
         gtol = dict(tol, logprob_atol=bud.logprob_atol) if bud.logprob_atol is not None else tol
         compare_generation(golden, run.generation, gtol, res)
     return res
+
+
+def selection_judge(ls: LoadedSuite, golden: Golden):
+    """The judge of routing flips in the router's selection space (``isolate.SelectionJudge``); the
+    reference model (float64, the golden's numerics gains) is built only if a flip needs judging."""
+    from harness.precision.isolate import SelectionJudge
+
+    def reference():
+        from harness.models.build import build_model
+        from harness.precision import numerics
+
+        model, _ = build_model(ls, "float64", "cpu", seed=ls.suite.checks.precision.seed)
+        numerics.apply(model, golden.manifest.get("numerics"))
+        return model.eval()
+
+    return SelectionJudge(reference, golden.structures, golden.modules, golden.module_inputs)
 
 
 def tolerances_for(ls: LoadedSuite, backend, dtype: str) -> tuple[dict, dict]:
@@ -133,4 +150,5 @@ def check_against_golden(ls: LoadedSuite, golden: Golden, backend, dtype: str, *
     if (p.isolated if isolated is None else isolated) and golden.structures:
         run.replayed = run_isolated(model, golden, dtype, backend.device(), context)
     run.notes = list(mc.notes)
-    return compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k)), tol, run
+    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k), selection_judge(ls, golden)),
+            tol, run)
