@@ -109,14 +109,35 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
                                                        "residual_gain")}
         manifest["numerics"]["stats"] = {"init": num["before"], "realistic": num["after"]}
     dtypes = [d for d in ls.suite.dtypes if d in bud.MEASURED_DTYPES and d != info["dtype"]]
+    draws, runs = None, [(outs, cap)]
     if budgets and record and dtypes and info["dtype"] == "float64":
         draws = budget_draws(ls, ids)
-        runs = [(outs, cap)]
         manifest["budgets"] = bud.measure(ls, draws, model, dtypes, runs, manifest.get("numerics"))
+    if budgets and info["dtype"] == "float64":
+        manifest.update(_quantization(ls, model, dev, ids, draws, runs, manifest.get("numerics")))
     manifest["reference_seconds"] = round(time.perf_counter() - t, 3)
     files = {"inputs": {"input_ids": ids.cpu().to(torch.int64).contiguous()}, "modules": packed,
              "generation": {k: v.contiguous() for k, v in gen.items()}}
     return manifest, files
+
+
+def _quantization(ls: LoadedSuite, model, dev, ids, draws, runs, numerics_entry) -> dict:
+    """``{"quantization": ...}``: the quantized model's own error per activation dtype, for suites
+    with a quantization scheme (the quantization check's budgets); ``{}`` otherwise."""
+    from harness.checks.quantization import measure, quant_scheme
+    from harness.golden.capture import forward_logits
+
+    if quant_scheme(ls) is None or not ls.suite.checks.quantization.enabled:
+        return {}
+    draws = draws or budget_draws(ls, ids)
+    if len(runs) == len(draws):
+        ref = [o["logits"] for o, _ in runs]
+    else:
+        with torch.no_grad():
+            ref = [forward_logits(model, d.to(dev)).cpu() for d in draws]
+    q = ls.suite.checks.quantization
+    acts = [q.compute_dtype] if q.compute_dtype else [d for d in ls.suite.dtypes if d in ("float32", "bfloat16", "float16")]
+    return {"quantization": measure(ls, draws, ref, acts, numerics_entry)}
 
 
 def generate(ls: LoadedSuite, root: str | Path | None = None, reference: str | None = None,

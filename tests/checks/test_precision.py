@@ -14,6 +14,7 @@ from harness.backends import get
 from harness.checks import CheckContext, CheckFailure
 from harness.checks.precision import PrecisionConfig
 from harness.checks.quantization import QuantizationCheck, quant_scheme, quantize_weights
+from harness.golden.store import load_golden
 from harness.precision import tolerance
 from harness.precision.compare import tensor_metrics
 
@@ -116,6 +117,65 @@ def test_quantization_budget(tmp_path):
     with pytest.raises(CheckFailure) as e:
         QuantizationCheck().run(CheckContext(ls2, get("cpu"), "bfloat16"), golden_root=GOLDEN)
     assert e.value.metric == "quant_logits_rel_rmse"
+
+
+def _fnuz_decode(pattern: str):
+    """A faulty FP8 GEMM that decodes e4m3fn bytes as e4m3fnuz (exponent bias 8, not 7: every weight
+    halves) for the quantized weights matching ``pattern``."""
+    import re
+
+    rx = re.compile(pattern)
+
+    def t(model):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if rx.search(n) and p.dim() >= 2:
+                    p.mul_(0.5)
+        return model
+    return t
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2"])
+def test_quantization_budgets_from_the_golden_measurement(name):
+    """golden generate measured the FP8 model's own clean error per activation dtype; the check holds a
+    run to k x that (+ floor): the clean run passes on CPU, a wrong FP8 decode in one layer's output
+    projection fails, and a budget the suite sets wins over the measurement."""
+    from harness.checks.quantization import QUANT_FLOOR, QUANT_K
+
+    ls = suite(name)
+    meas = load_golden(ls, GOLDEN).manifest["quantization"]
+    assert meas["scheme"] == "fp8" and set(meas["dtypes"]) == {"float32", "bfloat16"}
+    ctx = CheckContext(ls, get("cpu"), "bfloat16")
+    QuantizationCheck().run(ctx, golden_root=GOLDEN)
+    p = props(ctx)
+    assert p["harness.detail.budget_source"].startswith("measured by golden generate")
+    want = QUANT_K * meas["dtypes"]["bfloat16"]["rel_rmse_max"] + QUANT_FLOOR
+    assert float(p["tolerance.quant_logits_rel_rmse"]) == pytest.approx(want)
+    assert float(p["metric.quant_logits_rel_rmse"]) <= meas["dtypes"]["bfloat16"]["rel_rmse_max"] + 1e-9
+    with pytest.raises(CheckFailure):
+        QuantizationCheck().run(CheckContext(ls, get("cpu"), "bfloat16"), golden_root=GOLDEN,
+                                transform=_fnuz_decode(r"layers\.0\.self_attn\.o_proj"))
+
+
+def test_quantization_block_from_the_checkpoint_config(tmp_path):
+    """weight_block_size from config.json (null: one scale per tensor); a golden measured with another
+    block is not used (declared budgets, said so)."""
+    from harness.checks.quantization import block_size, budgets
+
+    ls = suite("deepseek-v3")
+    assert block_size(ls) == ls.raw_config["quantization_config"]["weight_block_size"]
+    raw = dict(ls.raw_config, quantization_config=dict(ls.raw_config["quantization_config"], weight_block_size=None))
+    per_tensor = type(ls)(ls.path, ls.name, ls.suite, ls.config_path, raw)
+    assert block_size(per_tensor) is None
+    b, src = budgets(per_tensor, load_golden(ls, GOLDEN).manifest, "bfloat16")
+    assert src.startswith("declared budgets (the golden measured fp8 blocks [128, 128]")
+    assert b["rel_rmse"] == ls.suite.checks.quantization.rel_rmse
+    lin = torch.nn.Sequential()
+    lin.add_module("proj", torch.nn.Linear(300, 200, bias=False))
+    w = lin.proj.weight.detach().clone()
+    quantize_weights(lin, "fp8", None)
+    scale = w.abs().max() / torch.finfo(torch.float8_e4m3fn).max  # one scale for all 300 x 200
+    assert torch.equal(lin.proj.weight, (w / scale).to(torch.float8_e4m3fn).float() * scale)
 
 
 def test_quantize_weights_fp8_and_int8():

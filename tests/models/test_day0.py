@@ -196,8 +196,6 @@ DEFAULT_PIPELINE = {"gpt-oss-20b", "Qwen3-32B-FP8-Static-PerTensor", "Qwen3-VL-3
 # Measured failures of the product on these configs (issue #12 stays open for them): each runs in
 # the full corpus as a non-strict expected failure, so a fix shows up as XPASS.
 KNOWN_FAILING = {
-    "DeepSeek-V3.2": "quantization check: FP8 rel_rmse ~0.21 against the 0.20 budget on random-weight MoE",
-    "DeepSeek-V4-Flash": "quantization argmax agreement; a bf16 routing flip judged wide in router-logit space",
     "Nemotron-3-Nano-30B-A3B-BF16": "precision/quantization on the hybrid Mamba2 model",
 }
 
