@@ -95,7 +95,9 @@ def meta_model(target: Target, pruned: bool = False, dtype: torch.dtype = torch.
             model = instantiate(target.suite, mc, dtype)
         else:
             model = architecture_class(mc.architecture)(mc.config)
-    return model.to(dtype), mc
+    from harness.models.build import cast_model
+
+    return cast_model(model, dtype, "meta"), mc  # rotary inv_freq stays float32, as in the real build
 
 
 def _text(cfg):

@@ -206,9 +206,10 @@ def compare_generation(golden, gen: dict[str, torch.Tensor], tol: dict, res: Com
             if gap <= tol["tie_margin"]:
                 ties += 1
             elif res.generation_failure is None:
+                why = (f"reference logprob gap {gap:.3g} > tie_margin {tol['tie_margin']:.3g}" if len(hit) else
+                       f"not among the reference's top {rti.shape[-1]} candidates")
                 res.generation_failure = (
-                    f"greedy token {t} of sequence {b}: target {tt[b, t].item()} vs reference {rt[b, t].item()} "
-                    f"(reference logprob gap {gap:.3g} > tie_margin {tol['tie_margin']:.3g})")
+                    f"greedy token {t} of sequence {b}: target {tt[b, t].item()} vs reference {rt[b, t].item()} ({why})")
             compared += n_t - 1 - t
             break
     res.generation = {"top1_agreement": agree / max(compared, 1), "logprob_max_abs_diff": lp_diff,

@@ -195,9 +195,7 @@ DEFAULT_PIPELINE = {"gpt-oss-20b", "Qwen3-32B-FP8-Static-PerTensor", "Qwen3-VL-3
                     "MiniMax-M2.5-NVFP4", "Qwen3.5-35B-A3B", *REFUSED}
 # Measured failures of the product on these configs (issue #12 stays open for them): each runs in
 # the full corpus as a non-strict expected failure, so a fix shows up as XPASS.
-KNOWN_FAILING = {
-    "Nemotron-3-Nano-30B-A3B-BF16": "precision/quantization on the hybrid Mamba2 model",
-}
+KNOWN_FAILING: dict[str, str] = {}  # config stem -> why (non-strict xfail naming issue #12); none today
 
 
 def _pipeline_params():
