@@ -41,6 +41,8 @@ metrics.declare("parallel_grad_error", "", "lower", "worst scale-relative error 
 metrics.declare("parallel_weight_error", "", "lower", "worst scale-relative error of a weight after one step")
 metrics.declare("parallel_logits_after_error", "", "lower", "logits after the optimizer step vs the reference")
 metrics.declare("parallel_activation_error", "", "lower", "worst module output vs the reference (localization)")
+metrics.declare("parallel_router_error", "", "lower", "worst router logits vs the reference (both forwards)")
+# routing_flips_near_tie is declared by the precision check (same meaning: near-tie routing flips).
 metrics.declare("parallel_world_size", "", "none", "ranks of the layout")
 metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout on its slowest rank")
 metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout")
@@ -60,9 +62,9 @@ for _k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcas
 # measured over clean sweeps of every bundled suite's default matrix, rounded up to a power of 2.
 DEFAULT_TOLERANCES = {
     "float32": {"logits": 2**-17, "loss": 2**-19, "grads": 2**-16, "weights": 2**-18, "logits_after": 2**-17,
-                "activations": 2**-17},
+                "activations": 2**-17, "router": 2**-17},
     "bfloat16": {"logits": 2**-4, "loss": 2**-10, "grads": 2**-2, "weights": 2**-3, "logits_after": 2**-2,
-                 "activations": 2**-3},
+                 "activations": 2**-3, "router": 2**-4},
 }
 # Not measured by a bundled run: scaled by the unit roundoff (float64 2^-53 vs float32 2^-24;
 # float16 2^-11 vs bfloat16 2^-8).
@@ -140,6 +142,13 @@ class ParallelConfig(CheckConfig):
 _REFS: dict = {}
 _LAUNCHES: dict = {}
 _TMP: list[Path] = []
+
+
+def reset_launches() -> None:
+    """Forget this process's launches, cancelling any still running (tests, sweeps)."""
+    for run, _ in _LAUNCHES.values():
+        run.cancel()
+    _LAUNCHES.clear()
 
 
 def _tmp_root() -> Path:
@@ -263,7 +272,7 @@ class ParallelCheck(Check):
         st.ref, st.order, st.ids = _REFS[key]
 
     def launch(self, ctx: CheckContext, st) -> None:
-        from harness.parallel.launcher import launch
+        from harness.parallel.launcher import BackgroundLaunch
 
         cfg = st.cfg
         spec = {"suite": str(ctx.suite.path), "collective": ctx.backend.collective, "dtype": ctx.dtype,
@@ -276,12 +285,14 @@ class ParallelCheck(Check):
         if key not in _LAUNCHES:
             root = _tmp_root() / key
             # Start-up (interpreters, imports, rendezvous) is not a layout's progress: on a loaded
-            # machine it alone can take minutes, so it gets its own, longer limit.
-            rep = launch(spec, st.peers, st.layout.world, root, timeout_s=cfg.timeout_s,
-                         startup_s=max(cfg.timeout_s, cfg.startup_timeout_s))
-            _LAUNCHES[key] = (rep, {})
+            # machine it alone can take minutes, so it gets its own, longer limit. The launch runs in
+            # the background: this item waits for its own layout only, so the first item of a world
+            # size is not charged (nor timed out) for the whole matrix (docs/parallel.md).
+            run = BackgroundLaunch(spec, st.peers, st.layout.world, root, timeout_s=cfg.timeout_s,
+                                   startup_s=max(cfg.timeout_s, cfg.startup_timeout_s))
+            _LAUNCHES[key] = (run, {})
         st.report, st.verdicts = _LAUNCHES[key]
-        out = st.report.outcomes[st.layout.label]
+        out = st.report.wait(st.layout.label)
         st.outcome = out
         ctx.metric("parallel_launch_time_s", out.launch_wall_s)
         ctx.metric("parallel_launch_layouts", len(st.peers))
@@ -296,14 +307,21 @@ class ParallelCheck(Check):
         lay, tol = st.layout, tolerances(st.cfg, ctx.dtype)
         if lay.label not in st.verdicts:
             ranks = load_ranks(st.outcome.dir, lay.world)
-            st.verdicts[lay.label] = (compare_layout(st.ref, st.order, st.ids, lay, ranks, tol),
-                                      [rd.meta for rd in ranks])
-        v, metas = st.verdicts[lay.label]
+            ref, routing = _routed_reference(ctx, st, lay, ranks, tol)
+            v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
+            _apply_routing(v, routing)
+            st.verdicts[lay.label] = (v, [rd.meta for rd in ranks], routing)
+        v, metas, routing = st.verdicts[lay.label]
         st.verdict, st.metas = v, metas
+        if routing is not None:
+            ctx.metric("routing_flips_near_tie", routing.judgement.near_tie if routing.judgement else 0)
+            if routing.detail:
+                ctx.detail("routing", routing.detail)
+            ctx.notes.extend(routing.notes)
         for q, name in (("logits", "parallel_logits_error"), ("loss", "parallel_loss_error"),
                         ("grads", "parallel_grad_error"), ("weights", "parallel_weight_error"),
                         ("logits_after", "parallel_logits_after_error"),
-                        ("activations", "parallel_activation_error")):
+                        ("activations", "parallel_activation_error"), ("router", "parallel_router_error")):
             if q in v.errors:
                 ctx.metric(name, v.errors[q])
                 ctx.tolerance(name, tol[q])
@@ -347,6 +365,67 @@ class ParallelCheck(Check):
                     raise CheckFailure(f"FSDP keeps {val:.3f} of the whole model's {name.split('_')[1]} bytes per "
                                        f"rank; expected about 1/{lay.fsdp}", metric=name,
                                        expected=f"<= {limit:.3f}", observed=f"{val:.3f}")
+
+
+class _Routing:
+    """What the routing-aware comparison found for one layout (harness.parallel.routing)."""
+
+    def __init__(self):
+        self.judgement = None
+        self.notes: list[str] = []
+        self.detail = ""
+
+
+def _routed_reference(ctx: CheckContext, st, lay, ranks, tol):
+    """(reference to compare with, _Routing or None for a model without routers). Where the layout's
+    routers chose other experts than the reference's for some tokens, the reference step is rerun
+    with the layout's choices and each flip judged at its router (docs/parallel.md, "Routing-aware
+    MoE"); with only near-tie flips everything is compared with that rerun."""
+    from harness.models.build import build_model
+    from harness.parallel.reference import run_reference
+    from harness.parallel.routing import ForcedRouting, judge, layout_routing, router_limits, same_sets
+
+    routers = sorted({k.split("/", 2)[2] for k in st.ref if k.startswith("route/")})
+    if not routers:
+        return st.ref, None
+    r = _Routing()
+    routes, own, r.notes = layout_routing(ranks, lay, routers)
+    missing = sorted({g for g in routers for p in routes if g not in routes[p] and f"route/{p}/{g}" in st.ref})
+    if missing:
+        r.notes.append(f"no routing captured on any rank for {', '.join(missing)}: compared as is")
+    ref_rows = {key: st.ref[f"route/{key[0]}/{key[1]}"] for key in own}
+    differs = [key for key, by in own.items() for rows, t in by.values() if not same_sets(t, ref_rows[key][rows])]
+    if not differs:
+        r.detail = "every router chose the reference's experts for every token"
+        return st.ref, r
+    cfg = st.cfg
+    forced = ForcedRouting(routes)
+    with torch.random.fork_rng(devices=[]):
+        model, _ = build_model(ctx.suite, ctx.dtype, "cpu", seed=cfg.seed, mc=st.mc)
+        rerun, _ = run_reference(model, st.ids, cfg.lr, forced)
+    if forced.unforced:
+        r.notes.append("the reference could not be rerun with the layout's routing (router(s) "
+                       f"{', '.join(sorted(set(forced.unforced)))} do not pick experts by one top-k); compared as is")
+        return st.ref, r
+    j = r.judgement = judge(forced, own, st.order, router_limits(forced, tol["router"]))
+    where = ", ".join(f"{g} {n}" for g, n in j.per_router.items() if n)
+    if j.wide:
+        r.detail = (f"{len(j.wide)} router(s) chose other experts at a wide margin; compared with the "
+                    "reference's own routing")
+        return st.ref, r
+    r.detail = (f"{j.near_tie} token(s) chose other experts at a near tie ({where}); everything, every expert's "
+                "gradient included, compared with the single-process reference rerun with the layout's routing")
+    return rerun, r
+
+
+def _apply_routing(v, routing) -> None:
+    """A flip at a wide margin fails the layout and is where the divergence starts: named first."""
+    if routing is None or routing.judgement is None or not routing.judgement.wide:
+        return
+    j = routing.judgement
+    v.failed[:0] = j.wide
+    v.first_module, v.first_module_ranks = j.first_wide, j.wide_ranks
+    v.first_module_error = float("nan")
 
 
 def _logs(d: Path | None) -> str | None:

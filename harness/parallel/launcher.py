@@ -43,6 +43,10 @@ class LayoutOutcome:
     ranks: list[RankStatus] = field(default_factory=list)
 
 
+class LaunchCancelled(Exception):
+    """``BackgroundLaunch.cancel``: nobody waits for the layouts left."""
+
+
 @dataclass
 class LaunchReport:
     outcomes: dict[str, LayoutOutcome]
@@ -105,8 +109,9 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, timeout_s: float,
-                startup_s: float) -> tuple[str, list[RankStatus], dict[int, dict], float]:
-    """Returns ('exited' | 'hung', statuses at the end, exit records, wall seconds)."""
+                startup_s: float, on_done=None, stop=None) -> tuple[str, list[RankStatus], dict[int, dict], float]:
+    """Returns ('exited' | 'hung', statuses at the end, exit records, wall seconds). ``on_done(layout,
+    wall)`` is called as soon as every rank wrote a layout's results (in layout order)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, layouts=[lay.to_dict() for lay in layouts])
     spec_path = run_dir / "spec.json"
@@ -120,11 +125,17 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
                                 preexec_fn=_die_with_parent)
         try:
             last_key, since = None, time.monotonic()
+            published = 0
             while proc.poll() is None:
                 time.sleep(0.1)
+                if stop is not None and stop.is_set():
+                    raise LaunchCancelled("the launch was cancelled")
                 sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
                 idx = min(s.index for s in sts)
                 done = sum(_done(run_dir, lay, world) for lay in layouts)
+                while on_done is not None and published < len(layouts) and _done(run_dir, layouts[published], world):
+                    on_done(layouts[published], time.monotonic() - t0)
+                    published += 1
                 key = (idx, done)
                 if key != last_key:
                     last_key, since = key, time.monotonic()
@@ -173,22 +184,33 @@ def _crash_message(lay: Layout, sts: list[RankStatus], exits: dict[int, dict], e
 
 
 def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeout_s: float = 120.0,
-           startup_s: float | None = None) -> LaunchReport:
-    """Run ``layouts`` (all of world size ``world``) in as few launches as faults allow."""
+           startup_s: float | None = None, on_outcome=None, stop=None) -> LaunchReport:
+    """Run ``layouts`` (all of world size ``world``) in as few launches as faults allow.
+    ``on_outcome(outcome)`` is called with each layout's outcome as soon as it is known: an ``ok``
+    one while the launch goes on (its teardown warnings, if any, are appended to the same object
+    when the launch ends), a failed one when its launch ended."""
     outcomes: dict[str, LayoutOutcome] = {}
     remaining = list(layouts)
     n = 0
     t_all = time.monotonic()
+    publish = on_outcome or (lambda _o: None)
     while remaining:
         run_dir = run_root / f"w{world}-launch{n}"
         n += 1
-        how, sts, exits, wall = _one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s)
+
+        def done(lay: Layout, wall: float, run_dir=run_dir) -> None:
+            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=run_dir / lay.label, launch_wall_s=wall)
+            publish(outcomes[lay.label])
+
+        how, sts, exits, wall = _one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s,
+                                            on_done=done, stop=stop)
         finished = []
         for lay in remaining:
             if not _done(run_dir, lay, world):
                 break
             finished.append(lay)
-            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=run_dir / lay.label, launch_wall_s=wall)
+            if lay.label not in outcomes:  # written in the poll's last interval
+                done(lay, wall)
         rest = remaining[len(finished):]
         bad_exit = {r: x for r, x in exits.items() if x.get("code")}
         if not rest:
@@ -211,6 +233,7 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
             for lay in rest:
                 outcomes[lay.label] = LayoutOutcome(lay, "crashed" if how != "hung" else "hung", msg,
                                                     launch_wall_s=wall, ranks=sts)
+                publish(outcomes[lay.label])
             break
         if how == "hung":
             outcomes[lay.label] = LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), run_dir / lay.label,
@@ -219,5 +242,75 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
             status = "error" if errors else "crashed"
             outcomes[lay.label] = LayoutOutcome(lay, status, _crash_message(lay, sts, exits, errors),
                                                 run_dir / lay.label, launch_wall_s=wall, ranks=sts)
+        publish(outcomes[lay.label])
         remaining = rest[1:]
     return LaunchReport(outcomes, n, time.monotonic() - t_all)
+
+
+class BackgroundLaunch:
+    """``launch`` in a thread of this process, so that the item of a layout waits for *that* layout
+    only: the first item of a world size pays the start-up and its own layout, not the whole launch
+    (an item's time limit is derived from its own recorded duration, and under ``pytest -n`` any of
+    a world size's items may come first). The last layout's item waits for the launch to end (a
+    teardown abort after every result is written is a note on it).
+
+    The torchrun process is started by the thread and dies with it (PR_SET_PDEATHSIG is per
+    thread): the thread lives until the launch has ended, and as a daemon it ends with the process
+    - an item killed for its time limit takes its launch with it."""
+
+    def __init__(self, spec: dict, layouts: list[Layout], world: int, run_root: Path, timeout_s: float,
+                 startup_s: float | None = None):
+        import threading
+
+        self.labels = [lay.label for lay in layouts]
+        self.outcomes: dict[str, LayoutOutcome] = {}
+        self.report: LaunchReport | None = None
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(spec, layouts, world, run_root, timeout_s, startup_s),
+                                        name=f"parallel-launch-w{world}", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        try:
+            rep = launch(*args, on_outcome=self._publish, stop=self._stop)
+        except BaseException as e:  # reported to the waiting item
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self.report = rep
+            self._cond.notify_all()
+
+    def _publish(self, out: LayoutOutcome) -> None:
+        with self._cond:
+            self.outcomes[out.layout.label] = out
+            self._cond.notify_all()
+
+    @property
+    def finished(self) -> bool:
+        return self.report is not None or self.error is not None
+
+    def wait(self, label: str) -> LayoutOutcome:
+        """The outcome of ``label`` once known (for the launch's last layout: once the launch ended)."""
+        last = label == self.labels[-1]
+        with self._cond:
+            self._cond.wait_for(lambda: self.finished or (label in self.outcomes and not last))
+            if self.error is not None:
+                raise self.error
+            return (self.report.outcomes if self.report is not None else self.outcomes)[label]
+
+    def cancel(self) -> None:
+        """Kill the launch if it still runs (its process group) and wait for the thread."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def result(self) -> LaunchReport:
+        """The whole launch's report (waits for it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.finished)
+        if self.error is not None:
+            raise self.error
+        return self.report

@@ -100,11 +100,22 @@ class ModuleCapture:
         self.handles = []
 
 
-def run_reference(model: torch.nn.Module, ids: torch.Tensor, lr: float) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The step above on one process. Returns (tensors by key, module order)."""
+def run_reference(model: torch.nn.Module, ids: torch.Tensor, lr: float,
+                  forced=None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The step above on one process. Returns (tensors by key, module order). Every router's
+    choice is recorded (``route/<phase>/<router>``, ``harness.parallel.routing``); with ``forced``
+    (a ``routing.ForcedRouting``) the routers choose the experts it gives instead."""
+    from harness.parallel.routing import RouterCapture
+
     model.train()
     cap = ModuleCapture(model)
+    routes = RouterCapture(model)
+    handles = forced.attach(model) if forced is not None else []
+    routes.phase = "step"
+    if forced is not None:
+        forced.phase = "step"
     logits = model(input_ids=ids).logits
+    routes.phase = None
     cap.remove()
     loss = lm_loss(logits, ids)
     loss.backward()
@@ -117,8 +128,15 @@ def run_reference(model: torch.nn.Module, ids: torch.Tensor, lr: float) -> tuple
     opt.step()
     for n, p in params:
         out[f"weight/{n}"] = p.detach().clone()
+    routes.phase = "after"
+    if forced is not None:
+        forced.phase = "after"
     with torch.no_grad():
         out["logits_after"] = model(input_ids=ids).logits.detach()
+    routes.remove()
+    for h in handles:
+        h.remove()
+    out.update(routes.tensors())
     for name, ts in cap.outputs.items():
         out[f"act/{name}"] = ts[0]
     return {k: v.contiguous() for k, v in out.items()}, cap.order

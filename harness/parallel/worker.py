@@ -41,6 +41,7 @@ from harness.parallel.apply import (
 from harness.parallel.comm import CommCounter
 from harness.parallel.layouts import DATA_DIMS, Layout
 from harness.parallel.reference import ModuleCapture, batch, clean_name, lm_loss, make_optimizer
+from harness.parallel.routing import RouterCapture
 from harness.parallel.status import StatusWriter
 
 
@@ -162,6 +163,10 @@ class RankRun:
             frozenset([getattr(wrapped, wrapped.base_name)]) if stage is not None and not stage.is_last
             else frozenset())
         cap = ModuleCapture(wrapped, skip=plumbing) if capture else None
+        # Every router's chosen experts, for the routing-aware comparison (harness.parallel.routing).
+        rcap = RouterCapture(wrapped, name_of=clean_name) if capture else None
+        if rcap is not None:
+            rcap.phase = "step"
         ep_mod.STATS.__init__()
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -185,6 +190,7 @@ class RankRun:
                 logits = wrapped(input_ids=ids).logits
                 if cap is not None:
                     cap.enabled = False  # recomputation re-runs forwards inside backward: not captured
+                    rcap.phase = None
                 loss = lm_loss(logits, ids)
                 st.step("backward")
                 (loss / d if manual_sync else loss).backward()
@@ -224,6 +230,8 @@ class RankRun:
             for n, p in params:
                 out[f"weight/{n}"] = self._full(p.detach(), n in expert_params, groups)
         st.step("forward_after_step")
+        if rcap is not None:
+            rcap.phase = "after"
         with counter:
             if sched is not None:
                 after = sched.eval(ids) if stage.is_first else sched.eval(target=ids, losses=[])
@@ -232,6 +240,10 @@ class RankRun:
             else:
                 with torch.no_grad():
                     out["logits_after"] = wrapped(input_ids=ids).logits.detach()
+        if rcap is not None:
+            rcap.remove()
+            # A pipeline stage's first forward is a shape-inference run: the schedule's own calls only.
+            out.update(rcap.tensors(last=lay.microbatches if sched is not None else None))
         res["comm"] = counter.summary()
         res["ep"] = {"assignments": ep_mod.STATS.assignments, "dropped": ep_mod.STATS.dropped,
                      "max_expert_load": ep_mod.STATS.max_expert_load} if lay.ep > 1 else None

@@ -115,3 +115,39 @@ def hang_and_abort(ctx) -> None:
     hang_dp2(ctx)
     abort_tp2(ctx)
     abort_at_exit_pp2(ctx)
+
+
+def wrong_topk_ep2(ctx) -> None:
+    """ep2: rank 1's routers take the (k+1)-th best expert instead of the k-th for every second token
+    (as tests/precision/faults.py's ``WrongTopK``): routing flips at whatever margin the router
+    logits have, while the logits themselves stay right."""
+    if ctx.layout.label != "ep2" or ctx.rank != 1:
+        return
+    from harness.parallel.routing import is_router
+
+    def hook(_m, _a, out):
+        logits, weights, idx = out
+        k = idx.shape[-1]
+        order = torch.sort(logits.reshape(idx.shape[0], -1), dim=-1, descending=True, stable=True).indices
+        idx = idx.clone()
+        rows = torch.arange(0, idx.shape[0], 2)
+        idx[rows, k - 1] = order[rows, k].to(idx.dtype)
+        return logits, weights, idx
+
+    for name, mod in ctx.model.named_modules():
+        if is_router(name):
+            mod.register_forward_hook(hook)
+
+
+def pp2_waits_for_gate(ctx) -> None:
+    """pp2: stage 0 waits in layer 0's forward until the file named by $HARNESS_TEST_GATE exists
+    (the test creates it once an earlier layout's item has returned); stage 1 waits for it."""
+    path = os.environ.get("HARNESS_TEST_GATE")
+    if ctx.layout.label != "pp2" or not path:
+        return
+
+    def wait(_m, _a):
+        while not os.path.exists(path):
+            time.sleep(0.05)
+
+    ctx.model.model.layers[0].register_forward_pre_hook(wait)

@@ -19,7 +19,7 @@ from tests.parallel.helpers import metrics_of, run_variant, suite_with  # noqa: 
 SUITES = ("llama-3.1-8b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2")
 Q = {"logits": "parallel_logits_error", "loss": "parallel_loss_error", "grads": "parallel_grad_error",
      "weights": "parallel_weight_error", "logits_after": "parallel_logits_after_error",
-     "activations": "parallel_activation_error"}
+     "activations": "parallel_activation_error", "router": "parallel_router_error"}
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
     for rep in range(a.repeat):
         for dtype in a.dtypes.split(","):
             for name in a.suites.split(","):
-                par._LAUNCHES.clear()
+                par.reset_launches()
                 only = [x for x in a.variants.split(",") if x]
                 ls = suite_with(name, variants=only)
                 for v in par.ParallelCheck().variants(ls, None):
@@ -52,9 +52,12 @@ def main() -> int:
                             worst.setdefault(dtype, {})[q] = max(worst.get(dtype, {}).get(q, 0.0), m[k])
                     rows.append({"repeat": rep, "dtype": dtype, "suite": name, "layout": v, "status": status,
                                  **{q: m.get(k) for q, k in Q.items()}, "recompute_peak_ratio": m.get(
-                                     "recompute_peak_ratio"), "fsdp_param_fraction": m.get("fsdp_param_fraction")})
+                                     "recompute_peak_ratio"), "fsdp_param_fraction": m.get("fsdp_param_fraction"),
+                                 "routing_flips_near_tie": m.get("routing_flips_near_tie")})
                     print(f"{rep} {dtype:8} {name:14} {v:9} {status:13} " + " ".join(
-                        f"{q}={m[k]:.2e}" for q, k in Q.items() if k in m) + f"  ({time.time() - t:.1f}s)"
+                        f"{q}={m[k]:.2e}" for q, k in Q.items() if k in m)
+                        + (f" flips={m['routing_flips_near_tie']:g}" if "routing_flips_near_tie" in m else "")
+                        + f"  ({time.time() - t:.1f}s)"
                         + ("" if out is None else f"\n    {str(out)[:400]}"), flush=True)
     print("worst:", json.dumps(worst, indent=1))
     if a.json:
