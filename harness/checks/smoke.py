@@ -9,6 +9,15 @@ as named steps (``SmokeCheck.steps``):
 ``train``        ``steps`` AdamW steps on the same batch lower the loss;
 ``determinism``  a second build + forward gives bit-identical logits (enforced on CPU, recorded elsewhere);
 ``generate``     greedy generation with the KV cache equals generation without it, except at near ties.
+
+Variant ``wrapper`` (``[checks.smoke] wrapper = true``, which ``harness init`` writes for multimodal
+wrapper configs): the same steps on the wrapper end to end (harness/models/wrapper.py): the suite's
+text pruning, a tiny vision tower and projector, and one seeded synthetic image per sequence laid out
+as the model's processor lays it out. ``build`` says NotApplicable in one line when the installed
+transformers cannot run the wrapper; ``forward`` also checks that the image reaches the logits (a
+second image must change them; else it names the first vision/projector module whose output ignores
+its changed input) and that the image features match the image tokens; ``backward`` requires a
+non-zero gradient in every part (vision, projector, text); ``generate`` is left to the default item.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from pydantic import Field
 
 from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry
-from harness.models.build import build_model, seeded_tokens
+from harness.checks.outcomes import NotApplicable
+from harness.models.build import build_model, cast_model, seeded_tokens, torch_dtype
 
 metrics.declare("loss_initial", "nats", "none", "cross-entropy of the seeded batch before training")
 metrics.declare("loss_final", "nats", "lower", "loss on the same batch after the optimizer steps")
@@ -34,6 +44,15 @@ metrics.declare("grad_norm", "", "none", "global L2 norm of the first backward's
 metrics.declare("parameters", "", "none", "parameters of the pruned model")
 metrics.declare("logits_bitwise_equal", "bool", "higher", "1 if two identical runs gave identical logits")
 metrics.declare("generation_match", "bool", "higher", "1 if cached and uncached greedy tokens agree")
+metrics.declare("image_tokens", "", "none", "image tokens per sequence in the wrapper variant's synthetic input")
+metrics.declare("image_logit_change", "", "higher", "max |logits(image A) - logits(image B)| at text positions "
+                "after the image (wrapper variant): 0 means the image does not reach the output")
+for _part in ("text", "vision", "projector"):
+    metrics.declare(f"parameters_{_part}", "", "none", f"parameters of the pruned wrapper's {_part} part "
+                    "(harness.inspect.params.module_part, as `harness inspect` splits them)")
+    metrics.declare(f"grad_norm_{_part}", "", "none", f"L2 norm of the first backward's gradients in the {_part} part")
+
+WRAPPER = "wrapper"  # the variant name: item smoke[<backend>-<dtype>-wrapper]
 
 
 class SmokeConfig(CheckConfig):
@@ -52,6 +71,17 @@ class SmokeConfig(CheckConfig):
     no_grad_ok: list[str] = Field(
         default_factory=list, description="fnmatch globs of parameter names that get no gradient from the "
         "LM loss by design (e.g. '*.indexer.*', trained apart); every other parameter still must.")
+    wrapper: bool = Field(
+        False, description="Also run a multimodal wrapper end to end (variant 'wrapper'): the suite's text "
+        "pruning, a tiny vision tower and projector, a seeded synthetic image through the model's image layout, "
+        "forward + backward (every part gets a gradient), training steps and determinism. `harness init` sets "
+        "it for configs with a text_config.")
+    wrapper_overrides: dict[str, int | float | bool | str | list[int] | list[float] | None] = Field(
+        default_factory=dict, description="Config keys (dotted, relative to the wrapper's config.json, e.g. "
+        "'vision_config.image_size') set for the wrapper variant after harness's own vision pruning.")
+    wrapper_no_grad_ok: list[str] = Field(
+        default_factory=list, description="no_grad_ok for the wrapper variant (its parameter names are the "
+        "wrapper's, e.g. 'model.visual.*'); the default item's no_grad_ok does not apply to it.")
 
 
 def _tensors(obj):
@@ -99,41 +129,175 @@ class SmokeCheck(Check):
     steps = ("build", "forward", "backward", "train", "determinism", "generate")
     setup_steps = ("build",)
 
+    def variants(self, suite, backend) -> list[str | None]:
+        return [None, WRAPPER] if self.config(suite).wrapper else [None]
+
     def build(self, ctx: CheckContext, st) -> None:
         cfg = st.cfg = ctx.config
+        st.wrapper = ctx.variant == WRAPPER
+        if st.wrapper:
+            return self._build_wrapper(ctx, st)
         st.model, st.mc = build_model(ctx.suite, ctx.dtype, ctx.device, seed=cfg.seed)
         ctx.notes.extend(st.mc.notes)
         st.vocab = st.mc.config.vocab_size
         st.ids = seeded_tokens(st.vocab, cfg.batch_size, cfg.seq_len, cfg.seed + 1).to(ctx.device)  # [B, S]
+        st.inputs, st.labels = {"input_ids": st.ids}, st.ids
         st.trainable = [(n, p) for n, p in st.model.named_parameters() if p.requires_grad]
         ctx.metric("parameters", sum(p.numel() for _, p in st.trainable))
+
+    # -- the wrapper variant ------------------------------------------------------------------------
+    def _wrapper_model(self, ctx: CheckContext, st) -> torch.nn.Module:
+        from harness.models.config import architecture_class
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(st.cfg.seed)
+            model = architecture_class(st.mc.architecture)(st.mc.config)
+        model = cast_model(model, torch_dtype(ctx.dtype), ctx.device)
+        if getattr(st, "transform", None) is not None:  # tests inject a fault into the built model
+            model = st.transform(model) or model
+        return model
+
+    def _build_wrapper(self, ctx: CheckContext, st) -> None:
+        from harness.inspect.params import module_part
+        from harness.models.build import model_config
+        from harness.models.config import ModelBuildError
+        from harness.models.wrapper import image_batch, supported, wrapper_config
+
+        cfg = st.cfg
+        why = supported(ctx.suite.raw_config)
+        if why:
+            raise NotApplicable(f"wrapper end to end: {why}")
+        try:
+            st.mc, _ = wrapper_config(ctx.suite, model_config(ctx.suite), cfg.wrapper_overrides)
+            st.batch = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+        except ModelBuildError as e:
+            raise NotApplicable(f"wrapper end to end: the installed transformers cannot build it: {e}") from None
+        ctx.notes.extend(st.mc.notes)
+        ctx.notes.append(f"synthetic image: {st.batch.image_tokens} image tokens per sequence, {st.batch.how}")
+        ctx.detail("image_input", st.batch.how)
+        st.model = self._wrapper_model(ctx, st)
+        st.vocab = st.mc.config.get_text_config().vocab_size
+        dt = torch_dtype(ctx.dtype)
+        st.inputs = {k: (v.to(ctx.device, dt) if v.is_floating_point() else v.to(ctx.device))
+                     for k, v in st.batch.inputs.items()}
+        st.labels = st.batch.labels.to(ctx.device)
+        st.ids = st.inputs["input_ids"]
+        st.trainable = [(n, p) for n, p in st.model.named_parameters() if p.requires_grad]
+        st.parts = {n: module_part(n) for n, _ in st.trainable}
+        ctx.metric("parameters", sum(p.numel() for _, p in st.trainable))
+        for part in ("text", "vision", "projector"):
+            ctx.metric(f"parameters_{part}", sum(p.numel() for n, p in st.trainable if st.parts[n] == part))
+        ctx.metric("image_tokens", st.batch.image_tokens)
+        st.roots = _part_roots(st.model)
+        missing = [p for p in ("vision", "projector") if p not in set(st.parts.values())]
+        if missing:
+            raise NotApplicable(f"wrapper end to end: {type(st.model).__name__} has no {' or '.join(missing)} "
+                                "parameters by module path (harness.inspect.params.module_part)")
 
     def forward(self, ctx: CheckContext, st) -> None:
         cfg, model, ids = st.cfg, st.model, st.ids
         model.train()
         t = time.perf_counter()
-        st.out = out = model(input_ids=ids, labels=ids)
+        st.out = out = self._call(ctx, st, model, labels=st.labels)
         ctx.backend.synchronize()
         ctx.metric("forward_time_s", time.perf_counter() - t)
-        want = (cfg.batch_size, cfg.seq_len, st.vocab)
+        want = (cfg.batch_size, ids.shape[1], st.vocab)
         if tuple(out.logits.shape) != want:
             raise CheckFailure("logits have the wrong shape", metric="logits.shape",
                                expected=want, observed=tuple(out.logits.shape))
         st.logits0 = out.logits.detach().float().cpu()  # [B, S, vocab]
         bad = (~torch.isfinite(st.logits0)).sum().item()
         if bad:
-            where = first_nonfinite_module(model, input_ids=ids)
+            where = first_nonfinite_module(model, **st.inputs)
             ctx.detail("first_nonfinite_module", where or "?")
             raise CheckFailure(f"forward gives {bad} non-finite logits; first non-finite module output: {where}",
                                metric="nonfinite_logits", expected=0, observed=bad)
         st.loss0 = ctx.metric("loss_initial", out.loss.item())
+        if st.wrapper:
+            self._image_reaches_logits(ctx, st)
+
+    def _call(self, ctx: CheckContext, st, model, **kw):
+        """model(**inputs); for the wrapper, the model's own image-token check and a transformers
+        wrapper that cannot run become outcomes naming the part, not a traceback."""
+        try:
+            return model(**st.inputs, **kw)
+        except ValueError as e:
+            if st.wrapper and "do not match" in str(e):
+                proj = ", ".join(st.roots.get("projector", [])[:2]) or "?"
+                raise CheckFailure(
+                    f"image features do not match the image tokens: the input holds {st.batch.image_tokens} image "
+                    f"tokens per sequence ({st.batch.how}), the vision tower + projector ({proj}) produced a "
+                    f"different number of features: {' '.join(str(e).split())}",
+                    metric="image_tokens", expected=st.batch.image_tokens, observed=" ".join(str(e).split())) from None
+            raise
+        except AttributeError as e:
+            where = _transformers_frame(e) if st.wrapper else None
+            if where:
+                import transformers
+
+                raise NotApplicable(f"wrapper end to end: transformers {transformers.__version__} cannot run "
+                                    f"{type(model).__name__}.forward: AttributeError: {e} ({where})") from None
+            raise
+
+    def _image_reaches_logits(self, ctx: CheckContext, st) -> None:
+        """A second seeded image must change the logits after the image; if not, name the first
+        vision/projector module (in the order they finish) whose input changed but output did not."""
+        from harness.inspect.params import module_part
+        from harness.models.wrapper import image_batch
+
+        cfg = st.cfg
+        other = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1, image_seed=cfg.seed + 1000)
+        dt = torch_dtype(ctx.dtype)
+        alt = {**st.inputs, **{k: v.to(ctx.device, dt) if v.is_floating_point() else v.to(ctx.device)
+                               for k, v in other.inputs.items() if k != "input_ids"}}
+        after = slice(1 + st.batch.image_tokens, None)  # text positions after the image
+        seen: dict[str, list] = {}
+        names = {m: n for n, m in st.model.named_modules()}
+        # Modules with parameters only: a rotary or position module's output legitimately ignores the
+        # pixels it is handed (positions only); its parent then answers for a broken child.
+        watch = [m for n, m in st.model.named_modules() if n and module_part(n) != "text"
+                 and any(True for _ in m.parameters(recurse=False))
+                 or n and module_part(n) != "text" and any(r == n for rs in st.roots.values() for r in rs)]
+
+        def hook(mod, args, kwargs, out):
+            seen.setdefault(names[mod], []).append((
+                [t.detach().clone() for t in _tensors((args, kwargs)) if t.is_floating_point()],
+                [t.detach().clone() for t in _tensors(out) if t.is_floating_point()]))
+
+        logits = []
+        for inputs in (st.inputs, alt):
+            handles = [m.register_forward_hook(hook, with_kwargs=True) for m in watch]
+            try:
+                with torch.no_grad():
+                    logits.append(st.model(**inputs).logits[:, after].float())
+            finally:
+                for h in handles:
+                    h.remove()
+        change = ctx.metric("image_logit_change", (logits[0] - logits[1]).abs().max().item())
+        if change > 0:
+            return
+        culprit = None
+        for name, calls in seen.items():  # insertion order = the order modules first finished
+            if len(calls) < 2:
+                continue
+            (ia, oa), (ib, ob) = calls[0], calls[len(calls) // 2]
+            if not _same(ia, ib) and _same(oa, ob):
+                culprit = name
+                break
+        part = module_part(culprit) if culprit else None
+        where = (f"the {part} module {culprit} ignores its input (same output for both images)" if culprit else
+                 "every vision/projector module's output follows the image, so the merge of image features into "
+                 "the token embeddings loses it")
+        ctx.detail("image_path_break", culprit or "merge")
+        raise CheckFailure(f"the image does not reach the logits: two different images give identical logits after "
+                           f"the image; {where}", metric="image_logit_change", expected="> 0", observed=change)
 
     def backward(self, ctx: CheckContext, st) -> None:
         t = time.perf_counter()
         st.out.loss.backward()
         ctx.backend.synchronize()
         ctx.metric("backward_time_s", time.perf_counter() - t)
-        allowed = st.cfg.no_grad_ok
+        allowed = st.cfg.wrapper_no_grad_ok if st.wrapper else st.cfg.no_grad_ok
         excused = [n for n, p in st.trainable if p.grad is None and any(fnmatch.fnmatchcase(n, g) for g in allowed)]
         if excused:
             ctx.notes.append(f"{len(excused)} parameters get no gradient by design (no_grad_ok), e.g. {excused[0]}")
@@ -141,7 +305,8 @@ class SmokeCheck(Check):
         if missing:
             raise CheckFailure(f"{len(missing)} trainable parameters got no gradient, first: {missing[:5]}",
                                metric="params_without_grad", expected=0, observed=len(missing),
-                               details="if this is by design, list them in [checks.smoke] no_grad_ok")
+                               details="if this is by design, list them in [checks.smoke] "
+                               + ("wrapper_no_grad_ok" if st.wrapper else "no_grad_ok"))
         with_grad = [(n, p) for n, p in st.trainable if p.grad is not None]
         nonfinite = [n for n, p in with_grad if not torch.isfinite(p.grad).all()]
         if nonfinite:
@@ -150,10 +315,21 @@ class SmokeCheck(Check):
         ctx.metric("grad_norm", torch.linalg.vector_norm(
             torch.stack([p.grad.float().norm() for _, p in with_grad])).item())
         st.with_grad = with_grad
+        if st.wrapper:
+            dead = []
+            for part in ("vision", "projector", "text"):
+                norms = [p.grad.float().norm() for n, p in with_grad if st.parts[n] == part]
+                g = ctx.metric(f"grad_norm_{part}", torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0)
+                if g == 0:
+                    dead.append(f"{part} ({', '.join(st.roots.get(part, [])[:2]) or 'no module'})")
+            if dead:
+                raise CheckFailure(f"the loss gives zero gradient to the wrapper's {', '.join(dead)}: the image path "
+                                   "does not reach the loss", metric="grad_norm_" + dead[0].split()[0],
+                                   expected="> 0", observed=0.0)
 
     def train(self, ctx: CheckContext, st) -> None:
         """A few optimizer steps on the same batch must lower the loss."""
-        cfg, model, ids = st.cfg, st.model, st.ids
+        cfg, model = st.cfg, st.model
         params = [p for _, p in st.with_grad]
         # eps must survive the parameter dtype: AdamW's default 1e-8 is 0 in float16, and then
         # a zero second moment gives 0/0 = nan on the first step.
@@ -163,13 +339,13 @@ class SmokeCheck(Check):
         t = time.perf_counter()
         for _ in range(cfg.steps - 1):
             opt.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(**st.inputs, labels=st.labels).loss.backward()
             opt.step()
         ctx.backend.synchronize()
         if cfg.steps > 1:
             ctx.metric("train_step_time_s", (time.perf_counter() - t) / (cfg.steps - 1))
         with torch.no_grad():
-            loss1 = ctx.metric("loss_final", model(input_ids=ids, labels=ids).loss.item())
+            loss1 = ctx.metric("loss_final", model(**st.inputs, labels=st.labels).loss.item())
         ctx.metric("loss_drop", st.loss0 - loss1)
         if not math.isfinite(loss1):
             raise CheckFailure(f"{cfg.steps} optimizer steps made the loss non-finite", metric="loss_final",
@@ -182,10 +358,13 @@ class SmokeCheck(Check):
 
     def determinism(self, ctx: CheckContext, st) -> None:
         """Same seed, same build, same input -> same bits."""
-        st.model2, _ = build_model(ctx.suite, ctx.dtype, ctx.device, seed=st.cfg.seed, mc=st.mc)
+        if st.wrapper:
+            st.model2 = self._wrapper_model(ctx, st)
+        else:
+            st.model2, _ = build_model(ctx.suite, ctx.dtype, ctx.device, seed=st.cfg.seed, mc=st.mc)
         st.model2.train()
         with torch.no_grad():
-            logits2 = st.model2(input_ids=st.ids).logits.float().cpu()
+            logits2 = st.model2(**st.inputs).logits.float().cpu()
         same = torch.equal(st.logits0, logits2)
         ctx.metric("logits_bitwise_equal", float(same))
         if not same and ctx.backend.device_type == "cpu":
@@ -196,6 +375,8 @@ class SmokeCheck(Check):
     def generate(self, ctx: CheckContext, st) -> None:
         """Greedy generation with the KV cache equals recomputation, except at near ties."""
         cfg, model, ids = st.cfg, st.model2, st.ids
+        if st.wrapper:  # the decoder's KV cache is the default item's; image prefill caching is not checked here
+            return
         if not cfg.generate_tokens or not hasattr(model, "generate"):
             return
         model.eval()
@@ -220,6 +401,46 @@ class SmokeCheck(Check):
                 metric="generation_tie_gap", expected=f"<= {margin} (near tie)", observed=f"{gap:.6g}",
                 tolerance=margin)
         ctx.notes.append(f"cached/uncached generation differ at a near tie (gap {gap:.3g} <= {margin})")
+
+
+def _same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+    return len(xs) == len(ys) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(xs, ys, strict=True))
+
+
+def _part_roots(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The shallowest modules of each wrapper part (vision / projector / text) by module path, as
+    ``harness inspect`` splits parameters (``model.visual``, ``model.visual.merger``, ...)."""
+    from harness.inspect.params import module_part
+
+    roots: dict[str, list[str]] = {}
+    for name, mod in model.named_modules():
+        if not name or not any(True for _ in mod.parameters()):
+            continue
+        part = module_part(name)
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        if parent and module_part(parent) == part:
+            continue
+        roots.setdefault(part, []).append(name)
+    return roots
+
+
+def _transformers_frame(e: BaseException) -> str | None:
+    """'modeling_x.py:123 in forward' when ``e`` was raised in transformers' own code, else None."""
+    import os
+
+    import transformers
+
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    if last is None:
+        return None
+    f = last.tb_frame.f_code.co_filename
+    if not f.startswith(os.path.dirname(transformers.__file__)):
+        return None
+    return f"{os.path.basename(f)}:{last.tb_lineno} in {last.tb_frame.f_code.co_name}"
 
 
 def register(registry: CheckRegistry) -> None:

@@ -10,7 +10,11 @@ seen, or refuse in one line saying why.
    written and the keys that were not reduced are named;
 4. one backward on the pruned model finds parameters that get no gradient by design (a sparse-attention
    indexer trained apart from the LM loss); they are declared in ``[checks.smoke] no_grad_ok``;
-5. the suite's smoke check runs once on the CPU in float32. Exit 0 when it passes.
+5. a multimodal wrapper also gets the smoke check's ``wrapper`` variant (``[checks.smoke] wrapper =
+   true``): the wrapper end to end with a tiny vision tower and a synthetic image; one backward of it
+   finds its own no-gradient parameters (``wrapper_no_grad_ok``), and a wrapper the installed
+   transformers cannot run is noted in a comment (its item then skips with that one line);
+6. the suite's smoke check runs once on the CPU in float32 (and its wrapper variant). Exit 0 when it passes.
 """
 
 from __future__ import annotations
@@ -176,6 +180,31 @@ def probe(path: Path, max_params: int, raw: dict, plan) -> tuple[int, list[str]]
     return n, _no_grad_globs(model)
 
 
+def wrapper_probe(path: Path) -> tuple[list[str], str | None]:
+    """One forward + backward of the suite's wrapper variant on CPU float32: (no-grad globs, None), or
+    ([], one line) when the variant is not applicable or fails."""
+    from harness.backends import get
+    from harness.checks import CheckContext, registry
+    from harness.checks.outcomes import CheckOutcome
+    from harness.checks.smoke import WRAPPER
+    from harness.suite.loader import load_suite
+
+    ls = load_suite(path)
+    ctx = CheckContext(ls, get("cpu"), "float32", WRAPPER, check="smoke")
+    check = registry().get("smoke")
+    st = check.new_state(ctx)
+    try:
+        for step in ("build", "forward"):
+            with ctx.step(step):
+                getattr(check, step)(ctx, st)
+        st.out.loss.backward()
+    except CheckOutcome as e:
+        return [], f"{type(e).__name__}: {' '.join(str(e).split())}"
+    except Exception as e:  # noqa: BLE001 - reported in the suite's comment; the item will say it again
+        return [], f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return _no_grad_globs(st.model), None
+
+
 def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str | Path | None = None,
                force: bool = False, max_params: int = DEFAULT_MAX_PARAMS) -> Path:
     """Write the suite file; raises InitRefused / FileExistsError with a one-line message."""
@@ -218,16 +247,32 @@ def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str |
         msg = " ".join(str(e).split())
         raise InitRefused(f"{config}: the pruned model does not build or run: {type(e).__name__}: {msg[:400]}") from None
     plan.why.append(f"pruned model: {n:,} parameters")
+    smoke: dict = {}
+    comment: list[str] = []
     if globs:
         comment = [f"by design these parameters get no gradient from the LM loss (found by one backward at init): "
                    f"{', '.join(globs)}; anything else without a gradient still fails"]
-        write({"no_grad_ok": globs}, comment)
+        smoke["no_grad_ok"] = globs
+        write(smoke, comment)
         try:
             load_suite(out)
         except SuiteError:  # a harness whose smoke check has no no_grad_ok knob: keep it as a comment
             write(None, comment + [f"no_grad_ok = {globs!r}  (needs the smoke check's no_grad_ok knob)"])
-    else:
-        write()
+            return out
+    from harness.models.wrapper import is_wrapper
+
+    if is_wrapper(raw):
+        smoke["wrapper"] = True
+        comment.append("wrapper = true: variant smoke[...-wrapper] runs the multimodal wrapper end to end (tiny "
+                       "vision tower, synthetic image; harness/models/wrapper.py)")
+        write(smoke, comment)
+        wglobs, why = wrapper_probe(out)
+        if why:
+            comment.append(f"the wrapper variant at init: {why}")
+        elif wglobs:
+            smoke["wrapper_no_grad_ok"] = wglobs
+            comment.append(f"with an image, these wrapper parameters get no gradient by design: {', '.join(wglobs)}")
+    write(smoke or None, comment or None)
     return out
 
 
@@ -259,8 +304,22 @@ def validate(path: Path) -> tuple[bool, str]:
     except Exception as e:  # a model that does not even build: say so, do not traceback
         return False, f"{type(e).__name__}: {' '.join(str(e).split())}"
     props = dict(ctx.properties)
-    return True, (f"smoke[cpu-float32] passed: loss {props.get('metric.loss_initial', '?')} -> "
-                  f"{props.get('metric.loss_final', '?')}, {props.get('metric.parameters', '?')} parameters")
+    msg = (f"smoke[cpu-float32] passed: loss {props.get('metric.loss_initial', '?')} -> "
+           f"{props.get('metric.loss_final', '?')}, {props.get('metric.parameters', '?')} parameters")
+    if not ls.suite.checks.smoke.wrapper:
+        return True, msg
+    from harness.checks import NotApplicable
+
+    try:
+        w = dict(run_one(ls, "smoke", "cpu", "float32", "wrapper").properties)
+    except NotApplicable as e:
+        return True, msg + f"; smoke[cpu-float32-wrapper] not applicable: {' '.join(str(e).split())}"
+    except Exception as e:  # a failing wrapper variant: say which check said no, in one line
+        return False, msg + f"; smoke[cpu-float32-wrapper] FAILED: {type(e).__name__}: {' '.join(str(e).split())}"
+    return True, msg + (f"; smoke[cpu-float32-wrapper] passed: loss {w.get('metric.loss_initial', '?')} -> "
+                        f"{w.get('metric.loss_final', '?')}, parts text/vision/projector "
+                        f"{w.get('metric.parameters_text', '?')}/{w.get('metric.parameters_vision', '?')}/"
+                        f"{w.get('metric.parameters_projector', '?')}, {w.get('metric.image_tokens', '?')} image tokens")
 
 
 def run(args) -> int:

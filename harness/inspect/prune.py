@@ -474,3 +474,86 @@ def suite_toml(config_rel: str, raw: dict, prune: dict, why: list[str], *, title
         lines += ["", "[checks.smoke]"] + [f"# {c}" for c in smoke_comments or []]
         lines += [f"{k} = {_toml_value(v)}" for k, v in (smoke or {}).items()]
     return "\n".join(lines) + "\n"
+
+
+# --- the wrapper variant's vision part ------------------------------------------------------------
+
+# Own fields of a vision config only (PretrainedConfig's generic ones are not sizes of the model).
+_GENERIC = ("chunk_size_feed_forward", "max_position_embeddings", "max_length", "min_length", "num_beams",
+            "num_return_sequences", "top_k", "num_labels")
+
+
+def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
+    """Dotted updates (``vision_config.*`` and the wrapper's own projector keys) that make the vision
+    part of a transformers wrapper config ``full`` tiny and self-consistent, and the reasons.
+
+    Read from what transformers builds (defaults included), not from the file alone: a config.json
+    may omit the vision part (Llama-4-Scout here) or spell it in remote-code keys transformers does not
+    read (Kimi-K2.5's ``vt_*``). Consistency rules, each from how the modules use the keys:
+
+    * one layer (``deepstack_visual_indexes`` -> [0]), width 32, 2 heads, head dims = width / heads;
+    * keys equal to the text model's hidden size (``out_hidden_size``: the merger's output feeds the
+      decoder) follow the pruned text hidden size;
+    * projector dims (``projector_input_dim``, ``projector_output_dim``, ``vision_output_dim``,
+      ``projection_dim``) one common value (the adapter's fc1 output is fc2's input);
+    * pixel shuffle: ``intermediate_size = hidden / ratio²`` (the adapter reads the shuffled channels);
+    * image and position tables small but covering the synthetic image: ``image_size`` = 4 patches a
+      side, ``num_position_embeddings`` 64 (an 8x8 grid, interpolated), ``pos_emb_*`` 8;
+    * the wrapper's projector norm (``projection_hidden_size``) = the vision width.
+    """
+    vc = getattr(full, "vision_config", None)
+    if vc is None:
+        return {}, ["no vision_config"]
+    try:
+        known = set(type(vc)().to_dict())
+    except Exception:  # a config class that needs arguments: read everything
+        known = set(vc.to_dict())
+    d = {k: v for k, v in vc.to_dict().items() if k not in _GENERIC and k in known}
+    unread = sorted(k for k in vc.to_dict() if k not in known and not k.startswith("_"))
+    full_text = full.get_text_config().hidden_size
+    up = plan_vision(d)
+    heads = 2
+    width = VISION_WIDTH
+    for k in ("hidden_size", "vt_hidden_size", "mm_hidden_size"):
+        if isinstance(d.get(k), int) and d[k] > width:
+            up[k] = width
+    for k in ("num_attention_heads", "num_heads", "vt_num_attention_heads"):
+        if isinstance(d.get(k), int):
+            up[k] = heads
+    if "num_key_value_heads" in d:
+        up["num_key_value_heads"] = heads
+    for k in _head_dim_keys(d):
+        up[k] = width // heads
+    for k, v in d.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v == full_text and k not in ("hidden_size",):
+            up[k] = text_hidden  # out_hidden_size / text_hidden_size: what the decoder reads
+    proj = [k for k in ("projector_input_dim", "projector_output_dim", "vision_output_dim", "projection_dim")
+            if isinstance(d.get(k), int)]
+    for k in proj:
+        up[k] = 2 * width
+    ratio = d.get("pixel_shuffle_ratio")
+    if isinstance(ratio, (int, float)) and ratio > 0 and "intermediate_size" in d:
+        up["intermediate_size"] = int(round(width / ratio ** 2))
+    elif "intermediate_size" in d:
+        up["intermediate_size"] = 2 * width
+    if isinstance(d.get("image_size"), int) and isinstance(d.get("patch_size"), int):
+        up["image_size"] = 4 * d["patch_size"]
+    if isinstance(d.get("num_position_embeddings"), int):
+        up["num_position_embeddings"] = 64
+    for k in ("pos_emb_height", "pos_emb_width", "init_pos_emb_height", "init_pos_emb_width"):
+        if isinstance(d.get(k), int) and d[k] > 8:
+            up[k] = 8
+    if isinstance(d.get("position_embedding_size"), int):
+        up["position_embedding_size"] = 64
+    if isinstance(d.get("num_hidden_layers"), int):
+        up["num_hidden_layers"] = 1
+    out = {f"vision_config.{k}": v for k, v in up.items() if d.get(k) != v}
+    top = full.to_dict()
+    if isinstance(top.get("projection_hidden_size"), int):
+        out["projection_hidden_size"] = up.get("hidden_size", d.get("hidden_size"))
+    changed = ", ".join(f"{k.split('.', 1)[-1]} {(d.get(k.split('.', 1)[-1]) if k.startswith('vision_config.') else top.get(k))}"
+                        f" -> {v}" for k, v in out.items())
+    why = [f"vision part from {type(vc).__name__} (defaults included): {changed}"]
+    if unread:
+        why.append(f"published vision keys {type(vc).__name__} does not read (left as published): {', '.join(unread)}")
+    return out, why
