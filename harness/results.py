@@ -99,9 +99,13 @@ def atomic_write(path: Path, data: str) -> None:
 
 
 def junit_names(nodeid: str) -> tuple[str, str]:
-    """pytest's junitxml mangling: ``suites/x.toml::smoke[cpu-float32]`` -> (``suites.x.toml``, ``smoke[cpu-float32]``)."""
-    names = nodeid.split("::")
-    names[0] = names[0].replace("/", ".").removesuffix(".py")
+    """pytest's own junitxml mangling (``_pytest.junitxml.mangle_test_address``, what ``--junitxml``
+    writes): ``suites/x.toml::smoke[cpu-float32]`` -> (``suites.x.toml``, ``smoke[cpu-float32]``); a
+    parameter holding ``::`` (``ops[cpu-float32-aten::mm.default]``) stays whole, so this file and
+    pytest's name every item alike (and history keys agree)."""
+    from _pytest.junitxml import mangle_test_address
+
+    names = mangle_test_address(nodeid)
     return ".".join(names[:-1]), names[-1]
 
 

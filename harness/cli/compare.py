@@ -60,9 +60,9 @@ def junit_key(nodeid: str) -> str:
 
 
 def junit_keys(nodeid: str) -> set[str]:
-    """:func:`junit_key`, and the key harness's own results writer gives the same item
-    (harness/results.py ``junit_names`` still splits at every ``::``), so ``--collected`` works
-    with either JUnit XML. They differ only for params holding ``::``."""
+    """:func:`junit_key`, and the key harness's own results writer gave the same item before it used
+    pytest's mangling too (it split at every ``::``), so ``--collected`` still matches JUnit XML
+    written by older runs. They differ only for params holding ``::``."""
     legacy = nodeid.strip().split("::")
     legacy[0] = legacy[0].replace("/", ".").removesuffix(".py")
     return {junit_key(nodeid), ".".join(legacy[:-1]) + "::" + legacy[-1]}

@@ -118,7 +118,7 @@ def classify(current: Results, baseline: Results | None, history: History | None
         _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys), by_verdict)
         if case.outcome == "passed" or by_verdict:
             _metric_findings(out, case, base.get(key), series, config,
-                             perfverdict.TIMING_FAMILY if verdict is not None else frozenset())
+                             perfverdict.SKIPPED if verdict is not None else frozenset())
         if verdict is not None:
             _verdict_findings(out, case, verdict)
     _missing_findings(out, current, base, prev, config)

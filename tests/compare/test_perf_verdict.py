@@ -56,6 +56,8 @@ def noisy_but_within(level=0.0645):
     +0.8%: the check says unchanged."""
     it, d = perf_item("llama-3.1-8b", perf_samples(level), BASE, wall=3.4)
     assert d.verdict == "unchanged"
+    # the item's own wall time stretches with the runner's load too (14 s on main's run)
+    it["props"] = [[k, repr(14.0 * 3.4 / 2.2) if k == "metric.wall_time_s" else v] for k, v in it["props"]]
     return [it, item("llama-3.1-8b", "smoke")]
 
 
