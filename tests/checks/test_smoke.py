@@ -108,3 +108,16 @@ def test_loss_that_does_not_fall_fails(write_suite):
     with pytest.raises(CheckFailure, match="did not lower the loss") as e:
         run_one(ls, "smoke", "cpu", "float32")
     assert e.value.metric == "loss_final"
+
+
+def test_wrapper_variant_only_where_the_suite_asks(write_suite):
+    """`[checks.smoke] wrapper = true` adds the `wrapper` item (init writes it for multimodal configs);
+    a suite without it keeps its one smoke item per backend x dtype."""
+    from harness.checks import registry
+
+    smoke = registry().get("smoke")
+    assert smoke.variants(tiny(write_suite), None) == [None]
+    ls = tiny(write_suite, "w", extra="[checks.smoke]\nwrapper = true\n"
+              '[checks.smoke.wrapper_overrides]\n"vision_config.image_size" = 112\n')
+    assert smoke.variants(ls, None) == [None, "wrapper"]
+    assert ls.suite.checks.smoke.wrapper_overrides == {"vision_config.image_size": 112}
