@@ -57,6 +57,15 @@ def reference_outputs(ls: LoadedSuite, ids: torch.Tensor, reference: str | None 
     return outs, gen, info
 
 
+def weights_provenance(ls: LoadedSuite) -> dict:
+    """What the golden's weights were: the checkpoint, the kept layers/experts and the checkpoint
+    manifest's digest for real weights (``harness.weights.provenance``), else the seed of the random
+    ones. ``load_golden`` refuses a golden whose weights are not the run's."""
+    from harness.weights import provenance
+
+    return provenance(ls) or {"weights": "random", "seed": ls.suite.checks.precision.seed}
+
+
 def budget_draws(ls: LoadedSuite, ids: torch.Tensor) -> list[torch.Tensor]:
     """Input draws for budget measurement: the golden's own ids, then seeded draws of the same shape."""
     from harness.models.build import model_config, seeded_tokens
@@ -100,6 +109,7 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
         "reference": info, "config_hash": store.config_hash(ls), "input_spec": store.input_spec(ls),
         "order": list(outs), "tensors": meta,
     }
+    manifest["weights"] = weights_provenance(ls)
     if record:
         manifest["module_inputs"] = {n: st for n, st in cap.inputs.items() if n in outs}
         if cap.not_replayable:

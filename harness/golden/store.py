@@ -379,6 +379,32 @@ def validate(g: Golden) -> None:
                 raise _bad(g, "manifest.json", f"budget of {mod} in {dtype} is {v!r}, not a positive number")
 
 
+def _check_weights(recorded: dict | None, ls, mf: str) -> None:
+    """A golden made from real weights compared with a run on random ones (the runner lacks the
+    checkpoint) or on another checkpoint (its manifest digest changed), or the other way round, would
+    fail every module for nothing: refused in one line. Goldens without the record (older) pass."""
+    if not isinstance(recorded, dict):
+        return
+    from harness.golden.generate import weights_provenance
+
+    now = weights_provenance(ls)
+    was, is_ = recorded.get("weights"), now.get("weights")
+    if was != is_:
+        if was == "real":
+            from harness.weights.source import locate
+
+            why = locate(ls).reason or "no weights"
+            raise GoldenError(f"{mf}: golden was made from real weights ({recorded.get('checkpoint')}) but this run "
+                              f"has none ({why}); give the run the checkpoint, or regenerate with "
+                              f"`harness golden generate {ls.name} --update`")
+        raise GoldenError(f"{mf}: golden was made from random weights but this run loads real ones "
+                          f"({now.get('checkpoint')}); regenerate with `harness golden generate {ls.name} --update`")
+    a, b = recorded.get("manifest_sha256"), now.get("manifest_sha256")
+    if was == "real" and a and b and a != b:
+        raise GoldenError(f"{mf}: golden was made from another checkpoint (manifest sha256 {a[:12]} != {b[:12]}); "
+                          f"regenerate with `harness golden generate {ls.name} --update`")
+
+
 def load_golden(ls, root: str | Path | None = None) -> Golden:
     """The suite's golden, verified, and checked to come from this suite's config and input spec."""
     path = golden_dir(ls.name, root)
@@ -393,6 +419,7 @@ def load_golden(ls, root: str | Path | None = None) -> Golden:
         raise GoldenError(f"{mf}: golden was made by another config (config hash "
                           f"{str(g.manifest.get('config_hash'))[:12]} != {config_hash(ls)[:12]} of {ls.name}); "
                           f"regenerate with `harness golden generate {ls.name} --update`")
+    _check_weights(g.manifest.get("weights"), ls, mf)
     spec = input_spec(ls)
     if g.manifest.get("input_spec") != spec:
         raise GoldenError(f"{mf}: golden input spec {g.manifest.get('input_spec')} differs from the suite's "

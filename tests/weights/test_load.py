@@ -142,3 +142,28 @@ def test_smoke_check_runs_on_the_real_weights(kimi_ckpt, tmp_path):
     ctx = run_one(ls, "smoke", "cpu", "float32")
     assert any(n.startswith("real weights from") and "layers [0, 1] of 4" in n for n in ctx.notes)
     assert float(dict(ctx.properties)["metric.loss_drop"]) > 0
+
+
+def test_golden_records_its_weights_and_refuses_a_run_on_other_ones(kimi_ckpt, tmp_path, monkeypatch):
+    """A golden made from the real checkpoint says so; a runner without the checkpoint (random weights)
+    or a golden made from random weights under a run that loads real ones is refused in one line,
+    instead of every module failing for nothing."""
+    from harness.golden.generate import generate
+    from harness.golden.store import GoldenError, load_golden
+
+    root, raw, _ = kimi_ckpt
+    p = write_suite(tmp_path, "k", raw, f'weights = "$HARNESS_WEIGHTS_TEST"\n{PRUNE_2L_4E}')
+    monkeypatch.setenv("HARNESS_WEIGHTS_TEST", str(root))
+    ls = load_suite(p)
+    generate(ls, tmp_path / "golden")
+    rec = load_golden(ls, tmp_path / "golden").manifest["weights"]
+    assert rec["weights"] == "real" and rec["checkpoint"] == str(root.resolve()) and rec["layers"] == "default"
+    monkeypatch.delenv("HARNESS_WEIGHTS_TEST")
+    with pytest.raises(GoldenError, match=r"made from real weights .* but this run has none \(weights not available: "
+                                          r"\$HARNESS_WEIGHTS_TEST is not set\)"):
+        load_golden(load_suite(p), tmp_path / "golden")
+    generate(load_suite(p), tmp_path / "golden", update=True)  # now from random weights
+    assert load_golden(load_suite(p), tmp_path / "golden").manifest["weights"] == {"weights": "random", "seed": 0}
+    monkeypatch.setenv("HARNESS_WEIGHTS_TEST", str(root))
+    with pytest.raises(GoldenError, match="made from random weights but this run loads real ones"):
+        load_golden(load_suite(p), tmp_path / "golden")
