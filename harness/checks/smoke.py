@@ -231,8 +231,11 @@ class SmokeCheck(Check):
                     metric="image_tokens", expected=st.batch.image_tokens, observed=" ".join(str(e).split())) from None
             raise
         except AttributeError as e:
-            where = _transformers_frame(e) if st.wrapper else None
-            if where:
+            # transformers' own wrapper forward failing on its own objects, with the image or without
+            # one, is a wrapper this transformers cannot run (NotApplicable); anything else (e.g. a vision
+            # module that returns None) fails as a model fault.
+            where = _transformers_frame(e, model) if st.wrapper else None
+            if where and _fails_text_only(model, st.inputs["input_ids"]):
                 import transformers
 
                 raise NotApplicable(f"wrapper end to end: transformers {transformers.__version__} cannot run "
@@ -424,8 +427,21 @@ def _part_roots(model: torch.nn.Module) -> dict[str, list[str]]:
     return roots
 
 
-def _transformers_frame(e: BaseException) -> str | None:
-    """'modeling_x.py:123 in forward' when ``e`` was raised in transformers' own code, else None."""
+def _fails_text_only(model: torch.nn.Module, ids: torch.Tensor) -> bool:
+    """Does the wrapper's forward raise AttributeError on text alone (no image path involved)?"""
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[:, :2])
+    except AttributeError:
+        return True
+    except Exception:  # noqa: BLE001 - any other outcome: the image path is what broke
+        return False
+    return False
+
+
+def _transformers_frame(e: BaseException, model: torch.nn.Module) -> str | None:
+    """'modeling_x.py:123 in forward' when ``e`` was raised in transformers' own code, in ``model``'s
+    own (top-level) forward, else None."""
     import os
 
     import transformers
@@ -438,7 +454,7 @@ def _transformers_frame(e: BaseException) -> str | None:
     if last is None:
         return None
     f = last.tb_frame.f_code.co_filename
-    if not f.startswith(os.path.dirname(transformers.__file__)):
+    if not f.startswith(os.path.dirname(transformers.__file__)) or last.tb_frame.f_locals.get("self") is not model:
         return None
     return f"{os.path.basename(f)}:{last.tb_lineno} in {last.tb_frame.f_code.co_name}"
 

@@ -220,3 +220,21 @@ def test_wrapper_item_through_the_cli(tmp_path):
     assert r.returncode == 0 and "0 failed, 0 errors" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     junit = (tmp_path / "results" / "junit.xml").read_text()
     assert "smoke[cpu-float32-wrapper]" in junit and "smoke[cpu-bfloat16-wrapper]" in junit
+
+
+def projector_returns_none(model):
+    """Fault: the projector returns nothing; transformers then raises AttributeError in its own code."""
+    model.model.mm_projector.register_forward_hook(lambda m, a, out: _Nothing())
+    return model
+
+
+class _Nothing:
+    """Stands for a missing projector output: transformers' `.squeeze` on it raises AttributeError."""
+
+
+def test_broken_vision_path_inside_transformers_fails_not_skips(suites):
+    """An AttributeError in transformers' code is "this transformers cannot run the wrapper" only when the
+    wrapper's own forward fails on text alone too (Llama 4 in 5.24); a broken image path is a failure."""
+    ls = suites("Kimi-K2.5")
+    with pytest.raises(AttributeError, match="squeeze"):
+        _run_with(ls, projector_returns_none)
