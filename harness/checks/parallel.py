@@ -59,10 +59,12 @@ for _k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcas
     metrics.declare(f"comm_{_k}_bytes", "bytes", "lower", f"bytes given to {_k} collectives, all ranks")
 
 # Tolerances on the scale-relative max error (docs/parallel.md, "Tolerances"): 8x the worst error
-# measured over clean sweeps of every bundled suite's default matrix, rounded up to a power of 2.
+# measured over clean sweeps of every bundled suite's default matrix, rounded up to a power of 2;
+# router logits 4x (it also sets the near-tie window of routing flips: headroom there is a window in
+# which a wrong routing decision would pass as a tie).
 DEFAULT_TOLERANCES = {
     "float32": {"logits": 2**-17, "loss": 2**-19, "grads": 2**-16, "weights": 2**-18, "logits_after": 2**-17,
-                "activations": 2**-17, "router": 2**-17},
+                "activations": 2**-17, "router": 2**-18},
     "bfloat16": {"logits": 2**-4, "loss": 2**-10, "grads": 2**-2, "weights": 2**-3, "logits_after": 2**-2,
                  "activations": 2**-3, "router": 2**-4},
 }
@@ -309,7 +311,7 @@ class ParallelCheck(Check):
             ranks = load_ranks(st.outcome.dir, lay.world)
             ref, routing = _routed_reference(ctx, st, lay, ranks, tol)
             v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
-            _apply_routing(v, routing)
+            _apply_routing(v, routing, st.order)
             st.verdicts[lay.label] = (v, [rd.meta for rd in ranks], routing)
         v, metas, routing = st.verdicts[lay.label]
         st.verdict, st.metas = v, metas
@@ -418,14 +420,18 @@ def _routed_reference(ctx: CheckContext, st, lay, ranks, tol):
     return rerun, r
 
 
-def _apply_routing(v, routing) -> None:
-    """A flip at a wide margin fails the layout and is where the divergence starts: named first."""
+def _apply_routing(v, routing, order: list[str]) -> None:
+    """A flip at a wide margin fails the layout, and is where the divergence starts unless a module
+    before the router already diverged (then the router only saw other inputs: a pipeline stage
+    that reordered its microbatches routes every token "wrongly")."""
     if routing is None or routing.judgement is None or not routing.judgement.wide:
         return
     j = routing.judgement
     v.failed[:0] = j.wide
-    v.first_module, v.first_module_ranks = j.first_wide, j.wide_ranks
-    v.first_module_error = float("nan")
+    pos = {n: i for i, n in enumerate(order)}
+    if v.first_module is None or pos.get(j.first_wide, len(order)) < pos.get(v.first_module, len(order)):
+        v.first_module, v.first_module_ranks = j.first_wide, j.wide_ranks
+        v.first_module_error = float("nan")
 
 
 def _logs(d: Path | None) -> str | None:
