@@ -16,6 +16,7 @@ Checks never raise pytest exceptions: ``harness.execute`` turns what a check did
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -347,10 +348,21 @@ class HarnessItem(pytest.Item):
         return self.config.getoption("harness_isolate") == "on" or self.backend.device_type != "cpu"
 
     def runtest(self) -> None:
-        if self.isolated():
-            self.result = r = self._run_isolated()
-        else:
-            self.result = r = execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
+        from harness import exclusive
+        from harness.results import results_root
+
+        excl = bool(getattr(self.check, "exclusive", False))
+        # Other xdist workers' items must not run while a timing item measures (exclusive), and one
+        # waits for the items running now; in one process items are sequential anyway.
+        lock = exclusive.hold(results_root(), excl) if hasattr(self.config, "workerinput") \
+            else contextlib.nullcontext(False)
+        with lock as held:
+            if self.isolated():
+                self.result = r = self._run_isolated()
+            else:
+                self.result = r = execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
+        if excl and hasattr(self.config, "workerinput") and not held:
+            r.notes.append("could not take the run lock: other items may have run during this measurement")
         self.user_properties.extend(r.properties)
         if r.notes:
             self.add_report_section("call", "harness notes", "\n".join(r.notes))

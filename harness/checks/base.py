@@ -128,6 +128,9 @@ class Check:
     steps: ClassVar[tuple[str, ...]] = ()
     setup_steps: ClassVar[tuple[str, ...]] = ()
     headline: ClassVar[tuple[str, ...]] = ()
+    # Measures time: its items run alone on the machine, no other item of the run at the same time
+    # (xdist workers wait; harness/exclusive.py).
+    exclusive: ClassVar[bool] = False
     source: str = "builtin"
 
     def config(self, suite: LoadedSuite) -> Any:
