@@ -128,8 +128,10 @@ def load_suite(path: str | Path) -> LoadedSuite:
         w = (path.parent / suite.model.weights).resolve()
         if not w.exists():
             problems.append(f"model.weights: not found: {_display(w)}")
-        elif w.is_file() and w.suffix != ".safetensors":
-            problems.append(f"model.weights: only safetensors weights are loaded (never pickles), got {w.name}")
+        elif w.is_file() and w.suffix != ".safetensors" and not (
+                suite.model.weights_allow_pickle and w.suffix in (".bin", ".pt", ".pth")):
+            problems.append(f"model.weights: only safetensors weights are loaded (never pickles), got {w.name}; "
+                            "set model.weights_allow_pickle = true to read a pickle with torch.load(weights_only=True)")
     if problems:
         raise SuiteError(path, problems)
     return LoadedSuite(path, suite.model.name or path.stem, suite, config_path, raw)

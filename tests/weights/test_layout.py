@@ -53,6 +53,30 @@ def test_pickle_only_checkpoint_is_refused_unless_allowed(tmp_path):
         open_checkpoint(tmp_path, allow_pickle=True)
 
 
+def test_a_single_pickle_file_suite_loads_only_when_allowed(kimi_ckpt, tmp_path):
+    """model.weights naming one pickle file: the suite is refused in one line naming the opt-in, and
+    with model.weights_allow_pickle the file is read with torch.load(weights_only=True)."""
+    from safetensors.torch import load_file
+
+    from harness.models.build import build_model
+    from harness.suite.loader import SuiteError, load_suite
+    from tests.weights.conftest import write_suite
+
+    root, raw, full = kimi_ckpt
+    sd = {}
+    for f in sorted(root.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    torch.save(sd, tmp_path / "model.bin")
+    with pytest.raises(SuiteError, match=r"only safetensors weights are loaded \(never pickles\), got model\.bin; "
+                                         r"set model\.weights_allow_pickle = true"):
+        load_suite(write_suite(tmp_path / "a", "k", raw, f'weights = "{tmp_path / "model.bin"}"\n'))
+    ls = load_suite(write_suite(tmp_path / "b", "k", raw,
+                                f'weights = "{tmp_path / "model.bin"}"\nweights_allow_pickle = true\n'))
+    model, mc = build_model(ls)
+    assert any("torch.load(weights_only=True)" in n for n in mc.notes)
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], full.state_dict()["model.embed_tokens.weight"])
+
+
 def test_manifest_catches_a_changed_byte_and_a_missing_shard(kimi_ckpt, tmp_path):
     root, _, _ = kimi_ckpt
     ck_dir = tmp_path / "ckpt"
