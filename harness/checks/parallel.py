@@ -11,6 +11,8 @@ its results), so start-up is paid once. Per layout, as named steps:
                layout is killed and reported with rank, step and collective; a crash with its signal;
 ``compare``    logits, loss, every gradient gathered to full shape, the weights after the step and
                the logits after it, rank by rank, under dtype-aware tolerances (docs/parallel.md);
+               routing-aware for MoE (harness.parallel.routing: near-tie flips compared with the
+               reference rerun with the layout's routing, wide ones fail at the router);
                on a mismatch: the first diverging module and its ranks, the worst gradient;
 ``memory``     recomputation on vs off: equal gradients, lower measured peak; FSDP: per-rank
                parameter and optimizer bytes about 1/world of the whole.
@@ -131,7 +133,8 @@ class ParallelConfig(CheckConfig):
                                    "tokens are recorded; with drops the layout cannot match the reference.")
     tolerances: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="Per dtype, per quantity (logits, loss, grads, weights, logits_after, "
-        "activations) overrides of the measured defaults (scale-relative max error).")
+        "activations, router - router logits, also the near-tie window of routing flips) overrides of the measured "
+        "defaults (scale-relative max error).")
     plan: PlanRequest | None = Field(None, description="Add a layout with the shape of the one `harness plan` "
                                      "recommends for this cluster (each strategy it uses at degree 2; ZeRO-3 as fsdp), "
                                      "named plan-<layout>.")
