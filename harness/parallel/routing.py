@@ -147,50 +147,36 @@ class ForcedRouting:
     unforced: list[str] = field(default_factory=list)  # routers whose top-k could not be replaced
 
     def attach(self, model: torch.nn.Module) -> list:
+        """Wrap every router's forward (an instance attribute; ``.remove()`` on each returned handle
+        restores it). The top-k mode is entered around the call, so an exception cannot leave it on."""
         handles = []
         for name, mod in model.named_modules():
-            if not is_router(name):
-                continue
-            handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            handles.append(mod.register_forward_hook(self._post(name)))
+            if is_router(name):
+                mod.forward = self._wrap(name, mod, mod.forward)
+                handles.append(SimpleNamespace(remove=lambda m=mod: m.__dict__.pop("forward", None)))
         return handles
 
-    def _pre(self, name):
-        def pre(mod, args, kwargs):
+    def _wrap(self, name: str, mod: torch.nn.Module, forward):
+        def wrapped(*args, **kwargs):
             forced = (self.force.get(self.phase) or {}).get(name)
-            mod._harness_force = None
             if forced is None:
-                return None
+                return forward(*args, **kwargs)
             hidden = args[0] if args else next(iter(kwargs.values()))
-            n_e = int(getattr(mod, "num_experts", 0) or getattr(mod, "n_routed_experts", 0)
-                      or mod.weight.shape[0])
+            n_e = int(getattr(mod, "num_experts", 0) or getattr(mod, "n_routed_experts", 0) or mod.weight.shape[0])
             router64 = copy.deepcopy(mod).double()
-            for d in (router64._forward_hooks, router64._forward_pre_hooks, router64._forward_hooks_with_kwargs,
-                      router64._forward_pre_hooks_with_kwargs):
-                d.clear()  # the copy is the bare router, for the judge
-            mode = _ForceTopK(forced, n_e)
-            mode.__enter__()
-            mod._harness_force = (mode, hidden.detach().clone(), router64)
-            return None
-        return pre
-
-    def _post(self, name):
-        def post(mod, _args, out):
-            f = getattr(mod, "_harness_force", None)
-            if f is None:
-                return None
-            mod._harness_force = None
-            mode, hidden, router64 = f
-            mode.__exit__(None, None, None)
+            router64.__dict__.pop("forward", None)  # the bare router, for the judge
+            for d in (router64._forward_hooks, router64._forward_pre_hooks):
+                d.clear()
+            with _ForceTopK(forced, n_e) as mode:
+                out = forward(*args, **kwargs)
             idx = _indices(out)
-            want = self.force[self.phase][name]
-            if mode.natural is None or idx is None or not torch.equal(idx.long(), want.long()):
+            if mode.natural is None or idx is None or not torch.equal(idx.long(), forced.long()):
                 self.unforced.append(name)
-                return None
-            self.calls[self.phase][name] = ForcedCall(mode.natural.long(), _logits(out).detach().clone(), hidden,
-                                                      router64)
-            return None
-        return post
+            else:
+                self.calls[self.phase][name] = ForcedCall(mode.natural.long(), _logits(out).detach().clone(),
+                                                          hidden.detach().clone(), router64)
+            return out
+        return wrapped
 
 
 def layout_routing(ranks, lay, routers: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict, list[str]]:
