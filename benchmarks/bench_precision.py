@@ -124,7 +124,7 @@ def fault_set(first_mlp: str):
         "rmsnorm_bf16_acc": ([1], lambda _r: {"transform": faults.route_rmsnorm,
                                               "context": kernel("rmsnorm_bf16_acc")},
                              "model.layers.0.input_layernorm"),
-        "rotary_bf16": ([1], lambda _r: {"transform": faults.rotary_low_precision}, "model.rotary_emb"),
+        "rotary_bf16": ([1], lambda _r: {"transform": faults.rotary_low_precision}, "model.rotary_emb@positions"),
     }
 
 
