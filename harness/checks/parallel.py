@@ -47,7 +47,8 @@ metrics.declare("parallel_router_error", "", "lower", "worst router logits vs th
 # routing_flips_near_tie is declared by the precision check (same meaning: near-tie routing flips).
 metrics.declare("parallel_world_size", "", "none", "ranks of the layout")
 metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout on its slowest rank")
-metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout")
+metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout, from its start "
+                "to the layout's results (to its end for the last layout)")
 metrics.declare("parallel_launch_layouts", "", "none", "layouts sharing the launch")
 metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker)")
 metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activation recomputation / without")
