@@ -69,7 +69,7 @@ DEFAULT_TOLERANCES = {
     "float32": {"logits": 2**-17, "loss": 2**-19, "grads": 2**-16, "weights": 2**-18, "logits_after": 2**-17,
                 "activations": 2**-17, "router": 2**-18},
     "bfloat16": {"logits": 2**-4, "loss": 2**-10, "grads": 2**-2, "weights": 2**-3, "logits_after": 2**-2,
-                 "activations": 2**-3, "router": 2**-4},
+                 "activations": 2**-2, "router": 2**-4},
 }
 # Not measured by a bundled run: scaled by the unit roundoff (float64 2^-53 vs float32 2^-24;
 # float16 2^-11 vs bfloat16 2^-8).
