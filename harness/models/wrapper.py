@@ -108,10 +108,10 @@ def wrapper_config(ls, suite_mc: ModelConfig, overrides: dict | None = None) -> 
 
 # --- synthetic images ----------------------------------------------------------------------------
 
-def _image(seed: int, size: int) -> torch.Tensor:
-    """A seeded RGB image [3, size, size] in [0, 255] (uint8), identical on every backend."""
+def _image(seed: int, size: int, width: int | None = None) -> torch.Tensor:
+    """A seeded RGB image [3, size, width or size] in [0, 255] (uint8), identical on every backend."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (3, size, size), generator=g, dtype=torch.uint8)
+    return torch.randint(0, 256, (3, size, width or size), generator=g, dtype=torch.uint8)
 
 
 def _qwen_vl(cfg, n: int, seed: int):
@@ -159,7 +159,7 @@ def _kimi_k25(cfg, n: int, seed: int):
     gh, gw = 2 * kh, 2 * kw  # a 2x2 grid of merged tokens
     # Kimi_K25ImageProcessor (torchvision only): normalize mean/std 0.5 -> [-1, 1], then patchify to
     # [grid_h * grid_w, 3, p, p] per image (its `patchify`), images concatenated; grid [1, gh, gw].
-    imgs = [_image(seed + i, p * gh).float() / 255 * 2 - 1 for i in range(n)]  # gh == gw
+    imgs = [_image(seed + i, p * gh, p * gw).float() / 255 * 2 - 1 for i in range(n)]
     patches = [im.reshape(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3, p, p) for im in imgs]
     grid = torch.tensor([[1, gh, gw]] * n)
     return {"pixel_values": torch.cat(patches), "image_grid_thw": grid}, (gh * gw) // (kh * kw), \
