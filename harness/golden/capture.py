@@ -87,18 +87,42 @@ def selected_modules(model: torch.nn.Module, patterns: Iterable[str] | None = No
 
 
 def _router_outputs(name: str, out) -> dict[str, torch.Tensor]:
-    """Routers return (logits, weights, indices) in transformers 5; older ones return logits only."""
+    """``{router: its logits, router.chosen_experts: the chosen ids sorted per token}``. Routers return
+    (logits, weights, indices) in transformers 5; older ones return logits only. Llama-4's returns
+    (scores, logits) with no indices: ``scores`` [T, E] is sigmoid of the top-k logits scattered into
+    zeros, so its nonzero places *are* the choice, and a flip would make that row jump (0.25
+    rel_rmse for one token): the dense logits are the router's row and the choice is read from the
+    sparse tensor, so a near-tie flip is judged as for every router."""
     res = {}
     if isinstance(out, (tuple, list)):
         tensors = [t for t in out if isinstance(t, torch.Tensor)]
-        if tensors:
-            res[name] = tensors[0]
         idx = [t for t in tensors if not t.is_floating_point()]
+        floats = [t for t in tensors if t.is_floating_point()]
         if idx:
+            res[name] = tensors[0]
             res[name + EXPERTS_SUFFIX] = idx[-1].sort(dim=-1).values
+            return res
+        sparse = next((t for t in floats if _choice_count(t)), None)
+        dense = next((t for t in floats if t is not sparse and sparse is not None and t.shape == sparse.shape), None)
+        if sparse is not None and dense is not None:
+            k = _choice_count(sparse)
+            res[name] = dense
+            res[name + EXPERTS_SUFFIX] = (sparse != 0).to(torch.int8).topk(k, dim=-1).indices.sort(dim=-1).values
+        elif tensors:
+            res[name] = tensors[0]
     elif isinstance(out, torch.Tensor):
         res[name] = out
     return res
+
+
+def _choice_count(t: torch.Tensor) -> int:
+    """k when every row of ``t`` [..., E] has exactly k < E nonzero entries (a sparse routing-score
+    tensor), else 0."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+        return 0
+    nz = (t != 0).sum(-1)
+    k = int(nz.flatten()[0])
+    return k if 0 < k < t.shape[-1] and bool((nz == k).all()) else 0
 
 
 class NotReplayable(Exception):
@@ -135,15 +159,29 @@ class Capture:
         self._suffix = ""  # PROBE_SUFFIX while probing
         self._probe_calls: dict[str, tuple] = {}  # call name -> (module, args, kwargs) of rotary modules
 
+    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        """The value now: ``convert`` may return the tensor itself (already on the CPU), and models
+        modify outputs in place after the hook fired (Llama-4's MoE adds the routed experts into
+        the shared expert's output with ``add_``)."""
+        c = self.convert(t)
+        return c.clone() if c.data_ptr() == t.data_ptr() else c
+
+    def _stored(self, leaf: dict) -> torch.Tensor | None:
+        return self.input_tensors.get(leaf["t"]) if "t" in leaf else self.outputs.get(leaf["o"])
+
     def _encode(self, v):
         if isinstance(v, torch.Tensor):
             if v.is_complex():  # complex rotary tables (freqs_cis): not stored, the module is compared propagated
                 raise NotReplayable("complex tensor")
             k = _tensor_key(v)
             leaf = self._seen.get(k)
+            if leaf is not None:  # the same tensor as before, unless it was modified in place since
+                old = self._stored(leaf)
+                if old is None or not torch.equal(old, self.convert(v).to(old.dtype)):
+                    leaf = None
             if leaf is None:
                 key = f"i{len(self.input_tensors)}"
-                self.input_tensors[key] = self.convert(v)
+                self.input_tensors[key] = self._snapshot(v)
                 self._alive.append(v)
                 leaf = self._seen[k] = {"t": key}
             return leaf
@@ -190,7 +228,7 @@ class Capture:
                 got = {cname: t} if t is not None and not t.is_complex() else {}  # complex: not compared
             for k, t in got.items():
                 if k not in self.outputs:  # a call made twice keeps its first
-                    self.outputs[k] = self.convert(t)
+                    self.outputs[k] = self._snapshot(t)
                     if k == cname:
                         self._remember_output(cname, t)
         return hook
