@@ -225,3 +225,6 @@ def test_day0_pipeline_through_the_cli(config, tmp_path):
     r = _harness("run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16", cwd=tmp_path)
     assert r.returncode == 0 and "0 failed, 0 errors" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr
+    if isinstance(_raw(config).get("text_config"), dict):  # a wrapper: also end to end with a tiny vision tower
+        junit = (tmp_path / "results" / "junit.xml").read_text()
+        assert "smoke[cpu-float32-wrapper]" in junit and "smoke[cpu-bfloat16-wrapper]" in junit
