@@ -219,7 +219,7 @@ class PrecisionCheck(Check):
         """Verdict rows, routing-aware: in isolated MoE modules, tokens whose experts flipped at a
         near tie (golden router margin within the measured router noise) are left out and counted;
         a flip at a wide margin fails the module."""
-        st.res = compare_run(st.g, st.run, st.tol, st.budgets, selection_judge(ctx.suite, st.g))
+        st.res = compare_run(st.g, st.run, st.tol, st.budgets, selection_judge(ctx.suite, st.g, ctx.dtype))
         st.model = None  # free the target before reporting
 
     def record(self, ctx: CheckContext, st) -> None:

@@ -120,7 +120,7 @@ def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | No
     return res
 
 
-def selection_judge(ls: LoadedSuite, golden: Golden):
+def selection_judge(ls: LoadedSuite, golden: Golden, dtype: str | None = None):
     """The judge of routing flips in the router's selection space (``isolate.SelectionJudge``); the
     reference model (float64, the golden's numerics gains) is built only if a flip needs judging."""
     from harness.precision.isolate import SelectionJudge
@@ -133,7 +133,10 @@ def selection_judge(ls: LoadedSuite, golden: Golden):
         numerics.apply(model, golden.manifest.get("numerics"))
         return model.eval()
 
-    return SelectionJudge(reference, golden.structures, golden.modules, golden.module_inputs)
+    from harness.models.build import torch_dtype
+
+    return SelectionJudge(reference, golden.structures, golden.modules, golden.module_inputs,
+                          torch_dtype(dtype) if dtype else None)
 
 
 def tolerances_for(ls: LoadedSuite, backend, dtype: str) -> tuple[dict, dict]:
@@ -150,5 +153,6 @@ def check_against_golden(ls: LoadedSuite, golden: Golden, backend, dtype: str, *
     if (p.isolated if isolated is None else isolated) and golden.structures:
         run.replayed = run_isolated(model, golden, dtype, backend.device(), context)
     run.notes = list(mc.notes)
-    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k), selection_judge(ls, golden)),
+    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k),
+                        selection_judge(ls, golden, dtype)),
             tol, run)
