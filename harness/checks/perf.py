@@ -42,7 +42,17 @@ from harness.perf import calibrate as calib
 from harness.perf import fingerprint as fpmod
 from harness.perf import roofline, stats
 from harness.perf.decide import Decision, decide
-from harness.perf.timing import Budget, collect, cpu_key, interleaved, memory_support, pinned, timer_safety
+from harness.perf.timing import (
+    Budget,
+    collect,
+    cpu_key,
+    interleaved,
+    memory_support,
+    minor_faults,
+    pinned,
+    steady_allocator,
+    timer_safety,
+)
 from harness.perf.workload import Workload, perf_model_config
 
 TIMED = {"prefill": ("prefill_s", "ttft_s"), "decode": ("decode_token_s",), "train": ("train_step_s",)}
@@ -57,6 +67,8 @@ metrics.declare("decode_tokens_per_s", "tokens/s", "higher", "perf: B / decode_t
 metrics.declare("train_tokens_per_s", "tokens/s", "higher", "perf: B x S / train_step_s")
 for _ph in TIMED:
     metrics.declare(f"{_ph}_peak_memory_bytes", "bytes", "lower", f"perf: peak device memory during {_ph}")
+    metrics.declare(f"{_ph}_minor_faults", "", "none",
+                    f"perf: host minor page faults per {_ph} repeat (many: the allocator re-faults its pages)")
 metrics.declare("prefill_mfu", "", "higher", "perf: prefill FLOP/s / peak FLOP/s (model FLOPs utilisation)")
 metrics.declare("decode_mfu", "", "higher", "perf: decode FLOP/s / peak FLOP/s")
 metrics.declare("decode_mbu", "", "higher", "perf: decode bytes/s / peak bytes/s (memory bandwidth utilisation)")
@@ -119,6 +131,9 @@ class PerfConfig(CheckConfig):
         2.0, gt=1, description="Calibration kernels this much slower or faster than the baseline's: the machine "
         "is not comparable (a different class in disguise, or a throttled one).")
     calibrate: bool = Field(True, description="Divide ratios by the calibration kernels' ratio.")
+    allocator: Literal["fixed", "as-is"] = Field(
+        "fixed", description="'fixed': glibc malloc's mmap/trim thresholds fixed while measuring, so a sample "
+        "does not depend on what the worker process ran before (timing.steady_allocator); 'as-is': untouched.")
     clock: Literal["auto", "wall", "cpu"] = Field(
         "auto", description="Clock of the decision and the roofline: 'cpu' = process CPU time (cpu backend), "
         "'wall' = wall time with synchronize; 'auto': cpu on the cpu backend with threads = 1, else wall. "
@@ -199,8 +214,10 @@ class PerfCheck(Check):
     def run_steps(self, ctx: CheckContext, st) -> None:
         cfg = ctx.config
         # Threads and affinity fixed for every step, restored whatever happens.
-        with pinned(cfg.threads if ctx.backend.device_type == "cpu" else 0, cfg.cpus) as pin:
+        with (pinned(cfg.threads if ctx.backend.device_type == "cpu" else 0, cfg.cpus) as pin,
+              steady_allocator(cfg.allocator) as alloc):
             st.pin = pin
+            pin.allocator = alloc
             super().run_steps(ctx, st)
 
     # --- steps -------------------------------------------------------------------------------
@@ -256,7 +273,11 @@ class PerfCheck(Check):
             return
         if st.mem_ok:
             ctx.backend.reset_peak_memory()
+        f0 = minor_faults()
         got = collect(sample, st.budget, reference=st.kernels.for_phase(phase))
+        n = max((len(v) for v in got.values()), default=0)
+        if n:  # warm-up included: faults that keep coming every repeat say the allocator is cold
+            ctx.metric(f"{phase}_minor_faults", (minor_faults() - f0) / n)
         st.ref[phase] = {k: got.pop(k) for k in list(got) if k.startswith("calib_")}
         st.samples.update(got)
         if st.mem_ok:
@@ -312,6 +333,9 @@ class PerfCheck(Check):
         cfg = st.cfg
         st.decisions: dict[str, Decision] = {}
         st.first: dict[str, Decision] = {}
+        # metric -> (samples key, samples decided on, baseline samples): the decision's own clock,
+        # the re-measured samples where the check measured again.
+        st.decided: dict[str, tuple[str, list[float], list[float]]] = {}
         st.status = "unchanged"
         base, why = store.find_baseline(ctx.suite.name, st.key, st.fp, st.golden_root)
         st.baseline_why = why
@@ -342,6 +366,7 @@ class PerfCheck(Check):
             return
         for m in timed_metrics:
             k = self._key(st, m)
+            st.decided[m] = (k, st.samples[k], base["samples"].get(k, []))
             st.decisions[m] = decide(m, st.samples[k], base["samples"].get(k, []), direction=metrics.direction(m),
                                      threshold=cfg.thresholds.get(m, cfg.threshold), alpha=cfg.alpha,
                                      kernel_ratio=ratios[m])
@@ -373,6 +398,7 @@ class PerfCheck(Check):
                 r = (calib.kernel_ratio(m, st.calib, base.get("calibration") or {}, now_ref, base.get("reference"),
                                         st.clock) if cfg.calibrate else None)
                 st.first[m] = st.decisions[m]
+                st.decided[m] = (f"{k}_remeasured", got[k], base["samples"][k])
                 st.decisions[m] = d = decide(m, got[k], base["samples"][k], direction=metrics.direction(m),
                                              threshold=cfg.thresholds.get(m, cfg.threshold), alpha=cfg.alpha,
                                              kernel_ratio=r)
@@ -388,6 +414,10 @@ class PerfCheck(Check):
             if m in st.first:
                 entry["first"] = st.first[m].to_dict()
             entry["summary"] = summary.get(m)
+            if m in st.decided:  # what the decision read, on its clock: now and baseline side by side
+                key, now, then = st.decided[m]
+                entry["decided"] = {"clock": st.clock, "samples": key, "now": stats.summarize(now).to_dict(),
+                                    "baseline": stats.summarize(then).to_dict()}
             verdict["metrics"][m] = entry
             if math.isfinite(d.p_value):
                 ctx.metric(f"{m}_p_value", d.p_value)
@@ -424,10 +454,13 @@ class PerfCheck(Check):
         bad = [d for d in st.decisions.values() if d.verdict == "regression"]
         if not bad or not st.cfg.fail_on_regression:
             return
-        lines = [f"{'metric':<16} {'now':>10} {'baseline':>10} {'change':>8} {'p':>8}  IQR now      roofline"]
+        lines = [f"medians on the {st.clock} clock",
+                 f"{'metric':<16} {'now':>10} {'baseline':>10} {'change':>8} {'p':>8}  IQR now      roofline"]
         for d in bad:
-            s = st.verdict["metrics"][d.metric]["summary"] or {}
-            b_med = s.get("median", math.nan) / d.ratio if d.ratio else math.nan
+            # Both medians on the decision's clock (the CPU clock on a one-thread cpu run).
+            dec = st.verdict["metrics"][d.metric].get("decided") or {}
+            s, b = dec.get("now") or {}, dec.get("baseline") or {}
+            b_med = b.get("median", math.nan)
             frac = {"prefill_s": "prefill_mfu", "ttft_s": "prefill_mfu", "decode_token_s": "decode_mbu",
                     "train_step_s": "train_mfu"}.get(d.metric)
             fr = st.roof["fractions"].get(frac)

@@ -160,6 +160,11 @@ def _figures(m: str, e: dict, clock: str, summaries: dict, roof: dict, base_file
     s = s if isinstance(s, dict) else {}
     measured, ratio = _num(s.get("median")), _num(e.get("ratio"))
     baseline = measured / ratio if measured is not None and ratio else None
+    dec = e.get("decided") if isinstance(e.get("decided"), dict) else {}
+    if isinstance(dec.get("now"), dict) and isinstance(dec.get("baseline"), dict):
+        # Newer checks say what they decided on, both sides, on the decision's clock.
+        s = dec["now"]
+        measured, baseline = _num(s.get("median")), _num(dec["baseline"].get("median"))
     frac = ROOFLINE.get(m)
     fval = _num(roof.get(frac)) if frac else None
     return Figures(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -102,7 +103,9 @@ def test_figures_baseline_and_verdicts(write_suite, tmp_path):
         assert float(p[f"metric.{m}"]) > 0, m
     assert v["status"] == "no-baseline" and "harness baseline update" in v["baseline"]
     assert p["harness.detail.perf_clock"] == "cpu"
-    assert json.loads(p["harness.detail.perf_pinning"])["threads"] == 1
+    pin = json.loads(p["harness.detail.perf_pinning"])
+    assert pin["threads"] == 1 and pin["allocator"]  # what was done to the allocator, in words
+    assert float(p["metric.prefill_minor_faults"]) >= 0
     side = Path(p["harness.detail.perf_samples"])
     rec = json.loads(side.read_text())
     assert len(rec["samples"]["prefill_cpu_s"]) == 8 and len(rec["reference"]["prefill"]["calib_matmul_cpu_s"]) == 8
@@ -125,6 +128,12 @@ def test_figures_baseline_and_verdicts(write_suite, tmp_path):
     rec = json.loads(side.read_text())
     pre = rec["verdict"]["metrics"]["prefill_s"]
     assert pre["verdict"] == "regression" and pre["first"]["verdict"] == "regression" and pre["change"] > 1.0
+    # the failure table's medians are the ones decided on (CPU clock, re-measured), both sides
+    dec = pre["decided"]
+    assert dec["clock"] == "cpu" and dec["samples"] == "prefill_cpu_s_remeasured"
+    assert dec["now"]["median"] == pytest.approx(statistics.median(rec["remeasured"]["prefill_cpu_s_remeasured"]))
+    assert dec["baseline"]["median"] == pytest.approx(dec["now"]["median"] / pre["ratio"])
+    assert "medians on the cpu clock" in e.value.details
     assert rec["remeasured"]["prefill_cpu_s_remeasured"]
 
     # 4. slow only during the first measurement: suspected, re-measured, not confirmed, not reported

@@ -121,13 +121,15 @@ def perf_samples(level: float, n: int = 20) -> list[float]:
 
 
 def perf_item(suite: str, cur: list[float], base: list[float] | None, *, wall: float = 2.2,
-              baseline_file: str = "", roofline: float = 0.81, memory: float = 3.0e8) -> tuple[dict, object]:
+              baseline_file: str = "", roofline: float = 0.81, memory: float = 3.0e8,
+              decided: bool = True) -> tuple[dict, object]:
     """A ``perf`` item as the check records it (harness/checks/perf.py ``record``/``verdict``), its
     verdict made by the check's own decision rule (harness.perf.decide) on CPU-clock samples
     ``cur`` against ``base`` (None: no baseline). ``wall``: the wall-clock samples are the CPU ones
     times this (a loaded runner stretches wall time, not CPU time). A confirmed regression is
     re-measured (the same samples again, as an interleaved re-run that agrees) and fails the item.
-    Returns ``(item, decision)``."""
+    ``decided``: the verdict names the samples it decided on, both sides (what the check records
+    since the clock-mix fix); False: a record of before. Returns ``(item, decision)``."""
     from harness.perf.decide import decide
     from harness.perf.stats import summarize
 
@@ -148,6 +150,10 @@ def perf_item(suite: str, cur: list[float], base: list[float] | None, *, wall: f
             entry = decision.to_dict()
             entry["first"] = first.to_dict()
         entry["summary"] = summarize(samples["prefill_s"]).to_dict()
+        if decided:
+            key = "prefill_cpu_s_remeasured" if "first" in entry else "prefill_cpu_s"
+            entry["decided"] = {"clock": "cpu", "samples": key, "now": summarize(cur).to_dict(),
+                                "baseline": summarize(base).to_dict()}
         entries["prefill_s"] = entry
         status = decision.verdict if decision.verdict in ("regression", "improvement") else "unchanged"
         why = baseline_file or f"golden/perf/{suite}/{PERF_CLASS}.json (same machine class)"

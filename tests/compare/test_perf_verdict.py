@@ -152,6 +152,25 @@ def test_the_comparators_timing_family_covers_what_the_check_derives_from_its_ti
     assert judged <= perfverdict.TIMING_FAMILY, judged - perfverdict.TIMING_FAMILY
 
 
+@pytest.mark.parametrize("decided", [True, False])
+def test_the_baseline_median_is_the_one_decided_on(decided):
+    # The check now records what it decided on (clock, samples, both summaries); records of before
+    # carry only the measured side, and the baseline median is derived from it over the raw ratio.
+    it, d = perf_item("llama-3.1-8b", perf_samples(0.0736), BASE, decided=decided)
+    details = {k[len("harness.detail."):]: v for k, v in it["props"] if k.startswith("harness.detail.")}
+    v, why = perfverdict.read(details)
+    f = v.metrics["prefill_s"]
+    assert why == "" and f.clock == "cpu" and f.remeasured
+    assert f.baseline == pytest.approx(statistics.median(BASE), rel=1e-12)
+    assert f.measured == pytest.approx(statistics.median(perf_samples(0.0736)), rel=1e-12)
+    del details["perf_summary"]  # an item whose summary property was lost
+    f = perfverdict.read(details)[0].metrics["prefill_s"]
+    if decided:  # still on the decision's clock
+        assert f.baseline == pytest.approx(statistics.median(BASE), rel=1e-12)
+    else:  # only the wall-clock summary is left: not the clock decided on
+        assert f.baseline != pytest.approx(statistics.median(BASE), rel=1e-3)
+
+
 def test_report_plots_the_clock_the_check_decided_on(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for n, items in enumerate([main_run(), main_run(), regressed()[0]]):
