@@ -432,6 +432,8 @@ def _apply_routing(v, routing, order: list[str]) -> None:
         return
     j = routing.judgement
     v.failed[:0] = j.wide
+    if j.first_wide is None:  # wide flips in the forward after the step only: the weights diverged
+        return
     pos = {n: i for i, n in enumerate(order)}
     if v.first_module is None or pos.get(j.first_wide, len(order)) < pos.get(v.first_module, len(order)):
         v.first_module, v.first_module_ranks = j.first_wide, j.wide_ranks

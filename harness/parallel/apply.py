@@ -120,7 +120,14 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def apply_fsdp(model: torch.nn.Module, fsdp_mesh) -> None:
-    """FSDP2 (ZeRO-3): every decoder layer is one unit, the rest (embedding, norm, lm_head) the root."""
+    """FSDP2 (ZeRO-3): every decoder layer is one unit, the rest (embedding, norm, lm_head) the root.
+
+    ``fsdp_mesh`` is 1-D (shard) or 2-D ``(replicate, shard)``: HSDP - parameters sharded along the
+    inner dimension and replicated along the outer one; gradients reduce-scattered within a shard
+    group, then all-reduced over the replicas. After ``apply_tp`` (torchtitan's FSDP2 + TP, the mesh
+    a dimension of the same device mesh as tp's) the tp-sharded parameters become 2-D DTensors
+    (sharded over fsdp, then over tp); parameters the tp plan left replicated are sharded over fsdp
+    only."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
@@ -140,11 +147,12 @@ def apply_dp(model: torch.nn.Module, group, counter=None) -> torch.nn.Module:
     return ddp
 
 
-def sync_grads(model: torch.nn.Module, group, skip: set[str] = frozenset()) -> None:
+def sync_grads(model: torch.nn.Module, group, skip: set[str] = frozenset(), only: set[str] | None = None) -> None:
     """Sum gradients over ``group`` (the data dimension of a layout without DDP/FSDP; the loss was
-    scaled by 1/data degree). DTensor gradients are summed shard by shard."""
+    scaled by 1/data degree), for every parameter not in ``skip`` (and in ``only`` when given).
+    DTensor gradients are summed shard by shard."""
     for name, p in model.named_parameters():
-        if p.grad is None or clean_name(name) in skip:
+        if p.grad is None or clean_name(name) in skip or (only is not None and clean_name(name) not in only):
             continue
         g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
         dist.all_reduce(g, group=group)

@@ -132,14 +132,14 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int) -> str
         return f"tp{lay.tp} does not divide {heads} query / {kv_heads} key-value heads"
     if lay.cp > 1:
         return "context parallelism is not supported by this harness yet (needs ring attention on the backend)"
-    if sum(getattr(lay, d) > 1 for d in ("dp", "fsdp")) > 1:
-        return "dp and fsdp together (HSDP) are not supported yet"
-    if lay.ep > 1 and (lay.dp > 1 or lay.fsdp > 1 or lay.pp > 1):
-        return "expert parallelism combines with tp only so far"
-    if lay.pp > 1 and (lay.tp > 1 or lay.fsdp > 1 or lay.dp > 1):
+    if lay.pp > 1 and (lay.tp > 1 or lay.fsdp > 1 or lay.dp > 1 or lay.ep > 1):
         return "pipeline parallelism runs alone so far"
     if lay.pp > 1 and lay.recompute:
         return "recomputation inside pipeline stages is not supported yet"
-    if lay.fsdp > 1 and lay.tp > 1:
-        return "fsdp x tp is not supported yet"
+    if lay.ep > 1 and lay.fsdp > 1:
+        return "expert parallelism with fsdp is not supported yet (ep combines with tp or dp)"
+    if lay.ep > 1 and lay.dp > 1 and lay.tp > 1:
+        return "ep x dp x tp is not supported yet (ep combines with tp or dp)"
+    if lay.dp > 1 and lay.fsdp > 1 and lay.tp > 1:
+        return "dp x fsdp (HSDP) with tp is not supported yet"
     return None

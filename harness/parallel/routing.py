@@ -223,7 +223,7 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Judgement:
     near_tie: int = 0  # flipped (token, router, phase) judged legitimate
     wide: list[str] = field(default_factory=list)  # one message per router and forward with wide flips
-    first_wide: str | None = None  # the router (reference module order) of the first wide flip
+    first_wide: str | None = None  # the router (reference module order) of the first wide flip, training forward
     wide_ranks: list[int] = field(default_factory=list)
     per_router: dict[str, int] = field(default_factory=dict)
 
@@ -276,7 +276,9 @@ def judge(trace: ForcedRouting, own: dict, order: list[str], limits: dict[str, f
                 j.wide.append(f"router {gate} ({what}): {len(bad_tokens)} token(s) routed to other experts at a "
                               f"wide margin on rank(s) {bad_ranks} (token {first[0]}: reference margin "
                               f"{first[1]:.3g} > noise limit {lim:.3g})")
-                if j.first_wide is None:
+                if j.first_wide is None and phase == "step":
+                    # Where a divergence is born: a wide flip in the forward after the step only
+                    # (the training forward routed right) follows from wrong weights, not a router.
                     j.first_wide, j.wide_ranks = gate, bad_ranks
     return j
 

@@ -144,10 +144,14 @@ class RankRun:
         if recompute:
             apply_ac(model)
         if lay.fsdp > 1:
-            apply_fsdp(model, mesh["fsdp"])
+            # dp x fsdp is HSDP: FSDP2 on the 2-D (replicate, shard) mesh, replicate dimension first.
+            apply_fsdp(model, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
         wrapped = model
-        manual_sync = d > 1 and lay.fsdp == 1 and not (lay.dp > 1 and lay.tp == 1)
-        if lay.dp > 1 and lay.tp == 1:
+        # DDP only where dp is the one strategy; with tp or ep beside it, the data dimension's
+        # gradients are summed explicitly (an expert shard is replicated over dp only).
+        ddp = lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1
+        manual_sync = d > 1 and lay.fsdp == 1 and not ddp
+        if ddp:
             wrapped = apply_dp(model, groups["dp"], counter)
         stage = sched = None
         if lay.pp > 1:
@@ -196,11 +200,17 @@ class RankRun:
                 (loss / d if manual_sync else loss).backward()
             st.step("grad_sync")
             if manual_sync:
-                sync_grads(model, groups["data"], skip=set(_expert_param_names(model, ep_names)))
+                experts = set(_expert_param_names(model, ep_names))
+                sync_grads(model, groups["data"], skip=experts)
+                if experts and lay.dp > 1:
+                    # An expert shard's gradient already sums its ep group's tokens (the backward of
+                    # the dispatch all-to-all); its copies on the dp replicas saw other sequences.
+                    sync_grads(model, groups["dp"], only=experts)
             if tp_norms:
                 for name, p in model.named_parameters():
                     if p.grad is not None and any(clean_name(name).startswith(n + ".") for n in tp_norms):
-                        dist.all_reduce(p.grad, group=groups["tp"])
+                        # Under fsdp x tp the gradient is this rank's fsdp shard (a DTensor).
+                        dist.all_reduce(_local(p.grad), group=groups["tp"])
         res["peak_bytes"] = int(_peak(mt))
         if cap is not None:
             cap.remove()

@@ -151,3 +151,61 @@ def pp2_waits_for_gate(ctx) -> None:
             time.sleep(0.05)
 
     ctx.model.model.layers[0].register_forward_pre_hook(wait)
+
+
+# --- 2-D layouts: each fault targets one named layout, so the healthy layouts of the same 4-rank
+# launch (the same strategies without the fault) still run and must still pass.
+
+_ORIG_ALL_REDUCE: list = []
+
+
+def _restore_all_reduce() -> None:
+    import torch.distributed as dist
+
+    if _ORIG_ALL_REDUCE:
+        dist.all_reduce = _ORIG_ALL_REDUCE.pop()
+
+
+def tp_fsdp_skip_rowwise_allreduce(ctx) -> None:
+    """tp x fsdp, the layout named ``tp2xfsdp2-skip-ar``: layer 0's o_proj returns its tp partial sum."""
+    if ctx.layout.label == "tp2xfsdp2-skip-ar":
+        skip_rowwise_allreduce(ctx)
+
+
+def hsdp_mean_over_shard_group_only(ctx) -> None:
+    """dp x fsdp (HSDP), the layout named ``hsdp-mean``: gradients averaged over the shard group only
+    and summed over the replicas (FSDP2's divide factor set to the shard degree instead of the data
+    degree, on every FSDP unit of every rank): each gradient x dp."""
+    if ctx.layout.label != "hsdp-mean":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in ctx.model.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_gradient_divide_factor(float(ctx.layout.fsdp))
+
+
+def ep_dp_expert_grads_not_over_dp(ctx) -> None:
+    """ep x dp, the layout named ``ep2xdp2-no-ar``: the experts' gradients (fused [E/ep, ...] 3-D
+    parameters) are not summed over the dp replicas of their shard - as if the dispatch all-to-all's
+    backward had already summed everything - on every rank (a consistent skip: nothing hangs)."""
+    import torch.distributed as dist
+
+    _restore_all_reduce()
+    if ctx.layout.label != "ep2xdp2-no-ar":
+        return
+    orig, dp_group = dist.all_reduce, ctx.groups["dp"]
+    _ORIG_ALL_REDUCE.append(orig)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is dp_group and tensor.dim() == 3:
+            return None
+        return orig(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = all_reduce
+
+
+def two_d_faults(ctx) -> None:
+    tp_fsdp_skip_rowwise_allreduce(ctx)
+    hsdp_mean_over_shard_group_only(ctx)
+    ep_dp_expert_grads_not_over_dp(ctx)

@@ -13,7 +13,8 @@ from tests.parallel.helpers import suite_with
 
 
 def test_names_round_trip_and_world():
-    for name, world in (("tp2", 2), ("ep2xtp2", 4), ("tp2xdp2", 4), ("fsdp2-ac", 2), ("pp2", 2)):
+    for name, world in (("tp2", 2), ("ep2xtp2", 4), ("tp2xdp2", 4), ("fsdp2-ac", 2), ("pp2", 2), ("tp2xfsdp2", 4),
+                        ("dp2xfsdp2", 4), ("ep2xdp2", 4)):
         lay = parse_name(name)
         assert lay.label == name and lay.world == world
     assert parse_name("fsdp2-ac").recompute
@@ -28,6 +29,13 @@ def test_mesh_coordinates_put_tp_innermost_and_slice_data():
     assert [lay.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
     assert [lay.data_index(r) for r in range(4)] == [0, 0, 1, 1]
     assert [Layout(ep=2, tp=2).data_index(r) for r in range(4)] == [0, 0, 1, 1]
+    # HSDP: replicate (dp) outer, shard (fsdp) inner; every rank its own batch slice.
+    assert Layout(dp=2, fsdp=2).mesh_shape() == (("dp", "fsdp"), (2, 2))
+    assert Layout(tp=2, fsdp=2).mesh_shape() == (("fsdp", "tp"), (2, 2))
+    lay = Layout(ep=2, dp=2)
+    assert lay.mesh_shape() == (("dp", "ep"), (2, 2)) and lay.label == "ep2xdp2"
+    assert [lay.data_index(r) for r in range(4)] == [0, 1, 2, 3]
+    assert [lay.coords(r)["ep"] for r in range(4)] == [0, 1, 0, 1]  # experts [0, E/2) on ranks 0 and 2
 
 
 def test_default_matrix_per_architecture_and_validation():
@@ -40,6 +48,13 @@ def test_default_matrix_per_architecture_and_validation():
     assert "mixture-of-experts" in validate(Layout(ep=2), facts, heads=8, kv_heads=2)
     assert "does not divide" in validate(Layout(tp=4), facts, heads=8, kv_heads=2)
     assert validate(Layout(tp=2), facts, heads=8, kv_heads=1) is None  # MQA: KV replicated over tp
+    moe = ArchFacts(moe=True, num_layers=2, num_experts=8)
+    # 2-D layouts: fsdp x tp (FSDP2 + TP), dp x fsdp (HSDP), ep x dp
+    for lay in (Layout(tp=2, fsdp=2), Layout(dp=2, fsdp=2), Layout(ep=2, dp=2), Layout(ep=2, tp=2)):
+        assert validate(lay, moe, heads=8, kv_heads=2) is None, lay.label
+    assert "fsdp" in validate(Layout(ep=2, fsdp=2), moe, heads=8, kv_heads=2)
+    assert "pipeline" in validate(Layout(pp=2, fsdp=2), moe, heads=8, kv_heads=2)
+    assert "HSDP" in validate(Layout(dp=2, fsdp=2, tp=2), moe, heads=8, kv_heads=2)
 
 
 def test_suite_table_variants_and_errors(write_suite):

@@ -146,3 +146,44 @@ def test_bf16_moe_near_tie_routing_flips_pass_and_a_wrong_top_k_is_named_at_its_
     assert "router model.layers.0.mlp.gate (training forward):" in msg and "wide margin on rank(s) [1]" in msg, msg
     d = details_of(ctx)
     assert d["first_diverging_module"] == "model.layers.0.mlp.gate" and d["first_diverging_ranks"] == "1", d
+
+
+@pytest.mark.slow
+def test_two_d_fsdp_tp_hsdp_ep_dp_match_and_a_wrong_reduction_in_each_is_localized():
+    # One 4-rank launch: fsdp x tp (FSDP2 over TP DTensors), dp x fsdp (HSDP: FSDP2 on a 2-D
+    # (replicate, shard) mesh) and ep x dp, each healthy and each again with a fault of its own
+    # reduction (named layouts; tests/parallel/faults.py). Qwen3-MoE: q/k norms on local heads
+    # (replicated_with_grad_allreduce) under fsdp x tp, routers and fused experts under ep x dp.
+    healthy = [{"tp": 2, "fsdp": 2}, {"dp": 2, "fsdp": 2}, {"ep": 2, "dp": 2}]
+    faulty = [{"tp": 2, "fsdp": 2, "name": "tp2xfsdp2-skip-ar"}, {"dp": 2, "fsdp": 2, "name": "hsdp-mean"},
+              {"ep": 2, "dp": 2, "name": "ep2xdp2-no-ar"}]
+    ls = suite_with("qwen3-30b-a3b", configs=healthy + faulty)
+    res = _run_all(ls, fault="tests.parallel.faults:two_d_faults")
+    assert list(_launches().values()) == [1], "every layout of world size 4 runs in one launch"
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    for v in ("tp2xfsdp2", "dp2xfsdp2", "ep2xdp2"):
+        out, ctx = res[v]
+        assert out is None, f"{v}: {out}"
+        m = metrics_of(ctx)
+        assert m["parallel_world_size"] == 4
+        assert m["parallel_grad_error"] <= tol["grads"] and m["parallel_logits_after_error"] <= tol["logits_after"]
+    tf = metrics_of(res["tp2xfsdp2"][1])
+    # Attention weights sharded over all 4 ranks, experts/norms/embeddings over fsdp only.
+    assert 0.25 < tf["fsdp_param_fraction"] < 0.5 and tf["comm_reduce_scatter_count"] > 0
+    hs = metrics_of(res["dp2xfsdp2"][1])
+    assert 0.45 <= hs["fsdp_param_fraction"] <= 0.6
+    assert hs["comm_reduce_scatter_count"] > 0 and hs["comm_all_reduce_count"] > 0  # shard, then replicas
+    ed = metrics_of(res["ep2xdp2"][1])
+    assert ed["comm_all_to_all_count"] > 0 and ed["ep_dropped_tokens"] == 0
+
+    out, ctx = res["tp2xfsdp2-skip-ar"]
+    assert isinstance(out, CheckFailure), out
+    assert "First diverging module: model.layers.0.self_attn.o_proj on rank(s) [0, 1, 2, 3]" in str(out), out
+    for v in ("hsdp-mean", "ep2xdp2-no-ar"):
+        out, ctx = res[v]
+        msg = str(out)
+        assert isinstance(out, CheckFailure), f"{v}: {out}"
+        # The forward was right; the gradients (and so the weights after the step) are not, on every rank.
+        assert "grads differ" in msg and "on rank(s) [0, 1, 2, 3]" in msg, msg
+        assert "Every module's forward output agrees" in msg and "logits differ" not in msg, msg
+    assert ".mlp.experts." in details_of(res["ep2xdp2-no-ar"][1])["worst_gradient"]
