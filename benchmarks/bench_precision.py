@@ -7,7 +7,7 @@
         the smallest injected error caught per fault kind in bfloat16, by this check (realistic
         numerics, isolated comparison, measured budgets) and by today's (bare initialisation,
         propagated comparison, per-dtype tolerance), each against its own golden.
-    .venv/bin/python benchmarks/bench_precision.py reruns [--reruns 10] [--day0 DIR]
+    .venv/bin/python benchmarks/bench_precision.py reruns [--reruns 10] [--seed0 1000] [--day0 DIR]
         false alarms over clean reruns: each rerun is a new weight seed (a new golden with its own
         budgets, then the check in float32 and bfloat16), for every bundled suite and every Day-0
         config that `harness init` can turn into a suite and that builds.
@@ -176,7 +176,7 @@ def day0_suites(day0: Path, out: Path) -> list:
 
 def mode_reruns(args):
     tmp = Path(tempfile.mkdtemp())
-    suites = [load(n) for n in (args.suite or SUITES)]
+    suites = [] if args.day0_only else [load(n) for n in (args.suite or SUITES)]
     if args.day0:
         suites += day0_suites(Path(args.day0), tmp / "suites")
     print(f"{'suite':<34} {'dtype':<9} {'reruns':>6} {'false alarms':>12} {'flips left out':>14} {'worst budget use':>16}")
@@ -184,7 +184,7 @@ def mode_reruns(args):
     for ls in suites:
         res = {d: [0, 0, 0, 0.0, []] for d in ("float32", "bfloat16")}
         for r in range(args.reruns):
-            lsr = variant(ls, seed=1000 + r)  # a new weight seed: a new model, a new golden
+            lsr = variant(ls, seed=args.seed0 + r)  # a new weight seed: a new model, a new golden
             try:
                 gen(lsr, tmp / f"g{r}")
             except Exception as e:
@@ -196,7 +196,7 @@ def mode_reruns(args):
                 res[d][0] += 1
                 if f is not None:
                     res[d][1] += 1
-                    res[d][4].append(f"seed {1000 + r}: {f.message[:160]}")
+                    res[d][4].append(f"seed {args.seed0 + r}: {f.message[:160]}")
                 res[d][2] += int(float(p.get("metric.routing_flips_near_tie", 0)))
                 res[d][3] = max(res[d][3], float(p.get("metric.isolated_worst_budget_use", 0)))
         for d, (n, bad, flips, worst, msgs) in res.items():
@@ -231,7 +231,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--reruns", type=int, default=10)
+    ap.add_argument("--seed0", type=int, default=1000, help="first weight seed of the reruns (a sweep can be continued)")
     ap.add_argument("--day0", default=None, help="directory of Day-0 config.json files")
+    ap.add_argument("--day0-only", action="store_true", help="reruns: the Day-0 configs without the bundled suites")
     args = ap.parse_args()
     {"time": mode_time, "sensitivity": mode_sensitivity, "reruns": mode_reruns, "reproduce": mode_reproduce}[args.mode](args)
 
