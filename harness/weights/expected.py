@@ -91,7 +91,7 @@ def compare(meta_model: torch.nn.Module, ckpt: Checkpoint) -> LayoutReport:
             if st.kind == "int4_pack":
                 ok = shape[0] == want[0] and math.ceil(want[1] / 8) * 8 == shape[1]
             else:
-                ok = math.prod(shape) == math.prod(want)
+                ok = tuple(shape) == want
             if not ok:
                 rep.mismatched.append(f"{where}: {st.kind} holds {list(shape)}, the config implies {list(want)}")
     n_layers = int(getattr(meta_model.config, "num_hidden_layers", 0) or 0)

@@ -1,8 +1,11 @@
 """Fill a pruned model with the real tensors of the layers and experts it keeps.
 
-Called by ``harness.models.build.build_model`` when the suite has weights. The model is built as
-usual (seeded, float32, CPU) and then every parameter and persistent buffer is overwritten from the
-checkpoint through the :mod:`rename` plan, tensor by tensor, straight into its place. Quantized
+Called by ``harness.models.build.build_model`` when the suite has weights. The model is built by
+:func:`instantiate_empty` (parameters allocated, never initialised: the seeded random init was most
+of a pruned build's time and the load overwrites all of it; buffers computed exactly as the random
+build computes them) and then every parameter and persistent buffer is written from the checkpoint
+through the :mod:`rename` plan, tensor by tensor, straight into its place; :func:`fill` refuses a
+plan that would leave any of them (or any part of a fused one) unwritten. Quantized
 tensors are dequantized exactly (:mod:`quant`) before the copy. A tensor the plan needs that the
 checkpoint lacks, or one whose shape differs, is an error naming the tensor and its shard: a pruned
 model half made of random weights is not a real-weight model.
@@ -10,6 +13,7 @@ model half made of random weights is not a real-weight model.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -26,6 +30,65 @@ def _meta(ls: LoadedSuite, mc) -> torch.nn.Module:
 
     with torch.device("meta"):
         return instantiate(ls, mc, torch.float32)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered in this block goes to the meta device; buffers stay where they are made.
+
+    What ``accelerate.init_empty_weights(include_buffers=False)`` does (accelerate is not a dependency:
+    eight lines here). A whole-model ``torch.device("meta")`` would also put the non-persistent buffers
+    (rotary ``inv_freq``, ``original_inv_freq``, anything a model computes in ``__init__``) on meta, and
+    recomputing them afterwards means knowing every model's formula; here the model's own ``__init__``
+    and ``post_init`` compute them on the CPU in float32, the same code on the same device as the random
+    build, so they are bit-identical to it. The random init functions then run on meta tensors: free."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def instantiate_empty(ls: LoadedSuite, mc, dtype: torch.dtype) -> torch.nn.Module:
+    """The pruned model on the CPU with uninitialised parameters, for :func:`load_pruned` to fill.
+
+    Parameters are allocated in the dtype the random build would hold them in before the load (float32,
+    or float64 for a float64 build, which :func:`load_pruned` casts to first), so the values loaded are
+    rounded exactly as before. Tied parameters stay one tensor. A buffer left on meta was computed from
+    a parameter (no model in transformers does that): a persistent one is loaded like a parameter, a
+    non-persistent one has no source and the build is refused naming it."""
+    from harness.models.build import instantiate
+
+    with _parameters_on_meta():
+        model = instantiate(ls, mc, dtype)
+    made: dict[int, torch.nn.Parameter] = {}
+    keep = []  # the meta originals stay referenced, so their ids cannot be reused while mapping
+    for mname, mod in model.named_modules():
+        for name, p in mod._parameters.items():
+            if p is None or p.device.type != "meta":
+                continue
+            q = made.get(id(p))
+            if q is None:
+                dt = torch.float64 if dtype == torch.float64 and p.is_floating_point() else p.dtype
+                q = made[id(p)] = type(p)(torch.empty(p.shape, dtype=dt), requires_grad=p.requires_grad)
+                keep.append(p)
+            mod._parameters[name] = q
+        for name, b in mod._buffers.items():
+            if b is None or b.device.type != "meta":
+                continue
+            if name in mod._non_persistent_buffers_set:
+                raise WeightsError(f"{mname + '.' if mname else ''}{name}: a non-persistent buffer computed from the "
+                                   "parameters at build time; the checkpoint does not hold it, so a real-weight build "
+                                   "cannot fill it")
+            mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+    return model
 
 
 def _where(ckpt: Checkpoint, key: str) -> str:
@@ -48,22 +111,29 @@ def build_plan(model: torch.nn.Module, ls: LoadedSuite, mc, ckpt: Checkpoint) ->
 
 def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: ShardReader) -> dict[str, int]:
     """Copy every planned tensor into the model. Returns counts by storage format."""
+    sd = model.state_dict(keep_vars=True)
+    # The model was built without initialising anything (instantiate_empty): every element of every
+    # parameter and persistent buffer must be written, or it would run on whatever memory held.
+    covered: dict[str, int] = {}
+    for e in p.entries:
+        covered[e.param] = covered.get(e.param, 0) + e.view(sd[e.param]).numel()
+    unwritten = [n for n, t in sd.items() if n not in p.skipped and covered.get(n, 0) != t.numel()]
+    if unwritten:
+        raise WeightsError(f"{len(unwritten)} tensor(s) of the pruned model would not be filled from the checkpoint, "
+                           f"first {unwritten[0]} ({covered.get(unwritten[0], 0)} of {sd[unwritten[0]].numel()} "
+                           "elements mapped)")
     missing = [e.source for e in p.entries if quant.locate(ckpt, e.source) is None]
     if missing:
         raise WeightsError(f"{len(missing)} tensor(s) the pruned model needs are missing from the checkpoint, first "
                            f"{missing[0]} (expected in {_where(ckpt, missing[0])})"
                            + (f"; also {', '.join(missing[1:3])}" if len(missing) > 1 else ""))
-    sd = model.state_dict(keep_vars=True)
     block = quant.block_size(ckpt)
     kinds: dict[str, int] = {}
     for e in p.entries:
         st = quant.locate(ckpt, e.source)
         shard = ckpt.tensors[st.keys[0]].shard
         dest = e.view(sd[e.param].data)
-        if e.rows is not None:
-            src = reader.rows(e.source, e.rows) if st.kind == "plain" else quant.read_dequantized(reader, st, block)[e.rows]
-        else:
-            src = quant.read_dequantized(reader, st, block)
+        src = quant.read_dequantized(reader, st, block, e.rows)
         what = f"{e.param}" + (f"[{e.expert}]" if e.expert is not None else "")
         if tuple(src.shape) != tuple(dest.shape):
             raise WeightsError(f"{e.source} in {shard}: shape {list(src.shape)}, but the pruned model's {what} expects "

@@ -146,8 +146,29 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out.reshape(*b.shape[:-2], -1)
 
 
-def read_dequantized(reader, stored: Stored, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """The logical tensor ``stored.name``: as stored for plain tensors, float64 for quantized ones."""
+def mxfp4_to_model(x: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 expert stack in checkpoint order [E, out, in] -> the model's [E, in, out] (a view).
+
+    gpt-oss checkpoints store ``experts.gate_up_proj_blocks`` as [E, 2I, H/32, 16] and ``down_proj_blocks``
+    as [E, H, I/32, 16], while ``GptOssExperts`` holds ``gate_up_proj`` [E, H, 2I] and ``down_proj``
+    [E, I, H] (it computes ``x @ W``); transformers' loader (``integrations/mxfp4.py``,
+    ``convert_moe_packed_tensors``) transposes dims 1 and 2 after dequantizing, always. The shapes cannot
+    tell: gpt-oss has I == H, so ``down_proj`` has the same shape either way. A 2-D MXFP4 Linear weight is
+    already [out, in], the Linear layout."""
+    return x.transpose(1, 2) if x.dim() == 3 else x
+
+
+def read_dequantized(reader, stored: Stored, block: tuple[int, int] | None = None,
+                     rows: list[int] | None = None) -> torch.Tensor:
+    """The logical tensor ``stored.name`` in the model's layout: as stored for plain tensors, float64 for
+    quantized ones. ``rows``: only those indices along dim 0 (kept experts), read alone where the format
+    allows (plain, MXFP4: one row of blocks and scales per expert)."""
+    if rows is not None:
+        if stored.kind == "plain":
+            return reader.rows(stored.name, rows)
+        if stored.kind == "mxfp4":
+            return mxfp4_to_model(dequant_mxfp4(reader.rows(stored.keys[0], rows), reader.rows(stored.keys[1], rows)))
+        return read_dequantized(reader, stored, block)[rows]
     if stored.kind == "plain":
         return reader.get(stored.name)
     if stored.kind == "fp8_block":
@@ -161,7 +182,7 @@ def read_dequantized(reader, stored: Stored, block: tuple[int, int] | None = Non
         zp = reader.get(f"{name}_zero_point") if f"{name}_zero_point" in ck else None
         return dequant_int4_pack(packed, scale, shape, zp)
     if stored.kind == "mxfp4":
-        return dequant_mxfp4(reader.get(stored.keys[0]), reader.get(stored.keys[1]))
+        return mxfp4_to_model(dequant_mxfp4(reader.get(stored.keys[0]), reader.get(stored.keys[1])))
     raise WeightsError(f"{stored.name}: unknown storage format {stored.kind}")
 
 
@@ -174,4 +195,5 @@ def logical_shape(ckpt: Checkpoint, stored: Stored) -> tuple[int, ...]:
         p = t[f"{stored.name}_packed"].shape
         return (p[0], p[1] * 8)  # upper bound; weight_shape (a tensor) holds the exact in-features
     b = t[stored.keys[0]].shape
-    return (*b[:-2], b[-2] * b[-1] * 2)
+    s = (*b[:-2], b[-2] * b[-1] * 2)
+    return (s[0], s[2], s[1]) if len(s) == 3 else s  # expert stacks in the model's order (mxfp4_to_model)

@@ -39,6 +39,10 @@ class Selection:
     experts: list[int] | None  # source expert of pruned expert k (None: the model has no routed experts)
     full_layers: int = 0
     full_experts: int | None = None
+    # Pruned-model tensors indexed by expert along dim 0 that the checkpoint stores for all experts in one
+    # tensor: the router's rows (gate.weight [E, H], e_score_correction_bias [E]) and experts a checkpoint
+    # keeps fused (gpt-oss: experts.gate_up_proj [E, ...]). Read for the kept experts only.
+    expert_rows: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         s = f"layers {self.layers} of {self.full_layers}"
@@ -125,7 +129,25 @@ def select(full_meta: torch.nn.Module, full_cfg, pruned_meta: torch.nn.Module, p
         if ne > (ne_full or 0):
             raise WeightsError(f"prune.num_experts = {ne} but the checkpoint has {ne_full} experts")
         sel_e = list(range(ne))
-    return Selection(list(layers), sel_e, len(fk), ne_full)
+    return Selection(list(layers), sel_e, len(fk), ne_full,
+                     _expert_indexed(full_meta, pruned_meta, layers, ne_full, ne) if sel_e is not None else frozenset())
+
+
+def _expert_indexed(full_meta: torch.nn.Module, pruned_meta: torch.nn.Module, layers: list[int], ne_full, ne
+                    ) -> frozenset[str]:
+    """Pruned tensors whose dim 0 is the expert index: dim 0 is the expert count in both models (``ne_full`` in
+    the full one, ``ne`` in the pruned one) and the other dims agree. Comparing with the full model, rather
+    than matching names or one size, keeps a tensor that merely has ``ne`` rows (attention sinks [heads]
+    with as many heads as kept experts) out."""
+    fsd = full_meta.state_dict()
+    out = set()
+    for k, t in pruned_meta.state_dict().items():
+        m = LAYER_RE.search(k)
+        f = fsd.get(f"{k[:m.start(2)]}{layers[int(m.group(2))]}{k[m.end(2):]}" if m else k)
+        if (f is not None and t.dim() >= 1 and f.dim() == t.dim() and t.shape[0] == ne and f.shape[0] == ne_full
+                and f.shape[1:] == t.shape[1:]):
+            out.add(k)
+    return frozenset(out)
 
 
 def _conversions(model: torch.nn.Module):
@@ -210,10 +232,8 @@ def plan(model: torch.nn.Module, sel: Selection) -> Plan:
                     entries.append(Entry(renumber(ck, sel), name, k, (j * size, size) if len(srcs) > 1 else None))
             continue
         ck = renumber(_to_checkpoint(name, renamings), sel)
-        rows = None
-        if (sel.experts is not None and t.dim() >= 1 and t.shape[0] == len(sel.experts) and ".experts." not in name
-                and sel.full_experts != len(sel.experts) and LAYER_RE.search(name)):
-            rows = sel.experts  # router rows [E, H] / correction bias [E] of the kept experts
+        # router rows [E, H] / correction bias [E] / fused experts [E, ...] of the kept experts
+        rows = sel.experts if name in sel.expert_rows else None
         entries.append(Entry(ck, name, rows=rows))
     return Plan(entries, sel, skipped)
 
