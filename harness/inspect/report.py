@@ -9,7 +9,7 @@ import torch
 
 from harness.inspect.coverage import COMPOSITE, FALLBACK, MISSING, NATIVE, UNKNOWN, Coverage, coverage
 from harness.inspect.flops import FlopsReport, compute_flops
-from harness.inspect.params import ParamReport, Target, count_parameters, meta_model
+from harness.inspect.params import ParamReport, Target, count_parameters, inspect_params, meta_model
 from harness.inspect.trace import Inventory, trace_model
 
 
@@ -42,6 +42,7 @@ def inspect(target: Target, *, backends: list[str] | None = None, trace: str = "
     model, mc = meta_model(target, pruned=False, dtype=dtype)
     timings["build_meta_s"] = time.perf_counter() - t0
     params = count_parameters(model, mc)
+    _wrapper_note(target, mc, params)
     flops = compute_flops(mc.config, params, prefill_len, decode_context)
     timings["params_s"] = time.perf_counter() - t0 - timings["build_meta_s"]
     inv = None
@@ -63,6 +64,23 @@ def inspect(target: Target, *, backends: list[str] | None = None, trace: str = "
     timings = {k: round(v, 3) for k, v in timings.items()}
     return InspectReport(target.name, mc.architecture, mc.model_type, params, flops, inv, covs, list(mc.notes),
                          timings)
+
+
+def _wrapper_note(target: Target, mc, params) -> None:
+    """A suite that tests a multimodal wrapper's language decoder (``mc.part``: built from
+    ``text_config``) is inspected as that decoder; the note gives the whole wrapper's parts, so the
+    official total (which counts the vision tower) is on the same page."""
+    if target.suite is None or not mc.part:
+        return
+    try:
+        whole, wmc = inspect_params(Target(target.name, target.raw_config))
+    except Exception as e:  # the decoder's report stands on its own; say why the whole is missing
+        params.notes.append(f"the whole wrapper could not be counted ({type(e).__name__}: {str(e)[:120]})")
+        return
+    parts = ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in (whole.by_part or {"overall": whole.total}).items())
+    src = target.suite.config_path if getattr(target.suite, "config_path", None) else "CONFIG.json"
+    params.notes.append(f"this suite tests the language decoder only; the whole {wmc.architecture}: {parts} "
+                        f"(`harness inspect {src}` reports it)")
 
 
 # --- text -----------------------------------------------------------------------------------------

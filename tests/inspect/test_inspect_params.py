@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -180,3 +182,22 @@ def test_fp8_block_size_null_is_not_assumed_128():
     s = quant_scheme({"quant_method": "fp8", "weight_block_size": [128, 128]})
     assert s.bytes_of(7168, 2048) == (7168 * 2048, 56 * 16 * 4)
     assert quant_scheme({"quant_method": "bitsandbytes"}) is None
+
+
+def test_a_wrapper_decoder_suite_names_the_whole_wrapper_too(write_suite):
+    """A suite that tests a multimodal wrapper's language decoder (gemma-4: Gemma4ForCausalLM from
+    text_config) is inspected as the decoder; a note gives the whole wrapper's parts, so the
+    official total (vision tower included) is on the same page."""
+    from harness.inspect.params import load_target
+    from harness.inspect.report import inspect as run_inspect
+
+    day0 = Path(__file__).resolve().parents[1] / "data" / "day0" / "gemma-4-26B-A4B.json"
+    path = write_suite("gemma-decoder", f'[model]\nconfig = "{day0}"\narchitecture = "Gemma4ForCausalLM"\n')
+    rep = run_inspect(load_target(path), trace="none")
+    whole = run_inspect(load_target(day0), trace="none")
+    assert rep.architecture == "Gemma4ForCausalLM" and rep.params.total == whole.params.by_part["text"]
+    (note,) = [n for n in rep.params.notes if "tests the language decoder only" in n]
+    assert "Gemma4ForConditionalGeneration" in note and f"overall {whole.params.total / 1e9:.3f}B" in note
+    assert f"vision {whole.params.by_part['vision'] / 1e9:.3f}B" in note and str(day0) in note
+    # a config.json target is the whole wrapper already: no such note
+    assert not any("tests the language decoder only" in n for n in whole.params.notes)
