@@ -156,3 +156,30 @@ def test_unpruned_gpt_oss_equals_transformers_from_pretrained(gpt_oss_mxfp4, tmp
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(ours.eval()(ids).logits, theirs.eval()(ids).logits)
+
+
+def test_layout_check_and_streamed_reference_read_the_mxfp4_experts(gpt_oss_mxfp4, tmp_path):
+    """The nightly weights check on the same checkpoint: the layout matches the config (MXFP4 experts
+    in the model's order), and the streamed float64 reference equals the in-memory float64 build."""
+    from harness.models.build import architecture_class
+    from harness.models.config import build_config
+    from harness.weights.expected import compare
+    from harness.weights.layout import open_checkpoint
+    from harness.weights.stream import capture_layers, float64_rotary, stream_reference
+    from tests.weights.test_stream import in_memory_reference
+
+    root, raw = gpt_oss_mxfp4
+    mc = build_config(raw)
+    with torch.device("meta"):
+        meta = architecture_class(mc.architecture)(mc.config)
+    rep = compare(meta, open_checkpoint(root))
+    assert (rep.missing, rep.mismatched, rep.unexpected) == ([], [], []), rep
+    target, _ = build_model(load_suite(write_suite(tmp_path, "g", raw, f'weights = "{root}"\n')), "float32")
+    model64, _ = build_model(load_suite(write_suite(tmp_path, "g", raw, f'weights = "{root}"\n')), "float64")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    captured = capture_layers(target.eval(), ids)
+    streamed = stream_reference(meta, open_checkpoint(root), captured, tol=1e-4, rotary=float64_rotary(meta))
+    mem = in_memory_reference(model64.eval(), captured)
+    for r, m in zip(streamed.layers, mem, strict=True):
+        assert r.metrics == m, r.layer
+    assert streamed.first_divergent is None
