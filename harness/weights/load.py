@@ -161,15 +161,26 @@ def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype 
     p = build_plan(model, ls, mc, ckpt)
     reader = ShardReader(ckpt)
     swapped: list[str] = []
-    why = ""
+    why = kernel = ""
+    # The float64 build is the reference a native run is compared with: dequantized, exact (and no FP8 or
+    # INT4 kernel takes float64 activations).
+    native = m.weights_quantized == "native" and dtype != torch.float64
     try:
         kinds = fill(model, p, ckpt, reader)
-        if m.weights_quantized == "native" and kinds.get("fp8_block"):
+        if native and kinds.get("fp8_block"):
             from harness.weights.native import native_fp8, swap_fp8_linears
 
             ok, why = native_fp8("cpu")  # the host builds; a device without FP8 fails at its first forward
             if ok:
                 swapped = swap_fp8_linears(model, ckpt, p, reader, quant.block_size(ckpt))
+                kernel = "FP8 (torch._scaled_mm)"
+        if native and kinds.get("int4_pack"):
+            from harness.weights.native import native_int4, swap_int4_linears
+
+            ok, why = native_int4("cpu")  # the kernel is CPU's; another device fails at its first forward
+            if ok:
+                swapped = swap_int4_linears(model, ckpt, p, reader)
+                kernel = "INT4 group-wise (aten._weight_int4pack_mm_for_cpu)"
     finally:
         reader.close()
     notes = [f"real weights from {_display(path)}: {p.selection.describe()}; read {reader.bytes_read / 2**20:.1f} MiB "
@@ -178,8 +189,9 @@ def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype 
     if q:
         notes.append("dequantized exactly: " + ", ".join(f"{v} {k} tensors" for k, v in sorted(q.items())))
         if m.weights_quantized == "native":
-            why = why or "no FP8 Linear layers"
-            notes.append(f"weights_quantized = 'native': {len(swapped)} Linear layers kept in FP8 (torch._scaled_mm)"
+            why = why or ("the float64 build is the dequantized reference" if not native
+                          else "no FP8 or INT4 Linear layers the kernels take")
+            notes.append(f"weights_quantized = 'native': {len(swapped)} Linear layers kept in {kernel}"
                          if swapped else f"weights_quantized = 'native': nothing runs natively ({why}), ran dequantized")
     if ckpt.pickle:
         notes.append("weights read from pickle files with torch.load(weights_only=True) (model.weights_allow_pickle)")

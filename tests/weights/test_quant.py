@@ -167,3 +167,79 @@ def test_native_fp8_suite_keeps_linears_quantized(tmp_path):
         a, b = nat.eval()(ids).logits.double(), deq.eval()(ids).logits.double()
     rel = ((a - b).norm() / b.norm()).item()
     assert 0 < rel < 0.05, rel
+
+
+def _int4_asym(w: torch.Tensor, group: int):
+    """Asymmetric group-wise int4 as compressed-tensors writes it: q = clamp(round(w / s) + z, -8, 7),
+    w = (q - z) * s, with s = (max - min) / 15 and the integer z that puts min at -8."""
+    out_f, in_f = w.shape
+    g = w.double().reshape(out_f, in_f // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    z = torch.clamp(-8 - torch.round(lo / s.double()), -8, 7).to(torch.int8)
+    q = torch.clamp(torch.round(g / s.double()[..., None]) + z.double()[..., None], -8, 7).to(torch.int8)
+    return q.reshape(out_f, in_f), s, z
+
+
+def test_native_int4_linear_matches_the_dequantized_reference():
+    from harness.weights.native import Int4GroupLinear, native_int4
+
+    ok, why = native_int4("cpu")
+    assert ok, why  # torch 2.13's CPU build has _weight_int4pack_mm_for_cpu
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 128, generator=g)
+    q, s, z = _int4_asym(w, 32)
+    ref_w = quant.dequant_int4_pack(pack_int4(q), s, (48, 128), pack_int4(z.t().contiguous()).t())  # float64
+    lin = Int4GroupLinear(q.to(torch.int32) + 8, s.double(), -z.double() * s.double(), 32, None)
+    assert torch.equal(lin.dequantized(), ref_w)  # the kernel's weight is the checkpoint's, exactly
+    x = torch.randn(3, 5, 128, generator=g, requires_grad=True)
+    y = lin(x)
+    ref = x.double() @ ref_w.t()
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6  # float32 accumulation only
+    dy = torch.randn(3, 5, 48, generator=g)
+    y.backward(dy)  # the kernel has no derivative: the module's own input gradient
+    assert torch.allclose(x.grad.double(), dy.double() @ ref_w, rtol=1e-5, atol=1e-5)
+    xb = x.detach().bfloat16()
+    rel = ((lin(xb).double() - xb.double() @ ref_w.t()).norm() / ref.norm()).item()
+    assert rel < 2**-6  # bf16 scales/zeros and output rounding
+    lin.to(torch.bfloat16)  # build_model casts the model: packed weight and scales must survive it
+    assert lin.w_int4pack.dtype == torch.uint8 and lin.scales_and_zeros.dtype == torch.int32
+
+
+def test_native_int4_suite_keeps_linears_quantized(tmp_path):
+    """weights_quantized = "native" on a group-wise INT4 checkpoint (group 32, asymmetric): the Linear layers
+    run on the INT4 kernel, the logits match the dequantized build of the same checkpoint to float32
+    accumulation, and the smoke check (forward, backward, training) runs on it."""
+    from harness.checks import run_one
+    from harness.weights.native import Int4GroupLinear
+    from tests.weights.conftest import make_model, rewrite_shards, save_checkpoint, small_config
+
+    # width 256: long enough dot products that the kernel's float32 summation order shows (at K = 64 it
+    # happens to equal the dense matmul's, bit for bit)
+    raw = small_config("Llama-3.1-8B.json", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128, bos_token_id=0,
+                       eos_token_id=1, torch_dtype="float32")
+    src = save_checkpoint(make_model(raw, seed=8), raw, tmp_path / "f32", shard="1MB")
+
+    def conv(name, t):
+        q, s, z = _int4_asym(t, 32)
+        return {f"{name}_packed": pack_int4(q), f"{name}_scale": s, f"{name}_zero_point":
+                pack_int4(z.t().contiguous()).t().contiguous(), f"{name}_shape": torch.tensor(list(t.shape), dtype=torch.int32)}
+
+    int4 = tmp_path / "int4"
+    rewrite_shards(src, int4, conv, {"quant_method": "compressed-tensors", "format": "pack-quantized"})
+    deq, _ = build_model(load_suite(write_suite(tmp_path, "d", raw, f'weights = "{int4}"\n')), "float32")
+    ls = load_suite(write_suite(tmp_path, "n", raw, f'weights = "{int4}"\nweights_quantized = "native"\n'))
+    nat, mc = build_model(ls, "float32")
+    assert any("14 Linear layers kept in INT4" in n for n in mc.notes), mc.notes
+    assert isinstance(nat.model.layers[1].self_attn.k_proj, Int4GroupLinear)  # N = 128
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = nat.eval()(ids).logits.double(), deq.eval()(ids).logits.double()
+    assert 0 < ((a - b).norm() / b.norm()).item() < 1e-5
+    ctx = run_one(ls, "smoke", "cpu", "float32")
+    assert float(dict(ctx.properties)["metric.loss_drop"]) > 0
+    ref, mc64 = build_model(ls, "float64")  # the reference build of a native suite: dequantized, exact
+    assert not any(isinstance(m, Int4GroupLinear) for m in ref.modules())
+    assert any("the float64 build is the dequantized reference" in n for n in mc64.notes), mc64.notes
