@@ -19,9 +19,8 @@ Every dequantization is exact in float64: e4m3, int4 and e2m1 values times a flo
 power of two are representable in float64, so the result is the value the format means, not an
 approximation of it.
 
-Kept quantized (``model.weights_quantized = "native"``) is only meaningful on a backend with native
-kernels for the format; on CPU torch 2.13 has no FP8/INT4/MXFP4 matmul that transformers' modules use,
-so the CPU reference path always dequantizes (see docs/weights.md).
+The reference path always dequantizes. Kept quantized (``model.weights_quantized = "native"``): FP8
+block and INT4 group-wise Linear layers on torch's own kernels, in :mod:`harness.weights.native`.
 """
 
 from __future__ import annotations
