@@ -84,9 +84,11 @@ class LayoutEntry(BaseModel):
     name: str | None = Field(None, description="Item variant name (default: from the degrees, e.g. ep2xtp2).")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (DTensor; transformers' tp plan or `tp_plan`).")
     pp: int = Field(1, ge=1, description="Pipeline stages (torch.distributed.pipelining, split at decoder layers).")
-    dp: int = Field(1, ge=1, description="Data-parallel degree (DDP).")
+    dp: int = Field(1, ge=1, description="Data-parallel degree (DDP; with fsdp: the replicas of HSDP; with tp or "
+                    "ep: gradients summed explicitly).")
     ep: int = Field(1, ge=1, description="Expert-parallel degree (experts partitioned; all_to_all_single dispatch).")
-    fsdp: int = Field(1, ge=1, description="FSDP2 fully_shard degree (ZeRO-3).")
+    fsdp: int = Field(1, ge=1, description="FSDP2 fully_shard degree (ZeRO-3); with dp: HSDP on the (replicate, "
+                      "shard) mesh; with tp: FSDP2 over TP's DTensors (torchtitan's FSDP2 + TP).")
     cp: int = Field(1, ge=1, description="Context-parallel degree (where the attention supports it).")
     recompute: bool = Field(False, description="Activation recomputation of every decoder layer; also checked "
                             "against the same layout without it (equal gradients, lower peak memory).")
@@ -115,7 +117,8 @@ class ParallelConfig(CheckConfig):
         "~30-60 s on 2 CPU cores): `harness run --scope nightly`, or `scope = \"commit\"` in a suite.")
     configs: list[LayoutEntry] = Field(
         default_factory=list, description="The matrix ([[checks.parallel.configs]]). Empty: the default per "
-        "architecture - dense: tp2, pp2, dp2, fsdp2-ac, tp2xdp2; MoE adds ep2, ep2xtp2.")
+        "architecture - dense: tp2, pp2, dp2, fsdp2-ac, tp2xdp2; MoE adds ep2, ep2xtp2. Opt-in 2-D layouts: "
+        "tp x fsdp, dp x fsdp (HSDP), ep x dp.")
     batch_size: int = Field(4, ge=1, description="Sequences in the batch (split over data ranks and microbatches).")
     seq_len: int = Field(8, ge=2, description="Tokens per sequence.")
     seed: int = Field(0, description="Seed of the weights (the batch uses seed + 1).")
@@ -248,7 +251,7 @@ class ParallelCheck(Check):
         facts, mc = _facts(ctx.suite)
         heads, kv, _, _ = head_dims(mc.config)
         st.facts, st.mc = facts, mc
-        why = validate(st.layout, facts, heads=heads, kv_heads=kv)
+        why = validate(st.layout, facts, heads=heads, kv_heads=kv, batch_size=cfg.batch_size)
         if st.layout.world > cfg.max_world:
             why = f"needs {st.layout.world} ranks; max_world is {cfg.max_world}"
         if ctx.backend.device_type != "cpu" and ctx.backend.device_count() < st.layout.world:
@@ -257,7 +260,7 @@ class ParallelCheck(Check):
             raise NotApplicable(f"layout {st.layout.label}: {why}")
         # Every valid layout of the same world size shares one launch.
         st.peers = [lay for lay in lays.values() if lay.world == st.layout.world and lay.world <= cfg.max_world
-                    and validate(lay, facts, heads=heads, kv_heads=kv) is None]
+                    and validate(lay, facts, heads=heads, kv_heads=kv, batch_size=cfg.batch_size) is None]
         ctx.metric("parallel_world_size", st.layout.world)
         if st.layout.label.startswith("plan-") and cfg.plan is not None:
             ctx.notes.append("harness plan recommends " + planned_layout(ctx.suite, cfg.plan)[1])

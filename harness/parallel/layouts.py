@@ -118,8 +118,13 @@ def default_layouts(facts: ArchFacts) -> list[Layout]:
     return out
 
 
-def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int) -> str | None:
-    """Why ``lay`` cannot run on this pruned model, or None."""
+def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_size: int | None = None) -> str | None:
+    """Why ``lay`` cannot run on this pruned model (and batch), or None."""
+    slices = lay.data_degree * (lay.microbatches if lay.pp > 1 else 1)
+    if batch_size is not None and batch_size % slices:
+        # Every data rank (and microbatch) must see as many sequences as the others: the reference's
+        # mean loss is their mean only then, and each rank is compared with its equal slice.
+        return f"batch_size {batch_size} does not split into {slices} equal slices (data ranks x microbatches)"
     if lay.pp > 1 and facts.num_layers < lay.pp:
         return f"pp{lay.pp} needs at least {lay.pp} decoder layers (the pruned model has {facts.num_layers})"
     if lay.pp > 1 and facts.tied_embeddings:

@@ -55,6 +55,9 @@ def test_default_matrix_per_architecture_and_validation():
     assert "fsdp" in validate(Layout(ep=2, fsdp=2), moe, heads=8, kv_heads=2)
     assert "pipeline" in validate(Layout(pp=2, fsdp=2), moe, heads=8, kv_heads=2)
     assert "HSDP" in validate(Layout(dp=2, fsdp=2, tp=2), moe, heads=8, kv_heads=2)
+    # 4 data slices need a batch of a multiple of 4 sequences
+    assert "does not split into 4 equal slices" in validate(Layout(ep=2, dp=2), moe, heads=8, kv_heads=2, batch_size=2)
+    assert validate(Layout(ep=2, dp=2), moe, heads=8, kv_heads=2, batch_size=8) is None
 
 
 def test_suite_table_variants_and_errors(write_suite):
