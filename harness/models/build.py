@@ -134,10 +134,16 @@ def _creation_dtype_buffers(model: torch.nn.Module, dt: torch.dtype) -> list[tup
     would round it to 8 bits (2^-9 relative: 0.03 rad of angle error at position 16 already), which
     made the clean run as wrong as a port that builds its rotary tables in bf16 (issue #11). Float64
     (the reference) casts them up as before: exact."""
-    if dt.itemsize >= 4:
-        return []
     out = []
     for mod in model.modules():
+        for name, t in mod._buffers.items():
+            if t is not None and t.is_complex() and not dt.is_complex:
+                # A complex table (Llama-4's vision rotary ``freqs_ci``, complex64): Module.to(real
+                # dtype) would cast it to real, dropping the imaginary part (torch warns "Casting
+                # complex values to real"). Kept complex; complex128 for the float64 reference.
+                out.append((mod, name, t.to(torch.complex128) if dt == torch.float64 else t))
+        if dt.itemsize >= 4:
+            continue
         for name in getattr(mod, "_non_persistent_buffers_set", ()):
             t = mod._buffers.get(name)
             if t is not None and t.dtype == torch.float32:
