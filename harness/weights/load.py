@@ -41,7 +41,9 @@ def _parameters_on_meta():
     (rotary ``inv_freq``, ``original_inv_freq``, anything a model computes in ``__init__``) on meta, and
     recomputing them afterwards means knowing every model's formula; here the model's own ``__init__``
     and ``post_init`` compute them on the CPU in float32, the same code on the same device as the random
-    build, so they are bit-identical to it. The random init functions then run on meta tensors: free."""
+    build, so they are bit-identical to it. The random init functions then run on meta tensors: free.
+    The patch is process-wide while the block runs; harness builds models on one thread (the parallel
+    launcher's thread only waits on torchrun processes)."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(self, name, param):
