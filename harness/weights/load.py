@@ -156,7 +156,9 @@ def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype 
     more than float32's 24 bits (an e4m3 or int4 value times a float32 scale), stay exact."""
     path = ls.weights_path
     if dtype == torch.float64:
-        model.to(torch.float64)
+        from harness.models.build import cast_model
+
+        cast_model(model, torch.float64)  # in place; complex buffers stay complex (complex128)
     m = ls.suite.model
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, allow_pickle=m.weights_allow_pickle)
