@@ -27,8 +27,10 @@ DAY0 = REPO / "tests" / "data" / "day0"
 GOAL_S, GOAL_BYTES = 60.0, 2 * 1024**3
 
 
-def step(args: list[str], cwd: Path) -> tuple[int, float, int, str]:
-    """(exit status, wall seconds, peak RSS bytes, last output line) of one harness command."""
+def step(args: list[str], cwd: Path) -> tuple[int, float, float, int, str]:
+    """(exit status, wall seconds, CPU seconds, peak RSS bytes, last output line) of one harness
+    command. CPU seconds (user + system, the command and the workers it reaped) are the fairer figure
+    on a shared machine, where wall time scales with the load."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(cwd / "harness.toml")}
     log = cwd / f"{args[0]}.log"
     t = time.perf_counter()
@@ -40,7 +42,8 @@ def step(args: list[str], cwd: Path) -> tuple[int, float, int, str]:
     wall = time.perf_counter() - t
     rc = os.waitstatus_to_exitcode(status)
     lines = [x for x in log.read_text().splitlines() if x.strip() and not x.startswith("[transformers]")]
-    return rc, wall, usage.ru_maxrss * 1024, (lines[-1] if lines else "")
+    cpu = usage.ru_utime + usage.ru_stime
+    return rc, wall, cpu, usage.ru_maxrss * 1024, (lines[-1] if lines else "")
 
 
 def run_one(config: Path, root: Path, steps: tuple[str, ...] = ("init", "golden", "run")) -> list[str]:
@@ -54,10 +57,10 @@ def run_one(config: Path, root: Path, steps: tuple[str, ...] = ("init", "golden"
                         ("run", ["run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16"])):
         if label not in steps:
             break
-        rc, wall, rss, last = step(args, work)
+        rc, wall, cpu, rss, last = step(args, work)
         ok = "ok" if rc == 0 else ("refused" if label == "init" and rc == 2 else f"rc={rc}")
         goal = "" if wall < GOAL_S and rss < GOAL_BYTES else " OVER GOAL"
-        rows.append(f"| {config.stem} | {label} | {wall:6.1f} | {rss / 2**20:6.0f} | {ok}{goal} | "
+        rows.append(f"| {config.stem} | {label} | {wall:6.1f} | {cpu:6.1f} | {rss / 2**20:6.0f} | {ok}{goal} | "
                     f"{last[:110] if rc else ''} |")
         if rc != 0:
             break
@@ -72,8 +75,8 @@ def main() -> int:
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench_day0_"))
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print("| model | step | wall s | peak RSS MiB | outcome | detail |")
-    print("|---|---|---:|---:|---|---|")
+    print("| model | step | wall s | CPU s | peak RSS MiB | outcome | detail |")
+    print("|---|---|---:|---:|---:|---|---|")
     try:
         for config in sorted(DAY0.glob("*.json")):
             if args.k in config.name:
