@@ -121,9 +121,11 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
     """``model.to(device, dtype)`` as a deployed model is: floating parameters and checkpoint buffers
     in ``dtype``, the float32 buffers a checkpoint does not hold kept in float32 (see below)."""
     kept = _creation_dtype_buffers(model, dtype)
+    for mod, name, _ in kept:  # out of Module.to's way (it skips None buffers): never cast, no warning
+        mod._buffers[name] = None
     model = model.to(device=device, dtype=dtype)
     for mod, name, t in kept:
-        setattr(mod, name, t.to(device=device))
+        mod._buffers[name] = t.to(device=device)
     return model
 
 
