@@ -185,16 +185,19 @@ class PrecisionCheck(Check):
             if v is not None:
                 ctx.tolerance(k, v)
         ctx.detail("tolerance_source", ", ".join(f"{k}={src[k]}" for k in tol if tol[k] is not None))
-        st.tol = tol
+        st.tol, st.tol_source = tol, src
 
     def budgets(self, ctx: CheckContext, st) -> None:
         """Per-module budgets from the golden's measured clean errors in this dtype (k x clean + floor,
         the tolerance as ceiling), the logits' propagated budget and the router flip limits."""
         p = ctx.suite.suite.checks.precision
-        st.budgets = budgets_for(st.g, ctx.dtype, st.tol, p.budget_k)
+        explicit_tie = not st.tol_source.get("tie_margin", "default").startswith("default")
+        st.budgets = budgets_for(st.g, ctx.dtype, st.tol, p.budget_k, explicit_tie=explicit_tie)
         per = st.budgets.modules
         if st.budgets.logprob_atol is not None:
             ctx.tolerance("generation_logprob_budget", st.budgets.logprob_atol)
+        if st.budgets.tie_margin is not None:
+            ctx.tolerance("generation_tie_budget", st.budgets.tie_margin)
         if per:
             ctx.detail("budget_source", f"measured clean error x {p.budget_k:g} + floor, ceiling "
                        f"{st.tol['rel_rmse']:.3g} ({len(per)} modules, {st.g.budgets(ctx.dtype).get('draws')} draws)")
@@ -284,7 +287,8 @@ class PrecisionCheck(Check):
         if res.generation_failure:
             raise CheckFailure(f"greedy generation differs from the golden: {res.generation_failure}",
                                metric="generation_top1_agreement", expected="equal tokens except at near ties",
-                               observed=f"{res.generation['top1_agreement']:.3f}", tolerance=tol["tie_margin"],
+                               observed=f"{res.generation['top1_agreement']:.3f}",
+                               tolerance=st.budgets.tie_margin if st.budgets.tie_margin is not None else tol["tie_margin"],
                                details=table)
 
 

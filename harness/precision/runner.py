@@ -8,6 +8,7 @@ from the clean reference, the target starts from the same seeded weights.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,14 +76,24 @@ class Budgets:
     logits: float | None = None  # propagated logits rel_rmse (enforced only without isolated rows)
     router_limits: dict[str, float] = field(default_factory=dict)  # widest legitimate flip margin per router
     logprob_atol: float | None = None  # greedy-token logprob budget
+    tie_margin: float | None = None  # widest legitimate greedy flip (reference logprob gap), measured
 
 
-def budgets_for(golden: Golden, dtype: str, tol: dict, k: float) -> Budgets:
+# A measured flip gap widens the tie margin up to this factor of the dtype's tie_margin (bfloat16:
+# 1 nat, a token e times less likely than the reference's): a broken clean measurement must not
+# excuse every flip.
+TIE_CEILING_FACTOR = 10.0
+
+
+def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, explicit_tie: bool = False) -> Budgets:
     """Budgets for a run: k x measured clean error + the dtype's floor, capped by the tolerance (the
     ceiling). Modules without a measurement (dtype not measured) get the tolerance. A router flip is
     legitimate when the golden's margin is within 2 k x the router logits' measured error (2: a flip
     needs the difference of two logits to change sign). Greedy logprobs: k x the measured max + 0.01
-    nats (capped by logprob_atol)."""
+    nats (capped by logprob_atol). Greedy flips: where the clean dtype model, measured at golden
+    generate, flipped a greedy token at a reference logprob gap wider than the dtype's tie_margin,
+    k x the widest such gap (at most TIE_CEILING_FACTOR x tie_margin); ``explicit_tie``: the suite
+    set tie_margin itself, and that value stands."""
     from harness.precision.budgets import budget, scale_budget
 
     b = golden.budgets(dtype)
@@ -96,6 +107,9 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float) -> Budgets:
     gen = (b.get("generation") or {}).get("logprob_diff")
     if gen and gen.get("n"):
         out.logprob_atol = min(tol["logprob_atol"], k * gen["max"] + 0.01)
+    gaps = [g for g in (b.get("generation") or {}).get("mismatch_gaps") or [] if math.isfinite(g)]
+    if gaps and not explicit_tie and tol.get("tie_margin") is not None:
+        out.tie_margin = max(tol["tie_margin"], min(k * max(gaps), TIE_CEILING_FACTOR * tol["tie_margin"]))
     return out
 
 
@@ -115,7 +129,11 @@ def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | No
         lim.update(bud.router_limits)
         compare_isolated(golden, run.replayed, tol, bud.modules, lim, res, bud.scales, judge)
     if run.generation:
-        gtol = dict(tol, logprob_atol=bud.logprob_atol) if bud.logprob_atol is not None else tol
+        gtol = dict(tol)
+        if bud.logprob_atol is not None:
+            gtol["logprob_atol"] = bud.logprob_atol
+        if bud.tie_margin is not None:
+            gtol["tie_margin"] = bud.tie_margin
         compare_generation(golden, run.generation, gtol, res)
     return res
 
@@ -147,12 +165,15 @@ def check_against_golden(ls: LoadedSuite, golden: Golden, backend, dtype: str, *
                          context=None, tol: dict | None = None, isolated: bool | None = None
                          ) -> tuple[Comparison, dict, TargetRun]:
     p = ls.suite.checks.precision
-    tol = tol or tolerances_for(ls, backend, dtype)[0]
+    explicit_tie = False
+    if not tol:
+        tol, src = tolerances_for(ls, backend, dtype)
+        explicit_tie = not src["tie_margin"].startswith("default")
     model, mc = build_target(ls, backend, dtype, transform, golden)
     run = run_model(model, golden, ls, backend.device(), context)
     if (p.isolated if isolated is None else isolated) and golden.structures:
         run.replayed = run_isolated(model, golden, dtype, backend.device(), context)
     run.notes = list(mc.notes)
-    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k),
+    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k, explicit_tie),
                         selection_judge(ls, golden, dtype)),
             tol, run)
