@@ -161,6 +161,9 @@ class SelectionJudge:
     hidden size). A router that is not affine in its input (checked on the call) or whose weight is
     not found is judged by the logit margin (``None``)."""
 
+    STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the run-dtype witness's input moves, in units of the noise shift
+    RANDOM = 16  # and this many seeded random noise-sized moves
+
     def __init__(self, reference_model_fn, structures: dict, golden_outputs: dict, tensors: dict,
                  dtype: torch.dtype | None = None):
         self._model_fn, self._model = reference_model_fn, None
@@ -228,15 +231,34 @@ class SelectionJudge:
             # top-k or router kernel on the target still differs from it.
             import copy
 
+            #
+            # The target has both at once: its router's input is off by the upstream noise *and* its
+            # selection rounds in the run dtype, which is not monotone in the input: experts within
+            # one rounding step of each other tie, and which one a top-k keeps depends on where the
+            # others round. (Measured: DeepSeek-V4-Flash seed 1007, token 30: experts 0, 2 and 5 at
+            # float64 scores 0.8536, <0.8536, 0.8503 all round to 0.8516-0.8555 in bf16; the target
+            # kept 5, at logit margin 0.0111 against a limit of 0.00998.) So the low-precision router
+            # is also asked on inputs moved by noise-sized shifts: toward the target's choice by
+            # fractions of the noise (STEPS), and in RANDOM seeded directions (each logit moved
+            # uniformly within +-limit / 2). A correct router in the run dtype whose input is within
+            # the measured noise picks what the target did: legitimate. A wrong top-k or router
+            # kernel picks experts no such input reaches.
             low = copy.deepcopy(router).to(self.dtype)
-            args[pos] = h
-            la = [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
             lk = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                   for k, v in kwargs.items()}
-            with torch.no_grad():
-                own = _router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
-            if own is not None and own.numel() == got2.numel():
-                same = same | (own.reshape(n_t, -1).long() == got2).all(-1)
+            g = torch.Generator().manual_seed(0)
+            pinv_t = torch.linalg.pinv(w64).T  # [E, H]
+            rows = flipped.reshape(-1, 1).double()
+            shifts = [t * dh for t in self.STEPS] + [
+                ((torch.rand(n_t, n_e, generator=g, dtype=torch.float64) - 0.5) * limit * rows) @ pinv_t
+                for _ in range(self.RANDOM)]
+            for shift in shifts:
+                args[pos] = h + shift.reshape(h.shape)
+                la = [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+                with torch.no_grad():
+                    own = _router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
+                if own is not None and own.numel() == got2.numel():
+                    same = same | (own.reshape(n_t, -1).long() == got2).all(-1)
         return flipped.reshape(-1) & same
 
 

@@ -119,11 +119,15 @@ def test_flip_judged_in_the_routers_selection_space():
 
 
 @pytest.mark.slow
-def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path):
-    """DeepSeek-V4-Flash (the Day-0 config), weight seed 1000, bfloat16: a token flips at a logit margin
-    of 0.0137 against a noise limit of 0.0098 because the router adds its correction bias to
-    score_fn(logits) in bf16 (3 of 3 clean reruns failed before). The reference router computed in the
-    run dtype picks what the target picked: legitimate. A wrong top-k kernel still fails at a router."""
+@pytest.mark.parametrize("seed", [1000, 1007])
+def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, seed):
+    """DeepSeek-V4-Flash (the Day-0 config), bfloat16. Weight seed 1000: a token flips at a logit
+    margin of 0.0137 against a noise limit of 0.0098 because the router adds its correction bias to
+    score_fn(logits) in bf16 (3 of 3 clean reruns failed before); the reference router computed in
+    the run dtype picks what the target picked: legitimate. Seed 1007 (1 false alarm in the Day-0
+    10-rerun sweep): experts 0, 2 and 5 of token 30 in layer 4 tie within one bf16 step of their
+    scores, and the target kept 5 at logit margin 0.0111 against 0.00998; only the run-dtype router
+    on an input moved within the noise picks 5. A wrong top-k kernel still fails at a router."""
     import subprocess
     import sys
 
@@ -137,12 +141,14 @@ def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path):
     assert r.returncode == 0, r.stderr
     ls = load_suite(tmp_path / "s" / "dsv4.toml")
     s = ls.suite.model_copy(deep=True)
-    s.checks.precision.seed = 1000
+    s.checks.precision.seed = seed
     ls = type(ls)(ls.path, ls.name, s, ls.config_path, ls.raw_config)
     generate(ls, tmp_path / "golden")
     ctx, failure = run_check(ls, "bfloat16", tmp_path, golden_root=tmp_path / "golden")
     assert failure is None, failure.report("clean")
     assert float(props(ctx)["metric.routing_flips_near_tie"]) > 0
+    if seed != 1000:
+        return  # the fault half once is enough
     from harness.models.build import model_config
 
     cfg = model_config(ls).config  # the pruned config: 8 routed experts, top-2
