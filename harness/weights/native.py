@@ -95,20 +95,26 @@ class Fp8BlockLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def swap_fp8_linears(model: torch.nn.Module, ckpt, plan, reader, block: tuple[int, int] | None) -> list[str]:
-    """Replace every nn.Linear whose checkpoint weight is FP8 block-quantized by an Fp8BlockLinear
-    holding the checkpoint's own e4m3 payload and scales. Returns the module names swapped."""
+def _quantized_linears(model: torch.nn.Module, ckpt, plan, kind: str):
+    """(name, module, stored tensor) of every plain nn.Linear whose checkpoint weight is stored in
+    the quantized format ``kind`` (quant.locate's kinds); experts and row-sliced tensors excluded."""
     from harness.weights import quant
 
     by_param = {e.param: e for e in plan.entries if e.expert is None and e.rows is None}
-    swapped = []
     for name, mod in list(model.named_modules()):
         if type(mod) is not torch.nn.Linear:
             continue
         e = by_param.get(f"{name}.weight")
         st = quant.locate(ckpt, e.source) if e else None
-        if st is None or st.kind != "fp8_block":
-            continue
+        if st is not None and st.kind == kind:
+            yield name, mod, st
+
+
+def swap_fp8_linears(model: torch.nn.Module, ckpt, plan, reader, block: tuple[int, int] | None) -> list[str]:
+    """Replace every nn.Linear whose checkpoint weight is FP8 block-quantized by an Fp8BlockLinear
+    holding the checkpoint's own e4m3 payload and scales. Returns the module names swapped."""
+    swapped = []
+    for name, mod, st in _quantized_linears(model, ckpt, plan, "fp8_block"):
         q, s = reader.get(st.keys[0]), reader.get(st.keys[1])
         if tuple(q.shape) != (mod.out_features, mod.in_features) or (q.shape[1] % 16) or (q.shape[0] % 16):
             continue  # shapes _scaled_mm cannot take stay dequantized
@@ -196,15 +202,8 @@ def swap_int4_linears(model: torch.nn.Module, ckpt, plan, reader) -> list[str]:
     the CPU kernel takes) by an Int4GroupLinear holding the checkpoint's own nibbles and scales."""
     from harness.weights import quant
 
-    by_param = {e.param: e for e in plan.entries if e.expert is None and e.rows is None}
     swapped = []
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not torch.nn.Linear:
-            continue
-        e = by_param.get(f"{name}.weight")
-        st = quant.locate(ckpt, e.source) if e else None
-        if st is None or st.kind != "int4_pack":
-            continue
+    for name, mod, st in _quantized_linears(model, ckpt, plan, "int4_pack"):
         n, k = mod.out_features, mod.in_features
         scale = reader.get(f"{st.name}_scale")
         group = k // scale.shape[1] if scale.dim() == 2 and scale.shape[0] == n else 0
