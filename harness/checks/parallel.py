@@ -55,6 +55,10 @@ metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activatio
 metrics.declare("recompute_grad_error", "", "lower", "gradients with recomputation vs without")
 metrics.declare("fsdp_param_fraction", "", "lower", "per-rank parameter bytes / whole model's (~1/world)")
 metrics.declare("fsdp_optimizer_fraction", "", "lower", "per-rank optimizer-state bytes / whole model's (~1/world)")
+metrics.declare("zero_optimizer_fraction", "", "lower", "ZeRO-1/2: per-rank optimizer-state bytes / whole model's "
+                "(~1/dp)")
+metrics.declare("zero_grad_fraction", "", "lower", "ZeRO-1/2: per-rank gradient bytes after the reduction / whole "
+                "model's (~1/dp for ZeRO-2, 1 for ZeRO-1)")
 metrics.declare("ep_dropped_tokens", "", "lower", "(token, expert) pairs dropped at expert capacity, all ranks")
 metrics.declare("ep_max_expert_load", "", "none", "most pairs one local expert received in one call")
 for _k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
@@ -95,6 +99,10 @@ class LayoutEntry(BaseModel):
     microbatches: int = Field(2, ge=1, description="Pipeline microbatches.")
     schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"] = Field(
         "GPipe", description="Pipeline schedule (torch.distributed.pipelining name).")
+    zero: Literal[0, 1, 2] = Field(0, description="ZeRO stage of the dp dimension (dp alone): 1 = DDP + "
+                                   "ZeroRedundancyOptimizer (optimizer state sharded), 2 = FSDP2 with "
+                                   "reshard_after_forward=False (gradients and optimizer state sharded); "
+                                   "ZeRO-3 is fsdp. Named e.g. dp2-zero1.")
 
 
 class PlanRequest(BaseModel):
@@ -349,6 +357,8 @@ class ParallelCheck(Check):
             ctx.detail("first_diverging_ranks", ",".join(map(str, v.first_module_ranks)))
         if v.worst_grad and v.worst_grad[0]:
             ctx.detail("worst_gradient", v.worst_grad[0])
+        if v.worst_weight and v.worst_weight[2]:
+            ctx.detail("worst_weight", v.worst_weight[0])
         if not v.ok:
             raise CheckFailure(describe(v, lay), metric="parallel_grad_error", expected=f"<= {tol['grads']:.3g}",
                                observed=f"{v.errors.get('grads', float('nan')):.3g}", tolerance=tol)
@@ -374,6 +384,17 @@ class ParallelCheck(Check):
                     raise CheckFailure(f"FSDP keeps {val:.3f} of the whole model's {name.split('_')[1]} bytes per "
                                        f"rank; expected about 1/{lay.fsdp}", metric=name,
                                        expected=f"<= {limit:.3f}", observed=f"{val:.3f}")
+        if lay.zero:
+            # SGD with momentum keeps one buffer per parameter: unsharded it would be 1 x the model.
+            of = ctx.metric("zero_optimizer_fraction",
+                            max(m["optimizer_bytes_local"] / m["param_bytes_full"] for m in metas))
+            ctx.metric("zero_grad_fraction", max(m["grad_bytes_local"] / m["param_bytes_full"] for m in metas))
+            limit = cfg.fsdp_slack / lay.dp
+            ctx.tolerance("zero_optimizer_fraction", limit)
+            if of > limit:
+                raise CheckFailure(f"ZeRO-{lay.zero} keeps {of:.3f} of the whole model's optimizer-state bytes per "
+                                   f"rank; expected about 1/{lay.dp}", metric="zero_optimizer_fraction",
+                                   expected=f"<= {limit:.3f}", observed=f"{of:.3f}")
 
 
 class _Routing:

@@ -119,7 +119,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return base.layers
 
 
-def apply_fsdp(model: torch.nn.Module, fsdp_mesh) -> None:
+def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = True) -> None:
     """FSDP2 (ZeRO-3): every decoder layer is one unit, the rest (embedding, norm, lm_head) the root.
 
     ``fsdp_mesh`` is 1-D (shard) or 2-D ``(replicate, shard)``: HSDP - parameters sharded along the
@@ -127,12 +127,19 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh) -> None:
     group, then all-reduced over the replicas. After ``apply_tp`` (torchtitan's FSDP2 + TP, the mesh
     a dimension of the same device mesh as tp's) the tp-sharded parameters become 2-D DTensors
     (sharded over fsdp, then over tp); parameters the tp plan left replicated are sharded over fsdp
-    only."""
+    only.
+
+    ``reshard_after_forward=False`` is ZeRO-2 (torch's and torchtitan's way to it with FSDP2): the
+    parameters are all-gathered once per step and kept unsharded through forward *and* backward (no
+    re-gather in backward), gradients are reduce-scattered, the optimizer steps on the shards - the
+    communication of DeepSpeed's ZeRO-2 (reduce-scatter of gradients, all-gather of updated
+    parameters). Unlike DeepSpeed's, FSDP2 still frees the unsharded parameters after backward
+    (between steps each rank holds its shard only)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def apply_dp(model: torch.nn.Module, group, counter=None) -> torch.nn.Module:
@@ -145,6 +152,16 @@ def apply_dp(model: torch.nn.Module, group, counter=None) -> torch.nn.Module:
 
         ddp.register_comm_hook(group, ddp_counting_hook(counter))
     return ddp
+
+
+def zero1_optimizer(params, lr: float, group) -> torch.optim.Optimizer:
+    """ZeRO-1: ``torch.distributed.optim.ZeroRedundancyOptimizer`` around the reference's optimizer
+    (SGD, momentum 0.9): each rank of ``group`` keeps the optimizer state of its partition of the
+    parameters (whole tensors, balanced by size), steps them, and broadcasts them to the others."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, process_group=group, lr=lr,
+                                   momentum=0.9)
 
 
 def sync_grads(model: torch.nn.Module, group, skip: set[str] = frozenset(), only: set[str] | None = None) -> None:

@@ -228,4 +228,7 @@ def describe(v: Verdict, lay: Layout) -> str:
         msg += ". Every module's forward output agrees"
     if v.worst_grad and v.worst_grad[0]:
         msg += f". Gradient furthest off: {v.worst_grad[0]} (error {v.worst_grad[1]:.3g})"
+    if v.worst_weight and v.worst_weight[2]:
+        # Weights off with gradients right: the optimizer step or its parameter broadcast.
+        msg += f". Weight furthest off: {v.worst_weight[0]} on rank(s) {v.worst_weight[2]} (error {v.worst_weight[1]:.3g})"
     return msg

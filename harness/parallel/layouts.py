@@ -6,7 +6,8 @@ attention supports it). Mesh dimensions are ordered outermost first as torchtita
 
 Names are what a suite writes in ``[checks.parallel] variants`` and what item ids show:
 ``tp2``, ``pp2``, ``ep2xtp2`` (degrees above 1, joined by ``x``), plus ``-ac`` when activation
-recomputation is on; a ``[[checks.parallel.configs]]`` entry may also name itself.
+recomputation is on, ``-zero1`` / ``-zero2`` for data parallelism with ZeRO-1 (optimizer state
+sharded) or ZeRO-2 (gradients too); a ``[[checks.parallel.configs]]`` entry may also name itself.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class Layout:
     microbatches: int = 2
     schedule: str = "GPipe"
     name: str = ""
+    # ZeRO stage of the dp dimension: 0 plain DDP, 1 DDP + ZeroRedundancyOptimizer (optimizer state
+    # sharded), 2 FSDP2 with reshard_after_forward=False (gradients and optimizer state sharded).
+    # ZeRO-3 is ``fsdp``.
+    zero: int = 0
 
     @property
     def world(self) -> int:
@@ -81,7 +86,7 @@ class Layout:
 def default_name(lay: Layout) -> str:
     parts = [f"{d}{getattr(lay, d)}" for d in NAME_ORDER if getattr(lay, d) > 1]
     name = "x".join(parts) or "single"
-    return name + ("-ac" if lay.recompute else "")
+    return name + (f"-zero{lay.zero}" if lay.zero else "") + ("-ac" if lay.recompute else "")
 
 
 _PART = re.compile(r"^(tp|pp|dp|ep|fsdp|cp)(\d+)$")
@@ -90,13 +95,17 @@ _PART = re.compile(r"^(tp|pp|dp|ep|fsdp|cp)(\d+)$")
 def parse_name(name: str) -> Layout:
     """``ep2xtp2`` -> Layout(ep=2, tp=2); ``fsdp2-ac`` -> recompute on. ValueError on anything else."""
     base, ac = (name[:-3], True) if name.endswith("-ac") else (name, False)
+    zero = 0
+    m = re.match(r"^(.*)-zero([12])$", base)
+    if m:
+        base, zero = m.group(1), int(m.group(2))
     degrees: dict[str, int] = {}
     for part in base.split("x"):
         m = _PART.match(part)
         if not m or m.group(1) in degrees or int(m.group(2)) < 1:
             raise ValueError(f"not a layout name: {name!r} (expected e.g. tp2, ep2xtp2, fsdp2-ac)")
         degrees[m.group(1)] = int(m.group(2))
-    return Layout(**degrees, recompute=ac)
+    return Layout(**degrees, recompute=ac, zero=zero)
 
 
 @dataclass
@@ -120,6 +129,11 @@ def default_layouts(facts: ArchFacts) -> list[Layout]:
 
 def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_size: int | None = None) -> str | None:
     """Why ``lay`` cannot run on this pruned model (and batch), or None."""
+    if lay.zero not in (0, 1, 2):
+        return f"zero = {lay.zero}: ZeRO stage 1 or 2 with dp (ZeRO-3 is fsdp)"
+    if lay.zero and (lay.dp < 2 or lay.world != lay.dp):
+        return (f"zero = {lay.zero} shards over the dp dimension alone: it needs dp >= 2 and no other strategy "
+                f"(ZeRO-3 is fsdp)")
     slices = lay.data_degree * (lay.microbatches if lay.pp > 1 else 1)
     if batch_size is not None and batch_size % slices:
         # Every data rank (and microbatch) must see as many sequences as the others: the reference's

@@ -37,6 +37,7 @@ from harness.parallel.apply import (
     pipeline_stage,
     sync_grads,
     tp_plan_of,
+    zero1_optimizer,
 )
 from harness.parallel.comm import CommCounter
 from harness.parallel.layouts import DATA_DIMS, Layout
@@ -146,11 +147,15 @@ class RankRun:
         if lay.fsdp > 1:
             # dp x fsdp is HSDP: FSDP2 on the 2-D (replicate, shard) mesh, replicate dimension first.
             apply_fsdp(model, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
+        if lay.zero == 2:
+            # ZeRO-2 over dp: FSDP2 keeping the gathered parameters from forward through backward.
+            apply_fsdp(model, mesh["dp"], reshard_after_forward=False)
         wrapped = model
         # DDP only where dp is the one strategy; with tp or ep beside it, the data dimension's
         # gradients are summed explicitly (an expert shard is replicated over dp only).
-        ddp = lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1
-        manual_sync = d > 1 and lay.fsdp == 1 and not ddp
+        # ZeRO-1 is DDP (gradients all-reduced) with a sharded optimizer; ZeRO-2 is FSDP2 above.
+        ddp = lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2
+        manual_sync = d > 1 and lay.fsdp == 1 and lay.zero != 2 and not ddp
         if ddp:
             wrapped = apply_dp(model, groups["dp"], counter)
         stage = sched = None
@@ -227,11 +232,19 @@ class RankRun:
         if light:
             dist.barrier()
             return res, {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+        res["grad_bytes_local"] = sum(_local(p.grad).numel() * p.grad.element_size() for _, p in params
+                                      if p.grad is not None)
         st.step("optimizer")
-        opt = make_optimizer([p for _, p in params], spec["lr"])
-        opt.step()
+        if lay.zero == 1:
+            opt = zero1_optimizer([p for _, p in params], spec["lr"], groups["dp"])
+        else:
+            opt = make_optimizer([p for _, p in params], spec["lr"])
+        with counter:  # ZeRO-1 broadcasts every updated partition from its owner
+            opt.step()
         local_param_bytes = sum(_local(p).numel() * p.element_size() for _, p in params)
-        opt_bytes = sum(_local(v).numel() * v.element_size() for s in opt.state.values() for v in s.values()
+        # ZeroRedundancyOptimizer keeps its rank's state in the wrapped local optimizer.
+        opt_state = getattr(opt, "optim", opt).state
+        opt_bytes = sum(_local(v).numel() * v.element_size() for s in opt_state.values() for v in s.values()
                         if isinstance(v, torch.Tensor))
         res["param_bytes_local"], res["param_bytes_full"] = local_param_bytes, full_bytes
         res["optimizer_bytes_local"] = opt_bytes

@@ -209,3 +209,25 @@ def two_d_faults(ctx) -> None:
     tp_fsdp_skip_rowwise_allreduce(ctx)
     hsdp_mean_over_shard_group_only(ctx)
     ep_dp_expert_grads_not_over_dp(ctx)
+
+
+# --- ZeRO-1: the layout named ``dp2-zero1-nobcast`` -------------------------------------------------
+
+_ZERO1_SKIP: list[bool] = [False]
+
+
+def zero1_skip_broadcast(ctx) -> None:
+    """ZeRO-1, the layout named ``dp2-zero1-nobcast``: ZeroRedundancyOptimizer steps its own partition
+    but never broadcasts the updated partitions to the other ranks (its ``_sync_params`` skipped):
+    each rank's copy of the parameters another rank owns keeps its old value, on every rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not hasattr(ZeroRedundancyOptimizer, "_harness_orig_sync"):
+        ZeroRedundancyOptimizer._harness_orig_sync = ZeroRedundancyOptimizer._sync_params
+
+        def sync(self):
+            if not _ZERO1_SKIP[0]:
+                ZeroRedundancyOptimizer._harness_orig_sync(self)
+
+        ZeroRedundancyOptimizer._sync_params = sync
+    _ZERO1_SKIP[0] = ctx.layout.label == "dp2-zero1-nobcast"

@@ -104,3 +104,27 @@ def test_plan_recommendation_becomes_a_layout_at_pruned_scale():
     # harness plan recommends dp8 with ZeRO-2 and recomputation for training on one 8-device node:
     # checked as dp2 with recomputation
     assert names == ["dp2", "plan-dp2-ac"]
+
+
+def test_zero_stages_name_validate_and_reject_bad_input(write_suite):
+    for name, zero in (("dp2-zero1", 1), ("dp2-zero2", 2), ("dp4-zero2-ac", 2)):
+        lay = parse_name(name)
+        assert lay.label == name and lay.zero == zero and lay.world == lay.dp
+    facts = ArchFacts(moe=False, num_layers=2)
+    assert validate(Layout(dp=2, zero=1), facts, heads=8, kv_heads=2) is None
+    assert validate(Layout(dp=2, zero=2), facts, heads=8, kv_heads=2) is None
+    for lay in (Layout(zero=1), Layout(tp=2, dp=2, zero=1), Layout(dp=2, fsdp=2, zero=2)):
+        assert "dp dimension alone" in validate(lay, facts, heads=8, kv_heads=2), lay
+    ls = suite_with("llama-3.1-8b", configs=[{"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}])
+    assert ParallelCheck().variants(ls, None) == ["dp2-zero1", "dp2-zero2"]
+    bad = write_suite("bad", """
+        [model]
+        config = "configs/Llama-3.1-8B.json"
+        [checks.parallel]
+        enabled = true
+        [[checks.parallel.configs]]
+        dp = 2
+        zero = 3
+    """)
+    with pytest.raises(SuiteError, match=r"checks\.parallel\.configs\[0\]\.zero: .*0, 1 or 2"):
+        load_suite(bad)

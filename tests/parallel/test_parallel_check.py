@@ -187,3 +187,32 @@ def test_two_d_fsdp_tp_hsdp_ep_dp_match_and_a_wrong_reduction_in_each_is_localiz
         assert "grads differ" in msg and "on rank(s) [0, 1, 2, 3]" in msg, msg
         assert "Every module's forward output agrees" in msg and "logits differ" not in msg, msg
     assert ".mlp.experts." in details_of(res["ep2xdp2-no-ar"][1])["worst_gradient"]
+
+
+def test_zero1_zero2_match_and_a_zero1_step_without_its_broadcast_is_localized():
+    # One 2-rank launch: ZeRO-1 (DDP + ZeroRedundancyOptimizer), ZeRO-2 (FSDP2 with
+    # reshard_after_forward=False), and ZeRO-1 again with the broadcast of the updated partitions
+    # skipped (tests/parallel/faults.py): gradients right, weights after the step stale where the
+    # other rank owns them.
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2, "zero": 1}, {"dp": 2, "zero": 2},
+                                         {"dp": 2, "zero": 1, "name": "dp2-zero1-nobcast"}])
+    res = _run_all(ls, fault="tests.parallel.faults:zero1_skip_broadcast")
+    assert list(_launches().values()) == [1], "every layout of world size 2 runs in one launch"
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    for v in ("dp2-zero1", "dp2-zero2"):
+        out, ctx = res[v]
+        assert out is None, f"{v}: {out}"
+        m = metrics_of(ctx)
+        assert m["parallel_grad_error"] <= tol["grads"] and m["parallel_weight_error"] <= tol["weights"]
+        assert m["parallel_logits_after_error"] <= tol["logits_after"]
+        # Optimizer state (one momentum buffer per parameter) about half the model's per rank.
+        assert 0.3 <= m["zero_optimizer_fraction"] <= 0.7, m["zero_optimizer_fraction"]
+    z1, z2 = metrics_of(res["dp2-zero1"][1]), metrics_of(res["dp2-zero2"][1])
+    assert z1["zero_grad_fraction"] == pytest.approx(1.0) and z1["comm_broadcast_count"] > 0
+    assert 0.45 <= z2["zero_grad_fraction"] <= 0.6 and z2["comm_reduce_scatter_count"] > 0
+    out, ctx = res["dp2-zero1-nobcast"]
+    msg = str(out)
+    assert isinstance(out, CheckFailure), out
+    assert "weights differ" in msg and "grads differ" not in msg and "logits differ" not in msg, msg
+    assert "Every module's forward output agrees" in msg and "Weight furthest off: model." in msg, msg
+    assert details_of(ctx)["worst_weight"].startswith("model.")
