@@ -87,7 +87,8 @@ class LayoutEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, description="Item variant name (default: from the degrees, e.g. ep2xtp2).")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (DTensor; transformers' tp plan or `tp_plan`).")
-    pp: int = Field(1, ge=1, description="Pipeline stages (torch.distributed.pipelining, split at decoder layers).")
+    pp: int = Field(1, ge=1, description="Pipeline stages (torch.distributed.pipelining, split at decoder layers); "
+                    "with dp: each stage replicated over dp with DDP.")
     dp: int = Field(1, ge=1, description="Data-parallel degree (DDP; with fsdp: the replicas of HSDP; with tp or "
                     "ep: gradients summed explicitly).")
     ep: int = Field(1, ge=1, description="Expert-parallel degree (experts partitioned; all_to_all_single dispatch).")
@@ -126,7 +127,7 @@ class ParallelConfig(CheckConfig):
     configs: list[LayoutEntry] = Field(
         default_factory=list, description="The matrix ([[checks.parallel.configs]]). Empty: the default per "
         "architecture - dense: tp2, pp2, dp2, fsdp2-ac, tp2xdp2; MoE adds ep2, ep2xtp2. Opt-in 2-D layouts: "
-        "tp x fsdp, dp x fsdp (HSDP), ep x dp.")
+        "tp x fsdp, dp x fsdp (HSDP), ep x dp, pp x dp; ZeRO-1/2 (`zero` with dp).")
     batch_size: int = Field(4, ge=1, description="Sequences in the batch (split over data ranks and microbatches).")
     seq_len: int = Field(8, ge=2, description="Tokens per sequence.")
     seed: int = Field(0, description="Seed of the weights (the batch uses seed + 1).")

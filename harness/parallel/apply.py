@@ -142,11 +142,12 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = 
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
 
 
-def apply_dp(model: torch.nn.Module, group, counter=None) -> torch.nn.Module:
+def apply_dp(model: torch.nn.Module, group, counter=None, find_unused_parameters: bool = False) -> torch.nn.Module:
     """DistributedDataParallel over ``group`` (gradients averaged by bucketed all-reduce)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=1)
+    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=1,
+              find_unused_parameters=find_unused_parameters)
     if counter is not None:
         from harness.parallel.comm import ddp_counting_hook
 
@@ -220,14 +221,23 @@ class StageModule(torch.nn.Module):
         return self.lm_head(h) if self.last else h
 
 
-def pipeline_stage(lm: torch.nn.Module, pp_group, microbatches: int, schedule: str):
+def pipeline_stage(lm: torch.nn.Module, pp_group, microbatches: int, schedule: str, dp_group=None, counter=None):
     """(stage module, PipelineStage, schedule) for this rank's stage; the loss is the reference's (averaged per
-    microbatch, gradients scaled by the schedule)."""
+    microbatch, gradients scaled by the schedule).
+
+    With ``dp_group`` (pp x dp) the stage module is wrapped in DDP over the ranks holding the same
+    stage: torch.distributed.pipelining drives DDP itself (``no_sync`` for every microbatch but the
+    schedule's last backward, whose reducer all-reduces the stage's accumulated gradients), so the
+    gradient is the mean over microbatches (the schedule's scaling) and dp replicas (DDP's)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     stage_idx, n = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     mod = StageModule(lm, stage_idx, n)
+    if dp_group is not None:
+        # find_unused_parameters turns off DDP's bucket rebuild after the first step, which asserts
+        # under the pipeline (the reducer records every microbatch's backward, 2 x the parameters).
+        mod = apply_dp(mod, dp_group, counter, find_unused_parameters=True)
     stage = PipelineStage(mod, stage_idx, n, torch.device("cpu"), group=pp_group)
     cls = get_schedule_class(schedule)
     sched = cls(stage, microbatches, loss_fn=lm_loss)

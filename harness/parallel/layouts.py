@@ -151,8 +151,8 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_
         return f"tp{lay.tp} does not divide {heads} query / {kv_heads} key-value heads"
     if lay.cp > 1:
         return "context parallelism is not supported by this harness yet (needs ring attention on the backend)"
-    if lay.pp > 1 and (lay.tp > 1 or lay.fsdp > 1 or lay.dp > 1 or lay.ep > 1):
-        return "pipeline parallelism runs alone so far"
+    if lay.pp > 1 and (lay.tp > 1 or lay.fsdp > 1 or lay.ep > 1):
+        return "pipeline parallelism combines with dp only so far (DDP per stage)"
     if lay.pp > 1 and lay.recompute:
         return "recomputation inside pipeline stages is not supported yet"
     if lay.ep > 1 and lay.fsdp > 1:

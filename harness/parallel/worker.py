@@ -154,13 +154,15 @@ class RankRun:
         # DDP only where dp is the one strategy; with tp or ep beside it, the data dimension's
         # gradients are summed explicitly (an expert shard is replicated over dp only).
         # ZeRO-1 is DDP (gradients all-reduced) with a sharded optimizer; ZeRO-2 is FSDP2 above.
-        ddp = lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2
-        manual_sync = d > 1 and lay.fsdp == 1 and lay.zero != 2 and not ddp
+        # pp x dp: DDP per stage, inside the pipeline (pipeline_stage).
+        ddp = lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2 and lay.pp == 1
+        manual_sync = d > 1 and lay.fsdp == 1 and lay.zero != 2 and lay.pp == 1 and not ddp
         if ddp:
             wrapped = apply_dp(model, groups["dp"], counter)
         stage = sched = None
         if lay.pp > 1:
-            wrapped, stage, sched = pipeline_stage(model, groups["pp"], lay.microbatches, lay.schedule)
+            wrapped, stage, sched = pipeline_stage(model, groups["pp"], lay.microbatches, lay.schedule,
+                                                   dp_group=groups["dp"] if lay.dp > 1 else None, counter=counter)
         for n, m in wrapped.named_modules():
             m._harness_qualname = clean_name(n) or type(m).__name__
         if self.fault is not None and not light:
@@ -168,8 +170,9 @@ class RankRun:
                                        stage=stage, schedule=sched, mesh=mesh, groups=groups))
         # A pipeline stage's plumbing is not the model's: layers of other stages (pass-through), the
         # final norm before the last stage (identity), the base model's output mid-pipeline.
+        inner = wrapped.module if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else wrapped
         plumbing = frozenset(m for m in wrapped.modules() if isinstance(m, (_PassLayer, torch.nn.Identity))) | (
-            frozenset([getattr(wrapped, wrapped.base_name)]) if stage is not None and not stage.is_last
+            frozenset([getattr(inner, inner.base_name)]) if stage is not None and not stage.is_last
             else frozenset())
         cap = ModuleCapture(wrapped, skip=plumbing) if capture else None
         # Every router's chosen experts, for the routing-aware comparison (harness.parallel.routing).

@@ -231,3 +231,18 @@ def zero1_skip_broadcast(ctx) -> None:
 
         ZeroRedundancyOptimizer._sync_params = sync
     _ZERO1_SKIP[0] = ctx.layout.label == "dp2-zero1-nobcast"
+
+
+def pp_dp_last_stage_no_sync(ctx) -> None:
+    """pp x dp, the layout named ``pp2xdp2-no-sync``: the last stage never tells its DDP that a
+    backward is the step's last (``last_backward`` dropped), so every microbatch runs under
+    ``no_sync`` and its dp replicas keep their own slice's gradient - the first stage is right."""
+    if ctx.layout.label != "pp2xdp2-no-sync" or ctx.stage is None or not ctx.stage.is_last:
+        return
+    stage = ctx.stage
+    orig = stage.backward_maybe_with_nosync
+
+    def no_sync(backward_type, bwd_kwargs, last_backward=False):
+        return orig(backward_type, bwd_kwargs, last_backward=False)
+
+    stage.backward_maybe_with_nosync = no_sync

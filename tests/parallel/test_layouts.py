@@ -54,6 +54,13 @@ def test_default_matrix_per_architecture_and_validation():
         assert validate(lay, moe, heads=8, kv_heads=2) is None, lay.label
     assert "fsdp" in validate(Layout(ep=2, fsdp=2), moe, heads=8, kv_heads=2)
     assert "pipeline" in validate(Layout(pp=2, fsdp=2), moe, heads=8, kv_heads=2)
+    assert "pipeline" in validate(Layout(pp=2, tp=2), moe, heads=8, kv_heads=2)
+    # pp x dp: DDP per stage; 2 data slices x 2 microbatches
+    lay = parse_name("pp2xdp2")
+    assert lay.world == 4 and lay.mesh_shape() == (("pp", "dp"), (2, 2))
+    assert [lay.data_index(r) for r in range(4)] == [0, 1, 0, 1]  # ranks 0, 2: stages of replica 0
+    assert validate(lay, moe, heads=8, kv_heads=2, batch_size=4) is None
+    assert "4 equal slices" in validate(lay, moe, heads=8, kv_heads=2, batch_size=2)
     assert "HSDP" in validate(Layout(dp=2, fsdp=2, tp=2), moe, heads=8, kv_heads=2)
     # 4 data slices need a batch of a multiple of 4 sequences
     assert "does not split into 4 equal slices" in validate(Layout(ep=2, dp=2), moe, heads=8, kv_heads=2, batch_size=2)

@@ -216,3 +216,29 @@ def test_zero1_zero2_match_and_a_zero1_step_without_its_broadcast_is_localized()
     assert "weights differ" in msg and "grads differ" not in msg and "logits differ" not in msg, msg
     assert "Every module's forward output agrees" in msg and "Weight furthest off: model." in msg, msg
     assert details_of(ctx)["worst_weight"].startswith("model.")
+
+
+@pytest.mark.slow
+def test_pp_x_dp_matches_and_a_stage_that_skips_its_dp_sync_is_localized():
+    # One 4-rank launch: pipeline stages (pp outer) each replicated over dp with DDP, driven by
+    # torch.distributed.pipelining (GPipe and 1F1B), and again with the last stage's DDP never told
+    # which backward is the step's last (tests/parallel/faults.py): its replicas keep their own
+    # slice's gradients; the first stage and every forward output stay right.
+    ls = suite_with("qwen3-8b", configs=[{"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "schedule": "1F1B", "name": "pp2xdp2-1f1b"},
+                                         {"pp": 2, "dp": 2, "name": "pp2xdp2-no-sync"}])
+    res = _run_all(ls, fault="tests.parallel.faults:pp_dp_last_stage_no_sync")
+    assert list(_launches().values()) == [1], "every layout of world size 4 runs in one launch"
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    for v in ("pp2xdp2", "pp2xdp2-1f1b"):
+        out, ctx = res[v]
+        assert out is None, f"{v}: {out}"
+        m = metrics_of(ctx)
+        assert m["parallel_world_size"] == 4 and m["comm_all_reduce_count"] > 0  # DDP per stage
+        assert m["parallel_grad_error"] <= tol["grads"] and m["parallel_logits_after_error"] <= tol["logits_after"]
+    out, ctx = res["pp2xdp2-no-sync"]
+    msg = str(out)
+    assert isinstance(out, CheckFailure), out
+    # Ranks 2 and 3 hold the last stage (layer 1, norm, lm_head); ranks 0 and 1 the first.
+    assert "grads differ" in msg and "on rank(s) [2, 3]" in msg and "logits differ" not in msg, msg
+    assert "Every module's forward output agrees" in msg, msg
+    assert details_of(ctx)["worst_gradient"].startswith("model.layers.1."), details_of(ctx)
