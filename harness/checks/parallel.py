@@ -212,6 +212,8 @@ def planned_layout(ls, req: PlanRequest):
             deg = {k: 2 for k in ("tp", "pp", "ep", "cp") if getattr(b, k) > 1}
             if train and b.dp > 1:
                 deg["fsdp" if b.zero >= 3 else "dp"] = 2
+                if b.zero in (1, 2) and set(deg) == {"dp"}:
+                    deg["zero"] = b.zero  # the check runs ZeRO-1/2 on dp alone (layouts.validate)
             lay = Layout(**deg, recompute=b.recompute)
             lay = Layout(**deg, recompute=b.recompute, name=f"plan-{lay.label}")
         _PLANS[key] = (lay, rep.recommendation)

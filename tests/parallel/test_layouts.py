@@ -109,8 +109,8 @@ def test_plan_recommendation_becomes_a_layout_at_pruned_scale():
                     plan={"devices": 8, "device_memory": "80GiB", "mode": "training", "batch": 64})
     names = ParallelCheck().variants(ls, None)
     # harness plan recommends dp8 with ZeRO-2 and recomputation for training on one 8-device node:
-    # checked as dp2 with recomputation
-    assert names == ["dp2", "plan-dp2-ac"]
+    # checked as dp2 with ZeRO-2 and recomputation
+    assert names == ["dp2", "plan-dp2-zero2-ac"]
 
 
 def test_zero_stages_name_validate_and_reject_bad_input(write_suite):
