@@ -16,6 +16,8 @@ def register(sub) -> None:
 
 def schema_markdown() -> str:
     """Every suite key, from the pydantic schema itself, so the reference cannot drift."""
+    from typing import get_args, get_origin
+
     from pydantic import BaseModel
     from pydantic_core import PydanticUndefined
 
@@ -30,6 +32,12 @@ def schema_markdown() -> str:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 rows.append(f"| `[{key}]` | table | | {f.description or ''} |")
                 walk(ann, key + ".")
+                continue
+            item = get_args(ann)[0] if get_origin(ann) is list and get_args(ann) else None
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                # an array of tables ([[checks.parallel.configs]]): its entries' own keys, as key[].field
+                rows.append(f"| `[[{key}]]` | array of tables | | {(f.description or '').replace('|', '/')} |")
+                walk(item, key + "[].")
                 continue
             if f.default is not PydanticUndefined:
                 default = f"`{f.default!r}`"
