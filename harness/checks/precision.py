@@ -191,8 +191,7 @@ class PrecisionCheck(Check):
         """Per-module budgets from the golden's measured clean errors in this dtype (k x clean + floor,
         the tolerance as ceiling), the logits' propagated budget and the router flip limits."""
         p = ctx.suite.suite.checks.precision
-        explicit_tie = not st.tol_source.get("tie_margin", "default").startswith("default")
-        st.budgets = budgets_for(st.g, ctx.dtype, st.tol, p.budget_k, explicit_tie=explicit_tie)
+        st.budgets = budgets_for(st.g, ctx.dtype, st.tol, p.budget_k, st.tol_source)
         per = st.budgets.modules
         if st.budgets.logprob_atol is not None:
             ctx.tolerance("generation_logprob_budget", st.budgets.logprob_atol)

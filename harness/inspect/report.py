@@ -78,7 +78,7 @@ def _wrapper_note(target: Target, mc, params) -> None:
         params.notes.append(f"the whole wrapper could not be counted ({type(e).__name__}: {str(e)[:120]})")
         return
     parts = ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in (whole.by_part or {"overall": whole.total}).items())
-    src = target.suite.config_path if getattr(target.suite, "config_path", None) else "CONFIG.json"
+    src = target.suite.config_path
     params.notes.append(f"this suite tests the language decoder only; the whole {wmc.architecture}: {parts} "
                         f"(`harness inspect {src}` reports it)")
 

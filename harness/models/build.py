@@ -101,19 +101,16 @@ def build_model(ls: LoadedSuite, dtype: str | torch.dtype = "float32", device: s
     """Pruned model for ``ls`` with seeded weights, cast to ``dtype`` and moved to ``device``."""
     dt = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     mc = mc or model_config(ls)
-    if ls.weights_path is not None:
+    real = ls.weights_path is not None
+    if real:
         # Real tensors of the kept layers/experts (docs/weights.md). No random init first: the load writes
         # every parameter, and initialising them was most of a pruned build's time.
         from harness.weights.load import instantiate_empty, load_pruned
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = instantiate_empty(ls, mc, dt)
-        mc.notes.extend(load_pruned(model, ls, mc, dtype=dt))
-        return cast_model(model, dt, device), mc
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = instantiate(ls, mc, dt)
+        model = instantiate_empty(ls, mc, dt) if real else instantiate(ls, mc, dt)
+    if real:
+        mc.notes.extend(load_pruned(model, ls, mc, dtype=dt))
     return cast_model(model, dt, device), mc
 
 

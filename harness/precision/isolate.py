@@ -207,8 +207,8 @@ class SelectionJudge:
         d[got_set & ~ref_set] = limit / 2
         d[ref_set & ~got_set] = -limit / 2
         d[~flipped.reshape(-1)] = 0
-        w64 = w.detach().to(torch.float64)
-        dh = d @ torch.linalg.pinv(w64).T  # [T, H]: moves logits by d
+        pinv_t = torch.linalg.pinv(w.detach().to(torch.float64)).T  # [E, H]
+        dh = d @ pinv_t  # [T, H]: moves logits by d
         with torch.no_grad():
             base = _router_outputs(gate, router(*args, **kwargs))
             args[pos] = h + dh.reshape(h.shape)
@@ -226,35 +226,31 @@ class SelectionJudge:
             # score_fn(logits) in bf16 (steps of 2^-8 at scores near 1), which moving the logits by
             # their noise does not cover (measured: a flip at logit margin 0.0137 against a limit of
             # 0.0098, 3 of 3 clean bf16 reruns). So a second witness: the reference router in the run
-            # dtype (a correct implementation: the same weights rounded as the target's) on the
-            # golden's input. Its choice is what a correct kernel in that dtype may pick; a wrong
-            # top-k or router kernel on the target still differs from it.
+            # dtype (a correct implementation: the same weights rounded as the target's). The target
+            # has both effects at once - its router's input is off by the upstream noise *and* its
+            # selection rounds, which is not monotone in the input: experts within one rounding step
+            # tie, and which one a top-k keeps depends on where the others round (measured:
+            # DeepSeek-V4-Flash seed 1007, token 30: experts 0, 2 and 5 at float64 scores 0.8536,
+            # <0.8536, 0.8503 all round to 0.8516-0.8555 in bf16; the target kept 5, at logit margin
+            # 0.0111 against a limit of 0.00998). So the low-precision router is asked on the golden's
+            # input and on inputs moved by noise-sized shifts: toward the target's choice by fractions
+            # of the noise (STEPS) and in RANDOM seeded directions (each logit moved uniformly within
+            # +-limit / 2). A correct router in the run dtype whose input is within the measured noise
+            # picks what the target did: legitimate. A wrong top-k or router kernel picks experts no
+            # such input reaches.
             import copy
 
-            #
-            # The target has both at once: its router's input is off by the upstream noise *and* its
-            # selection rounds in the run dtype, which is not monotone in the input: experts within
-            # one rounding step of each other tie, and which one a top-k keeps depends on where the
-            # others round. (Measured: DeepSeek-V4-Flash seed 1007, token 30: experts 0, 2 and 5 at
-            # float64 scores 0.8536, <0.8536, 0.8503 all round to 0.8516-0.8555 in bf16; the target
-            # kept 5, at logit margin 0.0111 against a limit of 0.00998.) So the low-precision router
-            # is also asked on inputs moved by noise-sized shifts: toward the target's choice by
-            # fractions of the noise (STEPS), and in RANDOM seeded directions (each logit moved
-            # uniformly within +-limit / 2). A correct router in the run dtype whose input is within
-            # the measured noise picks what the target did: legitimate. A wrong top-k or router
-            # kernel picks experts no such input reaches.
             low = copy.deepcopy(router).to(self.dtype)
+            la = [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
             lk = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                   for k, v in kwargs.items()}
             g = torch.Generator().manual_seed(0)
-            pinv_t = torch.linalg.pinv(w64).T  # [E, H]
             rows = flipped.reshape(-1, 1).double()
             shifts = [t * dh for t in self.STEPS] + [
                 ((torch.rand(n_t, n_e, generator=g, dtype=torch.float64) - 0.5) * limit * rows) @ pinv_t
                 for _ in range(self.RANDOM)]
             for shift in shifts:
-                args[pos] = h + shift.reshape(h.shape)
-                la = [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+                la[pos] = (h + shift.reshape(h.shape)).to(self.dtype)
                 with torch.no_grad():
                     own = _router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
                 if own is not None and own.numel() == got2.numel():

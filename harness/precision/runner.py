@@ -85,15 +85,15 @@ class Budgets:
 TIE_CEILING_FACTOR = 10.0
 
 
-def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, explicit_tie: bool = False) -> Budgets:
+def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, source: dict | None = None) -> Budgets:
     """Budgets for a run: k x measured clean error + the dtype's floor, capped by the tolerance (the
     ceiling). Modules without a measurement (dtype not measured) get the tolerance. A router flip is
     legitimate when the golden's margin is within 2 k x the router logits' measured error (2: a flip
     needs the difference of two logits to change sign). Greedy logprobs: k x the measured max + 0.01
     nats (capped by logprob_atol). Greedy flips: where the clean dtype model, measured at golden
     generate, flipped a greedy token at a reference logprob gap wider than the dtype's tie_margin,
-    k x the widest such gap (at most TIE_CEILING_FACTOR x tie_margin); ``explicit_tie``: the suite
-    set tie_margin itself, and that value stands."""
+    k x the widest such gap (at most TIE_CEILING_FACTOR x tie_margin), unless ``source`` (where each
+    tolerance field came from, ``tolerance.resolve``) says the suite set tie_margin itself."""
     from harness.precision.budgets import budget, scale_budget
 
     b = golden.budgets(dtype)
@@ -108,6 +108,7 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, explicit_tie: b
     if gen and gen.get("n"):
         out.logprob_atol = min(tol["logprob_atol"], k * gen["max"] + 0.01)
     gaps = [g for g in (b.get("generation") or {}).get("mismatch_gaps") or [] if math.isfinite(g)]
+    explicit_tie = not (source or {}).get("tie_margin", "default").startswith("default")
     if gaps and not explicit_tie and tol.get("tie_margin") is not None:
         out.tie_margin = max(tol["tie_margin"], min(k * max(gaps), TIE_CEILING_FACTOR * tol["tie_margin"]))
     return out
@@ -165,15 +166,14 @@ def check_against_golden(ls: LoadedSuite, golden: Golden, backend, dtype: str, *
                          context=None, tol: dict | None = None, isolated: bool | None = None
                          ) -> tuple[Comparison, dict, TargetRun]:
     p = ls.suite.checks.precision
-    explicit_tie = False
+    src = None
     if not tol:
         tol, src = tolerances_for(ls, backend, dtype)
-        explicit_tie = not src["tie_margin"].startswith("default")
     model, mc = build_target(ls, backend, dtype, transform, golden)
     run = run_model(model, golden, ls, backend.device(), context)
     if (p.isolated if isolated is None else isolated) and golden.structures:
         run.replayed = run_isolated(model, golden, dtype, backend.device(), context)
     run.notes = list(mc.notes)
-    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k, explicit_tie),
+    return (compare_run(golden, run, tol, budgets_for(golden, dtype, tol, p.budget_k, src),
                         selection_judge(ls, golden, dtype)),
             tol, run)

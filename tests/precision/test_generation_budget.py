@@ -52,6 +52,6 @@ def test_a_measured_clean_flip_widens_the_tie_margin_to_k_times_its_gap():
 def test_the_tie_budget_never_narrows_has_a_ceiling_and_yields_to_the_suite():
     assert budgets_for(golden([0.01, 0.05]), "bfloat16", TOL, 1.5).tie_margin == 0.1  # never below the default
     assert budgets_for(golden([5.0]), "bfloat16", TOL, 1.5).tie_margin == TIE_CEILING_FACTOR * 0.1  # 1 nat
-    assert budgets_for(golden([0.3]), "bfloat16", TOL, 1.5, explicit_tie=True).tie_margin is None
+    assert budgets_for(golden([0.3]), "bfloat16", TOL, 1.5, {"tie_margin": "suite[bfloat16]"}).tie_margin is None
     assert budgets_for(golden([]), "bfloat16", TOL, 1.5).tie_margin is None  # nothing measured: the default
     assert budgets_for(golden([math.inf]), "bfloat16", TOL, 1.5).tie_margin is None

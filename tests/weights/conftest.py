@@ -73,15 +73,16 @@ def is_quantizable(name: str, t: torch.Tensor) -> bool:
             and not name.endswith("mlp.gate.weight"))
 
 
-def rewrite_shards(src: Path, dst: Path, convert, quant_config: dict) -> None:
-    """Copy a checkpoint, replacing each quantizable weight by what ``convert(name, w)`` returns."""
+def rewrite_shards(src: Path, dst: Path, convert, quant_config: dict, select=is_quantizable) -> None:
+    """Copy a checkpoint, replacing each weight ``select(name, w)`` picks (default: the quantizable
+    ones) by what ``convert(name, w)`` returns."""
     shutil.copytree(src, dst)
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     wm = {}
     for shard in sorted(set(index["weight_map"].values())):
         out = {}
         for name, t in load_file(str(dst / shard)).items():
-            out.update(convert(name, t) if is_quantizable(name, t) else {name: t})
+            out.update(convert(name, t) if select(name, t) else {name: t})
         save_file(out, str(dst / shard), metadata={"format": "pt"})
         wm.update(dict.fromkeys(out, shard))
     index["weight_map"] = wm

@@ -5,17 +5,16 @@ only, transposed into ``GptOssExperts``' [E, in, out] as transformers' own loade
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from harness.models.build import build_model
 from harness.suite.loader import load_suite
 from harness.weights import quant
-from tests.weights.conftest import make_model, save_checkpoint, write_suite
+from tests.weights.conftest import make_model, rewrite_shards, save_checkpoint, write_suite
 
 DAY0 = Path(__file__).resolve().parents[1] / "data" / "day0" / "gpt-oss-20b.json"
 # gpt-oss-20b's published config, narrowed: 4 layers (sliding, full, sliding, full), 8 experts, top-2.
@@ -48,24 +47,12 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_mxfp4_checkpoint(src: Path, dst: Path) -> None:
     """A save_pretrained gpt-oss checkpoint rewritten as OpenAI ships it: each fused expert matrix of the
     model ([E, in, out]) stored as [E, out, in] in MXFP4 blocks and scales; everything else unchanged."""
-    shutil.copytree(src, dst)
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    wm = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out = {}
-        for name, t in load_file(str(dst / shard)).items():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                blocks, scales = mxfp4_quantize(t.transpose(1, 2).contiguous())
-                out |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
-            else:
-                out[name] = t
-        save_file(out, str(dst / shard), metadata={"format": "pt"})
-        wm |= dict.fromkeys(out, shard)
-    index["weight_map"] = wm
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = gpt_oss_config()["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(cfg))
+    def convert(name, t):
+        blocks, scales = mxfp4_quantize(t.transpose(1, 2).contiguous())
+        return {f"{name}_blocks": blocks, f"{name}_scales": scales}
+
+    rewrite_shards(src, dst, convert, gpt_oss_config()["quantization_config"],
+                   select=lambda name, t: name.endswith(("experts.gate_up_proj", "experts.down_proj")))
 
 
 @pytest.fixture(scope="module")
