@@ -11,7 +11,10 @@ read from the shards (dequantized exactly when quantized), and it is run on the 
 that layer*. So layer i's error is layer i's alone (errors do not accumulate from earlier layers) and a
 fault is localized to the layer that has it. For MoE layers the routed experts are filled only once
 the router has chosen them: a pre-hook on the experts module reads the experts the tokens route to,
-and no other expert's bytes are read. The layer is freed before the next one, so host memory stays
+and no other expert's bytes are read. That holds both for checkpoints with one tensor per expert and
+for those that keep a layer's experts fused in one tensor indexed by expert along dim 0 (gpt-oss:
+``experts.gate_up_proj_blocks`` [E, ...]): only the routed rows are read (safetensors ``get_slice``),
+dequantized and copied into their rows of the model's parameter. The layer is freed before the next one, so host memory stays
 near one layer's float64 weights whatever the model's size.
 """
 
@@ -130,6 +133,18 @@ def _experts_modules(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
             if type(m).__name__.endswith("Experts") and any(p.dim() == 3 for p in m.parameters(recurse=False))}
 
 
+def _fused_expert_params(layer: torch.nn.Module) -> set[str]:
+    """Names (relative to the layer) of the experts modules' parameters indexed by expert along dim 0:
+    the 3-D stacks [E, ...] and their biases [E, out]. A checkpoint that stores them fused is read for the
+    routed experts' rows only."""
+    out = set()
+    for name, mod in _experts_modules(layer).items():
+        ps = dict(mod.named_parameters(recurse=False))
+        n = next(p.shape[0] for p in ps.values() if p.dim() == 3)
+        out.update(f"{name}.{k}" for k, p in ps.items() if p.dim() >= 2 and p.shape[0] == n)
+    return out
+
+
 class StreamedReference:
     """Per-layer float64 reference from the checkpoint's shards (one layer in memory at a time)."""
 
@@ -150,13 +165,23 @@ class StreamedReference:
         self.block = quant.block_size(ckpt)
         self.reader = ShardReader(ckpt)
 
-    def _fill(self, sd: dict[str, torch.Tensor], entries: Iterable[rename.Entry], strip: str) -> None:
+    def _fill(self, sd: dict[str, torch.Tensor], entries: Iterable[rename.Entry], strip: str,
+              rows: list[int] | None = None) -> None:
+        """Copy each entry's tensor into its view of the layer's parameter; with ``rows``, only those
+        rows along dim 0 of a fused-experts tensor (read alone where the format allows)."""
         for e in entries:
             st = quant.locate(self.ckpt, e.source)
             if st is None:
                 raise WeightsError(f"{e.source} is missing from the checkpoint")
-            src = quant.read_dequantized(self.reader, st, self.block)
+            src = quant.read_dequantized(self.reader, st, self.block, rows)
             dest = e.view(sd[e.param[len(strip):]])
+            if rows is not None:
+                if tuple(src.shape[1:]) != tuple(dest.shape[1:]):
+                    raise WeightsError(f"{e.source} in {self.ckpt.tensors[st.keys[0]].shard}: rows of shape "
+                                       f"{list(src.shape[1:])}, the model expects {list(dest.shape[1:])}")
+                dest.index_copy_(0, torch.tensor(rows), src.to(dest.dtype))
+                del src
+                continue
             if tuple(src.shape) != tuple(dest.shape):
                 raise WeightsError(f"{e.source} in {self.ckpt.tensors[st.keys[0]].shard}: shape {list(src.shape)}, "
                                    f"the model expects {list(dest.shape)}")
@@ -171,8 +196,10 @@ class StreamedReference:
         strip = f"{self.prefix}.{i}."
         sd = layer.state_dict(keep_vars=True)
         sd = {k: v.data for k, v in sd.items()}
-        now = [e for e in self.entries.get(i, []) if e.expert is None]
-        later = [e for e in self.entries.get(i, []) if e.expert is not None]
+        fused = _fused_expert_params(layer)
+        entries = self.entries.get(i, [])
+        later = [e for e in entries if e.expert is not None or e.param[len(strip):] in fused]
+        now = [e for e in entries if not (e.expert is not None or e.param[len(strip):] in fused)]
         with torch.no_grad():
             self._fill(sd, now, strip)
         return layer, later
@@ -189,6 +216,9 @@ class StreamedReference:
                 hit_count.append(len(hit))
                 with torch.no_grad():
                     self._fill(sd, [e for e in later if e.expert in hit], strip)
+                    # Fused experts [E, ...]: the routed rows only. Rows of experts no token routes to
+                    # stay unwritten; the eager experts loop never reads them.
+                    self._fill(sd, [e for e in later if e.expert is None], strip, rows=hit)
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         kwargs = _f64(io.kwargs)
         if rotary is not None and "position_ids" in io.kwargs:

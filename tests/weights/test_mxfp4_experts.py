@@ -170,3 +170,37 @@ def test_layout_check_and_streamed_reference_read_the_mxfp4_experts(gpt_oss_mxfp
     for r, m in zip(streamed.layers, mem, strict=True):
         assert r.metrics == m, r.layer
     assert streamed.first_divergent is None
+
+
+def test_streamed_reference_reads_only_the_routed_rows_of_fused_mxfp4_experts(gpt_oss_mxfp4, tmp_path):
+    """Two tokens x top-2 route to at most 4 of the 8 experts of a layer: the streamed reference reads those
+    experts' rows of the fused blocks, scales and biases only (each expert's bytes are left unread
+    otherwise), and still equals the in-memory float64 build, whose every expert is loaded."""
+    from harness.models.build import architecture_class
+    from harness.models.config import build_config
+    from harness.weights.layout import open_checkpoint
+    from harness.weights.stream import capture_layers, float64_rotary, stream_reference
+    from tests.weights.test_stream import in_memory_reference
+
+    root, raw = gpt_oss_mxfp4
+    mc = build_config(raw)
+    with torch.device("meta"):
+        meta = architecture_class(mc.architecture)(mc.config)
+    target, _ = build_model(load_suite(write_suite(tmp_path, "g", raw, f'weights = "{root}"\n')), "float32")
+    model64, _ = build_model(load_suite(write_suite(tmp_path, "g", raw, f'weights = "{root}"\n')), "float64")
+    ids = torch.tensor([[5, 77]])
+    captured = capture_layers(target.eval(), ids)
+    ck = open_checkpoint(root)
+    streamed = stream_reference(meta, ck, captured, tol=1e-4, rotary=float64_rotary(meta))
+    mem = in_memory_reference(model64.eval(), captured)
+    for r, m in zip(streamed.layers, mem, strict=True):
+        assert r.metrics == m, r.layer
+    assert streamed.first_divergent is None
+    ne = raw["num_local_experts"]
+    for r in streamed.layers:
+        assert r.experts_read is not None and r.experts_read <= 4
+        fused = [k for k in ck.tensors if k.startswith(f"model.layers.{r.layer}.mlp.experts.")]
+        assert len(fused) == 6  # gate_up / down: blocks, scales, bias
+        per_expert = sum(ck.tensors[k].nbytes for k in fused) // ne
+        layer_bytes = sum(ck.tensors[k].nbytes for k in ck.tensors if k.startswith(f"model.layers.{r.layer}."))
+        assert r.bytes_read == layer_bytes - (ne - r.experts_read) * per_expert, r.layer
