@@ -40,6 +40,7 @@ metrics.declare("stream_layers", "", "none", "decoder layers compared against th
 metrics.declare("stream_first_divergent_layer", "", "none", "first layer over tolerance (-1: none)")
 metrics.declare("stream_worst_rel_rmse", "", "lower", "largest per-layer rel_rmse against the float64 reference")
 metrics.declare("stream_reference_bytes_read", "B", "none", "bytes the streamed reference read from the shards")
+metrics.declare("stream_devices", "", "none", "devices the full-size target was placed over (decoder layers split in order)")
 
 
 class WeightsConfig(CheckConfig):
@@ -61,8 +62,11 @@ class WeightsConfig(CheckConfig):
         default_factory=lambda: {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3},
         description="Per target dtype, the largest rel_rmse of one layer's output fed its exact input.")
     memory_fraction: float = Field(
-        0.8, gt=0, le=1, description="Stream only when the full model needs at most this share of the memory "
-        "available (host memory for the float32 build, device memory for the run).")
+        0.8, gt=0, le=1, description="Share of each device's free memory the full model may take (the rest is "
+        "left for activations); the CPU backend's one device is the host's available memory.")
+    devices: int | None = Field(
+        None, ge=1, description="At most this many devices of the backend for the streamed run (default: every "
+        "device it has). The decoder layers are split over them in order where one does not hold the model.")
 
 
 def _meminfo_available() -> int | None:
@@ -184,35 +188,45 @@ class WeightsCheck(Check):
 
     # -- stream --------------------------------------------------------------------------------
     def fit(self, ctx: CheckContext, st) -> None:
+        """Place the full model on the backend's devices (harness.weights.place): one device where it fits,
+        its decoder layers split over several in order where not; skipped with the sizes where it does not
+        fit them all. Nothing is built on the host first."""
         if ctx.variant != "stream":
             return
         from harness.models.build import instantiate, model_config, torch_dtype
+        from harness.weights.place import device_budgets, plan_placement
 
         st.full_mc = model_config(ctx.suite, pruned=False)
         with torch.device("meta"):
             st.meta = instantiate(ctx.suite, st.full_mc, torch.float32)
-        n = sum(p.numel() for p in st.meta.parameters())
-        run_bytes = n * torch_dtype(ctx.dtype).itemsize
-        host, dev = _meminfo_available(), _device_free(ctx.backend)
-        frac = st.cfg.memory_fraction
-        # The model is built in float32 on the host first (as every build is), then cast and moved.
-        if host is not None and n * 4 > frac * host:
-            raise NotApplicable(f"does not fit: the full model is built in float32 on the host ({n * 4 / 2**30:.1f} GiB), "
-                                f"{host / 2**30:.1f} GiB available")
-        if dev is not None and run_bytes > frac * dev:
-            raise NotApplicable(f"does not fit: the full model needs {run_bytes / 2**30:.1f} GiB in {ctx.dtype} on "
-                                f"{ctx.backend.name}, {dev / 2**30:.1f} GiB free (several devices: not yet)")
+        budgets = device_budgets(ctx.backend, st.cfg.memory_fraction, st.cfg.devices)
+        if ctx.backend.device_type != "cpu" and budgets and budgets[0][0] != str(torch.device(ctx.device)):
+            # The item's own device first (a sharded CI gives each worker its device).
+            own = [b for b in budgets if b[0] == str(torch.device(ctx.device))]
+            budgets = own + [b for b in budgets if b not in own]
+        pl = plan_placement(st.meta, torch_dtype(ctx.dtype), budgets)
+        if isinstance(pl, str):
+            raise NotApplicable(f"does not fit: {pl} (memory_fraction {st.cfg.memory_fraction} of each device's "
+                                f"free memory on {ctx.backend.name})")
+        st.placement = pl
+        ctx.metric("stream_devices", len(pl.devices))
+        if len(pl.devices) > 1:
+            ctx.notes.append(f"full model placed over {len(pl.devices)} devices: {pl.describe()}")
 
     def capture(self, ctx: CheckContext, st) -> None:
         if ctx.variant != "stream":
             return
-        from harness.models.build import build_model, seeded_tokens
+        from harness.models.build import seeded_tokens, torch_dtype
+        from harness.weights.place import build_placed
         from harness.weights.stream import capture_layers
 
-        model, mc = build_model(ctx.suite, ctx.dtype, ctx.device, seed=st.cfg.seed, mc=st.full_mc)
-        ctx.notes.extend(n for n in mc.notes if n.startswith("real weights"))
+        model, kinds = build_placed(ctx.suite, st.full_mc, torch_dtype(ctx.dtype), st.placement, st.ckpt)
+        q = {k: v for k, v in kinds.items() if k != "plain"}
+        if q:
+            ctx.notes.append("target dequantized on load: " + ", ".join(f"{v} {k} tensors" for k, v in sorted(q.items())))
         model.eval()
-        ids = seeded_tokens(mc.config.vocab_size, st.cfg.prompts, st.cfg.seq_len, st.cfg.seed + 1).to(ctx.device)
+        ids = seeded_tokens(st.full_mc.config.vocab_size, st.cfg.prompts, st.cfg.seq_len, st.cfg.seed + 1)
+        ids = ids.to(st.placement.rest)
         transform = getattr(st, "transform", None)  # tests inject a fault into the target here
         if transform is not None:
             transform(model)

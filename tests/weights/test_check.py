@@ -91,6 +91,7 @@ def test_stream_variant_passes_and_names_the_faulty_layer(kimi_ckpt, tmp_path):
     props = dict(ctx.properties)
     assert float(props["metric.stream_layers"]) == 4 and float(props["metric.stream_first_divergent_layer"]) == -1
     assert float(props["metric.stream_worst_rel_rmse"]) < 1e-5
+    assert float(props["metric.stream_devices"]) == 1
 
     def fault(model):  # the target's layer 2 attention output projection is off by 2 %
         with torch.no_grad():
@@ -107,5 +108,6 @@ def test_stream_variant_skips_when_the_model_does_not_fit(kimi_ckpt, tmp_path):
 
     root, raw, _ = kimi_ckpt
     ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n[checks.weights]\nmemory_fraction = 1e-9\n'))
-    with pytest.raises(NotApplicable, match=r"does not fit: the full model is built in float32 on the host"):
+    with pytest.raises(NotApplicable, match=r"does not fit: the embeddings and head alone need .* GiB, cpu has 0.0 GiB "
+                       r"usable \(memory_fraction 1e-09 of each device's free memory on cpu\)"):
         registry().get("weights").run(_ctx(ls, "stream"))
