@@ -131,8 +131,12 @@ def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: Shard
                            + (f"; also {', '.join(missing[1:3])}" if len(missing) > 1 else ""))
     block = quant.block_size(ckpt)
     kinds: dict[str, int] = {}
-    for e in p.entries:
-        st = quant.locate(ckpt, e.source)
+    # Entries in shard order, each shard unmapped after its last tensor: resident memory stays near the
+    # model plus one shard, not the model plus every page of every shard it read.
+    located = [(e, quant.locate(ckpt, e.source)) for e in p.entries]
+    located.sort(key=lambda x: ckpt.tensors[x[1].keys[0]].shard)
+    last = {ckpt.tensors[st.keys[0]].shard: i for i, (_, st) in enumerate(located)}
+    for i, (e, st) in enumerate(located):
         shard = ckpt.tensors[st.keys[0]].shard
         dest = e.view(sd[e.param].data)
         src = quant.read_dequantized(reader, st, block, e.rows)
@@ -145,7 +149,10 @@ def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: Shard
                                f"{dest.dtype}")
         with torch.no_grad():
             dest.copy_(src)
+        del src
         kinds[st.kind] = kinds.get(st.kind, 0) + 1
+        if last[shard] == i and all(ckpt.tensors[k].shard == shard for k in st.keys):
+            reader.release(shard)
     return kinds
 
 

@@ -85,6 +85,12 @@ class ShardReader:
             raise WeightsError(f"{shard}: cannot read rows of {name}: {type(e).__name__}: {e}") from None
         return self._count(parts[0] if len(parts) == 1 else torch.cat(parts))
 
+    def release(self, shard: str) -> None:
+        """Unmap one shard: the file pages safe_open's map touched count in this process's resident memory
+        for as long as it is mapped (a full load would otherwise hold a model's worth of them at its end)."""
+        self._handles.pop(shard, None)
+        self._pickled.pop(shard, None)
+
     def close(self) -> None:
         self._handles.clear()
         self._pickled.clear()
