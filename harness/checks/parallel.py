@@ -53,6 +53,8 @@ metrics.declare("parallel_launch_layouts", "", "none", "layouts sharing the laun
 metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker)")
 metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activation recomputation / without")
 metrics.declare("recompute_grad_error", "", "lower", "gradients with recomputation vs without")
+metrics.declare("tp_param_fraction", "", "lower", "per-rank parameter bytes / whole model's under tp "
+                "(embeddings, norms and routers stay replicated)")
 metrics.declare("fsdp_param_fraction", "", "lower", "per-rank parameter bytes / whole model's (~1/world)")
 metrics.declare("fsdp_optimizer_fraction", "", "lower", "per-rank optimizer-state bytes / whole model's (~1/world)")
 metrics.declare("zero_optimizer_fraction", "", "lower", "ZeRO-1/2: per-rank optimizer-state bytes / whole model's "
@@ -376,6 +378,8 @@ class ParallelCheck(Check):
             if not on < off:
                 raise CheckFailure("activation recomputation did not lower the measured peak memory",
                                    metric="recompute_peak_ratio", expected="< 1", observed=f"{ratio:.3g}")
+        if lay.tp > 1:
+            ctx.metric("tp_param_fraction", max(m["param_bytes_local"] / m["param_bytes_full"] for m in metas))
         if lay.fsdp > 1:
             pf = ctx.metric("fsdp_param_fraction", max(m["param_bytes_local"] / m["param_bytes_full"] for m in metas))
             of = ctx.metric("fsdp_optimizer_fraction",

@@ -20,13 +20,18 @@ TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 def tp_plan_of(model: torch.nn.Module, override: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
     """The tensor-parallel plan: the suite's ``tp_plan`` if given, else transformers' own
     ``base_model_tp_plan`` of the architecture (keys relative to the base model, ``*`` = a layer
-    index). Entries with styles harness does not apply (``packed_colwise`` and ``moe_tp_experts``
-    for fused experts) are left out, with a note: those modules stay replicated on the tp ranks."""
+    index). ``moe_tp_experts`` (fused experts) is kept for :mod:`harness.parallel.tp_experts`; entries
+    with styles harness does not apply are left out, with a note: those modules stay replicated on
+    the tp ranks."""
     plan = dict(override) if override else dict(getattr(model.config, "base_model_tp_plan", None) or {})
     kept, notes = {}, []
-    skipped = sorted({v for v in plan.values() if v not in TP_STYLES})
+    # Fused experts: "moe_tp_experts" on the module is applied by harness.parallel.tp_experts, which also
+    # splits the gate_up_proj ("packed_colwise") and down_proj ("rowwise") parameters it names.
+    fused = "moe_tp_experts" in plan.values()
+    handled = set(TP_STYLES) | ({"moe_tp_experts", "packed_colwise"} if fused else set())
+    skipped = sorted({v for v in plan.values() if v not in handled})
     for k, v in plan.items():
-        if v in TP_STYLES:
+        if v in TP_STYLES or v == "moe_tp_experts":
             kept[k] = v
     if skipped:
         notes.append(f"tp plan styles not applied (modules stay replicated on the tp ranks): {', '.join(skipped)}")

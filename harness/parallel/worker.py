@@ -44,6 +44,7 @@ from harness.parallel.layouts import DATA_DIMS, Layout
 from harness.parallel.reference import ModuleCapture, batch, clean_name, lm_loss, make_optimizer
 from harness.parallel.routing import RouterCapture
 from harness.parallel.status import StatusWriter
+from harness.parallel.tp_experts import fused_experts_in_plan, gather_full, shard_fused_experts
 
 
 def _write_json(path: str, obj) -> None:
@@ -132,6 +133,7 @@ class RankRun:
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         st.step("apply")
         tp_norms: list[str] = []
+        tp_split: dict[str, tuple[int, bool]] = {}  # fused experts' parameters split over tp (tp_experts)
         ep_names: list[str] = []
         n_exp = _num_experts(self.mc.config)
         if lay.tp > 1:
@@ -140,6 +142,10 @@ class RankRun:
             from harness.inspect.flops import head_dims
 
             tp_norms = apply_tp(model, mesh["tp"], plan, kv_heads=head_dims(self.mc.config)[1])
+            fused = fused_experts_in_plan(model, plan)
+            if fused and lay.ep == 1:  # under ep x tp the experts are split over ep instead
+                tp_split, notes = shard_fused_experts(model, fused, groups["tp"])
+                res["notes"] += notes
         if lay.ep > 1:
             ep_names = apply_ep(model, n_exp, groups["ep"], spec.get("capacity_factor", 0.0))
         if recompute:
@@ -231,7 +237,7 @@ class RankRun:
             expert_params = set(_expert_param_names(model, ep_names))
             for n, p in params:
                 if p.grad is not None:
-                    out[f"grad/{n}"] = self._full(p.grad, n in expert_params, groups)
+                    out[f"grad/{n}"] = self._full(p.grad, n in expert_params, groups, tp_split.get(n))
         if light:
             dist.barrier()
             return res, {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
@@ -254,7 +260,7 @@ class RankRun:
         st.step("gather_weights")
         with counter:
             for n, p in params:
-                out[f"weight/{n}"] = self._full(p.detach(), n in expert_params, groups)
+                out[f"weight/{n}"] = self._full(p.detach(), n in expert_params, groups, tp_split.get(n))
         st.step("forward_after_step")
         if rcap is not None:
             rcap.phase = "after"
@@ -287,7 +293,10 @@ class RankRun:
         dist.barrier()
         return res, {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
-    def _full(self, t: torch.Tensor, expert: bool, groups: dict) -> torch.Tensor:
+    def _full(self, t: torch.Tensor, expert: bool, groups: dict, tp_split: tuple[int, bool] | None = None
+              ) -> torch.Tensor:
+        if tp_split is not None:  # a fused experts' slice over tp (under fsdp x tp: its fsdp shard first)
+            return gather_full(t.full_tensor() if hasattr(t, "full_tensor") else t, *tp_split, groups["tp"])
         if hasattr(t, "full_tensor"):
             return t.full_tensor()
         if expert:

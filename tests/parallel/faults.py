@@ -246,3 +246,17 @@ def pp_dp_last_stage_no_sync(ctx) -> None:
         return orig(backward_type, bwd_kwargs, last_backward=False)
 
     stage.backward_maybe_with_nosync = no_sync
+
+
+# --- tp inside fused experts (harness.parallel.tp_experts): layouts named tp2-experts-* ------------
+def tp_experts_faults(ctx) -> None:
+    """``tp2-experts-no-ar``: layer 0's experts return their partial sum (the output all-reduce hook
+    removed); ``tp2-experts-no-f``: the gradient into layer 0's experts input is not summed over tp
+    (the pre-hook removed), so the forward agrees and the gradients before it do not."""
+    if not ctx.layout.label.startswith("tp2-experts-"):
+        return
+    mod = ctx.model.get_submodule("model.layers.0.mlp.experts")
+    if ctx.layout.label == "tp2-experts-no-ar":
+        mod._forward_hooks.clear()
+    elif ctx.layout.label == "tp2-experts-no-f":
+        mod._forward_pre_hooks.clear()
