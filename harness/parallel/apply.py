@@ -143,6 +143,8 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = 
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
+        if next(layer.parameters(), None) is None:
+            continue  # a pipeline stage's pass-through for another stage's layer
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
 
@@ -214,7 +216,9 @@ class StageModule(torch.nn.Module):
         if not self.last:
             base.norm = torch.nn.Identity()
         self.add_module(base_name, base)
-        self.base_name = base_name
+        # base_model_prefix as on the model: apply_tp's plan keys and apply_fsdp's decoder layers
+        # resolve on the stage as they do on the whole model.
+        self.base_name = self.base_model_prefix = base_name
         self.lm_head = lm.lm_head if self.last else None
 
     def forward(self, x):
@@ -226,9 +230,22 @@ class StageModule(torch.nn.Module):
         return self.lm_head(h) if self.last else h
 
 
-def pipeline_stage(lm: torch.nn.Module, pp_group, microbatches: int, schedule: str, dp_group=None, counter=None):
-    """(stage module, PipelineStage, schedule) for this rank's stage; the loss is the reference's (averaged per
-    microbatch, gradients scaled by the schedule).
+def split_stage(lm: torch.nn.Module, pp_group) -> StageModule:
+    """This rank's pipeline stage of ``lm`` (the layers of other stages dropped from ``lm`` too).
+    torchtitan's order: the model is split first, and tp / fsdp / recomputation are applied to the
+    stage's chunk only, so FSDP units and DTensor shards exist for the layers this stage runs."""
+    return StageModule(lm, dist.get_rank(pp_group), dist.get_world_size(pp_group))
+
+
+def pipeline_stage(mod: StageModule, pp_group, microbatches: int, schedule: str, dp_group=None, counter=None):
+    """(stage module, PipelineStage, schedule) for the stage ``mod`` of :func:`split_stage` (already
+    tensor-parallel or fully sharded where the layout says so); the loss is the reference's (averaged
+    per microbatch, gradients scaled by the schedule).
+
+    A stage module that is an FSDP2 root (pp x fsdp) is driven by torch.distributed.pipelining
+    itself: every microbatch's backward runs without gradient sync or reshard, and the schedule's
+    final REDUCE_GRAD runs FSDP's post-backward (one reduce-scatter of the accumulated gradients)
+    before scaling them by 1/microbatches.
 
     With ``dp_group`` (pp x dp) the stage module is wrapped in DDP over the ranks holding the same
     stage: torch.distributed.pipelining drives DDP itself (``no_sync`` for every microbatch but the
@@ -238,7 +255,6 @@ def pipeline_stage(lm: torch.nn.Module, pp_group, microbatches: int, schedule: s
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     stage_idx, n = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    mod = StageModule(lm, stage_idx, n)
     if dp_group is not None:
         # find_unused_parameters turns off DDP's bucket rebuild after the first step, which asserts
         # under the pipeline (the reducer records every microbatch's backward, 2 x the parameters).

@@ -151,10 +151,10 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_
         return f"tp{lay.tp} does not divide {heads} query / {kv_heads} key-value heads"
     if lay.cp > 1:
         return "context parallelism is not supported by this harness yet (needs ring attention on the backend)"
-    if lay.pp > 1 and (lay.tp > 1 or lay.fsdp > 1 or lay.ep > 1):
-        return "pipeline parallelism combines with dp only so far (DDP per stage)"
-    if lay.pp > 1 and lay.recompute:
-        return "recomputation inside pipeline stages is not supported yet"
+    if lay.pp > 1 and lay.ep > 1:
+        return "pipeline parallelism with ep is not supported yet (pp combines with dp, tp or fsdp)"
+    if lay.pp > 1 and sum(getattr(lay, d) > 1 for d in ("dp", "tp", "fsdp")) > 1:
+        return "pipeline parallelism combines with one of dp, tp or fsdp so far (pp x fsdp x tp is not checked yet)"
     if lay.ep > 1 and lay.fsdp > 1:
         return "expert parallelism with fsdp is not supported yet (ep combines with tp or dp)"
     if lay.ep > 1 and lay.dp > 1 and lay.tp > 1:

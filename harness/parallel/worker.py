@@ -35,6 +35,7 @@ from harness.parallel.apply import (
     apply_fsdp,
     apply_tp,
     pipeline_stage,
+    split_stage,
     sync_grads,
     tp_plan_of,
     zero1_optimizer,
@@ -136,15 +137,18 @@ class RankRun:
         tp_split: dict[str, tuple[int, bool]] = {}  # fused experts' parameters split over tp (tp_experts)
         ep_names: list[str] = []
         n_exp = _num_experts(self.mc.config)
+        # Pipeline: split first, then tp / fsdp on the stage's chunk (torchtitan's order); ``model``
+        # keeps only this stage's layers too (recomputation is switched on through it).
+        part = split_stage(model, groups["pp"]) if lay.pp > 1 else model
         if lay.tp > 1:
             plan, notes = tp_plan_of(model, spec.get("tp_plan") or None)
             res["notes"] += notes
             from harness.inspect.flops import head_dims
 
-            tp_norms = apply_tp(model, mesh["tp"], plan, kv_heads=head_dims(self.mc.config)[1])
-            fused = fused_experts_in_plan(model, plan)
+            tp_norms = apply_tp(part, mesh["tp"], plan, kv_heads=head_dims(self.mc.config)[1])
+            fused = fused_experts_in_plan(part, plan)
             if fused and lay.ep == 1:  # under ep x tp the experts are split over ep instead
-                tp_split, notes = shard_fused_experts(model, fused, groups["tp"])
+                tp_split, notes = shard_fused_experts(part, fused, groups["tp"])
                 res["notes"] += notes
         if lay.ep > 1:
             ep_names = apply_ep(model, n_exp, groups["ep"], spec.get("capacity_factor", 0.0))
@@ -152,7 +156,7 @@ class RankRun:
             apply_ac(model)
         if lay.fsdp > 1:
             # dp x fsdp is HSDP: FSDP2 on the 2-D (replicate, shard) mesh, replicate dimension first.
-            apply_fsdp(model, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
+            apply_fsdp(part, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
         if lay.zero == 2:
             # ZeRO-2 over dp: FSDP2 keeping the gathered parameters from forward through backward.
             apply_fsdp(model, mesh["dp"], reshard_after_forward=False)
@@ -167,7 +171,7 @@ class RankRun:
             wrapped = apply_dp(model, groups["dp"], counter)
         stage = sched = None
         if lay.pp > 1:
-            wrapped, stage, sched = pipeline_stage(model, groups["pp"], lay.microbatches, lay.schedule,
+            wrapped, stage, sched = pipeline_stage(part, groups["pp"], lay.microbatches, lay.schedule,
                                                    dp_group=groups["dp"] if lay.dp > 1 else None, counter=counter)
         for n, m in wrapped.named_modules():
             m._harness_qualname = clean_name(n) or type(m).__name__

@@ -260,3 +260,44 @@ def tp_experts_faults(ctx) -> None:
         mod._forward_hooks.clear()
     elif ctx.layout.label == "tp2-experts-no-f":
         mod._forward_pre_hooks.clear()
+
+
+# --- pp x tp, pp x fsdp: layouts named pp2xtp2-skip-ar / pp2xfsdp2-stale; faults in the last stage --
+
+
+def _last_layer(ctx) -> int | None:
+    """Index of the last decoder layer, on the ranks of the last pipeline stage only (else None)."""
+    if ctx.stage is None or not ctx.stage.is_last:
+        return None
+    return len(ctx.model.model.layers) - 1
+
+
+def pp_last_stage_faults(ctx) -> None:
+    """``pp2xtp2-skip-ar``: the last layer's attention output projection (row-parallel) returns its
+    tp partial sum, on both tp ranks of the last stage. ``pp2xfsdp2-stale``: the fsdp rank 1 of the
+    last stage keeps feeding the all-gather of the last layer's MLP down projection the shard it had
+    before the optimizer step."""
+    last = _last_layer(ctx)
+    if last is None:
+        return
+    if ctx.layout.label == "pp2xtp2-skip-ar":
+        from torch.distributed.tensor import DTensor
+
+        mod = ctx.model.get_submodule(f"model.layers.{last}.self_attn.o_proj")
+        mod._forward_hooks.clear()  # RowwiseParallel's output hook: Partial -> Replicate (the all-reduce)
+        mod.register_forward_hook(lambda _m, _i, out: out.to_local() if isinstance(out, DTensor) else out)
+    elif ctx.layout.label == "pp2xfsdp2-stale" and ctx.mesh["fsdp"].get_local_rank() == 1:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        layer = ctx.model.model.layers[last]
+        group = layer._get_fsdp_state()._fsdp_param_group
+        param = layer.get_parameter("mlp.down_proj.weight")
+        target = next(p for p in group.fsdp_params if p.sharded_param is param)
+        stale = target._sharded_param_data.detach().clone()
+        orig = FSDPParam.all_gather_inputs
+
+        def patched(self):
+            out = orig.fget(self)
+            return [stale.view(-1)] if self is target else out
+
+        FSDPParam.all_gather_inputs = property(patched)
