@@ -13,7 +13,6 @@ otherwise wait in a collective until the time limit); the launcher relaunches th
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -42,6 +41,7 @@ from harness.parallel.apply import (
 )
 from harness.parallel.comm import CommCounter
 from harness.parallel.layouts import DATA_DIMS, Layout
+from harness.parallel.memory import StoragePeak
 from harness.parallel.reference import ModuleCapture, batch, clean_name, lm_loss, make_optimizer
 from harness.parallel.routing import RouterCapture
 from harness.parallel.status import StatusWriter
@@ -193,8 +193,9 @@ class RankRun:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         # MemTracker's module tracking (multi-grad hooks) does not survive the pipeline schedule's
-        # partial backward calls: pipeline stages go unmeasured.
-        mt = MemTracker() if sched is None else contextlib.nullcontext()
+        # partial backward calls: pipeline stages are measured by StoragePeak (MemTracker's storage
+        # accounting without the module tracker; harness.parallel.memory).
+        mt = MemTracker() if sched is None else StoragePeak(wrapped)
         if sched is None:
             mt.track_external(wrapped)
         out: dict[str, torch.Tensor] = {}
@@ -316,6 +317,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _peak(mt) -> int:
+    if isinstance(mt, StoragePeak):
+        return mt.peak
     if not hasattr(mt, "get_tracker_snapshot"):
         return 0
     try:
