@@ -157,8 +157,4 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_
         return "pipeline parallelism combines with one of dp, tp or fsdp so far (pp x fsdp x tp is not checked yet)"
     if lay.ep > 1 and lay.fsdp > 1:
         return "expert parallelism with fsdp is not supported yet (ep combines with tp or dp)"
-    if lay.ep > 1 and lay.dp > 1 and lay.tp > 1:
-        return "ep x dp x tp is not supported yet (ep combines with tp or dp)"
-    if lay.dp > 1 and lay.fsdp > 1 and lay.tp > 1:
-        return "dp x fsdp (HSDP) with tp is not supported yet"
     return None

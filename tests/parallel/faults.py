@@ -185,14 +185,14 @@ def hsdp_mean_over_shard_group_only(ctx) -> None:
             mod.set_gradient_divide_factor(float(ctx.layout.fsdp))
 
 
-def ep_dp_expert_grads_not_over_dp(ctx) -> None:
+def ep_dp_expert_grads_not_over_dp(ctx, label: str = "ep2xdp2-no-ar") -> None:
     """ep x dp, the layout named ``ep2xdp2-no-ar``: the experts' gradients (fused [E/ep, ...] 3-D
     parameters) are not summed over the dp replicas of their shard - as if the dispatch all-to-all's
     backward had already summed everything - on every rank (a consistent skip: nothing hangs)."""
     import torch.distributed as dist
 
     _restore_all_reduce()
-    if ctx.layout.label != "ep2xdp2-no-ar":
+    if ctx.layout.label != label:
         return
     orig, dp_group = dist.all_reduce, ctx.groups["dp"]
     _ORIG_ALL_REDUCE.append(orig)
@@ -209,6 +209,21 @@ def two_d_faults(ctx) -> None:
     tp_fsdp_skip_rowwise_allreduce(ctx)
     hsdp_mean_over_shard_group_only(ctx)
     ep_dp_expert_grads_not_over_dp(ctx)
+
+
+def three_d_faults(ctx) -> None:
+    """8 ranks: dp x fsdp x tp (HSDP over TP DTensors) and ep x dp x tp, one fault each on a named layout -
+    ``hsdp-tp-skip-ar``: layer 0's o_proj returns its tp partial sum; ``hsdp-tp-mean``: gradients
+    averaged over the shard group only; ``ep-dp-tp-no-ar``: expert gradients not summed over dp."""
+    if ctx.layout.label == "hsdp-tp-skip-ar":
+        skip_rowwise_allreduce(ctx)
+    if ctx.layout.label == "hsdp-tp-mean":
+        from torch.distributed.fsdp import FSDPModule
+
+        for mod in ctx.model.modules():
+            if isinstance(mod, FSDPModule):
+                mod.set_gradient_divide_factor(float(ctx.layout.fsdp))
+    ep_dp_expert_grads_not_over_dp(ctx, label="ep-dp-tp-no-ar")
 
 
 # --- ZeRO-1: the layout named ``dp2-zero1-nobcast`` -------------------------------------------------

@@ -59,3 +59,35 @@ def test_fused_experts_split_over_tp_match_and_a_missing_reduction_is_localized(
     assert isinstance(out, CheckFailure) and "grads differ" in msg, msg
     assert "Every module's forward output agrees" in msg and "logits differ" not in msg, msg
     assert details_of(ctx)["worst_gradient"].startswith("model.layers.0."), details_of(ctx)
+
+
+@pytest.mark.slow
+def test_three_d_layouts_match_and_a_fault_in_each_is_localized():
+    """One 8-rank launch: dp x fsdp x tp (HSDP over TP DTensors, fused experts split over tp) and
+    ep x dp x tp, each healthy and with faults of its own (tests/parallel/faults.py:three_d_faults)."""
+    healthy = [{"dp": 2, "fsdp": 2, "tp": 2}, {"ep": 2, "dp": 2, "tp": 2}]
+    faulty = [{"dp": 2, "fsdp": 2, "tp": 2, "name": "hsdp-tp-skip-ar"},
+              {"dp": 2, "fsdp": 2, "tp": 2, "name": "hsdp-tp-mean"},
+              {"ep": 2, "dp": 2, "tp": 2, "name": "ep-dp-tp-no-ar"}]
+    ls = suite_with("qwen3-30b-a3b", configs=healthy + faulty, max_world=8)
+    res = {v: run_variant(ls, v, "float32", fault="tests.parallel.faults:three_d_faults")
+           for v in par.ParallelCheck().variants(ls, None)}
+    launches = {key: run.result().launches for key, (run, _) in par._LAUNCHES.items()}
+    assert list(launches.values()) == [1], launches
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    for v in ("tp2xdp2xfsdp2", "ep2xtp2xdp2"):
+        out, ctx = res[v]
+        assert out is None, f"{v}: {out}"
+        m = metrics_of(ctx)
+        assert m["parallel_world_size"] == 8 and m["parallel_grad_error"] <= tol["grads"], m
+    assert metrics_of(res["tp2xdp2xfsdp2"][1])["comm_reduce_scatter_count"] > 0
+    assert metrics_of(res["ep2xtp2xdp2"][1])["comm_all_to_all_count"] > 0
+    out, _ = res["hsdp-tp-skip-ar"]
+    assert isinstance(out, CheckFailure), out
+    assert "First diverging module: model.layers.0.self_attn.o_proj on rank(s) [0, 1, 2, 3, 4, 5, 6, 7]" in str(out)
+    for v in ("hsdp-tp-mean", "ep-dp-tp-no-ar"):
+        out, ctx = res[v]
+        msg = str(out)
+        assert isinstance(out, CheckFailure) and "grads differ" in msg, f"{v}: {msg}"
+        assert "Every module's forward output agrees" in msg and "logits differ" not in msg, msg
+    assert ".mlp.experts." in details_of(res["ep-dp-tp-no-ar"][1])["worst_gradient"]
