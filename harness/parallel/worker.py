@@ -203,12 +203,15 @@ class RankRun:
         with counter, mt:
             if sched is not None:
                 losses: list[torch.Tensor] = []
+                paused = _capture_outside_backward(cap, rcap) if recompute and cap is not None else None
                 if stage.is_first:
                     sched.step(ids)
                     logits = None
                 else:
                     logits = sched.step(target=ids, losses=losses)
                     loss = torch.stack([x.detach() for x in losses]).mean()
+                if paused is not None:
+                    paused.remove()
             else:
                 logits = wrapped(input_ids=ids).logits
                 if cap is not None:
@@ -310,6 +313,21 @@ class RankRun:
             dist.all_gather(parts, t.contiguous(), group=g)
             return torch.cat(parts)
         return t.detach().clone()  # a copy: the schedule's eval() rescales .grad in place later
+
+
+def _capture_outside_backward(cap: ModuleCapture, rcap: RouterCapture):
+    """Recomputation re-runs a layer's forward inside backward; a pipeline schedule interleaves
+    backwards with forwards (1F1B: F0 B0 F1 B1), so the captures cannot just stop before backward as
+    they do outside a pipeline. A global forward pre-hook pauses them while autograd's engine runs
+    (a graph task is current): only the schedule's own forwards are captured. Returns the handle."""
+    phase = rcap.phase
+
+    def pre(_m, _a):
+        inside = torch._C._current_graph_task_id() != -1
+        cap.enabled = not inside
+        rcap.phase = None if inside else phase
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(pre)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -290,8 +290,8 @@ def _last_layer(ctx) -> int | None:
 def pp_last_stage_faults(ctx) -> None:
     """``pp2xtp2-skip-ar``: the last layer's attention output projection (row-parallel) returns its
     tp partial sum, on both tp ranks of the last stage. ``pp2xfsdp2-stale``: the fsdp rank 1 of the
-    last stage keeps feeding the all-gather of the last layer's MLP down projection the shard it had
-    before the optimizer step."""
+    last stage keeps feeding the all-gather of the last layer's attention output projection the shard
+    it had before the optimizer step."""
     last = _last_layer(ctx)
     if last is None:
         return
@@ -306,7 +306,7 @@ def pp_last_stage_faults(ctx) -> None:
 
         layer = ctx.model.model.layers[last]
         group = layer._get_fsdp_state()._fsdp_param_group
-        param = layer.get_parameter("mlp.down_proj.weight")
+        param = layer.get_parameter("self_attn.o_proj.weight")
         target = next(p for p in group.fsdp_params if p.sharded_param is param)
         stale = target._sharded_param_data.detach().clone()
         orig = FSDPParam.all_gather_inputs

@@ -242,3 +242,54 @@ def test_pp_x_dp_matches_and_a_stage_that_skips_its_dp_sync_is_localized():
     assert "grads differ" in msg and "on rank(s) [2, 3]" in msg and "logits differ" not in msg, msg
     assert "Every module's forward output agrees" in msg, msg
     assert details_of(ctx)["worst_gradient"].startswith("model.layers.1."), details_of(ctx)
+
+
+@pytest.mark.slow
+def test_pp_x_tp_pp_x_fsdp_with_recompute_match_and_a_fault_in_the_last_stage_is_localized():
+    # One 4-rank launch (pp outer: ranks 0, 1 hold stage 0 = layer 0, ranks 2, 3 stage 1 = layer 1,
+    # norm, lm_head): pipeline stages split first, then tp (Qwen3-MoE: q/k norms on local heads,
+    # fused experts split over tp) or FSDP2 on each stage's chunk (torchtitan's order), the FSDP2
+    # stage driven by torch.distributed.pipelining's own no-sync / reduce-grad; recomputation inside
+    # the stages under 1F1B (forwards and backwards interleaved). Faults in the last stage only.
+    healthy = [{"pp": 2, "tp": 2}, {"pp": 2, "fsdp": 2, "recompute": True, "schedule": "1F1B"}]
+    faulty = [{"pp": 2, "tp": 2, "name": "pp2xtp2-skip-ar"}, {"pp": 2, "fsdp": 2, "name": "pp2xfsdp2-stale"}]
+    ls = suite_with("qwen3-30b-a3b", configs=healthy + faulty)
+    res = _run_all(ls, fault="tests.parallel.faults:pp_last_stage_faults")
+    assert list(_launches().values()) == [1], "every layout of world size 4 runs in one launch"
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    for v in ("tp2xpp2", "pp2xfsdp2-ac"):
+        out, ctx = res[v]
+        assert out is None, f"{v}: {out}"
+        m = metrics_of(ctx)
+        assert m["parallel_world_size"] == 4 and m["parallel_peak_bytes"] > 0  # pipeline stages measured
+        assert m["parallel_grad_error"] <= tol["grads"] and m["parallel_logits_after_error"] <= tol["logits_after"]
+        assert m["parallel_activation_error"] <= tol["activations"]
+    tp = metrics_of(res["tp2xpp2"][1])
+    assert tp["comm_all_reduce_count"] > 0 and tp["tp_param_fraction"] < 0.5
+    fs = metrics_of(res["pp2xfsdp2-ac"][1])
+    # Each rank: half the layers (pp), half of each of their tensors (fsdp).
+    assert 0.2 <= fs["fsdp_param_fraction"] <= 0.3 and fs["comm_reduce_scatter_count"] > 0
+    assert fs["recompute_peak_ratio"] < 1 and fs["recompute_grad_error"] <= tol["grads"]
+
+    out, ctx = res["pp2xtp2-skip-ar"]
+    assert isinstance(out, CheckFailure), out
+    assert "First diverging module: model.layers.1.self_attn.o_proj on rank(s) [2, 3]" in str(out), out
+    assert "logits differ on rank(s) [2, 3]" in str(out)
+    out, ctx = res["pp2xfsdp2-stale"]
+    msg = str(out)
+    assert isinstance(out, CheckFailure), out
+    # The step was right (gradients, weights); rank 3's stale shard reaches both ranks of its stage
+    # in the all-gather of the forward after the step.
+    assert "logits_after differ on rank(s) [2, 3]" in msg and "grads differ" not in msg, msg
+    assert "weights differ" not in msg and "Every module's forward output agrees" in msg, msg
+
+
+@pytest.mark.slow
+def test_recomputation_inside_pipeline_stages_equal_gradients_and_a_lower_measured_peak():
+    # 1F1B interleaves forwards and backwards; recomputed forwards (inside backward) are not captured.
+    ls = suite_with("qwen3-8b", configs=[{"pp": 2, "recompute": True, "schedule": "1F1B"}])
+    (out, ctx), = _run_all(ls).values()
+    assert out is None, out
+    m = metrics_of(ctx)
+    assert m["parallel_peak_bytes"] > 0 and m["recompute_peak_ratio"] < 1
+    assert m["recompute_grad_error"] <= par.DEFAULT_TOLERANCES["float32"]["grads"]
