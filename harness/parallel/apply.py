@@ -124,8 +124,17 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return base.layers
 
 
-def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = True,
+               experts: tuple[list[str], object, float] | None = None) -> None:
     """FSDP2 (ZeRO-3): every decoder layer is one unit, the rest (embedding, norm, lm_head) the root.
+
+    ``experts = (names, mesh, divide)`` is ep x fsdp (torchtitan's "dp_shard_in_ep"): ``fsdp_mesh``
+    spans every data rank (fsdp x ep flattened) and shards everything but the experts; each expert
+    partition of ``apply_ep`` (the ``names`` modules, already ``[E/ep, ...]``) is its own FSDP unit
+    over ``mesh``, the ranks holding the same partition. Its gradient is summed over the ep group's
+    tokens by the dispatch all-to-all's backward and averaged over ``mesh`` by FSDP, so its divide
+    factor is set to every data rank's count (``divide``), as torchtitan does, for the mean over
+    the whole batch.
 
     ``fsdp_mesh`` is 1-D (shard) or 2-D ``(replicate, shard)``: HSDP - parameters sharded along the
     inner dimension and replicated along the outer one; gradients reduce-scattered within a shard
@@ -142,6 +151,12 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = 
     (between steps each rank holds its shard only)."""
     from torch.distributed.fsdp import fully_shard
 
+    for name in (experts[0] if experts else []):
+        unit = fully_shard(model.get_submodule(name), mesh=experts[1], reshard_after_forward=reshard_after_forward)
+        unit.set_gradient_divide_factor(experts[2])
+        # A factor other than the mesh's size is a PREMUL_SUM reduce-scatter, which gloo lacks:
+        # plain sums, divided by the factor afterwards (any backend).
+        unit.set_force_sum_reduction_for_comms(True)
     for layer in decoder_layers(model):
         if next(layer.parameters(), None) is None:
             continue  # a pipeline stage's pass-through for another stage's layer

@@ -154,7 +154,11 @@ class RankRun:
             ep_names = apply_ep(model, n_exp, groups["ep"], spec.get("capacity_factor", 0.0))
         if recompute:
             apply_ac(model)
-        if lay.fsdp > 1:
+        if lay.fsdp > 1 and lay.ep > 1:
+            # ep x fsdp: the experts' partitions FSDP over the ranks that hold the same one (fsdp),
+            # the rest over every data rank (fsdp x ep flattened), torchtitan's dp_shard_in_ep.
+            apply_fsdp(part, mesh["fsdp", "ep"]._flatten(), experts=(ep_names, mesh["fsdp"], float(d)))
+        elif lay.fsdp > 1:
             # dp x fsdp is HSDP: FSDP2 on the 2-D (replicate, shard) mesh, replicate dimension first.
             apply_fsdp(part, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
         if lay.zero == 2:
@@ -306,7 +310,9 @@ class RankRun:
         if tp_split is not None:  # a fused experts' slice over tp (under fsdp x tp: its fsdp shard first)
             return gather_full(t.full_tensor() if hasattr(t, "full_tensor") else t, *tp_split, groups["tp"])
         if hasattr(t, "full_tensor"):
-            return t.full_tensor()
+            if not expert:
+                return t.full_tensor()
+            t = t.full_tensor()  # ep x fsdp: this rank's expert partition, gathered over fsdp first
         if expert:
             g = groups["ep"]
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size(g))]

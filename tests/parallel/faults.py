@@ -316,3 +316,16 @@ def pp_last_stage_faults(ctx) -> None:
             return [stale.view(-1)] if self is target else out
 
         FSDPParam.all_gather_inputs = property(patched)
+
+
+def ep_fsdp_expert_divide_factor(ctx) -> None:
+    """ep x fsdp, the layout named ``ep2xfsdp2-divide``: the experts' FSDP units average their
+    gradients over their own fsdp mesh only (FSDP2's default divide factor, as if the all-to-all's
+    backward had not already summed the ep group's tokens): each expert gradient x ep, on every rank."""
+    if ctx.layout.label != "ep2xfsdp2-divide":
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, mod in ctx.model.named_modules():
+        if isinstance(mod, FSDPModule) and name.endswith(".experts"):
+            mod.set_gradient_divide_factor(float(ctx.layout.fsdp))

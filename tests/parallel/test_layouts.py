@@ -52,7 +52,8 @@ def test_default_matrix_per_architecture_and_validation():
     # 2-D layouts: fsdp x tp (FSDP2 + TP), dp x fsdp (HSDP), ep x dp
     for lay in (Layout(tp=2, fsdp=2), Layout(dp=2, fsdp=2), Layout(ep=2, dp=2), Layout(ep=2, tp=2)):
         assert validate(lay, moe, heads=8, kv_heads=2) is None, lay.label
-    assert "fsdp" in validate(Layout(ep=2, fsdp=2), moe, heads=8, kv_heads=2)
+    assert validate(Layout(ep=2, fsdp=2), moe, heads=8, kv_heads=2) is None  # dp_shard_in_ep
+    assert "ep x fsdp combines with nothing else" in validate(Layout(ep=2, fsdp=2, tp=2), moe, heads=8, kv_heads=2)
     # pp x tp, pp x fsdp, recomputation inside stages; pp with ep or with two other strategies refused
     for lay in (Layout(pp=2, tp=2), Layout(pp=2, fsdp=2), Layout(pp=2, recompute=True),
                 Layout(pp=2, fsdp=2, recompute=True)):

@@ -293,3 +293,27 @@ def test_recomputation_inside_pipeline_stages_equal_gradients_and_a_lower_measur
     m = metrics_of(ctx)
     assert m["parallel_peak_bytes"] > 0 and m["recompute_peak_ratio"] < 1
     assert m["recompute_grad_error"] <= par.DEFAULT_TOLERANCES["float32"]["grads"]
+
+
+@pytest.mark.slow
+def test_ep_x_fsdp_matches_and_expert_gradients_averaged_over_their_fsdp_mesh_only_are_named():
+    # One 4-rank launch (fsdp outer, ep inner: ranks 0 and 2 hold experts [0, E/2)): torchtitan's
+    # dp_shard_in_ep - every non-expert parameter FSDP over all 4 data ranks, each expert partition
+    # FSDP over the 2 ranks holding it with divide factor 4 (the all-to-all's backward already summed
+    # the ep group's tokens); again with that factor left at FSDP's default (2): expert grads x 2.
+    ls = suite_with("qwen3-30b-a3b", configs=[{"ep": 2, "fsdp": 2}, {"ep": 2, "fsdp": 2, "name": "ep2xfsdp2-divide"}])
+    res = _run_all(ls, fault="tests.parallel.faults:ep_fsdp_expert_divide_factor")
+    assert list(_launches().values()) == [1]
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    out, ctx = res["ep2xfsdp2"]
+    assert out is None, out
+    m = metrics_of(ctx)
+    assert m["parallel_grad_error"] <= tol["grads"] and m["parallel_logits_after_error"] <= tol["logits_after"]
+    assert m["comm_all_to_all_count"] > 0 and m["comm_reduce_scatter_count"] > 0 and m["ep_dropped_tokens"] == 0
+    assert 0.2 <= m["fsdp_param_fraction"] <= 0.3  # experts: 1/ep x 1/fsdp; the rest 1/4
+    out, ctx = res["ep2xfsdp2-divide"]
+    msg = str(out)
+    assert isinstance(out, CheckFailure), out
+    assert "grads differ" in msg and "on rank(s) [0, 1, 2, 3]" in msg, msg
+    assert "Every module's forward output agrees" in msg and "logits differ" not in msg, msg
+    assert ".mlp.experts." in details_of(ctx)["worst_gradient"]
