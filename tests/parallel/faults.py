@@ -288,14 +288,14 @@ def _last_layer(ctx) -> int | None:
 
 
 def pp_last_stage_faults(ctx) -> None:
-    """``pp2xtp2-skip-ar``: the last layer's attention output projection (row-parallel) returns its
-    tp partial sum, on both tp ranks of the last stage. ``pp2xfsdp2-stale``: the fsdp rank 1 of the
+    """``pp2xtp2-skip-ar`` (and ``pp2xfsdp2xtp2-skip-ar``): the last layer's attention output
+    projection (row-parallel) returns its tp partial sum, on every rank of the last stage. ``pp2xfsdp2-stale``: the fsdp rank 1 of the
     last stage keeps feeding the all-gather of the last layer's attention output projection the shard
     it had before the optimizer step."""
     last = _last_layer(ctx)
     if last is None:
         return
-    if ctx.layout.label == "pp2xtp2-skip-ar":
+    if ctx.layout.label in ("pp2xtp2-skip-ar", "pp2xfsdp2xtp2-skip-ar"):
         from torch.distributed.tensor import DTensor
 
         mod = ctx.model.get_submodule(f"model.layers.{last}.self_attn.o_proj")

@@ -54,13 +54,12 @@ def test_default_matrix_per_architecture_and_validation():
         assert validate(lay, moe, heads=8, kv_heads=2) is None, lay.label
     assert validate(Layout(ep=2, fsdp=2), moe, heads=8, kv_heads=2) is None  # dp_shard_in_ep
     assert "ep x fsdp combines with nothing else" in validate(Layout(ep=2, fsdp=2, tp=2), moe, heads=8, kv_heads=2)
-    # pp x tp, pp x fsdp, recomputation inside stages; pp with ep or with two other strategies refused
+    # pp x tp, pp x fsdp, pp x fsdp x tp, recomputation inside stages; pp with ep or dp with more refused
     for lay in (Layout(pp=2, tp=2), Layout(pp=2, fsdp=2), Layout(pp=2, recompute=True),
-                Layout(pp=2, fsdp=2, recompute=True)):
+                Layout(pp=2, fsdp=2, recompute=True), Layout(pp=2, fsdp=2, tp=2)):
         assert validate(lay, moe, heads=8, kv_heads=2) is None, lay.label
     assert "with ep" in validate(Layout(pp=2, ep=2), moe, heads=8, kv_heads=2)
-    assert "pp x fsdp x tp" in validate(Layout(pp=2, fsdp=2, tp=2), moe, heads=8, kv_heads=2)
-    assert "one of dp, tp or fsdp" in validate(Layout(pp=2, dp=2, tp=2), moe, heads=8, kv_heads=2)
+    assert "pp x dp combines with nothing else" in validate(Layout(pp=2, dp=2, tp=2), moe, heads=8, kv_heads=2)
     # pp x dp: DDP per stage; 2 data slices x 2 microbatches
     lay = parse_name("pp2xdp2")
     assert lay.world == 4 and lay.mesh_shape() == (("pp", "dp"), (2, 2))

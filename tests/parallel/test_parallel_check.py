@@ -317,3 +317,25 @@ def test_ep_x_fsdp_matches_and_expert_gradients_averaged_over_their_fsdp_mesh_on
     assert "grads differ" in msg and "on rank(s) [0, 1, 2, 3]" in msg, msg
     assert "Every module's forward output agrees" in msg and "logits differ" not in msg, msg
     assert ".mlp.experts." in details_of(ctx)["worst_gradient"]
+
+
+@pytest.mark.slow
+def test_pp_x_fsdp_x_tp_torchtitans_3d_layout_matches_and_a_last_stage_fault_is_localized():
+    # One 8-rank launch (mesh pp, fsdp, tp: ranks 4-7 hold the last stage): each stage's chunk
+    # tensor-parallel, then FSDP2 over its fsdp dimension, with recomputation; again with the last
+    # layer's row-parallel all-reduce skipped.
+    ls = suite_with("llama-3.1-8b", max_world=8,
+                    configs=[{"pp": 2, "fsdp": 2, "tp": 2, "recompute": True},
+                             {"pp": 2, "fsdp": 2, "tp": 2, "name": "pp2xfsdp2xtp2-skip-ar"}])
+    res = _run_all(ls, fault="tests.parallel.faults:pp_last_stage_faults")
+    assert list(_launches().values()) == [1]
+    tol = par.DEFAULT_TOLERANCES["float32"]
+    out, ctx = res["tp2xpp2xfsdp2-ac"]
+    assert out is None, out
+    m = metrics_of(ctx)
+    assert m["parallel_world_size"] == 8 and m["parallel_grad_error"] <= tol["grads"]
+    assert m["parallel_logits_after_error"] <= tol["logits_after"] and m["recompute_peak_ratio"] < 1
+    assert m["fsdp_param_fraction"] < 0.25 and m["comm_reduce_scatter_count"] > 0  # half the layers, 1/4 of most
+    out, _ = res["pp2xfsdp2xtp2-skip-ar"]
+    assert isinstance(out, CheckFailure), out
+    assert "First diverging module: model.layers.1.self_attn.o_proj on rank(s) [4, 5, 6, 7]" in str(out), out
