@@ -50,7 +50,8 @@ metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout
 metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout, from its start "
                 "to the layout's results (to its end for the last layout)")
 metrics.declare("parallel_launch_layouts", "", "none", "layouts sharing the launch")
-metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker)")
+metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker; "
+                "pipeline stages: harness.parallel.memory.StoragePeak)")
 metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activation recomputation / without")
 metrics.declare("recompute_grad_error", "", "lower", "gradients with recomputation vs without")
 metrics.declare("tp_param_fraction", "", "lower", "per-rank parameter bytes / whole model's under tp "
@@ -90,14 +91,18 @@ class LayoutEntry(BaseModel):
     name: str | None = Field(None, description="Item variant name (default: from the degrees, e.g. ep2xtp2).")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (DTensor; transformers' tp plan or `tp_plan`).")
     pp: int = Field(1, ge=1, description="Pipeline stages (torch.distributed.pipelining, split at decoder layers); "
-                    "with dp: each stage replicated over dp with DDP.")
+                    "with dp: each stage replicated over dp with DDP; with tp and/or fsdp: each stage's chunk "
+                    "tensor-parallel and/or FSDP2-sharded (torchtitan's pp x fsdp x tp).")
     dp: int = Field(1, ge=1, description="Data-parallel degree (DDP; with fsdp: the replicas of HSDP; with tp or "
                     "ep: gradients summed explicitly).")
-    ep: int = Field(1, ge=1, description="Expert-parallel degree (experts partitioned; all_to_all_single dispatch).")
+    ep: int = Field(1, ge=1, description="Expert-parallel degree (experts partitioned; all_to_all_single dispatch); "
+                    "with fsdp: experts FSDP over the ranks holding the same partition, the rest over all "
+                    "(torchtitan's dp_shard_in_ep).")
     fsdp: int = Field(1, ge=1, description="FSDP2 fully_shard degree (ZeRO-3); with dp: HSDP on the (replicate, "
                       "shard) mesh; with tp: FSDP2 over TP's DTensors (torchtitan's FSDP2 + TP).")
     cp: int = Field(1, ge=1, description="Context-parallel degree (where the attention supports it).")
-    recompute: bool = Field(False, description="Activation recomputation of every decoder layer; also checked "
+    recompute: bool = Field(False, description="Activation recomputation of every decoder layer (pipeline stages: "
+                            "of the stage's layers); also checked "
                             "against the same layout without it (equal gradients, lower peak memory).")
     microbatches: int = Field(2, ge=1, description="Pipeline microbatches.")
     schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"] = Field(
@@ -129,7 +134,8 @@ class ParallelConfig(CheckConfig):
     configs: list[LayoutEntry] = Field(
         default_factory=list, description="The matrix ([[checks.parallel.configs]]). Empty: the default per "
         "architecture - dense: tp2, pp2, dp2, fsdp2-ac, tp2xdp2; MoE adds ep2, ep2xtp2. Opt-in 2-D layouts: "
-        "tp x fsdp, dp x fsdp (HSDP), ep x dp, pp x dp; ZeRO-1/2 (`zero` with dp).")
+        "tp x fsdp, dp x fsdp (HSDP), ep x dp, ep x fsdp, pp x dp, pp x tp, pp x fsdp; 3-D (max_world = 8) "
+        "pp x fsdp x tp, dp x fsdp x tp, ep x dp x tp; ZeRO-1/2 (`zero` with dp).")
     batch_size: int = Field(4, ge=1, description="Sequences in the batch (split over data ranks and microbatches).")
     seq_len: int = Field(8, ge=2, description="Tokens per sequence.")
     seed: int = Field(0, description="Seed of the weights (the batch uses seed + 1).")
