@@ -19,6 +19,7 @@ its loaders know nothing of the renamings and quantized formats harness reads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,10 @@ def _to_device(x, dev: torch.device):
         return type(x)(_to_device(v, dev) for v in x)
     if isinstance(x, dict):
         return {k: _to_device(v, dev) for k, v in x.items()}
+    if isinstance(x, Mapping) and callable(getattr(x, "to", None)):
+        # transformers' KVSharingDict (Gemma-4's K/V shared between layers): a UserDict the layers
+        # write into, moved in place by its own .to (as accelerate's send_to_device calls it).
+        return x.to(dev)
     return x
 
 

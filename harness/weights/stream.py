@@ -2,8 +2,11 @@
 float64 reference recomputed on the host one layer at a time.
 
 Target side (:func:`capture_layers`): the full model runs a few prompts once; hooks on each decoder
-layer keep its input hidden states [B, S, H], the keyword inputs it was given (attention mask, position
-ids, rotary tables) and its output [B, S, H], all moved to the host.
+layer keep its input hidden states [B, S, H], every other input it was given but the cache (attention
+mask, position ids, rotary tables, a per-layer input, the K/V dict layers share) and its output
+[B, S, H], all moved to the host; a hook on each rotary module records the call that made the tables
+each layer got (positions, and the layer type where tables differ per type), so the reference
+recomputes the same tables in float64.
 
 Reference side (:func:`stream_reference`): for layer i, the layer's module is built on the meta device
 and materialized in float64 (``to_empty``: pages nobody writes are never committed), its tensors are
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +36,26 @@ from harness.weights.reader import ShardReader
 
 
 @dataclass
+class RotaryCall:
+    """How the target computed the rotary tables one layer was given: which rotary module, on which
+    positions, with which other arguments (Gemma-4 / MiMo: the layer type, each with its own
+    frequencies), so the reference recomputes the same tables in float64."""
+
+    module: str
+    position_ids: torch.Tensor
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
 class LayerIO:
     """What one decoder layer saw and produced in the target run (host tensors)."""
 
     hidden_in: torch.Tensor  # [B, S, H]
     kwargs: dict  # attention_mask, position_ids, position_embeddings (cos, sin), ...
     hidden_out: torch.Tensor | None = None  # [B, S, H]
+    rotary: RotaryCall | None = None
+    args: tuple = ()  # positional inputs after the hidden states
 
 
 @dataclass
@@ -92,18 +109,63 @@ def _host(x):
     return x
 
 
-KEEP_KWARGS = ("attention_mask", "position_ids", "position_embeddings", "cache_position")
+# Keyword inputs that are not data: the KV cache (use_cache=False: none) and flags.
+DROP_KWARGS = ("past_key_values", "past_key_value", "cache", "use_cache", "output_attentions", "hidden_states")
+
+
+def _snap(x):
+    """A host copy of one layer input: tensors, and containers of them (Gemma-4's ``shared_kv_states``
+    dict, which later layers of the same forward fill: copied as it stood when this layer ran). Other
+    objects (a cache) are dropped: ``_DROPPED``."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_snap(v) for v in x)
+    if isinstance(x, Mapping):  # dict, or transformers' KVSharingDict (a UserDict)
+        return {k: _snap(v) for k, v in x.items()}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return _DROPPED
+
+
+_DROPPED = object()
+
+
+def _rotary_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Model-level rotary embeddings (outside the decoder layers), by name."""
+    return {n: m for n, m in model.named_modules()
+            if "RotaryEmbedding" in type(m).__name__ and ".layers." not in f".{n}."}
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) and x else x
 
 
 def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
-    """Run ``model`` once on ``ids`` [B, S] and keep every decoder layer's input, kwargs and output."""
+    """Run ``model`` once on ``ids`` [B, S] and keep every decoder layer's input, kwargs and output,
+    and which rotary call made the tables it was given."""
     _, layers = decoder_layers(model)
     got: list[LayerIO | None] = [None] * len(layers)
     handles = []
+    # Rotary calls by the identity of their first output tensor (cos, or Llama-4's complex freqs_cis).
+    calls: dict[int, RotaryCall] = {}
+    for name, rot in _rotary_modules(model).items():
+        def on_rotary(mod, args, kwargs, out, name=name):
+            a = list(args)
+            pos = a[1] if len(a) > 1 else kwargs.get("position_ids")
+            if isinstance(pos, torch.Tensor):
+                calls[id(_first(out))] = RotaryCall(name, _host(pos), tuple(a[2:]),
+                                                    {k: v for k, v in kwargs.items() if k != "position_ids"})
+        handles.append(rot.register_forward_hook(on_rotary, with_kwargs=True))
     for i, layer in enumerate(layers):
         def pre(mod, args, kwargs, i=i):
             h = args[0] if args else kwargs["hidden_states"]
-            got[i] = LayerIO(_host(h), {k: _host(kwargs[k]) for k in KEEP_KWARGS if kwargs.get(k) is not None})
+            # Every input but the cache: masks, positions, rotary tables, and whatever else a layer takes
+            # (Gemma-4: a per-layer input as second positional argument, the shared K/V dict).
+            kw = {k: _snap(v) for k, v in kwargs.items() if k not in DROP_KWARGS}
+            got[i] = LayerIO(_host(h), {k: v for k, v in kw.items() if v is not _DROPPED},
+                             rotary=calls.get(id(_first(kwargs.get("position_embeddings")))),
+                             args=tuple(_snap(a) for a in args[1:]))
 
         def post(mod, args, kwargs, out, i=i):
             o = out[0] if isinstance(out, (tuple, list)) else out
@@ -122,9 +184,13 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
 
 def _f64(x):
     if isinstance(x, torch.Tensor):
+        if x.is_complex():
+            return x.to(torch.complex128)
         return x.double() if x.is_floating_point() else x
     if isinstance(x, (tuple, list)):
         return type(x)(_f64(v) for v in x)
+    if isinstance(x, Mapping):  # a fresh dict: the layer may write into it (Gemma-4's shared K/V)
+        return {k: _f64(v) for k, v in x.items()}
     return x
 
 
@@ -210,9 +276,11 @@ class StreamedReference:
         sd = {k: v.data for k, v in layer.state_dict(keep_vars=True).items()}
         handles, hit_count = [], []
         for _name, mod in _experts_modules(layer).items():
-            def pre(mod, args, kwargs):
-                idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
-                hit = sorted(set(idx.reshape(-1).tolist()))
+            def pre(mod, args, kwargs, mod_n=next(p.shape[0] for p in mod.parameters(recurse=False) if p.dim() == 3)):
+                idx = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+                # Experts called without the routed indices (Llama-4: every expert runs on every token,
+                # weighted by its score) read them all.
+                hit = sorted(set(idx.reshape(-1).tolist())) if isinstance(idx, torch.Tensor) else list(range(mod_n))
                 hit_count.append(len(hit))
                 with torch.no_grad():
                     self._fill(sd, [e for e in later if e.expert in hit], strip)
@@ -221,11 +289,13 @@ class StreamedReference:
                     self._fill(sd, [e for e in later if e.expert is None], strip, rows=hit)
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         kwargs = _f64(io.kwargs)
-        if rotary is not None and "position_ids" in io.kwargs:
-            kwargs["position_embeddings"] = rotary(io.hidden_in.double(), io.kwargs["position_ids"])
+        if rotary is not None and (io.rotary is not None or "position_ids" in io.kwargs):
+            pe = rotary(io.hidden_in.double(), io.rotary or io.kwargs["position_ids"])
+            if pe is not None:
+                kwargs["position_embeddings"] = pe
         try:
             with torch.no_grad():
-                out = layer(io.hidden_in.double(), **kwargs)
+                out = layer(io.hidden_in.double(), *_f64(io.args), **kwargs)
         finally:
             for h in handles:
                 h.remove()
@@ -263,13 +333,33 @@ def stream_reference(meta_model: torch.nn.Module, ckpt: Checkpoint, captured: li
 
 
 def float64_rotary(meta_model: torch.nn.Module) -> Callable | None:
-    """The model's rotary embedding built on the host (float32 tables inside transformers, as the model
-    computes them), or None when it has none at model level (then the captured tables are used)."""
-    rot = next((m for n, m in meta_model.named_modules() if n.endswith("rotary_emb")), None)
-    if rot is None:
+    """The model's rotary embeddings rebuilt on the host, called as the target called them: ``rot(x,
+    call)`` with a :class:`RotaryCall` (or bare position ids, for the model's one rotary module) gives
+    the tables in float64 (complex128 for Llama-4's ``freqs_cis``). transformers computes them in
+    float32 inside, as the model does. None when the model has no rotary module at model level (then the
+    captured tables are used)."""
+    mods = _rotary_modules(meta_model)
+    if not mods:
         return None
-    try:
-        host = type(rot)(config=meta_model.config)
-    except TypeError:
-        return None
-    return lambda x, pos: tuple(t.double() for t in host(x, pos))
+    built: dict[str, torch.nn.Module] = {}
+
+    def host(name: str) -> torch.nn.Module:
+        if name not in built:
+            rot = mods[name]
+            # A wrapper's rotary takes its own sub-config (Gemma-4's text config); the module keeps it.
+            built[name] = type(rot)(config=getattr(rot, "config", None) or meta_model.config)
+        return built[name]
+
+    # Bare position ids (no call recorded): the language model's own table, not a vision tower's.
+    default = min((n for n in mods if n.endswith("rotary_emb")), key=lambda n: n.count("."), default=next(iter(mods)))
+
+    def rotary(x: torch.Tensor, call) -> tuple | torch.Tensor | None:
+        if not isinstance(call, RotaryCall):
+            call = RotaryCall(default, call)
+        try:
+            mod = host(call.module)
+        except TypeError:  # a rotary module that cannot be rebuilt from its config: the captured tables
+            return None
+        return _f64(mod(x, call.position_ids, *call.args, **call.kwargs))
+
+    return rotary

@@ -1,0 +1,66 @@
+"""The streamed float64 reference on Day-0 architectures whose layers take more than hidden states, masks
+and one rotary table: Llama-4 (complex ``freqs_cis``; experts run on every token without routed
+indices), Gemma-4 (one rotary table per layer type, a per-layer positional input, K/V shared between
+layers through a ``KVSharingDict``), MiMo-V2-Flash (per-layer-type rotary). Each: a pruned model of
+the published config saved as a real checkpoint, its streamed reference agrees in float32, and a
+fault in one layer of the target is localized to that layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.cli.init import _plan
+from harness.models.config import architecture_class, build_config
+from harness.suite.schema import PruneSection
+from tests.weights.conftest import write_suite
+
+DAY0 = Path(__file__).resolve().parents[1] / "data" / "day0"
+
+
+def _checkpoint(tmp_path: Path, name: str) -> tuple[Path, dict, str | None]:
+    raw = json.loads((DAY0 / f"{name}.json").read_text())
+    plan, _ = _plan(raw, name)
+    mc = build_config(raw, PruneSection.model_validate(plan.prune), architecture=plan.architecture or None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = architecture_class(mc.architecture)(mc.config)
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.data.uniform_(0.5, 1.5)  # norms away from 1: a wrongly fed input shows
+    root = tmp_path / "ckpt"
+    model.save_pretrained(root, max_shard_size="2MB")
+    small = mc.config.to_dict()
+    (root / "config.json").write_text(json.dumps(small))
+    return root, small, plan.architecture or None
+
+
+@pytest.mark.parametrize("name", ["Llama-4-Scout-17B-16E-Instruct", "gemma-4-26B-A4B", "MiMo-V2-Flash"])
+def test_streamed_reference_agrees_and_localizes_a_fault(tmp_path, name):
+    from harness.backends import get
+    from harness.checks import CheckContext, CheckFailure, registry
+    from harness.suite.loader import load_suite
+    from harness.weights.stream import decoder_layers
+
+    root, small, arch = _checkpoint(tmp_path, name)
+    body = f'weights = "{root}"\n' + (f'architecture = "{arch}"\n' if arch else "") + "[checks.weights]\nseq_len = 8\n"
+    ls = load_suite(write_suite(tmp_path, "s", small, body))
+    check = registry().get("weights")
+    ctx = CheckContext(ls, get("cpu"), "float32", "stream", check="weights")
+    check.run(ctx)
+    props = dict(ctx.properties)
+    assert float(props["metric.stream_first_divergent_layer"]) == -1
+    assert float(props["metric.stream_worst_rel_rmse"]) < 1e-5, props["metric.stream_worst_rel_rmse"]
+
+    def fault(model):  # the target's last layer's first norm off by 2 %
+        _, layers = decoder_layers(model)
+        norm = next(p for n, p in layers[-1].named_parameters() if p.dim() == 1 and "norm" in n)
+        with torch.no_grad():
+            norm.mul_(1.02)
+
+    last = int(float(props["metric.stream_layers"])) - 1
+    with pytest.raises(CheckFailure, match=f"decoder layer {last} diverges"):
+        check.run(CheckContext(ls, get("cpu"), "float32", "stream", check="weights"), transform=fault)
