@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default="", help="these layouts instead of the default matrix (comma-separated)")
     ap.add_argument("--schedule", default=None, help="pipeline schedule of the --variants layouts with pp")
+    ap.add_argument("--max-world", type=int, default=4, help="ranks a layout may use (8 for the 3-D layouts)")
     a = ap.parse_args()
     worst: dict = {}
     fails = 0
@@ -55,8 +56,13 @@ def main() -> int:
         for dtype in a.dtypes.split(","):
             for name in a.suites.split(","):
                 par.reset_launches()
+                # A fresh run root per suite x dtype x repeat: the launcher writes a launch's results
+                # under <root>/<hash of spec and layouts>/w<world>-launch<n> and treats results found
+                # there as done, so a repeat in the same root would read the previous run's files.
+                par._TMP.clear()
                 only = [x for x in a.variants.split(",") if x]
-                ls = suite_with(name, configs=configs_of(only, a.schedule)) if only else suite_with(name)
+                table = {"configs": configs_of(only, a.schedule)} if only else {}
+                ls = suite_with(name, max_world=a.max_world, **table)
                 for v in par.ParallelCheck().variants(ls, None):
                     t = time.time()
                     out, ctx = run_variant(ls, v, dtype)
