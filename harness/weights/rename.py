@@ -173,11 +173,17 @@ def _to_checkpoint(key: str, renamings) -> str:
     return apply_renamings(key, renamings) if renamings else key
 
 
+def _plain(pattern: str) -> str:
+    """A converter's key pattern as a plain suffix: ``^``, regex-escaped dots (DeepSeek-V4 writes
+    ``\\.experts.gate_up_proj``) and leading dots removed; ``*`` stays the expert index."""
+    return pattern.removeprefix("^").replace("\\.", ".").lstrip(".")
+
+
 def _converter_for(param: str, converters):
     """(converter, prefix) when ``param`` is the target of a fusing converter."""
     for c in converters:
         for tp in c._original_target_patterns:
-            t = tp.removeprefix("^").lstrip(".")
+            t = _plain(tp)
             if param.endswith(t) and (param == t or param[: -len(t)].endswith(".")):
                 return c, param[: -len(t)]
     return None, None
@@ -188,7 +194,7 @@ def _fused_layout(c, param: str, shape: torch.Size) -> tuple[list[str], int]:
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     ops = [type(o) for o in c.operations]
-    srcs = [s.lstrip(".") for s in c._original_source_patterns]
+    srcs = [_plain(s) for s in c._original_source_patterns]
     if ops == [MergeModulelist] and len(srcs) == 1:
         return srcs, shape[1]
     if ops == [MergeModulelist, Concatenate] and c.operations[0].dim == 0 and c.operations[1].dim == 1:

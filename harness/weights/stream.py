@@ -54,7 +54,7 @@ class LayerIO:
     hidden_in: torch.Tensor  # [B, S, H]
     kwargs: dict  # attention_mask, position_ids, position_embeddings (cos, sin), ...
     hidden_out: torch.Tensor | None = None  # [B, S, H]
-    rotary: RotaryCall | None = None
+    rotary: RotaryCall | dict[str, RotaryCall] | None = None
     args: tuple = ()  # positional inputs after the hidden states
 
 
@@ -141,6 +141,15 @@ def _first(x):
     return x[0] if isinstance(x, (tuple, list)) and x else x
 
 
+def _rotary_of(pe, calls: dict[int, RotaryCall]):
+    """The call(s) that made a layer's tables: one, or one per key where the layer gets a dict of them
+    (DeepSeek-V4: ``{"main": (cos, sin), "compress": (cos, sin)}``); None if any is unknown."""
+    if isinstance(pe, Mapping):
+        got = {k: calls.get(id(_first(v))) for k, v in pe.items()}
+        return got if got and all(v is not None for v in got.values()) else None
+    return calls.get(id(_first(pe))) if pe is not None else None
+
+
 def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
     """Run ``model`` once on ``ids`` [B, S] and keep every decoder layer's input, kwargs and output,
     and which rotary call made the tables it was given."""
@@ -164,7 +173,7 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
             # (Gemma-4: a per-layer input as second positional argument, the shared K/V dict).
             kw = {k: _snap(v) for k, v in kwargs.items() if k not in DROP_KWARGS}
             got[i] = LayerIO(_host(h), {k: v for k, v in kw.items() if v is not _DROPPED},
-                             rotary=calls.get(id(_first(kwargs.get("position_embeddings")))),
+                             rotary=_rotary_of(kwargs.get("position_embeddings"), calls),
                              args=tuple(_snap(a) for a in args[1:]))
 
         def post(mod, args, kwargs, out, i=i):
@@ -219,6 +228,7 @@ class StreamedReference:
 
         self.ckpt = ckpt
         self.meta = meta_model
+        self._host_buffers: torch.nn.ModuleList | None = None  # see _computed_buffers
         use_eager_experts(meta_model.config)  # per-expert loop: float64 on CPU, and only hit experts run
         self.prefix, self.layers = decoder_layers(meta_model)
         n = len(self.layers)
@@ -254,11 +264,31 @@ class StreamedReference:
             dest.copy_(src)
             del src
 
+    def _computed_buffers(self, i: int, layer: torch.nn.Module) -> None:
+        """Non-persistent buffers of layer i (a rotary module inside the layer: DeepSeek-V4's attention),
+        which the checkpoint does not hold and ``to_empty`` left unset: computed by the model's own
+        ``__init__`` on the host, parameters on meta (free), once, and copied in (floating ones in float64)."""
+        names = [(mn, bn) for mn, m in layer.named_modules() for bn in m._non_persistent_buffers_set
+                 if m._buffers.get(bn) is not None]
+        if not names:
+            return
+        if self._host_buffers is None:
+            from harness.weights.load import _parameters_on_meta
+
+            with _parameters_on_meta():
+                self._host_buffers = decoder_layers(type(self.meta)(self.meta.config))[1]
+        src = self._host_buffers[i]
+        for mn, bn in names:
+            t = src.get_submodule(mn)._buffers[bn] if mn else src._buffers[bn]
+            dest = layer.get_submodule(mn) if mn else layer
+            dest._buffers[bn] = t.double() if t.is_floating_point() else t.clone()
+
     def layer(self, i: int) -> tuple[torch.nn.Module, list[rename.Entry]]:
         """Layer i in float64 with every non-expert tensor filled; the routed-expert entries are returned
         so the caller fills them once routing is known."""
         # A copy of the meta layer (free), materialized: the meta model itself stays on meta.
         layer = copy.deepcopy(self.layers[i]).to(torch.float64).to_empty(device="cpu")
+        self._computed_buffers(i, layer)
         strip = f"{self.prefix}.{i}."
         sd = layer.state_dict(keep_vars=True)
         sd = {k: v.data for k, v in sd.items()}
@@ -290,7 +320,12 @@ class StreamedReference:
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         kwargs = _f64(io.kwargs)
         if rotary is not None and (io.rotary is not None or "position_ids" in io.kwargs):
-            pe = rotary(io.hidden_in.double(), io.rotary or io.kwargs["position_ids"])
+            x = io.hidden_in.double()
+            if isinstance(io.rotary, dict):
+                pe = {k: rotary(x, c) for k, c in io.rotary.items()}
+                pe = None if any(v is None for v in pe.values()) else pe
+            else:
+                pe = rotary(x, io.rotary or io.kwargs["position_ids"])
             if pe is not None:
                 kwargs["position_embeddings"] = pe
         try:
