@@ -1,5 +1,6 @@
 """Apply a layout to a model, one strategy at a time, in torchtitan's order:
-``apply_tp -> apply_ep -> apply_ac -> apply_fsdp | apply_dp``, and ``pipeline_stage`` for pp.
+``apply_tp -> apply_ep -> apply_ac -> apply_fsdp | apply_dp``; for pp the model is split first
+(``split_stage``), the same functions applied to the stage's chunk, then ``pipeline_stage``.
 
 Each function takes the model built on every rank from the same seed (identical weights) and the
 device mesh dimension it parallelizes over.

@@ -1,7 +1,7 @@
 """One rank of a parallel launch: every layout of the launch, one after another.
 
 Per layout: build the seeded model (identical on every rank), apply the layout
-(apply_tp -> apply_ep -> apply_ac -> apply_fsdp | apply_dp, or a pipeline stage), run the step of
+(apply_tp -> apply_ep -> apply_ac -> apply_fsdp | apply_dp; for pp on the stage split first), run the step of
 ``harness.parallel.reference`` on this rank's slice of the batch, gather every gradient and weight
 to full shape, and write the results (``<layout>/rank<r>.safetensors`` + ``.json``) *before* the
 next layout and before teardown: a process that aborts while tearing down DTensor state after it
