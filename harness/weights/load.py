@@ -139,7 +139,7 @@ def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: Shard
     for i, (e, st) in enumerate(located):
         shard = ckpt.tensors[st.keys[0]].shard
         dest = e.view(sd[e.param].data)
-        src = quant.read_dequantized(reader, st, block, e.rows)
+        src = e.adapt(quant.read_dequantized(reader, st, block, e.rows), dest.shape)
         what = f"{e.param}" + (f"[{e.expert}]" if e.expert is not None else "")
         if tuple(src.shape) != tuple(dest.shape):
             raise WeightsError(f"{e.source} in {shard}: shape {list(src.shape)}, but the pruned model's {what} expects "

@@ -64,6 +64,17 @@ class Entry:
     expert: int | None = None  # index into the fused parameter's dim 0
     part: tuple[int, int] | None = None  # (offset, size) along the expert's dim 0 (gate / up of gate_up)
     rows: list[int] | None = None  # read only these rows of the source (router rows for kept experts)
+    # transformers' Transpose(dim0, dim1, check_dims) conversion: the checkpoint stores the tensor with two
+    # dims swapped (Qwen3-VL-MoE's fused experts [E, H, 2I]); with check_dims only when the shapes differ.
+    transpose: tuple[int, int, bool] | None = None
+
+    def adapt(self, src: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The source tensor in the model's layout (``shape``: the view it fills)."""
+        if self.transpose is not None:
+            d0, d1, check = self.transpose
+            if not check or tuple(src.shape) != tuple(shape):
+                src = src.transpose(d0, d1)
+        return src
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         if self.expert is not None:
@@ -189,6 +200,16 @@ def _converter_for(param: str, converters):
     return None, None
 
 
+def _transpose_of(c) -> tuple[int, int, bool] | None:
+    """(dim0, dim1, check_dims) of a converter that only transposes one tensor, else None."""
+    from transformers.core_model_loading import Transpose
+
+    ops = c.operations
+    if len(ops) == 1 and isinstance(ops[0], Transpose) and len(c._original_source_patterns) == 1:
+        return ops[0].dim0, ops[0].dim1, bool(ops[0].check_dims)
+    return None
+
+
 def _fused_layout(c, param: str, shape: torch.Size) -> tuple[list[str], int]:
     """Source patterns and the size of each one's part along the per-expert dim 0."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
@@ -230,6 +251,15 @@ def plan(model: torch.nn.Module, sel: Selection) -> Plan:
         if ptr is not None:
             seen[ptr] = name
         c, prefix = _converter_for(name, converters)
+        tr = _transpose_of(c) if c is not None else None
+        if tr is not None:
+            ck = renumber(_to_checkpoint(prefix + _plain(c._original_source_patterns[0]), renamings), sel)
+            rows = sel.experts if name in sel.expert_rows else None
+            if rows is not None and 0 in tr[:2]:
+                raise WeightsError(f"{name}: transformers transposes dim 0 of it on load, so its kept experts' rows "
+                                   "cannot be read alone")
+            entries.append(Entry(ck, name, rows=rows, transpose=tr))
+            continue
         if c is not None:
             srcs, size = _fused_layout(c, name, t.shape)
             for k in range(t.shape[0]):

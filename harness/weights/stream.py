@@ -249,8 +249,9 @@ class StreamedReference:
             st = quant.locate(self.ckpt, e.source)
             if st is None:
                 raise WeightsError(f"{e.source} is missing from the checkpoint")
-            src = quant.read_dequantized(self.reader, st, self.block, rows)
             dest = e.view(sd[e.param[len(strip):]])
+            src = e.adapt(quant.read_dequantized(self.reader, st, self.block, rows),
+                          dest.shape if rows is None else (len(rows), *dest.shape[1:]))
             if rows is not None:
                 if tuple(src.shape[1:]) != tuple(dest.shape[1:]):
                     raise WeightsError(f"{e.source} in {self.ckpt.tensors[st.keys[0]].shard}: rows of shape "

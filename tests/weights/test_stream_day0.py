@@ -3,7 +3,8 @@ and one rotary table: Llama-4 (complex ``freqs_cis``; experts run on every token
 indices), Gemma-4 (one rotary table per layer type, a per-layer positional input, K/V shared between
 layers through a ``KVSharingDict``), MiMo-V2-Flash (per-layer-type rotary), DeepSeek-V4-Flash (regex-escaped
 converter patterns; a dict of rotary tables per layer; a rotary module inside its compressor layers,
-whose tables the checkpoint does not hold). Each: a pruned model of
+whose tables the checkpoint does not hold), Qwen3-VL-MoE (experts stored fused and transposed, [E, H, 2I]:
+transformers' Transpose conversion). Each: a pruned model of
 the published config saved as a real checkpoint, its streamed reference agrees in float32, and a
 fault in one layer of the target is localized to that layer."""
 
@@ -23,7 +24,7 @@ from tests.weights.conftest import write_suite
 DAY0 = Path(__file__).resolve().parents[1] / "data" / "day0"
 
 
-def _checkpoint(tmp_path: Path, name: str) -> tuple[Path, dict, str | None]:
+def _checkpoint(tmp_path: Path, name: str, keep: list | None = None) -> tuple[Path, dict, str | None]:
     raw = json.loads((DAY0 / f"{name}.json").read_text())
     plan, _ = _plan(raw, name)
     mc = build_config(raw, PruneSection.model_validate(plan.prune), architecture=plan.architecture or None)
@@ -35,13 +36,15 @@ def _checkpoint(tmp_path: Path, name: str) -> tuple[Path, dict, str | None]:
                 p.data.uniform_(0.5, 1.5)  # norms away from 1: a wrongly fed input shows
     root = tmp_path / "ckpt"
     model.save_pretrained(root, max_shard_size="2MB")
+    if keep is not None:
+        keep.append(model)
     small = mc.config.to_dict()
     (root / "config.json").write_text(json.dumps(small))
     return root, small, plan.architecture or None
 
 
 @pytest.mark.parametrize("name", ["Llama-4-Scout-17B-16E-Instruct", "gemma-4-26B-A4B", "MiMo-V2-Flash",
-                                  "DeepSeek-V4-Flash"])
+                                  "DeepSeek-V4-Flash", "Qwen3-VL-30B-A3B-Instruct"])
 def test_streamed_reference_agrees_and_localizes_a_fault(tmp_path, name):
     from harness.backends import get
     from harness.checks import CheckContext, CheckFailure, registry
@@ -66,3 +69,29 @@ def test_streamed_reference_agrees_and_localizes_a_fault(tmp_path, name):
     last = int(float(props["metric.stream_layers"])) - 1
     with pytest.raises(CheckFailure, match=f"decoder layer {last} diverges"):
         check.run(CheckContext(ls, get("cpu"), "float32", "stream", check="weights"), transform=fault)
+
+
+@pytest.mark.parametrize(("name", "halve"), [("DeepSeek-V4-Flash", True), ("Qwen3-VL-30B-A3B-Instruct", False)])
+def test_pruned_load_takes_the_kept_experts_through_transformers_conversions(tmp_path, name, halve):
+    """The pruned loader on the same checkpoints: every tensor equals the saved model's, through V4's
+    escaped converter patterns (keeping half its experts: their rows of the fused tensors) and
+    Qwen3-VL-MoE's transposed fused experts (a wrapper: its experts are not pruned, see docs/weights.md)."""
+    from harness.models.build import build_model
+    from harness.suite.loader import load_suite
+
+    keep: list = []
+    root, small, arch = _checkpoint(tmp_path, name, keep)
+    saved = keep[0].state_dict()
+    ne = small.get("n_routed_experts")
+    body = (f'weights = "{root}"\n' + (f'architecture = "{arch}"\n' if arch else "")
+            + (f"[prune]\nnum_experts = {ne // 2}\n" if halve else ""))
+    model, mc = build_model(load_suite(write_suite(tmp_path, "p", small, body)), "float32")
+    assert any(n.startswith("real weights") for n in mc.notes), mc.notes
+    pruned = 0
+    for k, t in model.state_dict().items():
+        ref = saved[k]
+        if t.shape != ref.shape:
+            assert halve and t.shape[0] == ne // 2 and ref.shape[0] == ne and t.shape[1:] == ref.shape[1:], k
+            ref, pruned = ref[: ne // 2], pruned + 1
+        assert torch.equal(t, ref.to(t.dtype)), k
+    assert pruned >= (2 if halve else 0)  # the fused gate_up_proj and down_proj at least
