@@ -100,7 +100,9 @@ class LayoutEntry(BaseModel):
                     "(torchtitan's dp_shard_in_ep).")
     fsdp: int = Field(1, ge=1, description="FSDP2 fully_shard degree (ZeRO-3); with dp: HSDP on the (replicate, "
                       "shard) mesh; with tp: FSDP2 over TP's DTensors (torchtitan's FSDP2 + TP).")
-    cp: int = Field(1, ge=1, description="Context-parallel degree (where the attention supports it).")
+    cp: int = Field(1, ge=1, description="Context-parallel degree: each rank holds seq_len / cp tokens, K/V "
+                    "all-gathered in attention; full-attention models only (no sliding window, linear attention "
+                    "or sinks); with dp and/or tp.")
     recompute: bool = Field(False, description="Activation recomputation of every decoder layer (pipeline stages: "
                             "of the stage's layers); also checked "
                             "against the same layout without it (equal gradients, lower peak memory).")
@@ -193,8 +195,16 @@ def _facts(ls):
     mc = model_config(ls)
     cfg = mc.config
     n = _num_experts(cfg) or 0
+    from harness.parallel.cp import attention_facts
+
     return ArchFacts(moe=n > 0, num_layers=int(cfg.num_hidden_layers), num_experts=n,
-                     tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False))), mc
+                     tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+                     attention=attention_facts(cfg)), mc
+
+
+def _seq_lens(cfg, lay) -> tuple[int, ...]:
+    """Sequence lengths a layout runs (the recompute on/off memory batch too): cp splits each."""
+    return (cfg.seq_len, cfg.memory_seq_len) if lay.recompute else (cfg.seq_len,)
 
 
 _PLANS: dict = {}
@@ -270,7 +280,8 @@ class ParallelCheck(Check):
         facts, mc = _facts(ctx.suite)
         heads, kv, _, _ = head_dims(mc.config)
         st.facts, st.mc = facts, mc
-        why = validate(st.layout, facts, heads=heads, kv_heads=kv, batch_size=cfg.batch_size)
+        why = validate(st.layout, facts, heads=heads, kv_heads=kv, batch_size=cfg.batch_size,
+                       seq_lens=_seq_lens(cfg, st.layout))
         if st.layout.world > cfg.max_world:
             why = f"needs {st.layout.world} ranks; max_world is {cfg.max_world}"
         if ctx.backend.device_type != "cpu" and ctx.backend.device_count() < st.layout.world:
@@ -279,7 +290,8 @@ class ParallelCheck(Check):
             raise NotApplicable(f"layout {st.layout.label}: {why}")
         # Every valid layout of the same world size shares one launch.
         st.peers = [lay for lay in lays.values() if lay.world == st.layout.world and lay.world <= cfg.max_world
-                    and validate(lay, facts, heads=heads, kv_heads=kv, batch_size=cfg.batch_size) is None]
+                    and validate(lay, facts, heads=heads, kv_heads=kv, batch_size=cfg.batch_size,
+                                 seq_lens=_seq_lens(cfg, lay)) is None]
         ctx.metric("parallel_world_size", st.layout.world)
         if st.layout.label.startswith("plan-") and cfg.plan is not None:
             ctx.notes.append("harness plan recommends " + planned_layout(ctx.suite, cfg.plan)[1])

@@ -40,16 +40,36 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def ref_piece(ref: torch.Tensor, shape: tuple[int, ...], lay: Layout, rank: int) -> torch.Tensor | None:
-    """The part of the reference tensor ``ref`` that ``rank``'s tensor of ``shape`` holds."""
+def ref_piece(ref: torch.Tensor, shape: tuple[int, ...], lay: Layout, rank: int,
+              tokens: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """The part of the reference tensor ``ref`` that ``rank``'s tensor of ``shape`` holds.
+    ``tokens`` = (B, S) of the batch: under cp, tensors of flattened token rows [B S, ...] (routers,
+    fused experts' input) are chunked per sequence."""
     r = ref
     if tuple(r.shape) == tuple(shape):
         return r
     d = lay.data_degree
+    if lay.cp > 1 and tokens and r.dim() and len(shape) == r.dim() and r.shape[0] == tokens[0] * tokens[1] \
+            and shape[0] * d * lay.cp == r.shape[0]:
+        # Flattened (batch-major) token rows: [B, S, ...] -> data slice, this rank's cp chunk -> rows.
+        rest = r.shape[1:]
+        r = r.reshape(*tokens, *rest).chunk(d)[lay.data_index(rank)] if d > 1 else r.reshape(*tokens, *rest)
+        r = r.chunk(lay.cp, 1)[lay.coords(rank)["cp"]].reshape(-1, *rest)
+        if tuple(r.shape) == tuple(shape):
+            return r
     if d > 1 and r.dim() and len(shape) == r.dim() and shape[0] * d == r.shape[0]:
         r = r.chunk(d)[lay.data_index(rank)]
         if tuple(r.shape) == tuple(shape):
             return r
+    if lay.cp > 1 and r.dim() >= 2 and len(shape) == r.dim():
+        # This rank's chunk of the sequences: dimension 1 of [b, S, ...], or the one of length S
+        # elsewhere (MLA's latent K/V [b, 1, S, .]). Chunked before tp, so that tp cannot take it.
+        seq = [k for k in range(1, r.dim()) if shape[k] * lay.cp == r.shape[k]
+               and (k == 1 or (tokens is not None and r.shape[k] == tokens[1]))]
+        if seq:
+            r = r.chunk(lay.cp, seq[0])[lay.coords(rank)["cp"]]
+            if tuple(r.shape) == tuple(shape):
+                return r
     if lay.tp > 1 and len(shape) == r.dim():
         diff = [k for k in range(r.dim()) if shape[k] != r.shape[k]]
         if len(diff) == 1 and shape[diff[0]] * lay.tp == r.shape[diff[0]]:
@@ -180,7 +200,7 @@ def compare_layout(ref: dict[str, torch.Tensor], order: list[str], ids: torch.Te
         v.recompute_grad_error = e
         if e > tol["grads"]:
             v.failed.append(f"gradients with recomputation differ from those without (error {e:.3g})")
-    localize(v, ref, order, lay, ranks, tol["activations"])
+    localize(v, ref, order, lay, ranks, tol["activations"], tokens=tuple(ids.shape))
     if v.first_module and not v.failed:
         # Outputs of inner modules over tolerance while every result agrees: noted, not failed
         # (the activations tolerance is for localization).
@@ -190,7 +210,8 @@ def compare_layout(ref: dict[str, torch.Tensor], order: list[str], ids: torch.Te
     return v
 
 
-def localize(v: Verdict, ref: dict, order: list[str], lay: Layout, ranks: list[RankData], tol: float) -> None:
+def localize(v: Verdict, ref: dict, order: list[str], lay: Layout, ranks: list[RankData], tol: float,
+             tokens: tuple[int, int] | None = None) -> None:
     """First module (reference order) whose output diverges on some rank; the worst module error
     over all of them goes to ``v.errors['activations']`` (the clean spread it is derived from)."""
     v.errors["activations"] = 0.0
@@ -206,7 +227,7 @@ def localize(v: Verdict, ref: dict, order: list[str], lay: Layout, ranks: list[R
             t = rd.tensors.get(key)
             if t is None:
                 continue
-            piece = ref_piece(ref[key], tuple(t.shape), lay, rd.rank)
+            piece = ref_piece(ref[key], tuple(t.shape), lay, rd.rank, tokens)
             if piece is None:
                 continue
             e = rel_err(t, piece)

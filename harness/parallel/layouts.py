@@ -117,6 +117,8 @@ class ArchFacts:
     num_experts: int = 0
     tied_embeddings: bool = False
     notes: list[str] = field(default_factory=list)
+    # What context parallelism needs to know of the attention (harness.parallel.cp.attention_facts).
+    attention: dict = field(default_factory=dict)
 
 
 def default_layouts(facts: ArchFacts) -> list[Layout]:
@@ -127,7 +129,8 @@ def default_layouts(facts: ArchFacts) -> list[Layout]:
     return out
 
 
-def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_size: int | None = None) -> str | None:
+def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_size: int | None = None,
+             seq_lens: tuple[int, ...] = ()) -> str | None:
     """Why ``lay`` cannot run on this pruned model (and batch), or None."""
     if lay.zero not in (0, 1, 2):
         return f"zero = {lay.zero}: ZeRO stage 1 or 2 with dp (ZeRO-3 is fsdp)"
@@ -149,8 +152,14 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_
         return f"ep{lay.ep} does not divide the {facts.num_experts} experts"
     if lay.tp > 1 and (heads % lay.tp or (kv_heads % lay.tp and kv_heads != 1)):
         return f"tp{lay.tp} does not divide {heads} query / {kv_heads} key-value heads"
+    if lay.cp > 1 and (lay.pp > 1 or lay.fsdp > 1 or lay.ep > 1 or lay.zero):
+        return "context parallelism combines with dp and tp only so far (cp x pp / fsdp / ep / ZeRO are not checked)"
     if lay.cp > 1:
-        return "context parallelism is not supported by this harness yet (needs ring attention on the backend)"
+        from harness.parallel.cp import refusal
+
+        why = refusal(facts.attention, lay.cp, seq_lens)
+        if why:
+            return why
     if lay.pp > 1 and lay.ep > 1:
         return "pipeline parallelism with ep is not supported yet (pp combines with dp, tp or fsdp)"
     if lay.pp > 1 and lay.dp > 1 and (lay.tp > 1 or lay.fsdp > 1):

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from harness.parallel import cp as cp_mod
 from harness.parallel import ep as ep_mod
 from harness.parallel.apply import (
     _PassLayer,
@@ -64,6 +65,10 @@ def _subgroups(mesh, lay: Layout) -> dict:
         groups["data"] = groups[data[0]]
     elif data:
         groups["data"] = mesh[tuple(data)]._flatten().get_group()
+    if "cp" in names:
+        # Parameters are replicated over cp: their gradients are summed over the data ranks and cp.
+        dc = (*data, "cp")
+        groups["data_cp"] = groups["cp"] if len(dc) == 1 else mesh[dc]._flatten().get_group()
     return groups
 
 
@@ -131,6 +136,11 @@ class RankRun:
         counter = CommCounter(on_collective=st.collective)
         d = lay.data_degree
         ids = ids.chunk(d)[lay.data_index(self.rank)] if d > 1 else ids
+        full_ids, fwd, ci = ids, {}, lay.coords(self.rank)["cp"]  # full_ids [b, S]: the cp loss's targets
+        if lay.cp > 1:
+            # Context parallelism: this rank's chunk of every sequence [b, S / cp], at global positions.
+            fwd = {"position_ids": cp_mod.positions(ids.shape[1], lay.cp, ci)}
+            ids = cp_mod.chunk(ids, lay.cp, ci)
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         st.step("apply")
         tp_norms: list[str] = []
@@ -150,6 +160,8 @@ class RankRun:
             if fused and lay.ep == 1:  # under ep x tp the experts are split over ep instead
                 tp_split, notes = shard_fused_experts(part, fused, groups["tp"])
                 res["notes"] += notes
+        if lay.cp > 1:
+            cp_mod.apply_cp(model, groups["cp"], ci, lay.cp)
         if lay.ep > 1:
             ep_names = apply_ep(model, n_exp, groups["ep"], spec.get("capacity_factor", 0.0))
         if recompute:
@@ -169,8 +181,9 @@ class RankRun:
         # gradients are summed explicitly (an expert shard is replicated over dp only).
         # ZeRO-1 is DDP (gradients all-reduced) with a sharded optimizer; ZeRO-2 is FSDP2 above.
         # pp x dp: DDP per stage, inside the pipeline (pipeline_stage).
-        ddp = lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2 and lay.pp == 1
-        manual_sync = d > 1 and lay.fsdp == 1 and lay.zero != 2 and lay.pp == 1 and not ddp
+        ddp = (lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2 and lay.pp == 1
+               and lay.cp == 1)
+        manual_sync = (d > 1 or lay.cp > 1) and lay.fsdp == 1 and lay.zero != 2 and lay.pp == 1 and not ddp
         if ddp:
             wrapped = apply_dp(model, groups["dp"], counter)
         stage = sched = None
@@ -217,17 +230,23 @@ class RankRun:
                 if paused is not None:
                     paused.remove()
             else:
-                logits = wrapped(input_ids=ids).logits
+                logits = wrapped(input_ids=ids, **fwd).logits
                 if cap is not None:
                     cap.enabled = False  # recomputation re-runs forwards inside backward: not captured
                     rcap.phase = None
-                loss = lm_loss(logits, ids)
+                if lay.cp > 1:
+                    # This chunk's share of the slice's mean loss; the shares sum to it over cp.
+                    part = cp_mod.chunk_loss(logits, full_ids, lay.cp, ci)
+                    loss = part.detach().clone()
+                    dist.all_reduce(loss, group=groups["cp"])
+                else:
+                    part = loss = lm_loss(logits, ids)
                 st.step("backward")
-                (loss / d if manual_sync else loss).backward()
+                (part / d if manual_sync else part).backward()
             st.step("grad_sync")
             if manual_sync:
                 experts = set(_expert_param_names(model, ep_names))
-                sync_grads(model, groups["data"], skip=experts)
+                sync_grads(model, groups["data_cp" if lay.cp > 1 else "data"], skip=experts)
                 if experts and lay.dp > 1:
                     # An expert shard's gradient already sums its ep group's tokens (the backward of
                     # the dispatch all-to-all); its copies on the dp replicas saw other sequences.
@@ -283,11 +302,17 @@ class RankRun:
                     out["logits_after"] = after.detach()
             else:
                 with torch.no_grad():
-                    out["logits_after"] = wrapped(input_ids=ids).logits.detach()
+                    out["logits_after"] = wrapped(input_ids=ids, **fwd).logits.detach()
         if rcap is not None:
             rcap.remove()
             # A pipeline stage's first forward is a shape-inference run: the schedule's own calls only.
-            out.update(rcap.tensors(last=lay.microbatches if sched is not None else None))
+            routed = rcap.tensors(last=lay.microbatches if sched is not None else None)
+            if lay.cp > 1:
+                # Routing is compared per batch slice (harness.parallel.routing): each cp rank gets
+                # its slice's whole sequences, [b S / cp, .] -> [b S, .] in the reference's order.
+                routed = {k: cp_mod.gather_tokens(routed[k], ids.shape[0], groups["cp"], lay.cp)
+                          for k in sorted(routed)}
+            out.update(routed)
         res["comm"] = counter.summary()
         res["ep"] = {"assignments": ep_mod.STATS.assignments, "dropped": ep_mod.STATS.dropped,
                      "max_expert_load": ep_mod.STATS.max_expert_load} if lay.ep > 1 else None

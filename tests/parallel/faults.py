@@ -329,3 +329,30 @@ def ep_fsdp_expert_divide_factor(ctx) -> None:
     for name, mod in ctx.model.named_modules():
         if isinstance(mod, FSDPModule) and name.endswith(".experts"):
             mod.set_gradient_divide_factor(float(ctx.layout.fsdp))
+
+
+def cp_faults(ctx) -> None:
+    """cp, by layout name: ``cp2-mask`` - layer 0's attention on the cp ranks >= 1 uses a plain local
+    causal mask (ignores its chunk's offset: its queries see the first chunk's keys, not their own);
+    ``cp2-gather`` - the K/V all-gather's backward skips its all-reduce on every rank (each rank keeps
+    only its own queries' share of its keys' and values' gradients). Other layouts are left alone."""
+    if ctx.layout.cp < 2:
+        return
+    from harness.parallel import cp
+
+    label = ctx.layout.label
+    if label.endswith("-mask") and ctx.layout.coords(ctx.rank)["cp"] >= 1:
+        st = ctx.model.get_submodule("model.layers.0.self_attn")._harness_cp
+        st.mask = lambda q, k, device: (torch.arange(k, device=device)[None, :]
+                                        <= torch.arange(q, device=device)[:, None]).view(1, 1, q, k)
+    if label.endswith("-gather"):
+
+        class NoReduce(cp.GatherSeq):
+            @staticmethod
+            def backward(c, grad):
+                return grad[:, :, c.rank * c.len:(c.rank + 1) * c.len].contiguous(), None, None, None
+
+        for _name, mod in ctx.model.named_modules():
+            st = getattr(mod, "_harness_cp", None)
+            if st is not None:
+                st.gather = lambda t, st=st: NoReduce.apply(t, st.group, st.rank, st.size)
