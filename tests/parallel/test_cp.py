@@ -45,11 +45,15 @@ def _assert_matches(out, ctx, label):
 
 @pytest.mark.slow
 def test_cp2_matches_and_broken_mask_and_gather_are_caught():
-    ls = suite_with("llama-3.1-8b", configs=[{"cp": 2}, {"cp": 2, "name": "cp2-mask"},
-                                             {"cp": 2, "name": "cp2-gather"}])
-    res = {v: run_variant(ls, v, fault="tests.parallel.faults:cp_faults") for v in ("cp2", "cp2-mask", "cp2-gather")}
+    ls = suite_with("llama-3.1-8b", memory_seq_len=64, configs=[
+        {"cp": 2}, {"cp": 2, "recompute": True}, {"cp": 2, "name": "cp2-mask"}, {"cp": 2, "name": "cp2-gather"}])
+    res = {v: run_variant(ls, v, fault="tests.parallel.faults:cp_faults")
+           for v in ("cp2", "cp2-ac", "cp2-mask", "cp2-gather")}
     assert [run.result().launches for run, _ in par._LAUNCHES.values()] == [1]
     _assert_matches(*res["cp2"], "cp2")  # healthy beside the broken ones, in the same launch
+    # Recomputation re-runs the K/V gathers inside backward: same gradients, lower peak.
+    m = _assert_matches(*res["cp2-ac"], "cp2-ac")
+    assert m["recompute_peak_ratio"] < 1 and m["recompute_grad_error"] <= F32["grads"]
     # (a) cp rank 1's layer-0 mask ignores its chunk's offset: its queries attend to chunk 0's keys.
     # The attention kernel is no module: the first module with its output is the output projection.
     out, ctx = res["cp2-mask"]
