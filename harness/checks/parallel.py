@@ -262,7 +262,7 @@ def tolerances(cfg: ParallelConfig, dtype: str) -> dict[str, float]:
 class ParallelCheck(Check):
     name = "parallel"
     config_model = ParallelConfig
-    description = "parallel layouts (TP, PP, DP, EP, FSDP) against the single-process reference"
+    description = "parallel layouts (TP, PP, DP, EP, FSDP, CP) against the single-process reference"
     headline = ("parallel_grad_error", "parallel_launch_time_s")
     steps = ("layout", "reference", "launch", "compare", "memory")
     setup_steps = ("layout", "reference")
