@@ -151,3 +151,22 @@ def test_chunk_losses_sum_to_the_reference_loss():
         parts = [cp.chunk_loss(cp.chunk(logits, size, c), ids, size, c) for c in range(size)]
         torch.testing.assert_close(sum(parts), lm_loss(logits, ids), rtol=1e-6, atol=0)
     assert cp.positions(8, 2, 1).tolist() == [[4, 5, 6, 7]]
+
+
+def test_ref_piece_takes_the_ranks_sequence_chunk():
+    import torch
+
+    from harness.parallel.compare import ref_piece
+
+    B, S = 4, 8
+    ref = torch.arange(B * S * 6.0).reshape(B, S, 6)  # [B, S, .]: token (b, s) holds 6 (b S + s) + .
+    lay = Layout(dp=2, cp=2)  # mesh (dp, cp): rank 3 = data slice 1, chunk 1
+    torch.testing.assert_close(ref_piece(ref, (2, 4, 6), lay, 3), ref[2:4, 4:8])
+    # Flattened token rows [B S, .] (experts, routers): the slice's sequences, this chunk of each.
+    rows = ref_piece(ref.reshape(B * S, 6), (2 * 4, 6), lay, 3, tokens=(B, S))
+    torch.testing.assert_close(rows, ref[2:4, 4:8].reshape(-1, 6))
+    # MLA's latent [B, 1, S, .] along its sequence dimension, before tp's last-dimension shard.
+    lat = ref.reshape(B, 1, S, 6)
+    tp = Layout(tp=2, cp=2)  # mesh (cp, tp): rank 1 = chunk 0, tp shard 1; rank 2 = chunk 1, shard 0
+    torch.testing.assert_close(ref_piece(lat, (4, 1, 4, 3), tp, 1, tokens=(B, S)), lat[:, :, :4, 3:])
+    torch.testing.assert_close(ref_piece(lat, (4, 1, 4, 3), tp, 2, tokens=(B, S)), lat[:, :, 4:, :3])
