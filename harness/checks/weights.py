@@ -40,6 +40,8 @@ metrics.declare("stream_layers", "", "none", "decoder layers compared against th
 metrics.declare("stream_first_divergent_layer", "", "none", "first layer over tolerance (-1: none)")
 metrics.declare("stream_worst_rel_rmse", "", "lower", "largest per-layer rel_rmse against the float64 reference")
 metrics.declare("stream_reference_bytes_read", "B", "none", "bytes the streamed reference read from the shards")
+metrics.declare("stream_near_tie_flips", "", "none", "tokens the target routed otherwise than the float64 router "
+                "would, at a near tie (followed by the reference)")
 metrics.declare("stream_devices", "", "none", "devices the full-size target was placed over (decoder layers split in order)")
 
 
@@ -61,6 +63,11 @@ class WeightsConfig(CheckConfig):
     rel_rmse: dict[str, float] = Field(
         default_factory=lambda: {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3},
         description="Per target dtype, the largest rel_rmse of one layer's output fed its exact input.")
+    router: dict[str, float] = Field(
+        default_factory=lambda: {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2**-6, "float16": 2**-9},
+        description="Per target dtype, the router-logit noise (relative to the router's largest logit): the "
+        "reference follows the target's routing, and a token the target routed otherwise than the float64 "
+        "router would is a near tie within 2x this, a routing fault beyond.")
     memory_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of each device's free memory the full model may take (the rest is "
         "left for activations); the CPU backend's one device is the host's available memory.")
@@ -241,14 +248,23 @@ class WeightsCheck(Check):
 
         tol = st.cfg.rel_rmse.get(ctx.dtype, 3e-2)
         ctx.tolerance("stream_rel_rmse", tol)
-        rep = stream_reference(st.meta, st.ckpt, st.captured, tol, rotary=float64_rotary(st.meta))
+        rtol = st.cfg.router.get(ctx.dtype, 2**-6)
+        ctx.tolerance("stream_router", rtol)
+        rep = stream_reference(st.meta, st.ckpt, st.captured, tol, rotary=float64_rotary(st.meta), router_tol=rtol)
         st.report = rep
+        ctx.notes.extend(rep.notes[:5])
         worst = max((r.metrics["rel_rmse"] for r in rep.layers), default=0.0)
         ctx.metric("stream_layers", len(rep.layers))
+        ctx.metric("stream_near_tie_flips", sum(r.near_tie_flips for r in rep.layers))
         ctx.metric("stream_worst_rel_rmse", worst)
         ctx.metric("stream_reference_bytes_read", rep.bytes_read)
         first = rep.first_divergent
         ctx.metric("stream_first_divergent_layer", -1 if first is None else first)
+        if first is not None and rep.layers[first].routing:
+            ctx.detail("first_divergent_layer", str(first))
+            raise CheckFailure(f"decoder layer {first}: {rep.layers[first].routing[0]}", metric="stream_router",
+                               expected="near-tie flips only", observed=f"{len(rep.layers[first].routing)} router(s)",
+                               tolerance=rtol, details=rep.render())
         if first is not None:
             ctx.detail("first_divergent_layer", str(first))
             bad = rep.layers[first].metrics["rel_rmse"]

@@ -60,6 +60,13 @@ def _logits(out) -> torch.Tensor | None:
     return out if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
 
+def _out_features(router: torch.nn.Module) -> int:
+    """Experts of a router without a count attribute: rows of its weight [E, H] (Gemma-4's ``proj``)."""
+    w = getattr(router, "weight", None)
+    w = w if isinstance(w, torch.Tensor) else next(p for p in router.parameters() if p.dim() == 2)
+    return w.shape[0]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -162,7 +169,7 @@ class ForcedRouting:
             if forced is None:
                 return forward(*args, **kwargs)
             hidden = args[0] if args else next(iter(kwargs.values()))
-            n_e = int(getattr(mod, "num_experts", 0) or getattr(mod, "n_routed_experts", 0) or mod.weight.shape[0])
+            n_e = int(getattr(mod, "num_experts", 0) or getattr(mod, "n_routed_experts", 0) or _out_features(mod))
             router64 = copy.deepcopy(mod).double()
             router64.__dict__.pop("forward", None)  # the bare router, for the judge
             for d in (router64._forward_hooks, router64._forward_pre_hooks):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class LayerIO:
     hidden_out: torch.Tensor | None = None  # [B, S, H]
     rotary: RotaryCall | dict[str, RotaryCall] | None = None
     args: tuple = ()  # positional inputs after the hidden states
+    routes: dict[str, torch.Tensor] = field(default_factory=dict)  # router (name in the layer) -> experts [T, k]
 
 
 @dataclass
@@ -65,6 +67,8 @@ class LayerResult:
     ok: bool
     bytes_read: int = 0
     experts_read: int | None = None
+    near_tie_flips: int = 0  # tokens the target routed otherwise than the reference would, at a near tie
+    routing: list[str] = field(default_factory=list)  # wide flips (a routing fault), one line per router
 
 
 @dataclass
@@ -72,6 +76,7 @@ class StreamReport:
     layers: list[LayerResult] = field(default_factory=list)
     tolerance: dict[str, float] = field(default_factory=dict)
     bytes_read: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def first_divergent(self) -> int | None:
@@ -79,12 +84,15 @@ class StreamReport:
 
     def render(self) -> str:
         """The per-layer table, in the precision check's terms."""
-        head = f"{'layer':>5}  {'rel_rmse':>10}  {'max_abs_err':>11}  {'cosine':>10}  {'experts':>7}  status"
+        head = (f"{'layer':>5}  {'rel_rmse':>10}  {'max_abs_err':>11}  {'cosine':>10}  {'experts':>7}  "
+                f"{'flips':>5}  status")
         rows = [head]
         for r in self.layers:
             m = r.metrics
+            status = "ok" if r.ok else ("ROUTING" if r.routing else "DIVERGES")
             rows.append(f"{r.layer:>5}  {m['rel_rmse']:>10.3g}  {m['max_abs_err']:>11.3g}  {m['cosine']:>10.6f}  "
-                        f"{'' if r.experts_read is None else r.experts_read:>7}  {'ok' if r.ok else 'DIVERGES'}")
+                        f"{'' if r.experts_read is None else r.experts_read:>7}  {r.near_tie_flips:>5}  {status}")
+        rows += [f"layer {r.layer}: {w}" for r in self.layers for w in r.routing]
         return "\n".join(rows)
 
 
@@ -182,12 +190,23 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    from harness.parallel.routing import RouterCapture
+
+    # Every router's chosen experts: the reference follows them (see StreamedReference.run_layer).
+    routers = RouterCapture(model)
+    routers.phase = "step"
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
+        routers.remove()
+    prefix = decoder_layers(model)[0]
+    for name, calls in routers.calls["step"].items():
+        m = re.match(re.escape(prefix) + r"\.(\d+)\.(.+)$", name)
+        if m and got[int(m.group(1))] is not None and len(calls) == 1:
+            got[int(m.group(1))].routes[m.group(2)] = calls[0][0]
     return [g for g in got if g is not None]
 
 
@@ -301,8 +320,18 @@ class StreamedReference:
             self._fill(sd, now, strip)
         return layer, later
 
-    def run_layer(self, i: int, io: LayerIO, rotary: Callable | None = None) -> tuple[torch.Tensor, int | None]:
+    def run_layer(self, i: int, io: LayerIO, rotary: Callable | None = None, router_tol: float = 0.0
+                  ) -> tuple[torch.Tensor, int | None, Routing]:
+        """Layer i on the target's input, following the target's routing (docs/weights.md): returns the
+        output, the experts read, and how the target's routing compares with the reference's own."""
+        from harness.parallel.routing import ForcedRouting
+
         layer, later = self.layer(i)
+        # Under a holder, so that the routers are named as in a model (``layer.mlp.gate``): the router
+        # rule (harness.golden.capture.ROUTER_SUFFIXES) needs the dot.
+        holder = torch.nn.ModuleDict({"layer": layer})
+        trace = ForcedRouting({"step": {f"layer.{r}": idx for r, idx in io.routes.items()}}, phase="step")
+        forced = trace.attach(holder) if io.routes else []
         strip = f"{self.prefix}.{i}."
         sd = {k: v.data for k, v in layer.state_dict(keep_vars=True).items()}
         handles, hit_count = [], []
@@ -333,11 +362,51 @@ class StreamedReference:
             with torch.no_grad():
                 out = layer(io.hidden_in.double(), *_f64(io.args), **kwargs)
         finally:
-            for h in handles:
+            for h in [*handles, *forced]:
                 h.remove()
         out = out[0] if isinstance(out, (tuple, list)) else out
-        del layer  # reference counting frees the layer's float64 tensors here (no cycles: no gc pass)
-        return out, (sum(hit_count) if hit_count else None)
+        routing = judge_routing(trace, io.routes, router_tol)
+        del layer, holder, trace  # frees the layer's float64 tensors (the trace holds router copies)
+        return out, (sum(hit_count) if hit_count else None), routing
+
+
+@dataclass
+class Routing:
+    near_tie: int = 0
+    wide: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def judge_routing(trace, routes: dict[str, torch.Tensor], tol: float) -> Routing:
+    """Each router's choice by the target against what the float64 reference router would choose itself
+    on the same input. A token routed otherwise is a near tie - rounding of the target's dtype can flip
+    it - when the reference's margin between an expert dropped and one added is within ``2 x tol x``
+    the router's largest logit, or, for a router that selects by something other than its logits
+    (bias-corrected, group-limited), when the precision check's selection judge finds it a tie where it
+    selects; the parallel check's rule (harness.parallel.routing). Wider: a routing fault."""
+    from harness.parallel.routing import _legit, router_limits
+
+    r = Routing()
+    lims = router_limits(trace, tol)
+    for gate, call in trace.calls["step"].items():
+        got = routes[gate.removeprefix("layer.")]
+        flipped, ok, margin = _legit(gate, call, slice(None), got.to(call.natural.dtype), lims[gate])
+        r.near_tie += int((flipped & ok).sum())
+        bad = flipped & ~ok
+        if bad.any():
+            t = int(bad.nonzero()[0, 0])
+            r.wide.append(f"router {gate.removeprefix('layer.')}: {int(bad.sum())} token(s) routed to other experts "
+                          f"than the float64 reference at a wide margin (token {t}: margin {margin[t].item():.3g} > "
+                          f"near-tie limit {lims[gate]:.3g})")
+    for gate in sorted(set(trace.unforced)):
+        r.notes.append(f"router {gate.removeprefix('layer.')}: its top-k could not be made to follow the target's; "
+                       "the reference used its own routing")
+    return r
+
+
+def router_tolerance(dtype: str) -> float:
+    """Default router-logit noise per target dtype, relative to the router's largest logit."""
+    return {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2**-6, "float16": 2**-9}.get(dtype, 2**-6)
 
 
 def layer_tolerance(dtype: str) -> float:
@@ -346,17 +415,20 @@ def layer_tolerance(dtype: str) -> float:
 
 
 def stream_reference(meta_model: torch.nn.Module, ckpt: Checkpoint, captured: list[LayerIO], tol: float,
-                     rotary: Callable | None = None, on_layer: Callable[[int], None] | None = None) -> StreamReport:
+                     rotary: Callable | None = None, on_layer: Callable[[int], None] | None = None,
+                     router_tol: float = 2**-6) -> StreamReport:
     from harness.precision.compare import tensor_metrics
 
     ref = StreamedReference(meta_model, ckpt)
-    rep = StreamReport(tolerance={"rel_rmse": tol})
+    rep = StreamReport(tolerance={"rel_rmse": tol, "router": router_tol})
     for i, io in enumerate(captured):
         before = ref.reader.bytes_read
-        out, experts = ref.run_layer(i, io, rotary)
+        out, experts, routing = ref.run_layer(i, io, rotary, router_tol)
         m = tensor_metrics(io.hidden_out, out)
-        ok = math.isfinite(m["rel_rmse"]) and m["rel_rmse"] <= tol
-        rep.layers.append(LayerResult(i, m, ok, ref.reader.bytes_read - before, experts))
+        ok = math.isfinite(m["rel_rmse"]) and m["rel_rmse"] <= tol and not routing.wide
+        rep.layers.append(LayerResult(i, m, ok, ref.reader.bytes_read - before, experts, routing.near_tie,
+                                      routing.wide))
+        rep.notes.extend(f"layer {i}: {n}" for n in routing.notes)
         del out
         # Unmap the shards after each layer: pages safe_open touched stay resident (and counted in
         # RSS) for as long as the file is mapped; a layer's shards are reopened in microseconds.

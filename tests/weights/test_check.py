@@ -111,3 +111,29 @@ def test_stream_variant_skips_when_the_model_does_not_fit(kimi_ckpt, tmp_path):
     with pytest.raises(NotApplicable, match=r"does not fit: the embeddings and head alone need .* GiB, cpu has 0.0 GiB "
                        r"usable \(memory_fraction 1e-09 of each device's free memory on cpu\)"):
         registry().get("weights").run(_ctx(ls, "stream"))
+
+
+def test_stream_variant_follows_the_targets_routing_and_names_a_wrong_top_k(kimi_ckpt, tmp_path):
+    """The reference follows the target's routing (near-tie flips counted, not failed); a target router that
+    picks the lowest-scoring experts fails at its layer, named as a routing fault, not as a numeric drift."""
+    from harness.checks import CheckFailure, registry
+    from harness.suite.loader import load_suite
+
+    root, raw, _ = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n[checks.weights]\nseq_len = 6\n'))
+    check = registry().get("weights")
+    ctx = _ctx(ls, "stream", "bfloat16")
+    check.run(ctx)
+    props = dict(ctx.properties)
+    assert float(props["metric.stream_near_tie_flips"]) >= 0 and float(props["metric.stream_first_divergent_layer"]) == -1
+
+    def wrong_top_k(model):  # layer 2's router: the k lowest-scoring experts for every token
+        def hook(_m, _a, out):
+            logits, weights, idx = out
+            return logits, weights, logits.float().argsort(-1)[:, : idx.shape[-1]].to(idx.dtype)
+        model.model.layers[2].mlp.gate.register_forward_hook(hook)
+
+    with pytest.raises(CheckFailure, match=r"decoder layer 2: router mlp.gate: \d+ token\(s\) routed to other experts "
+                                           r"than the float64 reference at a wide margin") as e:
+        check.run(_ctx(ls, "stream", "bfloat16"), transform=wrong_top_k)
+    assert "ROUTING" in e.value.details
