@@ -141,6 +141,8 @@ class ForcedCall:
     logits: torch.Tensor  # [T, E]
     hidden: torch.Tensor  # the router's input (for the selection-space judge)
     router: torch.nn.Module  # float64 copy of the router as it was at the call
+    args: tuple = ()  # every positional input of the call (MiniMax-M2's router also takes its bias)
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -180,8 +182,11 @@ class ForcedRouting:
             if mode.natural is None or idx is None or not torch.equal(idx.long(), forced.long()):
                 self.unforced.append(name)
             else:
+                keep = lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
                 self.calls[self.phase][name] = ForcedCall(mode.natural.long(), _logits(out).detach().clone(),
-                                                          hidden.detach().clone(), router64)
+                                                          hidden.detach().clone(), router64,
+                                                          tuple(keep(a) for a in args),
+                                                          {k: keep(v) for k, v in kwargs.items()})
             return out
         return wrapped
 
@@ -246,9 +251,17 @@ def _legit(gate: str, call: ForcedCall, rows: slice, got: torch.Tensor, lim: flo
         # Wide in logits; for a router that selects by something else (bias-corrected, group-limited)
         # maybe a tie where it selects: the precision check's judge, on the reference router.
         h = call.hidden.reshape(call.natural.shape[0], -1)[rows]
+        # The router's call as it was made, the hidden states cut to ``rows`` (other inputs - a bias the
+        # router takes as an argument - as they were).
+        tensors, spec = {"h": h}, {"args": [{"t": "h"}], "kwargs": {}}
+        for i, a in enumerate(call.args[1:], 1):
+            tensors[f"a{i}"] = a
+            spec["args"].append({"t": f"a{i}"} if isinstance(a, torch.Tensor) else {"v": a})
+        for k, v in call.kwargs.items():
+            tensors[f"k{k}"] = v
+            spec["kwargs"][k] = {"t": f"k{k}"} if isinstance(v, torch.Tensor) else {"v": v}
         sel = SelectionJudge(lambda: SimpleNamespace(named_modules=lambda: [(gate, call.router)]),
-                             {gate: {"args": [{"t": "h"}], "kwargs": {}}}, {gate: lg}, {"h": h}).legit(
-            gate, flipped, got, nat, lim)
+                             {gate: spec}, {gate: lg}, tensors).legit(gate, flipped, got, nat, lim)
         if sel is not None:
             ok = ok | sel
     return flipped, ok, margin

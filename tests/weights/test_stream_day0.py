@@ -95,3 +95,24 @@ def test_pruned_load_takes_the_kept_experts_through_transformers_conversions(tmp
             ref, pruned = ref[: ne // 2], pruned + 1
         assert torch.equal(t, ref.to(t.dtype)), k
     assert pruned >= (2 if halve else 0)  # the fused gate_up_proj and down_proj at least
+
+
+def test_a_wrong_top_k_in_a_router_that_takes_its_bias_as_an_argument_is_named(tmp_path):
+    """MiniMax-M2's router is called with its correction bias as a second argument and selects by the
+    bias-corrected score: the flip judge replays that call. A router returning its lowest-scoring experts
+    fails as a routing fault at its layer (it used to crash the judge)."""
+    from harness.backends import get
+    from harness.checks import CheckContext, CheckFailure, registry
+    from harness.suite.loader import load_suite
+    from harness.weights.stream import decoder_layers
+
+    root, small, arch = _checkpoint(tmp_path, "MiniMax-M2.5")
+    ls = load_suite(write_suite(tmp_path, "s", small, f'weights = "{root}"\n[checks.weights]\nseq_len = 8\n'))
+
+    def wrong_top_k(model):
+        gate = decoder_layers(model)[1][1].mlp.gate
+        gate.register_forward_hook(lambda _m, _a, out: (*out[:-1], out[0].float().argsort(-1)[:, : out[-1].shape[-1]]))
+
+    with pytest.raises(CheckFailure, match=r"decoder layer 1: router mlp.gate: \d+ token\(s\) routed to other experts"):
+        registry().get("weights").run(CheckContext(ls, get("cpu"), "bfloat16", "stream", check="weights"),
+                                      transform=wrong_top_k)
