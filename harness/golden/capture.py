@@ -73,7 +73,7 @@ def first_tensor(obj):
             t = first_tensor(v)
             if t is not None:
                 return t
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):  # dict, ModelOutput, a UserDict (transformers' KVSharingDict)
         for v in obj.values():
             t = first_tensor(v)
             if t is not None:

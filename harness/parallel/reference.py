@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.golden.capture import first_tensor
 from harness.models.build import seeded_tokens
 
 # Wrapper prefixes that layouts add to parameter and module names; stripped so that names match.
@@ -45,25 +46,6 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def _first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    if isinstance(out, dict) or hasattr(out, "values"):
-        try:
-            for o in out.values():
-                t = _first_tensor(o)
-                if t is not None:
-                    return t
-        except Exception:
-            return None
-    return None
-
-
 class ModuleCapture:
     """Forward hooks on every module: ``outputs[name]`` is the list of the module's first output
     tensor per call (a DTensor as its local shard), detached, on CPU; ``order`` lists names in the
@@ -83,7 +65,7 @@ class ModuleCapture:
         def hook(_mod, _args, out):
             if not self.enabled:
                 return
-            t = _first_tensor(out)
+            t = first_tensor(out)
             if t is None or not t.is_floating_point():
                 return
             if hasattr(t, "to_local"):
