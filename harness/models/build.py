@@ -118,12 +118,45 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
     """``model.to(device, dtype)`` as a deployed model is: floating parameters and checkpoint buffers
     in ``dtype``, the float32 buffers a checkpoint does not hold kept in float32 (see below)."""
     kept = _creation_dtype_buffers(model, dtype)
+    fp32 = _keep_in_fp32(model, dtype)
     for mod, name, _ in kept:  # out of Module.to's way (it skips None buffers): never cast, no warning
         mod._buffers[name] = None
+    for mod, name, t in fp32:
+        (mod._parameters if isinstance(t, torch.nn.Parameter) else mod._buffers)[name] = None
     model = model.to(device=device, dtype=dtype)
     for mod, name, t in kept:
         mod._buffers[name] = t.to(device=device)
+    for mod, name, t in fp32:
+        if isinstance(t, torch.nn.Parameter):
+            t.data = t.data.to(device=device, dtype=torch.float32)  # the same Parameter (ties, optimizers)
+            mod._parameters[name] = t
+        else:
+            mod._buffers[name] = t.to(device=device, dtype=torch.float32)
     return model
+
+
+def _keep_in_fp32(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Parameters and buffers a deployed model keeps in float32 in a bf16/fp16 build: the model class's
+    ``_keep_in_fp32_modules_strict`` (bf16 and fp16; DeepSeek-V3's router ``gate.weight`` and
+    ``e_score_correction_bias``) and ``_keep_in_fp32_modules`` (fp16 only), matched as
+    ``from_pretrained(dtype=...)`` matches them (transformers' own glob alternation, searched in each
+    name). Cast to bf16 here, the router would choose differently from the deployed model."""
+    if dt not in (torch.float16, torch.bfloat16):
+        return []
+    pats = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dt == torch.float16:
+        pats |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if not pats:
+        return []
+    from transformers.core_model_loading import build_glob_alternation
+
+    alt = build_glob_alternation(sorted(pats))[0]
+    out = []
+    for mname, mod in model.named_modules():
+        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if t is not None and t.is_floating_point() and alt.search(f"{mname}.{name}" if mname else name):
+                out.append((mod, name, t))
+    return out
 
 
 def _creation_dtype_buffers(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:

@@ -161,8 +161,29 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = 
     for layer in decoder_layers(model):
         if next(layer.parameters(), None) is None:
             continue  # a pipeline stage's pass-through for another stage's layer
+        _own_units_for_other_dtypes(layer, fsdp_mesh, reshard_after_forward)
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+    _own_units_for_other_dtypes(model, fsdp_mesh, reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _own_units_for_other_dtypes(unit: torch.nn.Module, mesh, reshard_after_forward: bool) -> None:
+    """FSDP2 all-gathers one unit's parameters as one flat buffer of one dtype. A module inside ``unit``
+    whose own parameters are in another dtype than most of the unit's - a bf16 DeepSeek-V3 keeps its
+    router ``gate.weight`` in float32, as deployed (harness.models.build._keep_in_fp32) - becomes a
+    unit of its own first."""
+    from collections import Counter
+
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    counts = Counter(p.dtype for p in unit.parameters())
+    if len(counts) < 2:
+        return
+    major = counts.most_common(1)[0][0]
+    for sub in list(unit.modules()):
+        own = list(sub.parameters(recurse=False))
+        if sub is not unit and own and not isinstance(sub, FSDPModule) and {q.dtype for q in own} != {major}:
+            fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def apply_dp(model: torch.nn.Module, group, counter=None, find_unused_parameters: bool = False) -> torch.nn.Module:

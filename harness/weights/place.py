@@ -131,6 +131,10 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
     dev_of = {id(m): placement.layers[i] for i, layer in enumerate(layers) for m in layer.modules()}
     made: dict[int, torch.nn.Parameter] = {}
     keep = []  # meta originals stay referenced while mapping, so their ids are not reused
+    from harness.models.build import _keep_in_fp32
+
+    # What the deployed model keeps in float32 in a bf16 build (DeepSeek-V3's router), as cast_model does.
+    fp32 = {(id(m), n) for m, n, _ in _keep_in_fp32(model, dtype)}
 
     def materialize(mod: torch.nn.Module, dev: str) -> None:
         for name, p in mod._parameters.items():
@@ -138,7 +142,7 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
                 continue
             q = made.get(id(p))
             if q is None:
-                dt = dtype if p.is_floating_point() else p.dtype
+                dt = (torch.float32 if (id(mod), name) in fp32 else dtype) if p.is_floating_point() else p.dtype
                 q = made[id(p)] = type(p)(torch.empty(p.shape, dtype=dt, device=dev), requires_grad=False)
                 keep.append(p)
             mod._parameters[name] = q
@@ -167,7 +171,8 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
         for name, b in m._buffers.items():
             if b is not None:
                 cast = b.is_floating_point() and (id(m), name) not in kept
-                m._buffers[name] = b.to(device=dev, dtype=dtype if cast else b.dtype)
+                to = torch.float32 if (id(m), name) in fp32 else dtype
+                m._buffers[name] = b.to(device=dev, dtype=to if cast else b.dtype)
         if id(m) not in dev_of and any(t is not None for t in [*m._parameters.values(), *m._buffers.values()]):
             # A module outside the layers that holds tensors (embeddings, norm, head, rotary): its inputs
             # may come from the last layer's device.

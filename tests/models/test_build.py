@@ -30,3 +30,21 @@ def test_complex_rotary_tables_stay_complex(dtype, want):
     torch.testing.assert_close(out[0].freqs_ci.to(torch.complex128), table.to(torch.complex128), rtol=0, atol=0)
     assert "freqs_ci" in out[0]._buffers  # still a buffer, still non-persistent
     assert "freqs_ci" in out[0]._non_persistent_buffers_set
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_router_kept_in_float32_as_deployed(dtype):
+    """DeepSeek-V3 declares ``_keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]``:
+    ``from_pretrained(dtype=bf16 or fp16)`` keeps its router in float32, so the harness's build does too
+    (it rounded them to bf16, and chose experts the deployed model does not); float64 casts everything."""
+    from harness.models.build import build_model
+    from harness.suite.loader import load_suite
+    from tests_support import REPO
+
+    model, _ = build_model(load_suite(REPO / "suites" / "deepseek-v3.toml"), dtype)
+    kept = {n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_floating_point() and t.dtype == torch.float32 and not n.endswith("inv_freq")}
+    routers = {n for n, _ in [*model.named_parameters(), *model.named_buffers()]
+               if n.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))}
+    assert routers and kept == (routers if dtype != torch.float64 else set())
+    assert all(t.dtype == dtype for n, t in model.named_parameters() if n not in routers)
