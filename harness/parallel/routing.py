@@ -240,8 +240,12 @@ class Judgement:
     per_router: dict[str, int] = field(default_factory=dict)
 
 
-def _legit(gate: str, call: ForcedCall, rows: slice, got: torch.Tensor, lim: float):
-    """(flipped [t], legitimate [t], margin [t]) of one rank's choice ``got`` for rows ``rows``."""
+def _legit(gate: str, call: ForcedCall, rows: slice, got: torch.Tensor, lim: float | torch.Tensor,
+           dtype: torch.dtype | None = None):
+    """(flipped [t], legitimate [t], margin [t]) of one rank's choice ``got`` for rows ``rows``; ``lim``
+    one noise limit, or one per token [t] (the streamed reference measures it per token).
+    ``dtype``: the choice was computed in it (the streamed reference's target), so the selection judge
+    also asks a correct router in that dtype (its second witness, harness.precision.isolate)."""
     from harness.precision.isolate import SelectionJudge, flip_margins
 
     nat, lg = call.natural[rows], call.logits.reshape(call.natural.shape[0], -1)[rows]
@@ -261,7 +265,8 @@ def _legit(gate: str, call: ForcedCall, rows: slice, got: torch.Tensor, lim: flo
             tensors[f"k{k}"] = v
             spec["kwargs"][k] = {"t": f"k{k}"} if isinstance(v, torch.Tensor) else {"v": v}
         sel = SelectionJudge(lambda: SimpleNamespace(named_modules=lambda: [(gate, call.router)]),
-                             {gate: spec}, {gate: lg}, tensors).legit(gate, flipped, got, nat, lim)
+                             {gate: spec}, {gate: lg}, tensors, dtype=dtype).legit(
+            gate, flipped, got, nat, lim[flipped & ~ok].max().item() if isinstance(lim, torch.Tensor) else lim)
         if sel is not None:
             ok = ok | sel
     return flipped, ok, margin
