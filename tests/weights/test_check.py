@@ -137,3 +137,23 @@ def test_stream_variant_follows_the_targets_routing_and_names_a_wrong_top_k(kimi
                                            r"than the float64 reference at a wide margin") as e:
         check.run(_ctx(ls, "stream", "bfloat16"), transform=wrong_top_k)
     assert "ROUTING" in e.value.details
+
+
+def test_stream_variant_names_a_router_whose_logits_are_off(kimi_ckpt, tmp_path):
+    """A router computing its logits 10 % too large: its own noise is not taken as the near-tie allowance
+    (its logit error is beyond the layer tolerance: a note), so the experts it chose otherwise are a routing
+    fault at its layer."""
+    from harness.checks import CheckFailure, registry
+    from harness.suite.loader import load_suite
+
+    root, raw, _ = kimi_ckpt
+    ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n[checks.weights]\nseq_len = 6\n'))
+
+    def scaled_router(model):
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.weight.mul_(1.1)
+
+    ctx = _ctx(ls, "stream", "bfloat16")
+    with pytest.raises(CheckFailure, match=r"decoder layer 1: router mlp.gate: \d+ token\(s\) routed to other experts"):
+        registry().get("weights").run(ctx, transform=scaled_router)
+    assert any("router mlp.gate: logits differ from the float64 router's" in n for n in ctx.notes), ctx.notes
