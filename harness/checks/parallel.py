@@ -323,7 +323,10 @@ class ParallelCheck(Check):
         peers = [lay.to_dict() for lay in st.peers]
         key = hashlib.sha256(json.dumps([spec, peers, ctx.backend.name], sort_keys=True).encode()).hexdigest()[:16]
         if key not in _LAUNCHES:
-            root = _tmp_root() / key
+            # A fresh folder per launch: the launcher counts a layout whose rank files exist as done, so
+            # a second launch of the same spec in this process (after reset_launches: a rerun) must
+            # not find the first one's files.
+            root = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=_tmp_root()))
             # Start-up (interpreters, imports, rendezvous) is not a layout's progress: on a loaded
             # machine it alone can take minutes, so it gets its own, longer limit. The launch runs in
             # the background: this item waits for its own layout only, so the first item of a world

@@ -339,3 +339,22 @@ def test_pp_x_fsdp_x_tp_torchtitans_3d_layout_matches_and_a_last_stage_fault_is_
     out, _ = res["pp2xfsdp2xtp2-skip-ar"]
     assert isinstance(out, CheckFailure), out
     assert "First diverging module: model.layers.1.self_attn.o_proj on rank(s) [4, 5, 6, 7]" in str(out), out
+
+
+@pytest.mark.slow
+def test_a_rerun_in_the_same_process_launches_again():
+    """After reset_launches (a rerun: sweeps, tests), the same spec and layouts launch again in a folder of
+    their own. They used to share the first launch's folder, where the launcher found that launch's rank
+    files and counted every layout as done at once: a "rerun" re-read the first run's results."""
+    ls = suite_with("llama-3.1-8b", configs=[{"dp": 2}])
+    dirs, walls = [], []
+    for _ in range(2):
+        par.reset_launches()
+        out, _ = run_variant(ls, "dp2")
+        assert out is None, out
+        (run, _), = par._LAUNCHES.values()
+        o = run.result().outcomes["dp2"]
+        dirs.append(o.dir)
+        walls.append(o.launch_wall_s)
+    assert dirs[0] != dirs[1] and all((d / "rank1.json").exists() for d in dirs)
+    assert walls[1] > 1.0, walls  # ranks started, built and ran (a re-read took 0.1 s)
