@@ -73,8 +73,9 @@ def cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     st: CPState | None = getattr(module, "_harness_cp", None)
-    if st is None:  # a module the layout did not set up (never under cp): plain sdpa
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if st is None:  # its chunk alone would be attended to: a silently wrong result
+        raise ValueError(f"context parallelism: attention module {type(module).__name__} was not set up by "
+                         "apply_cp (no layer_idx / is_causal)")
     if attention_mask is not None:
         raise ValueError("context parallelism: the model passed its own attention mask (padding or a "
                          "sliding window), which the cp attention does not support")
