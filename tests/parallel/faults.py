@@ -11,16 +11,33 @@ import time
 import torch
 
 
-def skip_rowwise_allreduce(ctx) -> None:
-    """tp: layer 0's attention output projection (row-parallel) returns its partial sum: the
+def skip_rowwise_allreduce(ctx, layer: int = 0) -> None:
+    """tp: layer ``layer``'s attention output projection (row-parallel) returns its partial sum: the
     all-reduce that DTensor's RowwiseParallel issues on its output is skipped, on every rank."""
     if ctx.layout.tp < 2:
         return
     from torch.distributed.tensor import DTensor
 
-    mod = ctx.model.get_submodule("model.layers.0.self_attn.o_proj")
+    mod = ctx.model.get_submodule(f"model.layers.{layer}.self_attn.o_proj")
     mod._forward_hooks.clear()  # RowwiseParallel's output hook: Partial -> Replicate (the all-reduce)
     mod.register_forward_hook(lambda _m, _i, out: out.to_local() if isinstance(out, DTensor) else out)
+
+
+def _feed_stale_shard(layer: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """FSDP2: the all-gather (unshard) of ``param`` in ``layer``'s unit keeps receiving the shard it held
+    now, i.e. before the optimizer step."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    group = layer._get_fsdp_state()._fsdp_param_group
+    target = next(p for p in group.fsdp_params if p.sharded_param is param)
+    stale = target._sharded_param_data.detach().clone()
+    orig = FSDPParam.all_gather_inputs
+
+    def patched(self):
+        out = orig.fget(self)
+        return [stale.view(-1)] if self is target else out
+
+    FSDPParam.all_gather_inputs = property(patched)
 
 
 def ep_drop_tokens(ctx) -> None:
@@ -61,21 +78,10 @@ def fsdp_stale_shard(ctx) -> None:
     shard it had before the optimizer step."""
     if ctx.layout.fsdp < 2 or ctx.rank != 1:
         return
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
     layer = ctx.model.model.layers[0]
-    group = layer._get_fsdp_state()._fsdp_param_group
     param = layer.get_parameter("mlp.down_proj.weight") if hasattr(layer.mlp, "down_proj") else next(
         p for n, p in layer.named_parameters() if n.endswith("down_proj"))
-    target = next(p for p in group.fsdp_params if p.sharded_param is param)
-    stale = target._sharded_param_data.detach().clone()
-    orig = FSDPParam.all_gather_inputs
-
-    def patched(self):
-        out = orig.fget(self)
-        return [stale.view(-1)] if self is target else out
-
-    FSDPParam.all_gather_inputs = property(patched)
+    _feed_stale_shard(layer, param)
 
 
 def _on_layout(ctx, name: str, rank: int, fn) -> None:
@@ -296,26 +302,10 @@ def pp_last_stage_faults(ctx) -> None:
     if last is None:
         return
     if ctx.layout.label in ("pp2xtp2-skip-ar", "pp2xfsdp2xtp2-skip-ar"):
-        from torch.distributed.tensor import DTensor
-
-        mod = ctx.model.get_submodule(f"model.layers.{last}.self_attn.o_proj")
-        mod._forward_hooks.clear()  # RowwiseParallel's output hook: Partial -> Replicate (the all-reduce)
-        mod.register_forward_hook(lambda _m, _i, out: out.to_local() if isinstance(out, DTensor) else out)
+        skip_rowwise_allreduce(ctx, layer=last)
     elif ctx.layout.label == "pp2xfsdp2-stale" and ctx.mesh["fsdp"].get_local_rank() == 1:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
         layer = ctx.model.model.layers[last]
-        group = layer._get_fsdp_state()._fsdp_param_group
-        param = layer.get_parameter("self_attn.o_proj.weight")
-        target = next(p for p in group.fsdp_params if p.sharded_param is param)
-        stale = target._sharded_param_data.detach().clone()
-        orig = FSDPParam.all_gather_inputs
-
-        def patched(self):
-            out = orig.fget(self)
-            return [stale.view(-1)] if self is target else out
-
-        FSDPParam.all_gather_inputs = property(patched)
+        _feed_stale_shard(layer, layer.get_parameter("self_attn.o_proj.weight"))
 
 
 def ep_fsdp_expert_divide_factor(ctx) -> None:
