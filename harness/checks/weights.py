@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -74,27 +73,6 @@ class WeightsConfig(CheckConfig):
     devices: int | None = Field(
         None, ge=1, description="At most this many devices of the backend for the streamed run (default: every "
         "device it has). The decoder layers are split over them in order where one does not hold the model.")
-
-
-def _meminfo_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _device_free(backend) -> int | None:
-    if backend.device_type == "cpu":
-        return _meminfo_available()
-    mod = getattr(torch, backend.device_type, None)
-    fn = getattr(mod, "mem_get_info", None)
-    try:
-        return int(fn()[0]) if fn else None
-    except Exception:  # noqa: BLE001 - a backend without the query
-        return None
 
 
 def _config_dtype(raw: dict) -> torch.dtype:
@@ -206,11 +184,7 @@ class WeightsCheck(Check):
         st.full_mc = model_config(ctx.suite, pruned=False)
         with torch.device("meta"):
             st.meta = instantiate(ctx.suite, st.full_mc, torch.float32)
-        budgets = device_budgets(ctx.backend, st.cfg.memory_fraction, st.cfg.devices)
-        if ctx.backend.device_type != "cpu" and budgets and budgets[0][0] != str(torch.device(ctx.device)):
-            # The item's own device first (a sharded CI gives each worker its device).
-            own = [b for b in budgets if b[0] == str(torch.device(ctx.device))]
-            budgets = own + [b for b in budgets if b not in own]
+        budgets = device_budgets(ctx.backend, st.cfg.memory_fraction, st.cfg.devices, first=ctx.device)
         pl = plan_placement(st.meta, torch_dtype(ctx.dtype), budgets)
         if isinstance(pl, str):
             raise NotApplicable(f"does not fit: {pl} (memory_fraction {st.cfg.memory_fraction} of each device's "

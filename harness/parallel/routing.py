@@ -240,7 +240,7 @@ class Judgement:
     per_router: dict[str, int] = field(default_factory=dict)
 
 
-def _legit(gate: str, call: ForcedCall, rows: slice, got: torch.Tensor, lim: float | torch.Tensor,
+def legit_flips(gate: str, call: ForcedCall, rows: slice, got: torch.Tensor, lim: float | torch.Tensor,
            dtype: torch.dtype | None = None):
     """(flipped [t], legitimate [t], margin [t]) of one rank's choice ``got`` for rows ``rows``; ``lim``
     one noise limit, or one per token [t] (the streamed reference measures it per token).
@@ -283,7 +283,7 @@ def judge(trace: ForcedRouting, own: dict, order: list[str], limits: dict[str, f
             n_t = call.natural.shape[0]
             legit, bad_ranks, bad_tokens, first = torch.zeros(n_t, dtype=torch.bool), [], set(), None
             for r, (rows, got) in sorted(own.get((phase, gate), {}).items()):
-                flipped, ok, margin = _legit(gate, call, rows, got, lim)
+                flipped, ok, margin = legit_flips(gate, call, rows, got, lim)
                 legit[rows] |= ok
                 bad = flipped & ~ok
                 if bad.any():

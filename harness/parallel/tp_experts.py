@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness.parallel.apply import _GradAllReduce, _match
 from harness.parallel.reference import clean_name
 
 
@@ -45,8 +46,6 @@ class _AllReduceSum(torch.autograd.Function):
 def _f(x, group):
     """Megatron's "f" on a differentiable input of the experts: each rank's slice contributes part of its
     gradient (hidden states [T, H] and the routing weights [T, k] both), so it is summed over tp."""
-    from harness.parallel.apply import _GradAllReduce
-
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad:
         return _GradAllReduce.apply(x, group)
     return x
@@ -106,6 +105,4 @@ def gather_full(t: torch.Tensor, dim: int, packed: bool, tp_group) -> torch.Tens
 
 def fused_experts_in_plan(model: torch.nn.Module, plan: dict[str, str]) -> list[str]:
     """Module names the plan marks ``moe_tp_experts`` (relative keys with ``*`` for a layer index)."""
-    from harness.parallel.apply import _match
-
-    return [n for n, s in _match({k: v for k, v in plan.items() if v == "moe_tp_experts"}, model).items()]
+    return list(_match({k: v for k, v in plan.items() if v == "moe_tp_experts"}, model))

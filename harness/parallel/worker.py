@@ -236,13 +236,13 @@ class RankRun:
                     rcap.phase = None
                 if lay.cp > 1:
                     # This chunk's share of the slice's mean loss; the shares sum to it over cp.
-                    part = cp_mod.chunk_loss(logits, full_ids, lay.cp, ci)
-                    loss = part.detach().clone()
+                    own = cp_mod.chunk_loss(logits, full_ids, lay.cp, ci)
+                    loss = own.detach().clone()
                     dist.all_reduce(loss, group=groups["cp"])
                 else:
-                    part = loss = lm_loss(logits, ids)
+                    own = loss = lm_loss(logits, ids)
                 st.step("backward")
-                (part / d if manual_sync else part).backward()
+                (own / d if manual_sync else own).backward()
             st.step("grad_sync")
             if manual_sync:
                 experts = set(_expert_param_names(model, ep_names))

@@ -70,6 +70,16 @@ def instantiate_empty(ls: LoadedSuite, mc, dtype: torch.dtype) -> torch.nn.Modul
 
     with _parameters_on_meta():
         model = instantiate(ls, mc, dtype)
+    materialize_empty(model, lambda _m: "cpu",
+                      lambda _m, _n, p: torch.float64 if dtype == torch.float64 and p.is_floating_point() else p.dtype)
+    return model
+
+
+def materialize_empty(model: torch.nn.Module, device_of, dtype_of) -> None:
+    """Give every meta parameter and persistent meta buffer of ``model`` uninitialised memory: parameter
+    ``name`` of module ``m`` on ``device_of(m)`` in ``dtype_of(m, name, p)``, a buffer in its own dtype.
+    Tied parameters stay one tensor. A non-persistent buffer left on meta has no source (the checkpoint
+    does not hold it): refused, naming it."""
     made: dict[int, torch.nn.Parameter] = {}
     keep = []  # the meta originals stay referenced, so their ids cannot be reused while mapping
     for mname, mod in model.named_modules():
@@ -78,8 +88,8 @@ def instantiate_empty(ls: LoadedSuite, mc, dtype: torch.dtype) -> torch.nn.Modul
                 continue
             q = made.get(id(p))
             if q is None:
-                dt = torch.float64 if dtype == torch.float64 and p.is_floating_point() else p.dtype
-                q = made[id(p)] = type(p)(torch.empty(p.shape, dtype=dt), requires_grad=p.requires_grad)
+                q = made[id(p)] = type(p)(torch.empty(p.shape, dtype=dtype_of(mod, name, p), device=device_of(mod)),
+                                          requires_grad=p.requires_grad)
                 keep.append(p)
             mod._parameters[name] = q
         for name, b in mod._buffers.items():
@@ -89,8 +99,7 @@ def instantiate_empty(ls: LoadedSuite, mc, dtype: torch.dtype) -> torch.nn.Modul
                 raise WeightsError(f"{mname + '.' if mname else ''}{name}: a non-persistent buffer computed from the "
                                    "parameters at build time; the checkpoint does not hold it, so a real-weight build "
                                    "cannot fill it")
-            mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
-    return model
+            mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device_of(mod))
 
 
 def _where(ckpt: Checkpoint, key: str) -> str:
@@ -124,7 +133,8 @@ def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: Shard
         raise WeightsError(f"{len(unwritten)} tensor(s) of the pruned model would not be filled from the checkpoint, "
                            f"first {unwritten[0]} ({covered.get(unwritten[0], 0)} of {sd[unwritten[0]].numel()} "
                            "elements mapped)")
-    missing = [e.source for e in p.entries if quant.locate(ckpt, e.source) is None]
+    located = [(e, quant.locate(ckpt, e.source)) for e in p.entries]
+    missing = [e.source for e, st in located if st is None]
     if missing:
         raise WeightsError(f"{len(missing)} tensor(s) the pruned model needs are missing from the checkpoint, first "
                            f"{missing[0]} (expected in {_where(ckpt, missing[0])})"
@@ -133,7 +143,6 @@ def fill(model: torch.nn.Module, p: rename.Plan, ckpt: Checkpoint, reader: Shard
     kinds: dict[str, int] = {}
     # Entries in shard order, each shard unmapped after its last tensor: resident memory stays near the
     # model plus one shard, not the model plus every page of every shard it read.
-    located = [(e, quant.locate(ckpt, e.source)) for e in p.entries]
     located.sort(key=lambda x: ckpt.tensors[x[1].keys[0]].shard)
     last = {ckpt.tensors[st.keys[0]].shard: i for i, (_, st) in enumerate(located)}
     for i, (e, st) in enumerate(located):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -117,69 +118,41 @@ def _align_inputs(mod: torch.nn.Module, dev: str) -> torch.utils.hooks.Removable
 def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tuple[torch.nn.Module, dict[str, int]]:
     """The full model for ``ls`` in ``dtype``, each module allocated on its device and filled from ``ckpt``.
     Returns the model and the count of tensors read per storage format."""
-    from harness.models.build import instantiate
+    from harness.models.build import _creation_dtype_buffers, _keep_in_fp32, instantiate
     from harness.weights import rename
-    from harness.weights.load import _parameters_on_meta, fill
+    from harness.weights.load import _parameters_on_meta, fill, materialize_empty
     from harness.weights.reader import ShardReader
     from harness.weights.stream import decoder_layers
 
     with _parameters_on_meta():
         model = instantiate(ls, mc, dtype)
-    prefix, layers = decoder_layers(model)
+    _, layers = decoder_layers(model)
     if len(layers) != len(placement.layers):
         raise WeightsError(f"placement for {len(placement.layers)} layers, the model has {len(layers)}")
     dev_of = {id(m): placement.layers[i] for i, layer in enumerate(layers) for m in layer.modules()}
-    made: dict[int, torch.nn.Parameter] = {}
-    keep = []  # meta originals stay referenced while mapping, so their ids are not reused
-    from harness.models.build import _keep_in_fp32
-
-    # What the deployed model keeps in float32 in a bf16 build (DeepSeek-V3's router), as cast_model does.
+    # What the deployed model keeps in float32 in a bf16 build (DeepSeek-V3's router), and the float32
+    # buffers a checkpoint does not hold (rotary inv_freq) or complex ones: the rules of
+    # harness.models.build.cast_model, which every build follows.
     fp32 = {(id(m), n) for m, n, _ in _keep_in_fp32(model, dtype)}
+    kept = {(id(m), n) for m, n, _ in _creation_dtype_buffers(model, dtype)}
 
-    def materialize(mod: torch.nn.Module, dev: str) -> None:
-        for name, p in mod._parameters.items():
-            if p is None or p.device.type != "meta":
-                continue
-            q = made.get(id(p))
-            if q is None:
-                dt = (torch.float32 if (id(mod), name) in fp32 else dtype) if p.is_floating_point() else p.dtype
-                q = made[id(p)] = type(p)(torch.empty(p.shape, dtype=dt, device=dev), requires_grad=False)
-                keep.append(p)
-            mod._parameters[name] = q
-        for name, b in mod._buffers.items():
-            if b is not None and b.device.type == "meta":
-                if name in mod._non_persistent_buffers_set:
-                    raise WeightsError(f"{name}: a non-persistent buffer computed from the parameters at build time; "
-                                       "the checkpoint does not hold it")
-                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=dev)
+    def dtype_of(m, name, t):
+        if not t.is_floating_point() or (id(m), name) in kept:
+            return t.dtype
+        return torch.float32 if (id(m), name) in fp32 else dtype
 
-    from harness.models.build import _creation_dtype_buffers
-
-    # Float32 buffers a checkpoint does not hold (rotary inv_freq) stay float32 in a bf16 model, complex
-    # ones complex: the rule every build follows (harness.models.build.cast_model).
-    kept = {(id(mod), name) for mod, name, _ in _creation_dtype_buffers(model, dtype)}
-    hooks = []
-    for i, layer in enumerate(layers):
-        for m in layer.modules():
-            materialize(m, placement.layers[i])
-        hooks.append(_align_inputs(layer, placement.layers[i]))
-    for m in model.modules():
-        if id(m) not in dev_of:
-            materialize(m, placement.rest)
+    materialize_empty(model, lambda m: dev_of.get(id(m), placement.rest), dtype_of)
+    hooks = [_align_inputs(layer, placement.layers[i]) for i, layer in enumerate(layers)]
     for m in model.modules():
         dev = dev_of.get(id(m), placement.rest)
         for name, b in m._buffers.items():
-            if b is not None:
-                cast = b.is_floating_point() and (id(m), name) not in kept
-                to = torch.float32 if (id(m), name) in fp32 else dtype
-                m._buffers[name] = b.to(device=dev, dtype=to if cast else b.dtype)
+            if b is not None:  # buffers the model's __init__ computed on the host
+                m._buffers[name] = b.to(device=dev, dtype=dtype_of(m, name, b))
         if id(m) not in dev_of and any(t is not None for t in [*m._parameters.values(), *m._buffers.values()]):
             # A module outside the layers that holds tensors (embeddings, norm, head, rotary): its inputs
             # may come from the last layer's device.
             hooks.append(_align_inputs(m, placement.rest))
-    n, ne = len(layers), _experts(mc.config)
-    sel = rename.Selection(list(range(n)), None if ne is None else list(range(ne)), n, ne)
-    p = rename.plan(model, sel)
+    p = rename.plan(model, rename.whole(len(layers)))
     reader = ShardReader(ckpt)
     try:
         kinds = fill(model, p, ckpt, reader)
@@ -189,25 +162,32 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
     return model, kinds
 
 
-def _experts(cfg) -> int | None:
-    from harness.models.config import EXPERT_KEYS
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
-    return next((getattr(cfg, k) for k in EXPERT_KEYS if isinstance(getattr(cfg, k, None), int)), None)
 
-
-def device_budgets(backend, fraction: float, limit: int | None = None) -> list[tuple[str, int]]:
-    """[(device, usable bytes)] for every device of ``backend`` (at most ``limit``): ``fraction`` of what
-    each reports free. The CPU backend is one device: the host's available memory."""
-    from harness.checks.weights import _meminfo_available
-
+def device_budgets(backend, fraction: float, limit: int | None = None, first=None) -> list[tuple[str, int]]:
+    """[(device, usable bytes)] for the devices of ``backend``: ``fraction`` of what each reports free,
+    the device ``first`` first (an item's own device: a sharded CI gives each worker its own), at most
+    ``limit`` of them. The CPU backend is one device: the host's available memory."""
     t = backend.device_type
     if t == "cpu":
         avail = _meminfo_available()
         return [("cpu", int(fraction * avail))] if avail else []
     mod = getattr(torch, t, None)
-    count = int(getattr(mod, "device_count", lambda: 1)())
+    order = list(range(int(getattr(mod, "device_count", lambda: 1)())))
+    own = torch.device(first).index if first is not None else None
+    if own in order:
+        order.remove(own)
+        order.insert(0, own)
     out = []
-    for i in range(count if limit is None else min(count, limit)):
+    for i in order[:limit]:
         try:
             free = int(mod.mem_get_info(i)[0])
         except Exception:  # noqa: BLE001 - a backend without the query: its devices are not counted

@@ -51,6 +51,12 @@ class Selection:
         return s
 
 
+def whole(n_layers: int) -> Selection:
+    """Every layer and expert of an ``n_layers`` model, numbered as in the checkpoint (the full-size
+    builds: nothing is renumbered; fused experts are read whole)."""
+    return Selection(list(range(n_layers)), None, n_layers, None)
+
+
 def _short(x: list[int]) -> str:
     return str(x) if len(x) <= 8 else f"[{x[0]}..{x[-1]}] ({len(x)})"
 

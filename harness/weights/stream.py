@@ -110,14 +110,6 @@ def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     return best
 
 
-def _host(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu")
-    if isinstance(x, (tuple, list)):
-        return type(x)(_host(v) for v in x)
-    return x
-
-
 # Keyword inputs that are not data: the KV cache (use_cache=False: none) and flags.
 DROP_KWARGS = ("past_key_values", "past_key_value", "cache", "use_cache", "output_attentions", "hidden_states")
 
@@ -162,7 +154,7 @@ def _rotary_of(pe, calls: dict[int, RotaryCall]):
 def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
     """Run ``model`` once on ``ids`` [B, S] and keep every decoder layer's input, kwargs and output,
     and which rotary call made the tables it was given."""
-    _, layers = decoder_layers(model)
+    prefix, layers = decoder_layers(model)
     got: list[LayerIO | None] = [None] * len(layers)
     handles = []
     # Rotary calls by the identity of their first output tensor (cos, or Llama-4's complex freqs_cis).
@@ -172,7 +164,7 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
             a = list(args)
             pos = a[1] if len(a) > 1 else kwargs.get("position_ids")
             if isinstance(pos, torch.Tensor):
-                calls[id(_first(out))] = RotaryCall(name, _host(pos), tuple(a[2:]),
+                calls[id(_first(out))] = RotaryCall(name, _snap(pos), tuple(a[2:]),
                                                     {k: v for k, v in kwargs.items() if k != "position_ids"})
         handles.append(rot.register_forward_hook(on_rotary, with_kwargs=True))
     for i, layer in enumerate(layers):
@@ -181,13 +173,13 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
             # Every input but the cache: masks, positions, rotary tables, and whatever else a layer takes
             # (Gemma-4: a per-layer input as second positional argument, the shared K/V dict).
             kw = {k: _snap(v) for k, v in kwargs.items() if k not in DROP_KWARGS}
-            got[i] = LayerIO(_host(h), {k: v for k, v in kw.items() if v is not _DROPPED},
+            got[i] = LayerIO(_snap(h), {k: v for k, v in kw.items() if v is not _DROPPED},
                              rotary=_rotary_of(kwargs.get("position_embeddings"), calls),
                              args=tuple(_snap(a) for a in args[1:]))
 
         def post(mod, args, kwargs, out, i=i):
             o = out[0] if isinstance(out, (tuple, list)) else out
-            got[i].hidden_out = _host(o)
+            got[i].hidden_out = _snap(o)
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
@@ -203,12 +195,11 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
         for h in handles:
             h.remove()
         routers.remove()
-    prefix = decoder_layers(model)[0]
-    for name, calls in routers.calls["step"].items():
+    for name, router_calls in routers.calls["step"].items():
         m = re.match(re.escape(prefix) + r"\.(\d+)\.(.+)$", name)
-        if m and got[int(m.group(1))] is not None and len(calls) == 1:
-            got[int(m.group(1))].routes[m.group(2)] = calls[0][0]
-            got[int(m.group(1))].router_logits[m.group(2)] = calls[0][1]
+        io = got[int(m.group(1))] if m else None
+        if io is not None and len(router_calls) == 1:
+            io.routes[m.group(2)], io.router_logits[m.group(2)] = router_calls[0]
     return [g for g in got if g is not None]
 
 
@@ -252,10 +243,8 @@ class StreamedReference:
         self._host_buffers: torch.nn.ModuleList | None = None  # see _computed_buffers
         use_eager_experts(meta_model.config)  # per-expert loop: float64 on CPU, and only hit experts run
         self.prefix, self.layers = decoder_layers(meta_model)
-        n = len(self.layers)
-        sel = rename.Selection(list(range(n)), None, n, None)
         self.entries: dict[int, list[rename.Entry]] = {}
-        for e in rename.plan(meta_model, sel).entries:
+        for e in rename.plan(meta_model, rename.whole(len(self.layers))).entries:
             m = rename.LAYER_RE.search(e.param)
             if m and e.param.startswith(self.prefix + "."):
                 self.entries.setdefault(int(m.group(2)), []).append(e)
@@ -305,22 +294,21 @@ class StreamedReference:
             dest = layer.get_submodule(mn) if mn else layer
             dest._buffers[bn] = t.double() if t.is_floating_point() else t.clone()
 
-    def layer(self, i: int) -> tuple[torch.nn.Module, list[rename.Entry]]:
-        """Layer i in float64 with every non-expert tensor filled; the routed-expert entries are returned
-        so the caller fills them once routing is known."""
+    def layer(self, i: int) -> tuple[torch.nn.Module, list[rename.Entry], dict[str, torch.Tensor]]:
+        """Layer i in float64 with every non-expert tensor filled; the routed-expert entries and the
+        layer's state dict are returned so the caller fills them once routing is known."""
         # A copy of the meta layer (free), materialized: the meta model itself stays on meta.
         layer = copy.deepcopy(self.layers[i]).to(torch.float64).to_empty(device="cpu")
         self._computed_buffers(i, layer)
         strip = f"{self.prefix}.{i}."
-        sd = layer.state_dict(keep_vars=True)
-        sd = {k: v.data for k, v in sd.items()}
+        sd = {k: v.data for k, v in layer.state_dict(keep_vars=True).items()}
         fused = _fused_expert_params(layer)
-        entries = self.entries.get(i, [])
-        later = [e for e in entries if e.expert is not None or e.param[len(strip):] in fused]
-        now = [e for e in entries if not (e.expert is not None or e.param[len(strip):] in fused)]
+        now, later = [], []
+        for e in self.entries.get(i, []):
+            (later if e.expert is not None or e.param[len(strip):] in fused else now).append(e)
         with torch.no_grad():
             self._fill(sd, now, strip)
-        return layer, later
+        return layer, later, sd
 
     def run_layer(self, i: int, io: LayerIO, rotary: Callable | None = None, router_tol: float = 0.0,
                   logits_tol: float | None = None) -> tuple[torch.Tensor, int | None, Routing]:
@@ -328,14 +316,13 @@ class StreamedReference:
         output, the experts read, and how the target's routing compares with the reference's own."""
         from harness.parallel.routing import ForcedRouting
 
-        layer, later = self.layer(i)
+        layer, later, sd = self.layer(i)
         # Under a holder, so that the routers are named as in a model (``layer.mlp.gate``): the router
         # rule (harness.golden.capture.ROUTER_SUFFIXES) needs the dot.
         holder = torch.nn.ModuleDict({"layer": layer})
         trace = ForcedRouting({"step": {f"layer.{r}": idx for r, idx in io.routes.items()}}, phase="step")
         forced = trace.attach(holder) if io.routes else []
         strip = f"{self.prefix}.{i}."
-        sd = {k: v.data for k, v in layer.state_dict(keep_vars=True).items()}
         handles, hit_count = [], []
         for _name, mod in _experts_modules(layer).items():
             def pre(mod, args, kwargs, mod_n=next(p.shape[0] for p in mod.parameters(recurse=False) if p.dim() == 3)):
@@ -389,7 +376,7 @@ def judge_routing(trace, routes: dict[str, torch.Tensor], tol: float, dtype: tor
     selects - including a correct router computed in the target's ``dtype`` on inputs moved within the
     noise, since such a router's selection rounds (DeepSeek-V3/V4 in bf16); the parallel check's rule
     (harness.parallel.routing) with the precision check's run-dtype witness. Wider: a routing fault."""
-    from harness.parallel.routing import _legit, router_limits
+    from harness.parallel.routing import legit_flips, router_limits
     from harness.precision.compare import tensor_metrics
 
     r = Routing()
@@ -415,7 +402,7 @@ def judge_routing(trace, routes: dict[str, torch.Tensor], tol: float, dtype: tor
             else:
                 noise = (tl - call.logits.double()).abs().amax(-1).reshape(-1)
                 lim = torch.clamp(2 * noise, min=lim)
-        flipped, ok, margin = _legit(gate, call, slice(None), got.to(call.natural.dtype), lim, dtype)
+        flipped, ok, margin = legit_flips(gate, call, slice(None), got.to(call.natural.dtype), lim, dtype)
         r.near_tie += int((flipped & ok).sum())
         bad = flipped & ~ok
         if bad.any():
@@ -428,16 +415,6 @@ def judge_routing(trace, routes: dict[str, torch.Tensor], tol: float, dtype: tor
         r.notes.append(f"router {gate.removeprefix('layer.')}: its top-k could not be made to follow the target's; "
                        "the reference used its own routing")
     return r
-
-
-def router_tolerance(dtype: str) -> float:
-    """Default router-logit noise per target dtype, relative to the router's largest logit."""
-    return {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2**-6, "float16": 2**-9}.get(dtype, 2**-6)
-
-
-def layer_tolerance(dtype: str) -> float:
-    """Default rel_rmse bound per target dtype for one layer fed its exact input."""
-    return {"float64": 1e-10, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}.get(dtype, 3e-2)
 
 
 def stream_reference(meta_model: torch.nn.Module, ckpt: Checkpoint, captured: list[LayerIO], tol: float,
