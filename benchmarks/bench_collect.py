@@ -40,7 +40,7 @@ def main() -> int:
     import pytest
 
     import harness.checks
-    import harness.plugin  # noqa: F401
+    import harness.run.plugin  # noqa: F401
 
     harness.checks.registry()
     t_import = time.perf_counter() - t

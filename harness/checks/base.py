@@ -129,7 +129,7 @@ class Check:
     setup_steps: ClassVar[tuple[str, ...]] = ()
     headline: ClassVar[tuple[str, ...]] = ()
     # Measures time: its items run alone on the machine, no other item of the run at the same time
-    # (xdist workers wait; harness/exclusive.py).
+    # (xdist workers wait; harness/run/exclusive.py).
     exclusive: ClassVar[bool] = False
     source: str = "builtin"
 

@@ -1,6 +1,6 @@
 """What a check may say, independent of pytest.
 
-A check *raises* one of these; the pytest plugin (``harness.plugin``) is the one place that maps
+A check *raises* one of these; the pytest plugin (``harness.run.plugin``) is the one place that maps
 them to pytest outcomes, and ``run_one`` callers (``harness init``, ``harness precision check``,
 scripts) catch them directly:
 

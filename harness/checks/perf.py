@@ -188,7 +188,7 @@ class PerfCheck(Check):
     config_model = PerfConfig
     description = "Throughput and latency against a per-machine-class baseline, with roofline fractions."
     headline = ("prefill_s", "decode_token_s", "prefill_mfu")
-    exclusive = True  # timings: nothing else of the run on the machine meanwhile (harness/exclusive.py)
+    exclusive = True  # timings: nothing else of the run on the machine meanwhile (harness/run/exclusive.py)
     steps = ("setup", "calibrate", "prefill", "decode", "train", "roofline", "compare", "record", "verdict")
     setup_steps = ("setup", "calibrate")
 

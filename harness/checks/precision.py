@@ -138,7 +138,7 @@ class PrecisionConfig(CheckConfig):
 
 def results_path(ls: LoadedSuite, backend: str, dtype: str, results_dir: str | Path | None = None,
                  suffix: str = "") -> Path:
-    from harness.results import results_root
+    from harness.run.results import results_root
 
     return results_root(results_dir) / "precision" / f"{ls.name}-{backend}-{dtype}{suffix}.png"
 

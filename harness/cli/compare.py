@@ -47,7 +47,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def junit_key(nodeid: str) -> str:
-    """pytest node id (``<folder>/<file>::<check>[<params>]``, harness/plugin.py) -> the
+    """pytest node id (``<folder>/<file>::<check>[<params>]``, harness/run/plugin.py) -> the
     ``classname::name`` key pytest's junitxml writes for it.
 
     pytest decides that key, so its own function makes it (``mangle_test_address``: only the path

@@ -44,7 +44,7 @@ def read(path: Path) -> dict[str, float]:
 
 
 def main(args) -> int:
-    from harness import durations
+    from harness.run import durations
     from harness.settings import load_settings
 
     target = args.file or Path(load_settings().durations_file)

@@ -40,8 +40,8 @@ def register(sub) -> None:
 def main(args) -> int:
     from rich.console import Console
 
-    from harness import runner
     from harness.backends import registry
+    from harness.run import driver
     from harness.suite.loader import SuiteError, discover, resolve_names
 
     # Not a terminal (CI logs): rich would wrap the table at 80 columns.
@@ -70,7 +70,7 @@ def main(args) -> int:
     backends = args.backend or [b.name for b in reg if b.available()]
     extra = list(args.passthrough)
     if args.shard:
-        from harness import shard
+        from harness.run import shard
 
         try:
             shard.parse(args.shard)
@@ -79,7 +79,7 @@ def main(args) -> int:
             return 2
         extra += [f"--harness-shard={args.shard}"]
     extra += [f"--harness-scope={args.scope}"]
-    return runner.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
+    return driver.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
                       results=args.results or Path(settings.results_dir), workers=args.workers,
                       keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,
                       timeout=args.timeout, memory_limit_gib=args.memory_limit)

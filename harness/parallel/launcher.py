@@ -6,7 +6,7 @@ by swapping ``--standalone`` for a c10d rendezvous (``HARNESS_TORCHRUN_ARGS``, d
 spawn only forks one host's processes. torchrun's own report of a dead rank is log text, so each
 rank runs under ``harness.parallel.rank``, which records the exit status or signal as a file.
 
-The ideas of ``harness.isolation``, per rank: the launch gets its own session (one ``killpg``
+The ideas of ``harness.run.isolation``, per rank: the launch gets its own session (one ``killpg``
 takes torchrun, the wrappers and the ranks), every process dies with its parent
 (PR_SET_PDEATHSIG), and each rank keeps a status file (layout, step, collective, module) that is
 read after a kill. Layouts run one after another; a layout that makes no progress within
@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.isolation import _die_with_parent
 from harness.parallel.layouts import Layout
 from harness.parallel.status import RankStatus, read_status
+from harness.run.isolation import _die_with_parent
 
 
 @dataclass

@@ -18,8 +18,8 @@ import time
 
 
 def _signal_name(n: int) -> str:
-    # As harness.isolation names signals; not imported from there, since that module pulls in
-    # torch through harness.execute and this wrapper must start in milliseconds.
+    # As harness.run.isolation names signals; not imported from there, since that module pulls in
+    # torch through harness.run.execute and this wrapper must start in milliseconds.
     try:
         return signal.Signals(n).name
     except ValueError:

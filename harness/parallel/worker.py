@@ -393,7 +393,7 @@ def _expert_param_names(model: torch.nn.Module, ep_names: list[str]) -> list[str
 
 
 def main(spec_path: str) -> int:
-    from harness.isolation import _die_with_parent
+    from harness.run.isolation import _die_with_parent
 
     _die_with_parent()
     with open(spec_path) as f:

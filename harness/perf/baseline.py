@@ -32,7 +32,7 @@ class BaselineError(Exception):
 
 
 def results_root(results_dir: str | Path | None = None) -> Path:
-    from harness.results import results_root as root
+    from harness.run.results import results_root as root
 
     return root(results_dir)
 

@@ -191,10 +191,10 @@ def check_harness(args: list[str], suites_dir: Path = REPO_SUITES) -> list[str]:
     """Problems of one `harness ...` command line: argparse on harness's real parser (a renamed or
     removed flag, a bad choice), then what argparse cannot see (shard spec, backend, check and
     suite names)."""
-    from harness import shard
     from harness.backends import registry as backends
     from harness.checks import registry as checks
     from harness.cli import build_parser
+    from harness.run import shard
     from harness.suite.loader import SuiteError, resolve_names
 
     head = args[:args.index("--")] if "--" in args else args

@@ -63,6 +63,6 @@ def test_junit_key_of_the_plugins_ids():
     assert junit_key("suites/kimi-k2.toml::smoke[cpu-float32]") == "suites.kimi-k2.toml::smoke[cpu-float32]"
     assert junit_key("mysuites/new.toml::parallel[my-npu-bfloat16-tp2::ep2]\n") == \
         "mysuites.new.toml::parallel[my-npu-bfloat16-tp2::ep2]"
-    # harness's own results writer (harness/results.py) spells the second one differently today
+    # harness's own results writer (harness/run/results.py) spells the second one differently today
     assert junit_keys("mysuites/new.toml::parallel[my-npu-bfloat16-tp2::ep2]") == {
         "mysuites.new.toml::parallel[my-npu-bfloat16-tp2::ep2]", "mysuites.new.toml.parallel[my-npu-bfloat16-tp2::ep2]"}

@@ -2,7 +2,7 @@
 
 ``execute`` is the single place where a check's harness outcome (harness/checks/outcomes.py) or an
 unexpected exception becomes an :class:`ItemResult`; the pytest plugin maps an ``ItemResult`` to
-pytest (``harness.plugin``), in-process or from a child process (run integrity), so both paths
+pytest (``harness.run.plugin``), in-process or from a child process (run integrity), so both paths
 report alike. Nothing here imports pytest.
 """
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from harness import durations
 from harness.cli import main
-from harness.results import Row, junit_xml
+from harness.run import durations
+from harness.run.results import Row, junit_xml
 
 
 def test_time_limit_from_the_record_the_override_or_the_default():

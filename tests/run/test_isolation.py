@@ -17,7 +17,7 @@ import pytest
 
 from tests_support import REPO, REPO_SUITES, TINY_PRUNE
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent  # tests/: faulty_models.py, tests_support.py
 TIMEOUT = 20  # seconds per item in these runs; a healthy tiny smoke item takes a few
 
 
@@ -188,7 +188,7 @@ def test_unwritable_results_directory_fails_before_any_model_is_built(project, c
 
 def test_a_full_disk_never_leaves_a_truncated_summary(tmp_path, monkeypatch):
     """Writes go to a temp file and are renamed: a failure leaves the old file whole (or none)."""
-    from harness import results
+    from harness.run import results
 
     target = tmp_path / "summary.json"
     target.write_text('{"complete": true}')

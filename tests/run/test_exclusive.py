@@ -1,12 +1,12 @@
-"""harness/exclusive.py: the run lock across processes (xdist workers are processes)."""
+"""harness/run/exclusive.py: the run lock across processes (xdist workers are processes)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
 
-from harness import exclusive
 from harness.checks import registry
+from harness.run import exclusive
 
 
 def _hold(directory, excl, seconds, log, name):

@@ -7,22 +7,20 @@ pytest does the work in-process; ``RunObserver`` is a small pytest plugin that f
 
 from __future__ import annotations
 
-import io
-import math
 import os
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from harness.results import Row, counts
+from harness.run.rows import counts
+from harness.run.table import summary_table
 
 
 class RunObserver:
     """Drives the progress bar; without a terminal (CI logs) it prints one line per finished item
-    instead. The rows themselves are kept by ``harness.results.ResultsWriter``."""
+    instead. The rows themselves are kept by ``harness.run.results.ResultsWriter``."""
 
     def __init__(self, console: Console, writer, show_progress: bool = True):
         self.console, self.writer = console, writer
@@ -67,7 +65,7 @@ class RunObserver:
 
 def build_args(suites: list[Path], backends: list[str], dtypes: list[str], checks: list[str],
                workers: int | None, keyword: str | None, extra: list[str]) -> list[str]:
-    # The results plugin (harness.results) is registered by run(); JUnit XML comes from its journal.
+    # The results plugin (harness.run.results) is registered by run(); JUnit XML comes from its journal.
     args = [str(p) for p in suites] + ["-p", "no:cacheprovider", "-p", "no:terminal"]
     # Items of backends that are not asked for are not generated at all (not skipped).
     args += [f"--harness-backend={b}" for b in backends]
@@ -80,73 +78,11 @@ def build_args(suites: list[Path], backends: list[str], dtypes: list[str], check
     return args + extra
 
 
-def _key(r: Row) -> tuple[str, str, str, str, str]:
-    """(suite, check, backend, dtype, variant) from the identity properties every item writes at
-    setup (harness.plugin). Only a collection error has none: it is its file's ``load`` row."""
-    meta = r.parsed["meta"]
-    if "suite" in meta:
-        return (meta["suite"], meta.get("check", ""), meta.get("backend", ""), meta.get("dtype", ""),
-                meta.get("variant", ""))
-    return (r.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".toml"), "load", "", "", "")
-
-
-SEVERITY = {"error": 3, "failed": 2, "xfailed": 1.5, "passed": 1, "skipped": 0}
-STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow", "xfailed": "yellow"}
-
-
-def summary_table(rows: list[Row]) -> Table:
-    """One row per suite x check x backend x dtype; items with variants (one per operator for
-    `ops`) are folded into their row with counts, the worst outcome and the first failure."""
-    t = Table(title="harness results", show_lines=False)
-    for col in ("suite", "check", "backend", "dtype", "outcome", "key metrics", "time", "peak mem", "detail"):
-        t.add_column(col, overflow="fold", max_width=60 if col == "detail" else None)
-    groups: dict[tuple, list[Row]] = {}
-    for r in rows:
-        groups.setdefault(_key(r)[:4], []).append(r)
-    for (suite, check, backend, dtype), rs in sorted(groups.items()):
-        worst = max(rs, key=lambda r: SEVERITY.get(r.outcome, 0))
-        m = worst.parsed["metrics"]
-        if len(rs) == 1:
-            key_metrics, time_s = headline(check, m), m.get("wall_time_s")
-        else:
-            c = counts(rs)
-            key_metrics = f"{len(rs)} items: " + ", ".join(f"{n} {k}" for k, n in c.items() if n)
-            time_s = sum(r.parsed["metrics"].get("wall_time_s", 0.0) for r in rs)
-        t.add_row(suite, check, backend, dtype, f"[{STYLE.get(worst.outcome, '')}]{worst.outcome}", key_metrics,
-                  _fmt(time_s, "s"), _fmt(m.get("peak_memory_bytes"), "B"), worst.message)
-    return t
-
-
-def headline(check_name: str, m: dict[str, float]) -> str:
-    """The few metrics a check names in its ``headline`` attribute, for the summary table."""
-    from harness import checks
-
-    try:
-        names = getattr(checks.registry().get(check_name), "headline", ())
-    except KeyError:
-        return ""
-    return " ".join(f"{n}={m[n]:.4g}" for n in names if n in m)
-
-
-def _fmt(v: float | None, unit: str) -> str:
-    if v is None or not math.isfinite(v):
-        return ""
-    if unit == "B":
-        return f"{v / 2**20:.0f} MiB"
-    return f"{v:.2f} s"
-
-
-def render_table(rows: list[Row]) -> str:
-    text = Console(record=True, width=160, file=io.StringIO())
-    text.print(summary_table(rows))
-    return text.export_text()
-
-
 def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: list[str], results: Path,
         workers: int | None = None, keyword: str | None = None, extra: list[str] | None = None,
         console: Console | None = None, isolate: bool = True, timeout: float | None = None,
         memory_limit_gib: float | None = None) -> int:
-    from harness.results import ResultsError, ResultsWriter
+    from harness.run.results import ResultsError, ResultsWriter
 
     console = console or Console()
     writer = ResultsWriter(results)

@@ -1,4 +1,4 @@
-"""Shards (harness/shard.py and --harness-shard): disjoint, complete, the same in every process."""
+"""Shards (harness/run/shard.py and --harness-shard): disjoint, complete, the same in every process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import shard
+from harness.run import shard
 from tests_support import REPO
 
 ids = st.text(alphabet="abcdefgh/.:[]-", min_size=1, max_size=12)

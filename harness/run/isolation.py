@@ -2,7 +2,7 @@
 
 Why a child: a kernel that hangs, a driver that calls ``abort()``, or a model that leaks memory must
 cost one item, not the run. The pytest process (or each xdist worker) keeps one long-lived child,
-``python -m harness.isolation``, that imports torch once and runs items one after another; so the
+``python -m harness.run.isolation``, that imports torch once and runs items one after another; so the
 price of isolation is one interpreter start per pytest process, not one per item.
 
 Protocol: the parent writes one JSON line per item on the child's command pipe and reads one JSON
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from harness import metrics
-from harness.execute import ItemResult
+from harness.run.execute import ItemResult
 
 STATUS_BYTES = 1024
 metrics.declare("leaked_bytes", "bytes", "lower",
@@ -90,7 +90,7 @@ class Worker:
         # Its own session: a kill of the process group takes the child's own children (a
         # compile worker, a launcher) with it, and a signal meant for the parent's group (Ctrl-C)
         # does not reach the child mid-item; the child dies with the parent (PR_SET_PDEATHSIG).
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.isolation"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.run.isolation"], env=env,
                                      pass_fds=(cmd_r, res_w), start_new_session=True, stdin=subprocess.DEVNULL)
         os.close(cmd_r)
         os.close(res_w)
@@ -309,7 +309,7 @@ def _child_main() -> int:
 
     from harness.backends import get as get_backend
     from harness.checks import add_phase_listener
-    from harness.execute import execute
+    from harness.run.execute import execute
     from harness.suite.loader import load_suite
 
     leak_bytes = int(os.environ.get("HARNESS_LEAK_BYTES", str(Limits.leak_bytes)))

@@ -24,10 +24,11 @@ import shutil
 import signal
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from harness import metrics
+from harness.run.rows import Row, counts
+from harness.run.table import render_table
 
 FILES = ("junit.xml", "summary.json", "summary.txt", "journal.jsonl", "run.json")
 MIN_FREE_BYTES = 64 * 2**20
@@ -48,20 +49,6 @@ def results_root(results_dir: str | Path | None = None) -> Path:
 
 class ResultsError(Exception):
     """The results directory cannot take this run's results (one-line message)."""
-
-
-@dataclass
-class Row:
-    nodeid: str
-    outcome: str  # passed / failed / error / skipped / xfailed / not run
-    props: dict = field(default_factory=dict)
-    message: str = ""
-    duration: float = 0.0
-    longrepr: str = ""
-
-    @property
-    def parsed(self) -> dict:
-        return metrics.parse_properties(self.props)
 
 
 def check_writable(path: Path, what: str = "results directory") -> None:
@@ -238,20 +225,11 @@ class ResultsWriter:
         atomic_write(self.dir / "summary.json", json.dumps({
             "status": self.status, "reason": self.reason, "counts": counts(rows),
             "items": [asdict(r) for r in rows], "not_run": not_run}, indent=1))
-        from harness.runner import render_table
-
         text = render_table(rows)
         if not_run:
             text += f"\nrun {self.status} ({self.reason}): {len(not_run)} item(s) not run\n"
         atomic_write(self.dir / "summary.txt", text)
         self._write_run()
-
-
-def counts(rows: list[Row]) -> dict[str, int]:
-    out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    for r in rows:
-        out[r.outcome] = out.get(r.outcome, 0) + 1
-    return out
 
 
 def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) -> str:

@@ -6,7 +6,8 @@ import io
 
 from rich.console import Console
 
-from harness.runner import Row, _key, counts, summary_table
+from harness.run.rows import Row, counts
+from harness.run.table import _key, summary_table
 
 
 def render(rows):

@@ -9,7 +9,7 @@ as usual on ids like ``smoke[cpu-float32]``. Every item writes its identity (sui
 backend, dtype, variant) as JUnit properties at setup, before anything can skip, and its metrics
 after the run (naming convention: harness/metrics.py), so nothing downstream parses the test id.
 
-Checks never raise pytest exceptions: ``harness.execute`` turns what a check did into an
+Checks never raise pytest exceptions: ``harness.run.execute`` turns what a check did into an
 ``ItemResult`` and :meth:`HarnessItem.runtest` is the one place that maps it to pytest
 (passed / failed / xfailed / skipped / error).
 """
@@ -24,7 +24,7 @@ import pytest
 
 from harness import checks
 from harness.backends import registry as backend_registry
-from harness.execute import ItemResult, execute, identity_properties
+from harness.run.execute import ItemResult, execute, identity_properties
 from harness.suite.loader import LoadedSuite, SuiteError, load_suite
 
 
@@ -47,7 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="time limit of one item (default: the suite's timeout_s, else 10x its recorded "
                      "duration and >= 60 s, else 900 s)")
     g.addoption("--harness-shard", default=None, metavar="I/N",
-                help="keep only shard I of N (1-based), balanced by recorded durations (harness/shard.py)")
+                help="keep only shard I of N (1-based), balanced by recorded durations (harness/run/shard.py)")
     g.addoption("--harness-scope", choices=("commit", "nightly"), default="commit",
                 help="commit: the items every commit runs (default); nightly: those plus the nightly-only "
                      "items (real weights, full-size shapes, the full parallel matrix)")
@@ -70,7 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _validate_options(config)
     results = config.getoption("harness_results", None)
     if results and not hasattr(config, "workerinput") and not config.pluginmanager.has_plugin("harness-results"):
-        from harness.results import ResultsError, ResultsWriter
+        from harness.run.results import ResultsError, ResultsWriter
 
         writer = ResultsWriter(Path(results))
         try:
@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     spec = config.getoption("harness_shard")
     if not spec:
         return
-    from harness import shard
+    from harness.run import shard
 
     k, n = shard.parse(spec)
     recorded = _recorded(config)
@@ -110,7 +110,7 @@ def _check_name(item) -> str:
 
 def _size(item) -> float:
     if isinstance(item, HarnessItem):
-        from harness.shard import size_factor
+        from harness.run.shard import size_factor
 
         return size_factor(item.suite.raw_config, item.suite.suite.prune)
     return 0.01 if isinstance(item, SuiteLoadItem) else 1.0
@@ -127,7 +127,7 @@ def _validate_options(config: pytest.Config) -> None:
         raise pytest.UsageError(str(e)) from None
     spec = config.getoption("harness_shard", None)
     if spec:
-        from harness import shard
+        from harness.run import shard
 
         try:
             shard.parse(spec)
@@ -174,7 +174,7 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 
 def _isolation_worker(config: pytest.Config):
-    from harness.isolation import Worker
+    from harness.run.isolation import Worker
 
     if _WORKER not in config.stash:
         config.stash[_WORKER] = Worker()
@@ -183,7 +183,7 @@ def _isolation_worker(config: pytest.Config):
 
 def _recorded(config: pytest.Config) -> dict:
     if _DURATIONS not in config.stash:
-        from harness import durations
+        from harness.run import durations
         from harness.settings import load_settings
 
         config.stash[_DURATIONS] = durations.load(load_settings().durations_file)
@@ -348,8 +348,8 @@ class HarnessItem(pytest.Item):
         return self.config.getoption("harness_isolate") == "on" or self.backend.device_type != "cpu"
 
     def runtest(self) -> None:
-        from harness import exclusive
-        from harness.results import results_root
+        from harness.run import exclusive
+        from harness.run.results import results_root
 
         excl = bool(getattr(self.check, "exclusive", False))
         # Other xdist workers' items must not run while a timing item measures (exclusive), and one
@@ -371,8 +371,8 @@ class HarnessItem(pytest.Item):
     def _run_isolated(self) -> ItemResult:
         import torch
 
-        from harness import durations
-        from harness.isolation import Limits
+        from harness.run import durations
+        from harness.run.isolation import Limits
 
         opt, suite = self.config.getoption, self.suite.suite
         timeout = durations.timeout_for(self.nodeid, _recorded(self.config),
