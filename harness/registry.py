@@ -1,18 +1,48 @@
-"""A registry of named things (backends, checks): one per name, with errors that list what exists."""
+"""A registry of named things (backends, checks, model builders, issue sinks): one per name, with
+errors that list what exists, filled from one entry-point group.
+
+Every kind of extension registers the same way, harness's own built-ins included: a package declares
+an entry point in the kind's group (``harness.checks``, ``harness.backends``, ``harness.models``,
+``harness.sinks``) whose target is ``register(registry)``, and :meth:`NamedRegistry.load_entry_points`
+calls each. A broken entry point (it does not import, or its ``register`` raises) costs only what it
+would have registered: it is recorded as one message naming it (:func:`broken_entry_points`, shown
+by every ``harness`` command and at the end of a pytest session) and the others load as usual.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from importlib.metadata import EntryPoint, entry_points
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+# "group name = value" -> the message; process-wide, so that the CLI and the pytest plugin can say
+# what did not load whichever registry tried.
+_BROKEN: dict[str, str] = {}
+
+
+def broken_entry_points() -> list[str]:
+    """One line per entry point that failed to load in this process, naming it."""
+    return list(_BROKEN.values())
+
+
+def _dist_name(ep: EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "?"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
 
 class NamedRegistry(Generic[T]):
     kind = "item"  # used in messages: "unknown backend 'x' (registered: ...)"
+    group = ""  # its entry-point group
 
     def __init__(self):
         self._items: dict[str, T] = {}
+        self.errors: list[str] = []  # broken entry points of this registry's group
 
     def add(self, item: T, *, replace: bool = False) -> T:
         name = item.name
@@ -40,3 +70,41 @@ class NamedRegistry(Generic[T]):
     @staticmethod
     def _describe(item) -> str:
         return getattr(item, "source", None) or type(item).__module__
+
+    # --- entry points -----------------------------------------------------------------------------
+    def load_entry_points(self, group: str | None = None) -> NamedRegistry[T]:
+        """Call ``register(self)`` of every entry point in ``group``: harness's own first, then the
+        other distributions' sorted by distribution and entry-point name (a stable order). What a
+        third-party entry point adds gets ``source = "<distribution> (<module:attr>)"``."""
+        group = group or self.group
+        eps = sorted(entry_points(group=group),
+                     key=lambda ep: (_dist_name(ep) != "harness", _dist_name(ep), ep.name))
+        if not any(_dist_name(ep) == "harness" for ep in eps):
+            self._broken(f"{group}:harness", f"harness: no built-in entry points in group {group!r}: "
+                         "harness is not installed (`pip install -e .` in the source tree)")
+        for ep in eps:
+            before = dict(self._items)
+            try:
+                ep.load()(self)
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not cost the others
+                self._items = before  # nothing half-registered
+                self._broken(f"{group}:{_dist_name(ep)}:{ep.name}",
+                             f"broken {group} entry point {ep.name} = {ep.value} (from {_dist_name(ep)}): "
+                             f"{type(e).__name__}: {_first_line(e)}")
+                continue
+            if _dist_name(ep) != "harness":
+                for n, item in self._items.items():
+                    if before.get(n) is not item:
+                        self._set_source(item, f"{_dist_name(ep)} ({ep.value})")
+        return self
+
+    def _broken(self, key: str, message: str) -> None:
+        self.errors.append(message)
+        _BROKEN[key] = message
+
+    @staticmethod
+    def _set_source(item, source: str) -> None:
+        try:
+            item.source = source
+        except AttributeError:  # frozen or slotted: keeps its own
+            pass

@@ -5,13 +5,12 @@ The contract (``base.py``, ``outcomes.py``; walkthrough in docs/adding-a-check.m
 * a check declares its own ``[checks.<name>]`` table (``config_model``, a ``CheckConfig``);
 * it runs as a short sequence of named steps and says what happened by raising a harness outcome
   (``CheckFailure``, ``KnownGap``, ``NotApplicable``, ``CouldNotRun``), never a pytest exception;
-* built-in checks and a vendor's own register the same way: an entry point in the
-  ``harness.checks`` group whose target is ``register(registry)``.
+* built-in checks and a vendor's own register the same way, and only that way: an entry point in
+  the ``harness.checks`` group whose target is ``register(registry)`` (harness's own are in its
+  pyproject.toml). Items are generated in the checks' ``order`` (cheap smoke items first).
 """
 
 from __future__ import annotations
-
-from importlib.metadata import entry_points
 
 from harness.checks.base import (
     Check,
@@ -30,45 +29,37 @@ __all__ = ["Check", "CheckConfig", "CheckContext", "CheckFailure", "CheckOutcome
 
 class CheckRegistry(NamedRegistry[Check]):
     kind = "check"
+    group = "harness.checks"
 
     def add(self, item: Check, *, replace: bool = False) -> Check:
-        name = getattr(item, "name", "")
+        if not isinstance(item, Check):
+            raise ValueError(f"a check must be an instance of harness.checks.Check (the one interface "
+                             f"the runner uses), got {type(item).__module__}.{type(item).__qualname__}")
+        name = item.name
         if not name or not name.isidentifier():
             raise ValueError(f"a check needs a name that is a Python identifier (it becomes the "
                              f"[checks.<name>] table), got {name!r} from {self._describe(item)}")
-        model = getattr(item, "config_model", CheckConfig)
+        model = item.config_model
         if not (isinstance(model, type) and issubclass(model, CheckConfig)):
             raise ValueError(f"check {name!r}: config_model must be a harness.checks.CheckConfig subclass, "
                              f"got {model!r}")
         return super().add(item, replace=replace)
 
+    def load_entry_points(self, group: str | None = None) -> CheckRegistry:
+        super().load_entry_points(group)
+        # sorted() is stable: equal orders keep the entry points' order
+        self._items = {c.name: c for c in sorted(self._items.values(), key=lambda c: c.order)}
+        return self
+
 
 _REGISTRY: CheckRegistry | None = None
 
-# Built-ins are declared as entry points like a vendor's (pyproject.toml), and registered from this
-# list so that their order is fixed and a source tree that was never pip-installed has them too.
-BUILTIN = ("harness.checks.smoke", "harness.checks.precision", "harness.checks.quantization",
-           "harness.checks.ops", "harness.checks.parallel", "harness.checks.perf", "harness.checks.weights")
-
 
 def registry() -> CheckRegistry:
+    """Every check of the ``harness.checks`` entry points, built-ins and vendors' alike."""
     global _REGISTRY
     if _REGISTRY is None:
-        import importlib
-
-        reg = CheckRegistry()
-        # Built-ins first, in BUILTIN's order (cheap smoke items before the rest), whether or not
-        # the source tree was pip-installed; then every other package's entry points.
-        for mod in BUILTIN:
-            importlib.import_module(mod).register(reg)
-        eps = [ep for ep in entry_points(group="harness.checks") if ep.value.split(":")[0] not in BUILTIN]
-        for ep in eps:
-            before = set(reg.names())
-            ep.load()(reg)
-            for n in set(reg.names()) - before:
-                if ep.dist is not None and not ep.value.startswith("harness."):
-                    reg.get(n).source = f"{ep.dist.name} ({ep.value})"
-        _REGISTRY = reg
+        _REGISTRY = CheckRegistry().load_entry_points()
     return _REGISTRY
 
 

@@ -10,8 +10,11 @@ A check is a class with
   ``apply_tp -> apply_ac -> apply_fsdp`` is the model). ``state`` is one object the steps share
   (``new_state``). ``setup_steps`` are the ones where an unexpected exception means "could not
   run" (error) rather than "the model failed";
-* optionally ``variants(suite, backend)`` (one item per variant: an op, a parallel layout) and
-  ``headline`` (metric names for ``harness run``'s table).
+* optionally ``variants(suite, backend)`` (one item per variant: an op, a parallel layout),
+  ``headline`` (metric names for ``harness run``'s table), ``exclusive`` and ``order``.
+
+The runner (plugin, driver, table) uses a check only through this class's attributes and methods,
+all of which have defaults here: it never probes a check with ``getattr``/``hasattr``.
 
 Steps record metrics through ``ctx.metric`` and raise the outcomes of :mod:`harness.checks.outcomes`.
 ``ctx.step(name)`` marks the phase the item is in (``build``, ``forward``, ...): the run-integrity
@@ -131,9 +134,13 @@ class Check:
     # Measures time: its items run alone on the machine, no other item of the run at the same time
     # (xdist workers wait; harness/run/exclusive.py).
     exclusive: ClassVar[bool] = False
-    source: str = "builtin"
+    # Position among the checks: items are generated in this order (cheap ones first). Built-ins use
+    # 10..70; a vendor's check keeps the default and comes after them.
+    order: ClassVar[int] = 100
+    source: str = "builtin"  # where it was registered from: "<distribution> (<module:attr>)" for a vendor's
 
-    def config(self, suite: LoadedSuite) -> Any:
+    def config(self, suite: LoadedSuite) -> CheckConfig:
+        """This check's validated ``[checks.<name>]`` table in ``suite`` (a field of the assembled schema)."""
         return getattr(suite.suite.checks, self.name)
 
     def enabled(self, suite: LoadedSuite) -> bool:
@@ -145,7 +152,7 @@ class Check:
     def scope(self, suite: LoadedSuite, variant: str | None) -> str:
         """'commit' or 'nightly' for one item; a check may put some variants (full-size shapes, the
         full parallel matrix) in the nightly scope only."""
-        return getattr(self.config(suite), "scope", "commit")
+        return self.config(suite).scope
 
     def new_state(self, ctx: CheckContext) -> Any:
         return SimpleNamespace()

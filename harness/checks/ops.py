@@ -219,6 +219,7 @@ def _vary(t: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
 
 class OpsCheck(Check):
     name = "ops"
+    order = 40
     config_model = OpsConfig
     headline = ("op_max_rel_error", "op_cases")  # `harness run`'s table
     steps = ("inventory", "coverage", "model_inputs", "varied_inputs", "record")

@@ -261,6 +261,7 @@ def tolerances(cfg: ParallelConfig, dtype: str) -> dict[str, float]:
 
 class ParallelCheck(Check):
     name = "parallel"
+    order = 50
     config_model = ParallelConfig
     description = "parallel layouts (TP, PP, DP, EP, FSDP, CP) against the single-process reference"
     headline = ("parallel_grad_error", "parallel_launch_time_s")

@@ -185,6 +185,7 @@ def _fmt_s(v: float) -> str:
 
 class PerfCheck(Check):
     name = "perf"
+    order = 60
     config_model = PerfConfig
     description = "Throughput and latency against a per-machine-class baseline, with roofline fractions."
     headline = ("prefill_s", "decode_token_s", "prefill_mfu")

@@ -167,6 +167,7 @@ def run_precision(ctx: CheckContext, *, transform=None, context=None, golden_roo
 
 class PrecisionCheck(Check):
     name = "precision"
+    order = 20
     config_model = PrecisionConfig
     headline = ("isolated_worst_budget_use", "logits_rel_rmse")  # `harness run`'s table (budget use > 1 fails)
     steps = ("golden", "tolerances", "budgets", "compare", "isolate", "routing", "record", "report", "verdict")

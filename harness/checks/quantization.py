@@ -184,6 +184,7 @@ def quantize_weights(model: torch.nn.Module, scheme: str, block: list[int] | Non
 
 class QuantizationCheck(Check):
     name = "quantization"
+    order = 30
     config_model = QuantizationConfig
     headline = ("quant_logits_rel_rmse", "quant_top1_agreement")
     steps = ("golden", "quantize", "compare")

@@ -124,6 +124,7 @@ def _greedy(model, ids, n, use_cache):
 
 class SmokeCheck(Check):
     name = "smoke"
+    order = 10
     config_model = SmokeConfig
     headline = ("loss_initial", "loss_final")  # shown in `harness run`'s table
     steps = ("build", "forward", "backward", "train", "determinism", "generate")

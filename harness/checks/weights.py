@@ -82,6 +82,7 @@ def _config_dtype(raw: dict) -> torch.dtype:
 
 class WeightsCheck(Check):
     name = "weights"
+    order = 70
     config_model = WeightsConfig
     description = "Real checkpoint at full size: layout, checksums, streamed float64 per-layer precision (nightly)."
     headline = ("tensors_missing", "stream_worst_rel_rmse")

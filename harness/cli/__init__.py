@@ -58,7 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"harness: {e}", file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    try:
+        rc = int(args.func(args) or 0)
+    except SettingsError as e:  # a malformed HARNESS_* variable, read where it is used
+        print(f"harness: {e}", file=sys.stderr)
+        return 2
+    from harness.registry import broken_entry_points
+
+    broken = broken_entry_points()
+    for line in broken:  # what loaded ran; what did not is named, once, and the exit status says so
+        print(f"harness: error: {line}", file=sys.stderr)
+    return rc or (1 if broken else 0)
 
 
 if __name__ == "__main__":

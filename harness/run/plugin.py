@@ -82,6 +82,25 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_WRITER] = writer
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A plugin (check, backend, model builder, sink) whose entry point did not load: one line each."""
+    from harness.registry import broken_entry_points
+
+    broken = broken_entry_points()
+    if broken:
+        terminalreporter.section("harness: broken entry points", sep="=", red=True)
+        for line in broken:
+            terminalreporter.line(line, red=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from harness.registry import broken_entry_points
+
+    if broken_entry_points() and exitstatus == 0 and not hasattr(session.config, "workerinput"):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the rest ran; the run is still not clean
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     """Scope first, then the shard: the same in every process (xdist workers included)."""
     scope = config.getoption("harness_scope")
@@ -268,7 +287,7 @@ class SuiteFile(pytest.File):
         for check in checks.registry():
             if (want_c and check.name not in want_c) or not check.enabled(ls):
                 continue
-            wanted_variants = list(getattr(check.config(ls), "variants", []) or []) if hasattr(check, "config") else []
+            wanted_variants = list(check.config(ls).variants)
             for bname in names:
                 if want_b and bname not in want_b:
                     continue
@@ -328,7 +347,7 @@ class HarnessItem(pytest.Item):
         self.suite, self.check, self.backend_name = suite, check, backend_name
         self.dtype, self.variant = dtype, variant
         self.result: ItemResult | None = None
-        self.scope = check.scope(suite, variant) if hasattr(check, "scope") else "commit"
+        self.scope = check.scope(suite, variant)
         self.add_marker(getattr(pytest.mark, check.name))
 
     def setup(self) -> None:
@@ -351,7 +370,7 @@ class HarnessItem(pytest.Item):
         from harness.run import exclusive
         from harness.run.results import results_root
 
-        excl = bool(getattr(self.check, "exclusive", False))
+        excl = self.check.exclusive
         # Other xdist workers' items must not run while a timing item measures (exclusive), and one
         # waits for the items running now; in one process items are sequential anyway.
         lock = exclusive.hold(results_root(), excl) if hasattr(self.config, "workerinput") \

@@ -59,7 +59,7 @@ def headline(check_name: str, m: dict[str, float]) -> str:
     from harness import checks
 
     try:
-        names = getattr(checks.registry().get(check_name), "headline", ())
+        names = checks.registry().get(check_name).headline
     except KeyError:
         return ""
     return " ".join(f"{n}={m[n]:.4g}" for n in names if n in m)

@@ -183,8 +183,7 @@ def suite_model() -> type[Suite]:
     vendor's, through the ``harness.checks`` entry point), each the check's own ``config_model``."""
     from harness.checks import registry
 
-    return _assemble(tuple((c.name, getattr(c, "config_model", None), getattr(c, "description", ""))
-                           for c in registry()))
+    return _assemble(tuple((c.name, c.config_model, c.description) for c in registry()))
 
 
 @functools.cache
