@@ -1,30 +1,29 @@
 """Backend registry: built-ins and vendors' backends through the ``harness.backends`` entry-point
-group, plus custom backends declared in ``harness.toml``."""
+group (each with the op lists it declares), plus custom backends declared in ``harness.toml``."""
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+from pathlib import Path
 
 from harness.backends.base import Backend, Registry
-from harness.settings import load_settings
+from harness.settings import load_settings, settings_path
 
 _REGISTRY: Registry | None = None
 _REGISTRY_KEY: object = None
 
 
 def _build() -> Registry:
-    reg = Registry()
-    eps = entry_points(group="harness.backends")
-    if not any(ep.value.startswith("harness.backends.builtin") for ep in eps):
-        # running from a source tree that was never pip-installed: built-ins still exist
-        from harness.backends import builtin
-
-        builtin.register(reg)
-    for ep in sorted(eps, key=lambda e: e.name != "builtin"):
-        ep.load()(reg)
+    reg = Registry().load_entry_points()  # the built-ins are an entry point like any vendor's
+    settings_file = settings_path()
     for cb in load_settings().backends:
+        lists: tuple = ()
+        if cb.op_list:
+            p = Path(cb.op_list)
+            lists = (p if p.is_absolute() else (settings_file.parent if settings_file else Path.cwd()) / p,)
+        elif cb.name in reg:  # a redeclared built-in keeps the lists it shipped
+            lists = reg.get(cb.name).op_lists
         reg.add(Backend(cb.name, cb.device_type, cb.collective, cb.module, cb.dispatch_key,
-                        cb.description, source="harness.toml"), replace=True)
+                        cb.description, source="harness.toml", op_lists=lists), replace=True)
     return reg
 
 

@@ -2,7 +2,9 @@
 
 A backend is data plus a few probes. Built-ins (builtin.py) and a vendor's own backends register
 the same way: an entry point in the ``harness.backends`` group whose target is
-``register(registry)``, or a ``[[backends]]`` table in ``harness.toml`` (custom.py).
+``register(registry)``, or a ``[[backends]]`` table in ``harness.toml``. Either may declare the
+backend's **op lists** (``op_lists``: files, usually shipped in the declaring package, one per plugin
+version), which operator coverage reads when the backend is not installed (harness.inspect.coverage).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,7 +32,12 @@ class Backend:
     dispatch_key: str | None = None  # dispatcher key of its kernels (CUDA, XPU, PrivateUse1, ...)
     description: str = ""
     source: str = "builtin"  # where it was registered from
+    # Declared operator lists (docs/inspect.md format), one per plugin version: a path, or several.
+    op_lists: tuple[Path, ...] = ()
     _avail: tuple[bool, str] | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.op_lists = _paths(self.op_lists)
 
     # --- availability -------------------------------------------------------------------------
     def availability(self) -> tuple[bool, str]:
@@ -154,5 +163,30 @@ class Backend:
         return r == "ok", r
 
 
+def _paths(value: str | os.PathLike | Iterable[str | os.PathLike] | None) -> tuple[Path, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        return (Path(value),)
+    return tuple(Path(v) for v in value)
+
+
 class Registry(NamedRegistry[Backend]):
     kind = "backend"
+    group = "harness.backends"
+
+    def __init__(self):
+        super().__init__()
+        self._flavour_lists: dict[str, tuple[Path, ...]] = {}
+
+    def declare_op_list(self, name: str, paths) -> None:
+        """Op lists of a coverage-only flavour that is not a backend of its own (``rocm``: ROCm builds
+        run as the ``cuda`` backend, their kernel set differs): ``harness inspect --backends`` gets a
+        column for it. A registered backend declares its lists in ``Backend.op_lists`` instead."""
+        self._flavour_lists[name] = self._flavour_lists.get(name, ()) + _paths(paths)
+
+    def op_lists(self, name: str | None = None) -> dict[str, tuple[Path, ...]]:
+        """backend (or flavour) name -> its declared op lists, for one name or every name that has any."""
+        out = {n: ps for n, ps in self._flavour_lists.items() if n not in self._items}
+        out.update({b.name: b.op_lists for b in self if b.op_lists})
+        return {n: ps for n, ps in out.items() if ps and (name is None or n == name)}

@@ -6,7 +6,17 @@ device type on import; their kernels sit under the PrivateUse1 dispatch key.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.backends.base import Backend, Registry
+
+# The operator lists harness ships (docs/backends.md): a built-in declares its own, as a vendor's
+# backend declares the files in its package.
+OPLISTS = Path(__file__).resolve().parent.parent / "oplists"
+
+
+def _lists(name: str) -> list[Path]:
+    return sorted(p for p in OPLISTS.glob("*.txt") if p.stem == name or p.name.startswith(f"{name}-"))
 
 BUILTINS = [
     Backend("cpu", "cpu", "gloo", dispatch_key="CPU", description="host CPU (the reference)"),
@@ -25,4 +35,7 @@ BUILTINS = [
 def register(registry: Registry) -> None:
     for b in BUILTINS:
         # fresh copies: probes cache their answers on the instance
-        registry.add(Backend(b.name, b.device_type, b.collective, b.module, b.dispatch_key, b.description))
+        registry.add(Backend(b.name, b.device_type, b.collective, b.module, b.dispatch_key, b.description,
+                             op_lists=_lists(b.name)))
+    # ROCm builds of torch run as the cuda backend; their kernel set is a column of its own in coverage
+    registry.declare_op_list("rocm", _lists("rocm"))

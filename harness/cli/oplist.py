@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--output", "-o", help="where to write (default harness/oplists/<backend>-<version>.txt; "
                    "'-' for stdout)")
     u.set_defaults(func=run_update)
-    s = verbs.add_parser("show", help="the bundled op lists: backend, version, counts, sources")
+    s = verbs.add_parser("show", help="the backends' declared op lists (shipped with harness or a vendor "
+                         "package, or in harness.toml): backend, version, counts, sources")
     s.add_argument("--backend", help="only this backend")
     s.set_defaults(func=run_show)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -129,16 +130,23 @@ def run_update(args) -> int:
 
 
 def run_show(args) -> int:
-    from harness.inspect.coverage import bundled_op_lists, parse_op_list
+    from harness.backends import registry
+    from harness.inspect.coverage import declared_op_lists, parse_op_list
 
-    lists = bundled_op_lists(args.backend)
+    lists = declared_op_lists(args.backend)
     if not lists:
-        return _fail(f"no bundled op list for {args.backend!r}" if args.backend else "no bundled op lists")
+        return _fail(f"no op list declared for {args.backend!r}" if args.backend else "no op lists declared")
+    reg = registry()
     for be in sorted(lists):
+        declared_by = reg.get(be).source if be in reg else "builtin"
         for p in lists[be]:
-            ol = parse_op_list(p)
+            try:
+                ol = parse_op_list(p)
+            except (OSError, UnicodeError) as e:
+                print(f"{be}: {p}: cannot read: {e} (declared by {declared_by})")
+                continue
             print(f"{be} {ol.version or '(no version)'}: {p.name}, {len(ol)} ops, unlisted ops "
-                  f"{ol.unlisted}; {ol.meta.get('counts', '')}")
+                  f"{ol.unlisted}; {ol.meta.get('counts', '')} (declared by {declared_by})")
             for src in ol.meta.get("source", []):
                 print(f"  source: {src}")
     return 0

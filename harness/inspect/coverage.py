@@ -13,8 +13,10 @@ Where the answer comes from:
 
 1. the **dispatcher** when the backend is installed and has a ``dispatch_key`` (``torch._C.
    _dispatch_has_kernel_for_dispatch_key``);
-2. otherwise its **declared op list**: ``op_list`` of its ``[[backends]]`` table in harness.toml,
-   else ``harness/oplists/<backend>.txt``. One op per line, ``#`` comments; accepted spellings:
+2. otherwise its **declared op list**: the ``op_lists`` its registration declares (a vendor's
+   ``harness.backends`` entry point ships its own files; the built-ins declare
+   ``harness/oplists/<backend>-<version>.txt``), or ``op_list`` of its ``[[backends]]`` table in
+   harness.toml. One op per line, ``#`` comments; accepted spellings:
    ``aten.mm.default``, ``aten::mm`` (every overload), ``aten::add.Tensor``, ``add.Tensor`` and
    native_functions.yaml's ``- func: add.Tensor(Tensor self, ...) -> Tensor``; an optional second
    word ``native`` (default), ``fallback`` or ``composite`` says how the backend provides it.
@@ -148,14 +150,12 @@ def _version_key(v: str | None):
         return (0, None, v or "")
 
 
-def bundled_op_lists(backend_name: str | None = None) -> dict[str, list[Path]]:
-    """backend -> its bundled lists, oldest version first (``<backend>.txt`` / ``<backend>-<v>.txt``;
-    the header's ``backend`` decides, so ``cuda-x.txt`` never passes for a backend named ``cuda-x``)."""
-    out: dict[str, list[Path]] = {}
-    for p in sorted(OPLIST_DIR.glob("*.txt")):
-        be = _header_value(p, "backend") or p.stem
-        if backend_name is None or be == backend_name:
-            out.setdefault(be, []).append(p)
+def declared_op_lists(backend_name: str | None = None) -> dict[str, list[Path]]:
+    """backend -> the op lists its registration declares (``Backend.op_lists``: the built-ins' files in
+    harness/oplists/, a vendor package's own, a harness.toml ``op_list``), oldest version first."""
+    from harness.backends import registry
+
+    out = {be: list(ps) for be, ps in registry().op_lists(backend_name).items()}
     for ps in out.values():
         ps.sort(key=lambda p: (_version_key(_header_value(p, "version")), p.name))
     return out
@@ -198,18 +198,9 @@ def installed_version(backend_name: str) -> str | None:
 
 
 def op_list_path(backend_name: str, version: str | None = None) -> Path | None:
-    """``op_list`` of the backend's harness.toml table, else the bundled list whose version equals
-    ``version`` (the installed plugin's), else the newest bundled list."""
-    from harness.settings import load_settings, settings_path
-
-    for cb in load_settings().backends:
-        if cb.name == backend_name and getattr(cb, "op_list", None):
-            p = Path(cb.op_list)
-            if not p.is_absolute():
-                sp = settings_path()
-                p = (sp.parent if sp else Path.cwd()) / p
-            return p
-    paths = bundled_op_lists(backend_name).get(backend_name, [])
+    """The backend's declared op list whose version equals ``version`` (the installed plugin's), else
+    its newest."""
+    paths = declared_op_lists(backend_name).get(backend_name, [])
     if not paths:
         return None
     want = _base_version(version)
@@ -337,6 +328,8 @@ def backend_source(backend_name: str) -> tuple[str | None, dict[str, str] | None
     if be is not None and be.dispatch_key and be.available():
         return be.dispatch_key, None, f"dispatcher ({be.dispatch_key} kernel table)"
     path = op_list_path(backend_name, installed_version(backend_name))
+    if path is not None and not path.is_file():
+        return None, None, f"none (declared op list {path} does not exist; by {be.source if be else 'builtin'})"
     if path is not None:
         ol = parse_op_list(path)
         return None, ol, ol.describe()

@@ -187,14 +187,14 @@ _PREFERRED = ("cpu", "cuda", "rocm", "xpu", "npu", "musa", "mlu", "mps")
 
 
 def all_backends() -> list[str]:
-    """``--backends all``: the CPU, every backend with a bundled or declared op list, and every
+    """``--backends all``: the CPU, every backend (or flavour) with a declared op list, and every
     installed backend with a dispatch key, in a stable order."""
     from harness.backends import registry
-    from harness.inspect.coverage import bundled_op_lists, op_list_path
+    from harness.inspect.coverage import declared_op_lists
 
-    names = {"cpu"} | set(bundled_op_lists())
+    names = {"cpu"} | set(declared_op_lists())
     for be in registry():
-        if op_list_path(be.name) is not None or (be.dispatch_key and be.available()):
+        if be.dispatch_key and be.available():
             names.add(be.name)
     return sorted(names, key=lambda n: (_PREFERRED.index(n) if n in _PREFERRED else len(_PREFERRED), n))
 

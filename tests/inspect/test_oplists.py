@@ -14,9 +14,9 @@ from harness.inspect.coverage import (
     MISSING,
     NATIVE,
     OPLIST_DIR,
-    bundled_op_lists,
     classify_op,
     composite_kind,
+    declared_op_lists,
     dispatcher_name,
     parse_op_list,
 )
@@ -41,7 +41,7 @@ def yaml_cpu_cuda():
 
 
 def test_every_shipped_list_parses_with_provenance():
-    lists = bundled_op_lists()
+    lists = declared_op_lists()
     assert SHIPPED <= set(lists), sorted(lists)
     for backend in SHIPPED:
         for path in lists[backend]:
