@@ -71,7 +71,7 @@ def today(ls):
 
 
 def gen(ls, root):
-    from harness.golden.generate import generate
+    from harness.precision.generate import generate
 
     return generate(ls, root, update=True)
 
@@ -208,7 +208,7 @@ def mode_reruns(args):
 
 
 def mode_reproduce(args):
-    from harness.golden.generate import build_golden
+    from harness.precision.generate import build_golden
 
     print(f"{'suite':<16} {'dtype':<9} {'same seeds':>10} {'other draws':>11}  (largest relative budget change)")
     for name in args.suite or SUITES:

@@ -11,7 +11,7 @@ its results), so start-up is paid once. Per layout, as named steps:
                layout is killed and reported with rank, step and collective; a crash with its signal;
 ``compare``    logits, loss, every gradient gathered to full shape, the weights after the step and
                the logits after it, rank by rank, under dtype-aware tolerances (docs/parallel.md);
-               routing-aware for MoE (harness.parallel.routing: near-tie flips compared with the
+               routing-aware for MoE (harness.precision.routing: near-tie flips compared with the
                reference rerun with the layout's routing, wide ones fail at the router);
                on a mismatch: the first diverging module and its ranks, the worst gradient;
 ``memory``     recomputation on vs off: equal gradients, lower measured peak; FSDP: per-rank
@@ -188,13 +188,13 @@ def _tmp_root() -> Path:
 
 
 def _facts(ls):
-    from harness.inspect.params import _num_experts
+    from harness.anatomy.moe import num_experts
     from harness.models.build import model_config
     from harness.parallel.layouts import ArchFacts
 
     mc = model_config(ls)
     cfg = mc.config
-    n = _num_experts(cfg) or 0
+    n = num_experts(cfg) or 0
     from harness.parallel.cp import attention_facts
 
     return ArchFacts(moe=n > 0, num_layers=int(cfg.num_hidden_layers), num_experts=n,
@@ -427,7 +427,7 @@ class ParallelCheck(Check):
 
 
 class _Routing:
-    """What the routing-aware comparison found for one layout (harness.parallel.routing)."""
+    """What the routing-aware comparison found for one layout (harness.precision.routing)."""
 
     def __init__(self):
         self.judgement = None
@@ -442,7 +442,7 @@ def _routed_reference(ctx: CheckContext, st, lay, ranks, tol):
     MoE"); with only near-tie flips everything is compared with that rerun."""
     from harness.models.build import build_model
     from harness.parallel.reference import run_reference
-    from harness.parallel.routing import ForcedRouting, judge, layout_routing, router_limits, same_sets
+    from harness.precision.routing import ForcedRouting, judge, layout_routing, router_limits, same_sets
 
     routers = sorted({k.split("/", 2)[2] for k in st.ref if k.startswith("route/")})
     if not routers:

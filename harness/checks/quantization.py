@@ -20,6 +20,7 @@ from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry
 from harness.checks.precision import load_golden_for
 from harness.precision.compare import tensor_metrics
+from harness.precision.quantization import block_size, budgets, quant_scheme, quantized_model
 from harness.suite.loader import LoadedSuite
 
 metrics.declare("quant_logits_rel_rmse", "", "lower", "quantized model: rel_rmse of the logits vs the golden")
@@ -48,138 +49,6 @@ class QuantizationConfig(CheckConfig):
     min_top1_agreement: float = Field(0.8, ge=0, le=1, description="Budget: min share of positions whose "
                                       "argmax token equals the golden's (default: from the golden's measurement).")
 
-
-
-def quant_scheme(ls: LoadedSuite) -> str | None:
-    q = ls.suite.checks.quantization
-    if q.scheme == "none":
-        return None
-    if q.scheme != "auto":
-        return q.scheme
-    qc = ls.raw_config.get("quantization_config") or {}
-    method = str(qc.get("quant_method", "")).lower() + str(qc.get("fmt", "")).lower()
-    if "fp8" in method or "e4m3" in method:
-        return "fp8"
-    return None
-
-
-def block_size(ls: LoadedSuite) -> list[int] | None:
-    """FP8 scale block (rows, cols): the suite's when it sets one, else the checkpoint's
-    ``weight_block_size``; ``None`` where the config declares none (``null``: one scale per tensor)."""
-    q = ls.suite.checks.quantization
-    if "block_size" in q.model_fields_set:
-        return list(q.block_size)
-    qc = ls.raw_config.get("quantization_config") or {}
-    if "weight_block_size" in qc:
-        b = qc["weight_block_size"]
-        return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
-    return list(q.block_size)
-
-
-# Budgets from the golden's measurement: k x the worst clean value over the draws, plus a floor.
-QUANT_K = 1.5
-QUANT_FLOOR = 0.01  # rel_rmse: FP8 rounding of a backend's own dequant/GEMM order is ~1e-3
-
-
-def quantized_model(ls: LoadedSuite, numerics_entry: dict | None, dtype: str, device="cpu",
-                    scheme: str | None = None) -> tuple[torch.nn.Module, int]:
-    """The suite's model with quantize-dequantized weights (the golden's numerics gains applied
-    first), activations in ``dtype``; and the number of tensors quantized."""
-    from harness.models.build import build_model, cast_model
-    from harness.precision import numerics
-
-    model, _ = build_model(ls, "float32", "cpu", seed=ls.suite.checks.precision.seed)
-    numerics.apply(model, numerics_entry)
-    n = quantize_weights(model, scheme or quant_scheme(ls) or "fp8", block_size(ls))
-    return cast_model(model, getattr(torch, dtype), device).eval(), n
-
-
-def _logit_errors(logits: torch.Tensor, ref: torch.Tensor) -> dict:
-    m = tensor_metrics(logits, ref)
-    return {"rel_rmse": m["rel_rmse"], "cosine": m["cosine"],
-            "top1": (logits.argmax(-1) == ref.argmax(-1)).double().mean().item(), "positions": ref[..., 0].numel()}
-
-
-def measure(ls: LoadedSuite, draws: list[torch.Tensor], reference_logits: list[torch.Tensor], dtypes: list[str],
-            numerics_entry: dict | None) -> dict | None:
-    """The manifest's ``quantization``: the quantized model's logits error against the float64 reference
-    on each input draw, per activation dtype, on the reference backend (CPU): worst rel_rmse and
-    cosine, lowest top-1 agreement."""
-    from harness.golden.capture import forward_logits
-
-    scheme = quant_scheme(ls)
-    if scheme is None:
-        return None
-    out = {"scheme": scheme, "block_size": block_size(ls), "draws": len(draws), "k": QUANT_K, "dtypes": {}}
-    for dtype in dtypes:
-        model, _ = quantized_model(ls, numerics_entry, dtype)
-        rows = []
-        with torch.no_grad():
-            for ids, ref in zip(draws, reference_logits, strict=True):
-                rows.append(_logit_errors(forward_logits(model, ids).float(), ref.float()))
-        out["dtypes"][dtype] = {"rel_rmse_max": float(f"{max(r['rel_rmse'] for r in rows):.4g}"),
-                                "cosine_min": float(f"{min(r['cosine'] for r in rows):.6g}"),
-                                "top1_min": float(f"{min(r['top1'] for r in rows):.4g}"),
-                                "positions": rows[0]["positions"]}
-    return out
-
-
-def budgets(ls: LoadedSuite, manifest: dict, dtype: str) -> tuple[dict, str]:
-    """({"rel_rmse", "min_cosine", "min_top1_agreement"}, where they came from) for a run: a value the
-    suite sets is the budget; otherwise k x the golden's measured clean error (+ floor) when the
-    golden measured this scheme and block in this dtype, else the declared defaults."""
-    q = ls.suite.checks.quantization
-    declared = {"rel_rmse": q.rel_rmse, "min_cosine": q.min_cosine, "min_top1_agreement": q.min_top1_agreement}
-    meas = manifest.get("quantization") or {}
-    m = (meas.get("dtypes") or {}).get(dtype)
-    if not m or meas.get("scheme") != quant_scheme(ls) or meas.get("block_size") != block_size(ls):
-        why = "the golden has no measurement" if not meas else \
-            f"the golden measured {meas.get('scheme')} blocks {meas.get('block_size')} in {sorted(meas.get('dtypes') or {})}"
-        return declared, f"declared budgets ({why})"
-    n = max(int(m.get("positions") or 1), 1)
-    out = {"rel_rmse": QUANT_K * m["rel_rmse_max"] + QUANT_FLOOR,
-           "min_cosine": 1 - (QUANT_K * (1 - m["cosine_min"]) + 1e-4),
-           # disagreements: k x the measured share, plus one position (a near tie another backend breaks)
-           "min_top1_agreement": max(0.0, 1 - (QUANT_K * (1 - m["top1_min"]) + 1 / n))}
-    src = f"measured by golden generate ({meas.get('draws')} draws, k={QUANT_K:g})"
-    for key in ("rel_rmse", "min_cosine", "min_top1_agreement"):
-        if key in q.model_fields_set:
-            out[key] = declared[key]
-            src += f"; {key} set by the suite"
-    return out, src
-
-
-def _fp8_block(w: torch.Tensor, block: list[int] | None) -> torch.Tensor:
-    r, c = w.shape
-    br, bc = block or (r, c)  # None: one scale for the tensor
-    pr, pc = (-r) % br, (-c) % bc
-    x = torch.nn.functional.pad(w.float(), (0, pc, 0, pr))
-    x = x.reshape((r + pr) // br, br, (c + pc) // bc, bc)
-    scale = x.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    q = (x / scale).to(torch.float8_e4m3fn).float() * scale
-    return q.reshape(r + pr, c + pc)[:r, :c].to(w.dtype)
-
-
-def _int8_channel(w: torch.Tensor) -> torch.Tensor:
-    x = w.float()
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-    return ((x / scale).round().clamp(-127, 127) * scale).to(w.dtype)
-
-
-def quantize_weights(model: torch.nn.Module, scheme: str, block: list[int] | None) -> int:
-    """Quantize-dequantize every Linear weight except the LM head and routers (as FP8 checkpoints
-    leave them); 3-D fused expert weights too. Returns the number of tensors quantized."""
-    n = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() < 2 or "embed" in name or "norm" in name or name.startswith("lm_head") \
-                    or name.endswith(".gate.weight"):
-                continue
-            flat = p.reshape(-1, p.shape[-1])
-            q = _fp8_block(flat, block) if scheme == "fp8" else _int8_channel(flat)
-            p.copy_(q.reshape(p.shape))
-            n += 1
-    return n
 
 
 class QuantizationCheck(Check):
@@ -212,7 +81,7 @@ class QuantizationCheck(Check):
                          f"activations in {st.act}")
 
     def compare(self, ctx: CheckContext, st) -> None:
-        from harness.golden.capture import forward_logits
+        from harness.anatomy.capture import forward_logits
 
         g, scheme = st.g, st.scheme
         b, src = budgets(ctx.suite, g.manifest, st.act)

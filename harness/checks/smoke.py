@@ -49,7 +49,7 @@ metrics.declare("image_logit_change", "", "higher", "max |logits(image A) - logi
                 "after the image (wrapper variant): 0 means the image does not reach the output")
 for _part in ("text", "vision", "projector"):
     metrics.declare(f"parameters_{_part}", "", "none", f"parameters of the pruned wrapper's {_part} part "
-                    "(harness.inspect.params.module_part, as `harness inspect` splits them)")
+                    "(harness.anatomy.moe.module_part, as `harness inspect` splits them)")
     metrics.declare(f"grad_norm_{_part}", "", "none", f"L2 norm of the first backward's gradients in the {_part} part")
 
 WRAPPER = "wrapper"  # the variant name: item smoke[<backend>-<dtype>-wrapper]
@@ -159,7 +159,7 @@ class SmokeCheck(Check):
         return model
 
     def _build_wrapper(self, ctx: CheckContext, st) -> None:
-        from harness.inspect.params import module_part
+        from harness.anatomy.moe import module_part
         from harness.models.build import model_config
         from harness.models.config import ModelBuildError
         from harness.models.wrapper import image_batch, supported, wrapper_config
@@ -193,7 +193,7 @@ class SmokeCheck(Check):
         missing = [p for p in ("vision", "projector") if p not in set(st.parts.values())]
         if missing:
             raise NotApplicable(f"wrapper end to end: {type(st.model).__name__} has no {' or '.join(missing)} "
-                                "parameters by module path (harness.inspect.params.module_part)")
+                                "parameters by module path (harness.anatomy.moe.module_part)")
 
     def forward(self, ctx: CheckContext, st) -> None:
         cfg, model, ids = st.cfg, st.model, st.ids
@@ -246,7 +246,7 @@ class SmokeCheck(Check):
     def _image_reaches_logits(self, ctx: CheckContext, st) -> None:
         """A second seeded image must change the logits after the image; if not, name the first
         vision/projector module (in the order they finish) whose input changed but output did not."""
-        from harness.inspect.params import module_part
+        from harness.anatomy.moe import module_part
         from harness.models.wrapper import image_batch
 
         cfg = st.cfg
@@ -414,7 +414,7 @@ def _same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
 def _part_roots(model: torch.nn.Module) -> dict[str, list[str]]:
     """The shallowest modules of each wrapper part (vision / projector / text) by module path, as
     ``harness inspect`` splits parameters (``model.visual``, ``model.visual.merger``, ...)."""
-    from harness.inspect.params import module_part
+    from harness.anatomy.moe import module_part
 
     roots: dict[str, list[str]] = {}
     for name, mod in model.named_modules():

@@ -199,8 +199,8 @@ class WeightsCheck(Check):
         if ctx.variant != "stream":
             return
         from harness.models.build import seeded_tokens, torch_dtype
+        from harness.precision.stream import capture_layers
         from harness.weights.place import build_placed
-        from harness.weights.stream import capture_layers
 
         model, kinds = build_placed(ctx.suite, st.full_mc, torch_dtype(ctx.dtype), st.placement, st.ckpt)
         q = {k: v for k, v in kinds.items() if k != "plain"}
@@ -219,7 +219,7 @@ class WeightsCheck(Check):
     def reference(self, ctx: CheckContext, st) -> None:
         if ctx.variant != "stream":
             return
-        from harness.weights.stream import float64_rotary, stream_reference
+        from harness.precision.stream import float64_rotary, stream_reference
 
         tol = st.cfg.rel_rmse.get(ctx.dtype, 3e-2)
         ctx.tolerance("stream_rel_rmse", tol)

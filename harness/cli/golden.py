@@ -38,8 +38,8 @@ def _suites(args):
 
 def _guard(fn):
     def run(args) -> int:
-        from harness.golden.generate import ReferenceError
         from harness.golden.store import GoldenError
+        from harness.precision.generate import ReferenceError
         from harness.suite.loader import SuiteError
 
         try:
@@ -52,8 +52,8 @@ def _guard(fn):
 
 @_guard
 def generate(args) -> int:
-    from harness.golden.generate import generate as gen
     from harness.golden.store import GoldenError
+    from harness.precision.generate import generate as gen
 
     bad = 0
     for ls in _suites(args):
@@ -71,8 +71,8 @@ def generate(args) -> int:
 @_guard
 def diff(args) -> int:
     from harness.golden import store
-    from harness.golden.generate import build_golden
     from harness.precision.compare import tensor_metrics
+    from harness.precision.generate import build_golden
 
     changed = 0
     for ls in _suites(args):

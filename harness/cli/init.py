@@ -3,7 +3,7 @@ seen, or refuse in one line saying why.
 
 1. refuse remote-code-only configs and architectures nobody can build (naming what was tried and the
    knob that fixes it: ``model.architecture``, ``model.adapter``);
-2. prune from the config itself (harness/inspect/prune.py); a multimodal wrapper is tested through its
+2. prune from the config itself (harness/models/prune.py); a multimodal wrapper is tested through its
    language decoder when transformers has a causal LM for its ``text_config``, else end to end with a
    tiny vision tower;
 3. size guard: the pruned model is built on the meta device; over ``--max-params`` (5M) nothing is
@@ -71,13 +71,13 @@ def unreduced_keys(raw: dict, text: dict, flat: dict, prefix: str = "") -> list[
 
 def _plan(raw: dict, config: str):
     """(Plan, resolved class name) or InitRefused."""
-    from harness.inspect.prune import plan_config
     from harness.models.config import (
         UnknownArchitectureError,
         _registry_class,
         remote_code_only,
         resolve_architecture,
     )
+    from harness.models.prune import plan_config
 
     why_remote = remote_code_only(raw)
     if why_remote:
@@ -208,8 +208,8 @@ def wrapper_probe(path: Path) -> tuple[list[str], str | None]:
 def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str | Path | None = None,
                force: bool = False, max_params: int = DEFAULT_MAX_PARAMS) -> Path:
     """Write the suite file; raises InitRefused / FileExistsError with a one-line message."""
-    from harness.inspect.prune import suite_toml
     from harness.models.config import ModelBuildError
+    from harness.models.prune import suite_toml
     from harness.settings import load_settings
     from harness.suite.loader import SuiteError, load_suite
 

@@ -12,7 +12,7 @@ Format 2 also stores, for the isolated comparison, what each captured module was
 ``{"o": module}`` (another module's stored output) or ``{"t": key}`` (``<key>::in`` in
 ``modules.safetensors``, float32 copies of the float64 reference values), and the clean-error
 ``budgets`` measured per low-precision dtype (``harness.precision.budgets``), and the realistic
-``numerics`` gains (``harness.precision.numerics``).
+``numerics`` gains (``harness.models.numerics``).
 
 Everything loaded is validated as data: names are plain identifiers, every tensor matches the
 manifest's shape and storage dtype and is finite, every entry the check needs is present.
@@ -355,7 +355,7 @@ def validate(g: Golden) -> None:
         # module inputs may hold -inf legitimately (an additive attention mask), never NaN
         _check_tensor(g, "modules.safetensors", key + IN, t, m.get("shape"), _kind(str(m.get("dtype", ""))),
                       allow_inf=True)
-    from harness.precision.isolate import leaves
+    from harness.anatomy.capture import leaves
 
     for mod, st in g.structures.items():
         for leaf in leaves(st):
@@ -385,7 +385,7 @@ def _check_weights(recorded: dict | None, ls, mf: str) -> None:
     fail every module for nothing: refused in one line. Goldens without the record (older) pass."""
     if not isinstance(recorded, dict):
         return
-    from harness.golden.generate import weights_provenance
+    from harness.weights import weights_provenance
 
     now = weights_provenance(ls)
     was, is_ = recorded.get("weights"), now.get("weights")

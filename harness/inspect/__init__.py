@@ -6,6 +6,6 @@
 * :mod:`harness.inspect.trace` - the aten operator inventory of one forward + backward;
 * :mod:`harness.inspect.coverage` - that inventory classified for a backend (native, composite,
   CPU fallback, missing);
-* :mod:`harness.inspect.prune` - pruning chosen from the architecture (``harness init``);
+* :mod:`harness.models.prune` - pruning chosen from the architecture (``harness init``);
 * :mod:`harness.inspect.report` - text/JSON rendering used by ``harness inspect``.
 """

@@ -28,20 +28,25 @@ persistent ones are counted in checkpoint bytes only.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
-import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from harness.anatomy.moe import (
+    expert_parents,
+    experts_per_token,
+    module_kind,
+    module_part,
+    num_experts,
+    text_config,
+)
+from harness.anatomy.quant import QuantScheme, quant_scheme
 from harness.models.build import instantiate, model_config
 from harness.models.config import (
-    EXPERT_KEYS,
-    TOPK_KEYS,
     ModelConfig,
     architecture_class,
     build_config,
@@ -100,58 +105,6 @@ def meta_model(target: Target, pruned: bool = False, dtype: torch.dtype = torch.
     return cast_model(model, dtype, "meta"), mc  # rotary inv_freq stays float32, as in the real build
 
 
-def _text(cfg):
-    """A wrapper's text config (``get_text_config``), else the config itself."""
-    try:
-        return cfg.get_text_config()
-    except (AttributeError, ValueError):
-        return cfg
-
-
-def _num_experts(cfg) -> int | None:
-    cfg = _text(cfg)
-    for k in EXPERT_KEYS:
-        v = getattr(cfg, k, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def _is_experts(mod: torch.nn.Module, n_exp: int | None) -> bool:
-    name = type(mod).__name__
-    return name.endswith("Experts") and any(p.dim() == 3 for p in mod.parameters(recurse=False)) or (
-        n_exp is not None and any(p.dim() == 3 and p.shape[0] == n_exp for p in mod.parameters(recurse=False)))
-
-
-def module_kind(fqn: str, mod: torch.nn.Module, n_exp: int | None = None) -> str:
-    cls = type(mod).__name__
-    last = fqn.rsplit(".", 1)[-1]
-    if isinstance(mod, torch.nn.Embedding) or last in ("embed_tokens", "wte", "word_embeddings"):
-        return "embedding"
-    if last in ("lm_head", "output"):
-        return "lm_head"
-    if "Norm" in cls or cls.endswith("LayerNorm"):
-        return "norm"
-    if "shared_expert" in fqn:
-        return "shared_experts"
-    if "Router" in cls or (last == "gate" and _parent_has_experts(fqn)):
-        return "router"
-    if _is_experts(mod, n_exp) or ".experts." in f"{fqn}.":
-        return "routed_experts"
-    if "attn" in fqn or "attention" in fqn:
-        return "attention"
-    if ".mlp" in fqn or "feed_forward" in fqn or "ffn" in fqn:
-        return "dense_mlp"
-    return "other"
-
-
-_EXPERT_PARENTS: set[str] = set()
-
-
-def _parent_has_experts(fqn: str) -> bool:
-    return fqn.rsplit(".", 1)[0] in _EXPERT_PARENTS
-
-
 @dataclass
 class ParamReport:
     total: int
@@ -179,115 +132,6 @@ def _weight_block_bytes(out_f: int, in_f: int, block: tuple[int, int]) -> tuple[
 
 
 @dataclass
-class QuantScheme:
-    """How a checkpoint stores its quantized Linear weights, read from ``quantization_config``.
-
-    ``granularity``: ``block`` (one scale per ``block`` tile), ``channel`` (one per output row),
-    ``tensor`` (one per matrix) or ``group`` (one per ``group`` consecutive input elements of a row).
-    """
-
-    label: str  # scenario name in ParamReport.bytes
-    weight_dtype: str  # e.g. float8_e4m3fn, int4 (packed), float4_e2m1 (packed)
-    weight_bits: int
-    granularity: str
-    scale_dtype: str
-    scale_bytes: int
-    block: tuple[int, int] | None = None
-    group: int | None = None
-    per_tensor_bytes: int = 0  # extra per quantized matrix (NVFP4's fp32 global scale, static input scales)
-    ignore: list[str] = field(default_factory=list)
-    scale_name: str = "weight_scale"
-
-    def bytes_of(self, out_f: int, in_f: int) -> tuple[int, int]:
-        """(weight bytes, scale bytes) of one [out, in] matrix."""
-        w = math.ceil(out_f * in_f * self.weight_bits / 8)
-        if self.granularity == "block":
-            n = math.ceil(out_f / self.block[0]) * math.ceil(in_f / self.block[1])
-        elif self.granularity == "channel":
-            n = out_f
-        elif self.granularity == "group":
-            n = out_f * math.ceil(in_f / self.group)
-        else:
-            n = 1
-        return w, n * self.scale_bytes + self.per_tensor_bytes
-
-    def skips(self, fqn: str) -> bool:
-        """``ignore`` / ``modules_to_not_convert`` entries: ``re:`` regexes (compressed-tensors), globs
-        (modelopt: ``model.layers.0.self_attn*``) or module names (a prefix or a path component)."""
-        for pat in self.ignore:
-            if pat.startswith("re:"):
-                if re.match(pat[3:], fqn):
-                    return True
-            elif any(c in pat for c in "*?["):
-                if fnmatch.fnmatchcase(fqn, pat) or fnmatch.fnmatchcase(fqn, pat + ".*"):
-                    return True
-            elif fqn == pat or fqn.startswith(pat + ".") or f".{pat}." in f".{fqn}." or fqn.endswith("." + pat):
-                return True
-        return False
-
-
-def quant_scheme(q: dict | None) -> QuantScheme | None:
-    """The storage scheme of a ``quantization_config`` (FP8 per-block / per-channel / per-tensor,
-    MXFP4, INT4/INT8 group-wise compressed-tensors, NVFP4), or None when it is not one we know."""
-    if not q:
-        return None
-    method = str(q.get("quant_method") or "").lower()
-    algo = str(q.get("quant_algo") or "").upper()
-    ignore = list(q.get("ignore") or q.get("modules_to_not_convert") or q.get("exclude_modules") or [])
-    w = {}
-    for g in (q.get("config_groups") or {}).values():
-        if isinstance(g, dict) and isinstance(g.get("weights"), dict):
-            w = g["weights"]
-            break
-    bits, wtype = w.get("num_bits"), str(w.get("type") or "")
-    strategy = str(w.get("strategy") or "").lower()
-    if method == "mxfp4" or algo == "MXFP4":
-        return QuantScheme("mxfp4 (checkpoint)", "float4_e2m1 (packed, 2 per byte)", 4, "group", "float8_e8m0 "
-                           "(one per 32)", 1, group=32, ignore=ignore, scale_name="scales")
-    if algo == "NVFP4" or (bits == 4 and wtype == "float"):
-        group = int(w.get("group_size") or 16)
-        return QuantScheme(f"nvfp4 group {group} (checkpoint)", "float4_e2m1 (packed, 2 per byte)", 4, "group",
-                           f"float8_e4m3fn (one per {group}) + fp32 global", 1, group=group, per_tensor_bytes=8,
-                           ignore=ignore)
-    if bits in (4, 8) and wtype == "int":
-        group = w.get("group_size")
-        gran = "group" if strategy == "group" and group else ("channel" if strategy == "channel" else "tensor")
-        label = f"int{bits} {gran}" + (f" {group}" if gran == "group" else "") + " (checkpoint)"
-        zp = 0 if w.get("symmetric", True) else 1  # asymmetric: a zero point beside each scale
-        return QuantScheme(label, f"int{bits} (packed)" if bits == 4 else "int8", bits, gran,
-                           "bfloat16" + (" + zero point" if zp else ""), 2 * (1 + zp), group=int(group or 0) or None,
-                           ignore=ignore)
-    if method == "fp8" or algo == "FP8" or (bits == 8 and wtype == "float"):
-        block = q.get("weight_block_size") or w.get("block_structure")
-        if isinstance(block, str):
-            block = [int(x) for x in re.findall(r"\d+", block)]
-        if block:
-            b = (int(block[0]), int(block[1]))
-            return QuantScheme(f"fp8 block {b[0]}x{b[1]} (checkpoint)", "float8_e4m3fn", 8, "block", "float32", 4,
-                               block=b, ignore=ignore, scale_name="weight_scale_inv")
-        if strategy == "channel":
-            return QuantScheme("fp8 per-channel (checkpoint)", "float8_e4m3fn", 8, "channel", "float32", 4,
-                               ignore=ignore)
-        static_input = isinstance(w, dict) and w and (q.get("config_groups") or {}) and not any(
-            (g.get("input_activations") or {}).get("dynamic", True) for g in q["config_groups"].values()
-            if isinstance(g, dict))
-        return QuantScheme("fp8 per-tensor (checkpoint)", "float8_e4m3fn", 8, "tensor",
-                           "float32" + (" (+ static input_scale)" if static_input else ""), 4,
-                           per_tensor_bytes=4 if static_input else 0, ignore=ignore)
-    return None
-
-
-def module_part(fqn: str) -> str:
-    """Which part of a multimodal wrapper a module belongs to: text, vision or projector."""
-    low = fqn.lower()
-    if re.search(r"projector|multi_modal|mm_proj|merger|connector|aligner|embed_vision", low):
-        return "projector"
-    if re.search(r"vision|visual|vit\b|image|patch|audio", low):
-        return "vision"
-    return "text"
-
-
-@dataclass
 class _Count:
     """What the steps of :func:`count_parameters` share."""
 
@@ -297,6 +141,7 @@ class _Count:
     n_exp: int = 0
     top_k: int | None = None
     scheme: QuantScheme | None = None
+    parents: set[str] = field(default_factory=set)  # MoE blocks holding routed experts
     by_kind: dict = field(default_factory=lambda: defaultdict(int))
     act_by_kind: dict = field(default_factory=lambda: defaultdict(float))
     by_part: dict = field(default_factory=lambda: defaultdict(int))
@@ -318,14 +163,10 @@ def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
 
 def _find_experts(c: _Count) -> None:
     """Expert count and top-k from the (text) config; which modules hold routed experts."""
-    c.tcfg = _text(c.mc.config)
-    c.n_exp = _num_experts(c.mc.config)
-    c.top_k = next((getattr(c.tcfg, k) for k in TOPK_KEYS if isinstance(getattr(c.tcfg, k, None), int)),
-                   None) if c.n_exp else None
-    _EXPERT_PARENTS.clear()
-    for fqn, mod in c.model.named_modules():
-        if _is_experts(mod, c.n_exp):
-            _EXPERT_PARENTS.add(fqn.rsplit(".", 1)[0])
+    c.tcfg = text_config(c.mc.config)
+    c.n_exp = num_experts(c.mc.config)
+    c.top_k = experts_per_token(c.mc.config) if c.n_exp else None
+    c.parents = expert_parents(c.model, c.n_exp)
     c.scheme = quant_scheme(c.mc.quantization)
 
 
@@ -334,7 +175,7 @@ def _tally(c: _Count) -> None:
     seen: set[int] = set()
     scheme = c.scheme
     for fqn, mod in c.model.named_modules():
-        kind = module_kind(fqn, mod, c.n_exp)
+        kind = module_kind(fqn, mod, c.n_exp, c.parents)
         part = module_part(fqn)
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen:

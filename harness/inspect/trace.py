@@ -312,7 +312,7 @@ def trace_model(model: torch.nn.Module, vocab_size: int, *, batch: int = 1, seq:
 # --- realistic numerics for the real trace ----------------------------------------------------------
 @dataclass(frozen=True)
 class TraceNumerics:
-    """Which weight rescaling the real trace applies (``harness.precision.numerics``).
+    """Which weight rescaling the real trace applies (``harness.models.numerics``).
 
     ``source``: ``golden`` (the committed golden's gains for this config), ``calibrated`` (no usable
     golden: calibrated here the way ``golden generate`` does, on the float64 model and the golden's
@@ -396,8 +396,8 @@ def numerics_gains(ls, num: TraceNumerics) -> dict | None:
         return None
     ck = (str(ls.path), num.key)
     if ck not in _CALIBRATED:
+        from harness.models import numerics
         from harness.models.build import build_model, seeded_tokens
-        from harness.precision import numerics
 
         p = ls.suite.checks.precision
         model, mc = build_model(ls, "float64", "cpu", seed=p.seed)
@@ -437,8 +437,8 @@ _REAL: dict[tuple, Inventory] = {}
 def real_inventory(ls, dtype: str, *, batch: int = 2, seq: int = 16, realistic: bool | None = None) -> Inventory:
     """Trace the pruned model for real on CPU (values, samples), with the realistic-numerics gains of
     :func:`trace_numerics`: once per process per suite x dtype x numerics."""
+    from harness.models import numerics
     from harness.models.build import build_model
-    from harness.precision import numerics
 
     num = trace_numerics(ls, realistic)
     key = (str(ls.path), dtype, num.key, batch, seq)

@@ -15,12 +15,9 @@ import copy
 import re
 from dataclasses import dataclass, field
 
+from harness.anatomy.moe import EXPERT_KEYS
 from harness.suite.schema import PruneSection
 
-# What each config family calls its routed-expert count.
-EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
-# ... and its experts-per-token.
-TOPK_KEYS = ("num_experts_per_tok", "top_k_experts", "num_experts_per_token", "moe_topk", "moe_top_k")
 # Token ids that must stay inside a pruned vocabulary.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

@@ -4,7 +4,7 @@ projector) and a seeded synthetic image laid out as the model's own processor la
 What the smoke check's ``wrapper`` variant builds (docs/adding-a-model.md):
 
 * **config**: the published config.json with the suite's ``[prune]`` applied to the text part (as the
-  suite's own decoder build does), the vision part pruned by ``harness.inspect.prune.plan_wrapper_vision``
+  suite's own decoder build does), the vision part pruned by ``harness.models.prune.plan_wrapper_vision``
   from the *effective* vision config (what transformers reads, defaults included: Llama-4-Scout's
   corpus config has no ``vision_config``; Kimi-K2.5's remote-code ``vt_*`` keys are not read by
   transformers' ``Kimi_K25VisionConfig``), then ``[checks.smoke] wrapper_overrides``;
@@ -78,7 +78,7 @@ def _effective(raw: dict, arch: str) -> object:
 
 def wrapper_config(ls, suite_mc: ModelConfig, overrides: dict | None = None) -> tuple[ModelConfig, list[str]]:
     """The pruned wrapper for suite ``ls`` (whose own build is ``suite_mc``) and the reasons."""
-    from harness.inspect.prune import plan_wrapper_vision
+    from harness.models.prune import plan_wrapper_vision
 
     raw = ls.raw_config
     part = text_part(raw)

@@ -13,6 +13,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from harness.anatomy.layers import decoder_layers
 from harness.parallel.reference import clean_name, lm_loss
 
 TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
@@ -120,11 +121,6 @@ def apply_ac(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    base = getattr(model, model.base_model_prefix)
-    return base.layers
-
-
 def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = True,
                experts: tuple[list[str], object, float] | None = None) -> None:
     """FSDP2 (ZeRO-3): every decoder layer is one unit, the rest (embedding, norm, lm_head) the root.
@@ -158,7 +154,7 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = 
         # A factor other than the mesh's size is a PREMUL_SUM reduce-scatter, which gloo lacks:
         # plain sums, divided by the factor afterwards (any backend).
         unit.set_force_sum_reduction_for_comms(True)
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model)[1]:
         if next(layer.parameters(), None) is None:
             continue  # a pipeline stage's pass-through for another stage's layer
         _own_units_for_other_dtypes(layer, fsdp_mesh, reshard_after_forward)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.golden.capture import first_tensor
+from harness.anatomy.capture import first_tensor
 from harness.models.build import seeded_tokens
 
 # Wrapper prefixes that layouts add to parameter and module names; stripped so that names match.
@@ -85,9 +85,9 @@ class ModuleCapture:
 def run_reference(model: torch.nn.Module, ids: torch.Tensor, lr: float,
                   forced=None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The step above on one process. Returns (tensors by key, module order). Every router's
-    choice is recorded (``route/<phase>/<router>``, ``harness.parallel.routing``); with ``forced``
+    choice is recorded (``route/<phase>/<router>``, ``harness.precision.routing``); with ``forced``
     (a ``routing.ForcedRouting``) the routers choose the experts it gives instead."""
-    from harness.parallel.routing import RouterCapture
+    from harness.precision.routing import RouterCapture
 
     model.train()
     cap = ModuleCapture(model)

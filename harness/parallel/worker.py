@@ -44,9 +44,9 @@ from harness.parallel.comm import CommCounter
 from harness.parallel.layouts import DATA_DIMS, Layout
 from harness.parallel.memory import StoragePeak
 from harness.parallel.reference import ModuleCapture, batch, clean_name, lm_loss, make_optimizer
-from harness.parallel.routing import RouterCapture
 from harness.parallel.status import StatusWriter
 from harness.parallel.tp_experts import fused_experts_in_plan, gather_full, shard_fused_experts
+from harness.precision.routing import RouterCapture
 
 
 def _write_json(path: str, obj) -> None:
@@ -202,7 +202,7 @@ class RankRun:
             frozenset([getattr(inner, inner.base_name)]) if stage is not None and not stage.is_last
             else frozenset())
         cap = ModuleCapture(wrapped, skip=plumbing) if capture else None
-        # Every router's chosen experts, for the routing-aware comparison (harness.parallel.routing).
+        # Every router's chosen experts, for the routing-aware comparison (harness.precision.routing).
         rcap = RouterCapture(wrapped, name_of=clean_name) if capture else None
         if rcap is not None:
             rcap.phase = "step"
@@ -308,7 +308,7 @@ class RankRun:
             # A pipeline stage's first forward is a shape-inference run: the schedule's own calls only.
             routed = rcap.tensors(last=lay.microbatches if sched is not None else None)
             if lay.cp > 1:
-                # Routing is compared per batch slice (harness.parallel.routing): each cp rank gets
+                # Routing is compared per batch slice (harness.precision.routing): each cp rank gets
                 # its slice's whole sequences, [b S / cp, .] -> [b S, .] in the reference's order.
                 routed = {k: cp_mod.gather_tokens(routed[k], ids.shape[0], groups["cp"], lay.cp)
                           for k in sorted(routed)}
@@ -378,7 +378,7 @@ def _peak(mt) -> int:
 
 
 def _num_experts(cfg) -> int:
-    from harness.inspect.params import _num_experts as n
+    from harness.anatomy.moe import num_experts as n
 
     return n(cfg) or 0
 

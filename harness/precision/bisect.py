@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from harness.golden.capture import selected_modules
+from harness.anatomy.capture import selected_modules
 from harness.golden.store import Golden
 from harness.precision.runner import Transform, build_target, compare_run, run_model, tolerances_for
 from harness.suite.loader import LoadedSuite
@@ -105,8 +105,8 @@ def _candidates(model, patterns, leaves_only: bool) -> list[str]:
 def bisect_modules(ls: LoadedSuite, golden: Golden, backend, dtype: str, *, with_: str = "reference",
                    transform: Transform | None = None, context=None, candidates: list[str] | None = None
                    ) -> BisectResult:
-    from harness.golden.generate import parse_reference
     from harness.models.build import build_model
+    from harness.precision.generate import parse_reference
 
     tol = tolerances_for(ls, backend, dtype)[0]
     p = ls.suite.checks.precision
@@ -118,7 +118,7 @@ def bisect_modules(ls: LoadedSuite, golden: Golden, backend, dtype: str, *, with
 
         rbe = get(rb)
         ref_model, _ = build_model(ls, rd, rbe.device(), seed=p.seed)
-        from harness.precision import numerics
+        from harness.models import numerics
 
         numerics.apply(ref_model, golden.manifest.get("numerics"))  # the golden's realistic gains
         ref_model.eval()

@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from harness.golden.capture import EXPERTS_SUFFIX, ROUTER_SUFFIXES
+from harness.anatomy.capture import EXPERTS_SUFFIX
+from harness.anatomy.moe import ROUTER_SUFFIXES
 from harness.precision.compare import tensor_metrics
 from harness.precision.isolate import keep_tokens, replay
 
@@ -102,9 +103,9 @@ def measure(ls, draws: list[torch.Tensor], reference_model, dtypes: list[str], r
             numerics_entry: dict | None = None) -> dict:
     """The manifest's ``budgets``: {dtype: {"k", "floor", "draws", "modules": {name: stats + budget},
     "router_noise": {gate: value}, "propagated": {"logits": stats}, "flips": n}}."""
-    from harness.golden.capture import capture_with_inputs
+    from harness.anatomy.capture import capture_with_inputs
+    from harness.models import numerics
     from harness.models.build import build_model, torch_dtype
-    from harness.precision import numerics
     from harness.precision.tolerance import DEFAULTS
 
     p = ls.suite.checks.precision
@@ -137,7 +138,7 @@ def measure(ls, draws: list[torch.Tensor], reference_model, dtypes: list[str], r
             for g, v in nz.items():
                 noise[g] = max(noise.get(g, 0.0), v)
             with torch.no_grad():
-                from harness.golden.capture import forward_logits
+                from harness.anatomy.capture import forward_logits
 
                 lg = forward_logits(model, ids).to("cpu")
             logits_err.append(tensor_metrics(lg, outs["logits"])["rel_rmse"])
@@ -169,7 +170,7 @@ def measure(ls, draws: list[torch.Tensor], reference_model, dtypes: list[str], r
 def _generation_errors(reference_model, model, ids, n: int, ref_gens: dict, draw: int) -> tuple[float, list[float]]:
     """(max |logprob diff| of agreeing greedy tokens, reference gaps at mismatching tokens) of the
     dtype model's greedy generation against the reference's on one draw."""
-    from harness.golden.capture import greedy
+    from harness.anatomy.capture import greedy
 
     ref = ref_gens.get(draw)
     if ref is None:

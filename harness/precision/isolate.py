@@ -18,40 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.golden.capture import EXPERTS_SUFFIX, ROUTER_SUFFIXES, _router_outputs, first_tensor, module_path
-
-
-def decode(node, resolve):
-    """Inverse of ``Capture._encode`` with ``resolve(kind, key)`` giving each tensor leaf."""
-    if "t" in node:
-        return resolve("t", node["t"])
-    if "o" in node:
-        return resolve("o", node["o"])
-    if "v" in node:
-        return node["v"]
-    if "seq" in node:
-        seq = [decode(x, resolve) for x in node["seq"]]
-        return tuple(seq) if node.get("tuple") else seq
-    if "map" in node:
-        return {k: decode(v, resolve) for k, v in node["map"].items()}
-    raise ValueError(f"unknown input node {sorted(node)}")
-
-
-def leaves(node):
-    """Every tensor leaf ({"t": key} / {"o": name}) of a structure."""
-    if "t" in node or "o" in node:
-        yield node
-    elif "seq" in node:
-        for x in node["seq"]:
-            yield from leaves(x)
-    elif "map" in node:
-        for x in node["map"].values():
-            yield from leaves(x)
-    elif "args" in node:
-        for x in node["args"]:
-            yield from leaves(x)
-        for x in node["kwargs"].values():
-            yield from leaves(x)
+from harness.anatomy.capture import (
+    EXPERTS_SUFFIX,
+    decode,
+    first_tensor,
+    module_path,
+    router_outputs,
+)
+from harness.anatomy.moe import ROUTER_SUFFIXES
 
 
 @dataclass
@@ -107,13 +81,13 @@ def replay(model: torch.nn.Module, structures: dict[str, dict], outputs: dict[st
                 seen.clear()
                 out = mod(*args, **kwargs)
                 if name.endswith(ROUTER_SUFFIXES):
-                    for k, v in _router_outputs(name, out).items():
+                    for k, v in router_outputs(name, out).items():
                         res.outputs[k] = v.detach().to("cpu")
                 else:
                     t = first_tensor(out)
                     if t is not None:
                         res.outputs[name] = t.detach().to("cpu")
-                inner = {g: _router_outputs(g, o) for g, o in seen.items()}
+                inner = {g: router_outputs(g, o) for g, o in seen.items()}
                 res.inner_choices[name] = {g: d[g + EXPERTS_SUFFIX].to("cpu") for g, d in inner.items()
                                            if g + EXPERTS_SUFFIX in d}
                 res.inner_logits[name] = {g: d[g].detach().to("cpu") for g, d in inner.items() if g in d}
@@ -210,9 +184,9 @@ class SelectionJudge:
         pinv_t = torch.linalg.pinv(w.detach().to(torch.float64)).T  # [E, H]
         dh = d @ pinv_t  # [T, H]: moves logits by d
         with torch.no_grad():
-            base = _router_outputs(gate, router(*args, **kwargs))
+            base = router_outputs(gate, router(*args, **kwargs))
             args[pos] = h + dh.reshape(h.shape)
-            moved = _router_outputs(gate, router(*args, **kwargs))
+            moved = router_outputs(gate, router(*args, **kwargs))
         chosen = moved.get(gate + EXPERTS_SUFFIX)
         if chosen is None or gate not in base:
             return None
@@ -252,7 +226,7 @@ class SelectionJudge:
             for shift in shifts:
                 la[pos] = (h + shift.reshape(h.shape)).to(self.dtype)
                 with torch.no_grad():
-                    own = _router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
+                    own = router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
                 if own is not None and own.numel() == got2.numel():
                     same = same | (own.reshape(n_t, -1).long() == got2).all(-1)
         return flipped.reshape(-1) & same

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.golden.capture import ROUTER_SUFFIXES, capture_forward, greedy
+from harness.anatomy.capture import capture_forward, greedy
+from harness.anatomy.moe import ROUTER_SUFFIXES
 from harness.golden.store import Golden
 from harness.precision import tolerance
 from harness.precision.compare import Comparison, compare_generation, compare_isolated, compare_modules
@@ -35,8 +36,8 @@ class TargetRun:
 def build_target(ls: LoadedSuite, backend, dtype: str, transform: Transform | None = None,
                  golden: Golden | None = None):
     """The suite's model on the backend in the dtype, with the golden's realistic-numerics gains."""
+    from harness.models import numerics
     from harness.models.build import build_model
-    from harness.precision import numerics
 
     model, mc = build_model(ls, dtype, backend.device(), seed=ls.suite.checks.precision.seed)
     if golden is not None:
@@ -145,8 +146,8 @@ def selection_judge(ls: LoadedSuite, golden: Golden, dtype: str | None = None):
     from harness.precision.isolate import SelectionJudge
 
     def reference():
+        from harness.models import numerics
         from harness.models.build import build_model
-        from harness.precision import numerics
 
         model, _ = build_model(ls, "float64", "cpu", seed=ls.suite.checks.precision.seed)
         numerics.apply(model, golden.manifest.get("numerics"))

@@ -1,5 +1,6 @@
 """Real weights: checkpoint layout, lazy selective reads, pruned renaming, quantized formats,
-manifests, and the streamed float64 reference (docs/weights.md).
+manifests (docs/weights.md). The streamed float64 reference built on them is
+``harness.precision.stream``.
 
 One module per concern:
 
@@ -10,13 +11,14 @@ One module per concern:
 * ``load``      fill a pruned model (what ``build_model`` calls);
 * ``manifest``  shard checksums, recorded and verified;
 * ``expected``  what the full model expects in the checkpoint (meta device), for the load check;
-* ``stream``    the streamed per-layer float64 reference;
+* ``place``     the full-size model built straight onto its devices (the streamed reference's target);
+* ``native``    the backend's own FP8 / INT4 kernels in place of dequantized Linear layers;
 * ``source``    where the suite's weights are, or why there are none.
 """
 
 from __future__ import annotations
 
 from harness.weights.layout import Checkpoint, WeightsError, open_checkpoint
-from harness.weights.load import load_pruned, provenance
+from harness.weights.load import load_pruned, provenance, weights_provenance
 
-__all__ = ["Checkpoint", "WeightsError", "load_pruned", "open_checkpoint", "provenance"]
+__all__ = ["Checkpoint", "WeightsError", "load_pruned", "open_checkpoint", "provenance", "weights_provenance"]

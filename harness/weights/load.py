@@ -239,3 +239,10 @@ def _display(p: Path) -> str:
         return os.path.relpath(p)
     except ValueError:
         return str(p)
+
+
+def weights_provenance(ls: LoadedSuite) -> dict:
+    """What the golden's weights were: the checkpoint, the kept layers/experts and the checkpoint
+    manifest's digest for real weights (``harness.weights.provenance``), else the seed of the random
+    ones. ``load_golden`` refuses a golden whose weights are not the run's."""
+    return provenance(ls) or {"weights": "random", "seed": ls.suite.checks.precision.seed}

@@ -66,7 +66,7 @@ def plan_placement(meta: torch.nn.Module, dtype: torch.dtype, budgets: list[tupl
     """Place ``meta`` (the full model on the meta device) over ``budgets`` [(device, usable bytes)], in
     order: the non-layer modules and then the decoder layers on the first device while they fit, the
     next layers on the next device, and so on. Returns the placement, or why the model does not fit."""
-    from harness.weights.stream import decoder_layers
+    from harness.anatomy.layers import decoder_layers
 
     _, layers = decoder_layers(meta)
     seen: set[int] = set()
@@ -118,11 +118,11 @@ def _align_inputs(mod: torch.nn.Module, dev: str) -> torch.utils.hooks.Removable
 def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tuple[torch.nn.Module, dict[str, int]]:
     """The full model for ``ls`` in ``dtype``, each module allocated on its device and filled from ``ckpt``.
     Returns the model and the count of tensors read per storage format."""
+    from harness.anatomy.layers import decoder_layers
     from harness.models.build import _creation_dtype_buffers, _keep_in_fp32, instantiate
     from harness.weights import rename
     from harness.weights.load import _parameters_on_meta, fill, materialize_empty
     from harness.weights.reader import ShardReader
-    from harness.weights.stream import decoder_layers
 
     with _parameters_on_meta():
         model = instantiate(ls, mc, dtype)

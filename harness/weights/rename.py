@@ -110,7 +110,7 @@ def layer_kinds(model: torch.nn.Module, cfg) -> list[tuple]:
 
 def select(full_meta: torch.nn.Module, full_cfg, pruned_meta: torch.nn.Module, pruned_cfg, *,
            layers: list[int] | None = None, experts: list[int] | None = None) -> Selection:
-    from harness.models.config import EXPERT_KEYS
+    from harness.anatomy.moe import EXPERT_KEYS
 
     fk, pk = layer_kinds(full_meta, full_cfg), layer_kinds(pruned_meta, pruned_cfg)
     if layers:

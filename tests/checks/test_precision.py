@@ -13,10 +13,11 @@ from harness import checks
 from harness.backends import get
 from harness.checks import CheckContext, CheckFailure
 from harness.checks.precision import PrecisionConfig
-from harness.checks.quantization import QuantizationCheck, quant_scheme, quantize_weights
+from harness.checks.quantization import QuantizationCheck
 from harness.golden.store import load_golden
 from harness.precision import tolerance
 from harness.precision.compare import tensor_metrics
+from harness.precision.quantization import quant_scheme, quantize_weights
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -140,7 +141,7 @@ def test_quantization_budgets_from_the_golden_measurement(name):
     """golden generate measured the FP8 model's own clean error per activation dtype; the check holds a
     run to k x that (+ floor): the clean run passes on CPU, a wrong FP8 decode in one layer's output
     projection fails, and a budget the suite sets wins over the measurement."""
-    from harness.checks.quantization import QUANT_FLOOR, QUANT_K
+    from harness.precision.quantization import QUANT_FLOOR, QUANT_K
 
     ls = suite(name)
     meas = load_golden(ls, GOLDEN).manifest["quantization"]
@@ -160,7 +161,7 @@ def test_quantization_budgets_from_the_golden_measurement(name):
 def test_quantization_block_from_the_checkpoint_config(tmp_path):
     """weight_block_size from config.json (null: one scale per tensor); a golden measured with another
     block is not used (declared budgets, said so)."""
-    from harness.checks.quantization import block_size, budgets
+    from harness.precision.quantization import block_size, budgets
 
     ls = suite("deepseek-v3")
     assert block_size(ls) == ls.raw_config["quantization_config"]["weight_block_size"]

@@ -11,8 +11,8 @@ from precision.helpers import GOLDEN, REPO, SUITES, cli, run_check, suite
 
 from harness.checks import CouldNotRun
 from harness.golden import store
-from harness.golden.generate import build_golden, generate
 from harness.precision import tolerance
+from harness.precision.generate import build_golden, generate
 
 
 @pytest.mark.parametrize("name", SUITES)

@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from harness.cli import init as cli_init
-from harness.inspect.prune import choose_prune
+from harness.models.prune import choose_prune
 from harness.suite.loader import load_suite
 from tests_support import REPO_SUITES
 

@@ -172,7 +172,7 @@ def test_nvfp4_and_fp8_per_tensor(day0):
 
 
 def test_fp8_block_size_null_is_not_assumed_128():
-    from harness.inspect.params import quant_scheme
+    from harness.anatomy.quant import quant_scheme
 
     s = quant_scheme({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": None})
     assert s.granularity == "tensor" and s.bytes_of(256, 256) == (256 * 256, 4)

@@ -18,8 +18,8 @@ import pytest
 import tomllib
 
 from harness.cli.init import _plan as init_plan
-from harness.inspect.prune import _layer_features, _num_layers, derived_per_layer, plan_config
 from harness.models.config import apply_prune, build_config
+from harness.models.prune import _layer_features, _num_layers, derived_per_layer, plan_config
 from harness.suite.schema import PruneSection
 from tests_support import REPO
 
@@ -60,7 +60,7 @@ def test_corpus_is_real_sourced_and_covers_the_shared_six():
 def _kinds(d: dict, n: int, like: list | None = None) -> tuple[set[tuple], list]:
     """Distinct layer kinds of a config dict: the values of every per-layer feature at each layer.
     ``like``: read the features the full config had (same names and types) from this pruned one."""
-    from harness.inspect.prune import _feature_at
+    from harness.models.prune import _feature_at
 
     full = {**d, **derived_per_layer(d)}
     if like is None:

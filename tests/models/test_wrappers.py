@@ -62,7 +62,7 @@ def _plan_suite(name, out):
     """The suite `harness init` writes for a corpus config (its plan, `wrapper = true`), without init's
     size guard and backward probes."""
     from harness.cli.init import _plan
-    from harness.inspect.prune import suite_toml
+    from harness.models.prune import suite_toml
 
     cfg = DAY0 / f"{name}.json"
     raw = json.loads(cfg.read_text())

@@ -129,7 +129,7 @@ def wrong_topk_ep2(ctx) -> None:
     logits have, while the logits themselves stay right."""
     if ctx.layout.label != "ep2" or ctx.rank != 1:
         return
-    from harness.parallel.routing import is_router
+    from harness.anatomy.moe import is_router
 
     def hook(_m, _a, out):
         logits, weights, idx = out

@@ -1,4 +1,4 @@
-"""harness.parallel.routing on a real pruned MoE model in one process: the reference rerun with
+"""harness.precision.routing on a real pruned MoE model in one process: the reference rerun with
 another routing follows it exactly (the architecture's own weights), records what each router would
 have chosen itself, and the judge tells a near-tie flip from a wide one, per rank."""
 
@@ -11,7 +11,7 @@ from harness.models.build import build_model
 from harness.parallel.compare import RankData
 from harness.parallel.layouts import Layout
 from harness.parallel.reference import batch, run_reference
-from harness.parallel.routing import ForcedRouting, judge, layout_routing, router_limits
+from harness.precision.routing import ForcedRouting, judge, layout_routing, router_limits
 from tests.parallel.helpers import suite_with
 
 

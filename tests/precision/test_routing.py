@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.golden.capture import EXPERTS_SUFFIX
+from harness.anatomy.capture import EXPERTS_SUFFIX
 from harness.golden.store import load_golden
 from harness.precision.isolate import Replayed, flip_margins, routing_mask
 from precision import faults
@@ -131,7 +131,7 @@ def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, s
     import subprocess
     import sys
 
-    from harness.golden.generate import generate
+    from harness.precision.generate import generate
     from harness.suite.loader import load_suite
     from tests_support import REPO
 

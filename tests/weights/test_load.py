@@ -149,8 +149,8 @@ def test_golden_records_its_weights_and_refuses_a_run_on_other_ones(kimi_ckpt, t
     """A golden made from the real checkpoint says so; a runner without the checkpoint (random weights)
     or a golden made from random weights under a run that loads real ones is refused in one line,
     instead of every module failing for nothing."""
-    from harness.golden.generate import generate
     from harness.golden.store import GoldenError, load_golden
+    from harness.precision.generate import generate
 
     root, raw, _ = kimi_ckpt
     p = write_suite(tmp_path, "k", raw, f'weights = "$HARNESS_WEIGHTS_TEST"\n{PRUNE_2L_4E}')

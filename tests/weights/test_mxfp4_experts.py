@@ -150,9 +150,9 @@ def test_layout_check_and_streamed_reference_read_the_mxfp4_experts(gpt_oss_mxfp
     in the model's order), and the streamed float64 reference equals the in-memory float64 build."""
     from harness.models.build import architecture_class
     from harness.models.config import build_config
+    from harness.precision.stream import capture_layers, float64_rotary, stream_reference
     from harness.weights.expected import compare
     from harness.weights.layout import open_checkpoint
-    from harness.weights.stream import capture_layers, float64_rotary, stream_reference
     from tests.weights.test_stream import in_memory_reference
 
     root, raw = gpt_oss_mxfp4
@@ -178,8 +178,8 @@ def test_streamed_reference_reads_only_the_routed_rows_of_fused_mxfp4_experts(gp
     otherwise), and still equals the in-memory float64 build, whose every expert is loaded."""
     from harness.models.build import architecture_class
     from harness.models.config import build_config
+    from harness.precision.stream import capture_layers, float64_rotary, stream_reference
     from harness.weights.layout import open_checkpoint
-    from harness.weights.stream import capture_layers, float64_rotary, stream_reference
     from tests.weights.test_stream import in_memory_reference
 
     root, raw = gpt_oss_mxfp4

@@ -56,9 +56,10 @@ def test_layers_split_over_several_devices_when_one_is_too_small(kimi_ckpt, tmp_
     """Budgets that hold the embeddings and two layers per device: four layers go over two devices (the
     CPU stands for both here; no machine with several accelerators was available), every layer output
     equal to the one-device build's, inputs moved between the devices by the placement hooks."""
+    from harness.anatomy.layers import decoder_layers
+    from harness.precision.stream import capture_layers
     from harness.suite.loader import load_suite
     from harness.weights.place import _tensor_bytes, build_placed, plan_placement
-    from harness.weights.stream import capture_layers, decoder_layers
 
     root, raw, _ = kimi_ckpt
     ls = load_suite(write_suite(tmp_path, "k", raw, f'weights = "{root}"\n'))

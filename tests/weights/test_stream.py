@@ -13,9 +13,9 @@ import torch
 
 from harness.models.build import build_model
 from harness.precision.compare import tensor_metrics
+from harness.precision.stream import capture_layers, float64_rotary, stream_reference
 from harness.suite.loader import load_suite
 from harness.weights.layout import open_checkpoint
-from harness.weights.stream import capture_layers, float64_rotary, stream_reference
 from tests.weights.conftest import make_model, save_checkpoint, small_config, write_suite
 
 
@@ -107,7 +107,7 @@ MEASURE = textwrap.dedent("""
     from harness.models.build import architecture_class
     from harness.models.config import build_config
     from harness.weights.layout import open_checkpoint
-    from harness.weights.stream import LayerIO, float64_rotary, stream_reference
+    from harness.precision.stream import LayerIO, float64_rotary, stream_reference
 
     root, cap = Path(sys.argv[1]), load_file(sys.argv[2])
     raw = json.loads((root / "config.json").read_text())

@@ -48,8 +48,8 @@ def _checkpoint(tmp_path: Path, name: str, keep: list | None = None) -> tuple[Pa
 def test_streamed_reference_agrees_and_localizes_a_fault(tmp_path, name):
     from harness.backends import get
     from harness.checks import CheckContext, CheckFailure, registry
+    from harness.anatomy.layers import decoder_layers
     from harness.suite.loader import load_suite
-    from harness.weights.stream import decoder_layers
 
     root, small, arch = _checkpoint(tmp_path, name)
     body = f'weights = "{root}"\n' + (f'architecture = "{arch}"\n' if arch else "") + "[checks.weights]\nseq_len = 8\n"
@@ -103,8 +103,8 @@ def test_a_wrong_top_k_in_a_router_that_takes_its_bias_as_an_argument_is_named(t
     fails as a routing fault at its layer (it used to crash the judge)."""
     from harness.backends import get
     from harness.checks import CheckContext, CheckFailure, registry
+    from harness.anatomy.layers import decoder_layers
     from harness.suite.loader import load_suite
-    from harness.weights.stream import decoder_layers
 
     root, small, arch = _checkpoint(tmp_path, "MiniMax-M2.5")
     ls = load_suite(write_suite(tmp_path, "s", small, f'weights = "{root}"\n[checks.weights]\nseq_len = 8\n'))

@@ -36,13 +36,9 @@ from types import SimpleNamespace
 import torch
 from torch.overrides import TorchFunctionMode
 
-from harness.golden.capture import ROUTER_SUFFIXES
+from harness.anatomy.moe import is_router
 
 PHASES = ("step", "after")
-
-
-def is_router(name: str) -> bool:
-    return bool(name) and name.endswith(ROUTER_SUFFIXES)
 
 
 def _indices(out) -> torch.Tensor | None:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from harness.anatomy.moe import ROUTER_SUFFIXES
+
 # Default selection, by structure rather than by name, so that a new architecture is covered the day
 # it appears: every direct child of the decoder body (embeddings, rotary tables, final norm, whatever
 # they are called), every decoder layer and each of its direct children (norms, attention, MLP/MoE
@@ -27,7 +29,6 @@ DEFAULT_CAPTURE = (
     _BODY + r"layers\.\d+\.[A-Za-z_]\w*\.(gate|router|experts|shared_experts|shared_expert)",
     r"lm_head",
 )
-ROUTER_SUFFIXES = (".gate", ".router")
 EXPERTS_SUFFIX = ".chosen_experts"  # integer outputs: router's chosen expert ids (sorted per token)
 # Rotary modules are called once more after the forward at positions across the model's context
 # (``<name>@positions``): at the 16 positions of a golden's input a rotary table computed in bf16 is
@@ -86,7 +87,7 @@ def selected_modules(model: torch.nn.Module, patterns: Iterable[str] | None = No
     return [(n, m) for n, m in model.named_modules() if n and rx.fullmatch(n)]
 
 
-def _router_outputs(name: str, out) -> dict[str, torch.Tensor]:
+def router_outputs(name: str, out) -> dict[str, torch.Tensor]:
     """``{router: its logits, router.chosen_experts: the chosen ids sorted per token}``. Routers return
     (logits, weights, indices) in transformers 5; older ones return logits only. Llama-4's returns
     (scores, logits) with no indices: ``scores`` [T, E] is sigmoid of the top-k logits scattered into
@@ -222,7 +223,7 @@ class Capture:
         def hook(_mod, args, kwargs, out):
             cname = call_name(name, args, kwargs) + self._suffix
             if is_router:
-                got = _router_outputs(cname, out)
+                got = router_outputs(cname, out)
             else:
                 t = first_tensor(out)
                 got = {cname: t} if t is not None and not t.is_complex() else {}  # complex: not compared
@@ -347,3 +348,37 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int, topk: int = 64) ->
                 "top_logprobs": torch.zeros(b, 0, topk, dtype=torch.float64)}
     return {"tokens": torch.stack(toks, 1), "logprobs": torch.stack(lps, 1),
             "top_ids": torch.stack(top_ids, 1), "top_logprobs": torch.stack(top_lps, 1)}
+
+
+# --- captured structures: Capture._encode writes them, these read them back -----------------------
+def decode(node, resolve):
+    """Inverse of ``Capture._encode`` with ``resolve(kind, key)`` giving each tensor leaf."""
+    if "t" in node:
+        return resolve("t", node["t"])
+    if "o" in node:
+        return resolve("o", node["o"])
+    if "v" in node:
+        return node["v"]
+    if "seq" in node:
+        seq = [decode(x, resolve) for x in node["seq"]]
+        return tuple(seq) if node.get("tuple") else seq
+    if "map" in node:
+        return {k: decode(v, resolve) for k, v in node["map"].items()}
+    raise ValueError(f"unknown input node {sorted(node)}")
+
+
+def leaves(node):
+    """Every tensor leaf ({"t": key} / {"o": name}) of a structure."""
+    if "t" in node or "o" in node:
+        yield node
+    elif "seq" in node:
+        for x in node["seq"]:
+            yield from leaves(x)
+    elif "map" in node:
+        for x in node["map"].values():
+            yield from leaves(x)
+    elif "args" in node:
+        for x in node["args"]:
+            yield from leaves(x)
+        for x in node["kwargs"].values():
+            yield from leaves(x)

@@ -31,28 +31,10 @@ import re
 
 import torch
 
+from harness.anatomy.layers import attention, indexed_layers
+
 _PROBE = "harness_numerics_probe"
 OUT_PROJ = re.compile(r"(?:^|\.)(o_proj|out_proj|wo|dense|down_proj|w2|fc2|c_proj)(?:\.weight|\.bias|_bias)?$")
-LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)$")
-
-
-def decoder_layers(model: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
-    out = []
-    for name, mod in model.named_modules():
-        m = LAYER.match(name)
-        if m and name.count("layers.") == 1:
-            out.append((int(m.group(1)), name, mod))
-    return out
-
-
-def _attention(layer: torch.nn.Module):
-    for attr in ("self_attn", "attention", "attn"):
-        a = getattr(layer, attr, None)
-        if a is not None and hasattr(a, "scaling"):
-            return a
-    return None
-
-
 def _probe_attention(stats: dict, inner: str):
     """An attention function that records the logits' std and the rows' normalised entropy, then
     calls the implementation the model was using."""
@@ -87,13 +69,13 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     the RMS of the residual stream after the embeddings and after each layer."""
     from transformers import AttentionInterface
 
-    from harness.golden.capture import first_tensor, forward_logits
+    from harness.anatomy.capture import first_tensor, forward_logits
 
     attn_stats: dict[int, dict] = {}
     rms: dict[str, float] = {}
     saved, handles = [], []
-    for idx, _name, layer in decoder_layers(model):
-        a = _attention(layer)
+    for idx, _name, layer in indexed_layers(model):
+        a = attention(layer)
         if a is not None and hasattr(a, "config"):
             inner = a.config._attn_implementation
             AttentionInterface.register(_PROBE, _probe_attention(attn_stats, inner))
@@ -114,7 +96,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor) -> dict:
         x = first_tensor(args) if args else first_tensor(kwargs.get("hidden_states"))
         if x is not None and "in" not in rms:
             rms["in"] = x.double().pow(2).mean().sqrt().item()
-    layers = decoder_layers(model)
+    layers = indexed_layers(model)
     if layers:
         handles.append(layers[0][2].register_forward_pre_hook(pre, with_kwargs=True))
     try:
@@ -134,8 +116,8 @@ def apply(model: torch.nn.Module, numerics: dict | None) -> torch.nn.Module:
     if not numerics:
         return model
     ag, rg = numerics.get("attention_gain", {}), numerics.get("residual_gain", {})
-    for idx, _name, layer in decoder_layers(model):
-        a = _attention(layer)
+    for idx, _name, layer in indexed_layers(model):
+        a = attention(layer)
         g = ag.get(str(idx))
         if a is not None and g is not None:
             a.scaling = float(a.scaling) * g
@@ -168,7 +150,7 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, logit_std: float = 3.0,
     rg: dict[str, float] = {}
     h_orig = mid["rms"].get("in", float("nan"))  # the stream's RMS before the gains, at this layer's input
     h_new = h_orig  # ... and as predicted with the gains chosen so far
-    for idx, _n, _layer in decoder_layers(model):
+    for idx, _n, _layer in indexed_layers(model):
         out = mid["rms"].get(str(idx))
         if out is None or not (math.isfinite(h_orig) and h_orig > 0):
             continue

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.anatomy.layers import decoder_layers
 from harness.weights import quant, rename
 from harness.weights.layout import Checkpoint, WeightsError
 from harness.weights.reader import ShardReader
@@ -95,19 +96,6 @@ class StreamReport:
                         f"{'' if r.experts_read is None else r.experts_read:>7}  {r.near_tie_flips:>5}  {status}")
         rows += [f"layer {r.layer}: {w}" for r in self.layers for w in r.routing]
         return "\n".join(rows)
-
-
-def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
-    """The ModuleList of decoder layers (``model.layers``), found by name and length."""
-    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and name.split(".")[-1] == "layers" and (n is None or len(mod) == n):
-            if best is None or name.count(".") < best[0].count("."):
-                best = (name, mod)
-    if best is None:
-        raise WeightsError("no decoder-layer list (<...>.layers) found in the model")
-    return best
 
 
 # Keyword inputs that are not data: the KV cache (use_cache=False: none) and flags.
@@ -183,7 +171,7 @@ def capture_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[LayerIO]:
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
-    from harness.parallel.routing import RouterCapture
+    from harness.precision.routing import RouterCapture
 
     # Every router's chosen experts: the reference follows them (see StreamedReference.run_layer).
     routers = RouterCapture(model)
@@ -314,11 +302,11 @@ class StreamedReference:
                   logits_tol: float | None = None) -> tuple[torch.Tensor, int | None, Routing]:
         """Layer i on the target's input, following the target's routing (docs/weights.md): returns the
         output, the experts read, and how the target's routing compares with the reference's own."""
-        from harness.parallel.routing import ForcedRouting
+        from harness.precision.routing import ForcedRouting
 
         layer, later, sd = self.layer(i)
         # Under a holder, so that the routers are named as in a model (``layer.mlp.gate``): the router
-        # rule (harness.golden.capture.ROUTER_SUFFIXES) needs the dot.
+        # rule (harness.anatomy.capture.ROUTER_SUFFIXES) needs the dot.
         holder = torch.nn.ModuleDict({"layer": layer})
         trace = ForcedRouting({"step": {f"layer.{r}": idx for r, idx in io.routes.items()}}, phase="step")
         forced = trace.attach(holder) if io.routes else []
@@ -375,9 +363,9 @@ def judge_routing(trace, routes: dict[str, torch.Tensor], tol: float, dtype: tor
     (bias-corrected, group-limited), when the precision check's selection judge finds it a tie where it
     selects - including a correct router computed in the target's ``dtype`` on inputs moved within the
     noise, since such a router's selection rounds (DeepSeek-V3/V4 in bf16); the parallel check's rule
-    (harness.parallel.routing) with the precision check's run-dtype witness. Wider: a routing fault."""
-    from harness.parallel.routing import legit_flips, router_limits
+    (harness.precision.routing) with the precision check's run-dtype witness. Wider: a routing fault."""
     from harness.precision.compare import tensor_metrics
+    from harness.precision.routing import legit_flips, router_limits
 
     r = Routing()
     lims = router_limits(trace, tol)

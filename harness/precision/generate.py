@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from harness.anatomy.capture import capture_forward, greedy
 from harness.golden import store
-from harness.golden.capture import capture_forward, greedy
 from harness.suite.loader import LoadedSuite
+from harness.weights import weights_provenance
 
 
 class ReferenceError(Exception):
@@ -57,15 +58,6 @@ def reference_outputs(ls: LoadedSuite, ids: torch.Tensor, reference: str | None 
     return outs, gen, info
 
 
-def weights_provenance(ls: LoadedSuite) -> dict:
-    """What the golden's weights were: the checkpoint, the kept layers/experts and the checkpoint
-    manifest's digest for real weights (``harness.weights.provenance``), else the seed of the random
-    ones. ``load_golden`` refuses a golden whose weights are not the run's."""
-    from harness.weights import provenance
-
-    return provenance(ls) or {"weights": "random", "seed": ls.suite.checks.precision.seed}
-
-
 def budget_draws(ls: LoadedSuite, ids: torch.Tensor) -> list[torch.Tensor]:
     """Input draws for budget measurement: the golden's own ids, then seeded draws of the same shape."""
     from harness.models.build import model_config, seeded_tokens
@@ -83,10 +75,10 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
     import safetensors
     import transformers
 
-    from harness.golden.capture import capture_with_inputs
+    from harness.anatomy.capture import capture_with_inputs
+    from harness.models import numerics
     from harness.models.build import model_config, seeded_tokens
     from harness.precision import budgets as bud
-    from harness.precision import numerics
 
     p = ls.suite.checks.precision
     if ids is None:
@@ -134,8 +126,8 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
 def _quantization(ls: LoadedSuite, model, dev, ids, draws, runs, numerics_entry) -> dict:
     """``{"quantization": ...}``: the quantized model's own error per activation dtype, for suites
     with a quantization scheme (the quantization check's budgets); ``{}`` otherwise."""
-    from harness.checks.quantization import measure, quant_scheme
-    from harness.golden.capture import forward_logits
+    from harness.anatomy.capture import forward_logits
+    from harness.precision.quantization import measure, quant_scheme
 
     if quant_scheme(ls) is None or not ls.suite.checks.quantization.enabled:
         return {}

@@ -1,10 +1,10 @@
-"""harness/golden/capture.py: what a forward records is what the modules returned and were given."""
+"""harness/anatomy/capture.py: what a forward records is what the modules returned and were given."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.golden.capture import EXPERTS_SUFFIX, _router_outputs, capture_with_inputs
+from harness.anatomy.capture import EXPERTS_SUFFIX, capture_with_inputs, router_outputs
 from harness.precision.isolate import replay
 
 
@@ -74,10 +74,10 @@ def test_a_router_returning_sparse_scores_and_logits_gives_its_choice():
     logits = torch.tensor([[0.1, 2.0, -1.0, 0.5], [1.5, 0.2, 0.3, -0.4]])
     top_v, top_i = logits.topk(1, dim=1)
     scores = torch.full_like(logits, float("-inf")).scatter_(1, top_i, top_v).sigmoid()
-    got = _router_outputs("r", (scores, logits))
+    got = router_outputs("r", (scores, logits))
     assert torch.equal(got["r"], logits)
     assert got["r" + EXPERTS_SUFFIX].tolist() == [[1], [0]]
     # transformers 5's (logits, weights, indices) as before; a lone tensor is the logits
     idx = torch.tensor([[3, 1], [0, 2]])
-    assert _router_outputs("r", (logits, scores, idx))["r" + EXPERTS_SUFFIX].tolist() == [[1, 3], [0, 2]]
-    assert set(_router_outputs("r", logits)) == {"r"}
+    assert router_outputs("r", (logits, scores, idx))["r" + EXPERTS_SUFFIX].tolist() == [[1, 3], [0, 2]]
+    assert set(router_outputs("r", logits)) == {"r"}

@@ -34,7 +34,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from harness.models.config import EXPERT_KEYS, TOPK_KEYS
+from harness.anatomy.moe import EXPERT_KEYS, TOPK_KEYS
 
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
 VISION_LAYER_KEYS = ("depth", "num_hidden_layers", "vt_num_hidden_layers", "num_layers")
