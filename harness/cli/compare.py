@@ -101,7 +101,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("compare", help="compare results with baseline and history; file issues",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(p)
-    p.add_argument("--sink", choices=["github", "file", "stdout"], default="stdout")
+    p.add_argument("--sink", default="stdout", metavar="NAME",
+                   help="where issue actions go: a registered sink (github, file, stdout, or one a package "
+                   "adds through the harness.sinks entry point); default stdout")
     p.add_argument("--out-dir", default="harness-issues", help="folder of the file sink")
     p.add_argument("--dry-run", action="store_true", help="print the planned issue actions only")
     p.add_argument("--repo", help="OWNER/NAME (default: $GITHUB_REPOSITORY)")
@@ -126,6 +128,12 @@ def register(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from harness.compare.sinks import registry as sink_registry
+
+    if args.sink not in sink_registry():
+        print(f"harness compare: --sink: unknown issue sink {args.sink!r} "
+              f"(registered: {', '.join(sink_registry().names())})", file=sys.stderr)
+        return 2
     opts = Options(
         results=args.results, baseline=args.baseline, history=args.history or None, sink=args.sink,
         out_dir=args.out_dir, dry_run=args.dry_run, repo=args.repo, api_url=args.api_url,

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from harness.compare import body, mutes, prefetch
+from harness.compare import body, mutes, prefetch, sinks
 from harness.compare.classify import Classification, Config, classify
 from harness.compare.history import History
 from harness.compare.issues import (
@@ -40,7 +40,7 @@ from harness.compare.issues import (
 )
 from harness.compare.junit import Results, digest, read_results
 from harness.compare.scrub import scrub
-from harness.compare.sinks import FileSink, SinkError, StdoutSink, execute
+from harness.compare.sinks import SinkError, execute
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Options:
     results: list[str]
     baseline: list[str] | None = None
     history: str | None = None
-    sink: str = "stdout"  # github | file | stdout
+    sink: str = "stdout"  # a registered sink: github | file | stdout | a vendor's
     out_dir: str = "harness-issues"
     dry_run: bool = False
     repo: str | None = None
@@ -95,13 +95,8 @@ def default_run_key() -> str:
 
 
 def make_sink(opts: Options, out: TextIO):
-    if opts.sink == "github":
-        from harness.compare.github_client import GitHubClient  # the only networked module
-        return GitHubClient.from_env(opts.repo, api_url=opts.api_url or None,
-                                     enterprise_url=opts.enterprise_url, max_calls=opts.max_api_calls)
-    if opts.sink == "file":
-        return FileSink(opts.out_dir)
-    return StdoutSink(out)
+    """The registered sink ``opts.sink`` names (harness.compare.sinks: github, file, stdout, a vendor's)."""
+    return sinks.make(opts.sink, opts, out)
 
 
 def _start_baseline(opts: Options, history: History | None):

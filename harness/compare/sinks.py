@@ -11,6 +11,11 @@ issue is :class:`IssueGone`; an exhausted call budget :class:`BudgetExhausted`):
   state between runs exactly as GitHub would, so dedupe/close/reopen behave the same;
 * ``stdout`` -- prints the actions; knows of no earlier issues.
 
+Sinks register like every other extension (harness/registry.py): an entry point in the
+``harness.sinks`` group whose target is ``register(registry)`` adds :class:`SinkType` objects, a name
+and ``make(options, out) -> sink``; the three above are harness's own entry point (:func:`register`).
+``harness compare --sink NAME`` picks one by name.
+
 :func:`execute` applies a plan to a sink, or only prints it with ``dry_run``. Its rules, because
 GitHub can apply a request and still answer 5xx, and a run can stop between two calls:
 
@@ -34,6 +39,7 @@ from typing import TextIO
 
 from harness.compare.issues import LABEL, MUTED_LABEL, Action, IssueRef, comment_marker, read_state
 from harness.compare.scrub import scrub
+from harness.registry import NamedRegistry
 
 
 class SinkError(RuntimeError):
@@ -152,6 +158,64 @@ class StdoutSink:
 
     def comment(self, number: int, body: str) -> None:
         print(f"\n=== comment on #{number}:\n{body}", file=self.out)
+
+
+# --- the registry of sink types ---------------------------------------------------------------------
+class SinkType:
+    """A named kind of sink: ``make(options, out)`` returns the sink for one ``harness compare`` run
+    (``options``: :class:`harness.compare.pipeline.Options`, e.g. ``out_dir``, ``repo``; ``out``: where
+    the run prints)."""
+
+    def __init__(self, name: str, make, description: str = "", source: str = "builtin"):
+        self.name, self.make, self.description, self.source = name, make, description, source
+
+    def __repr__(self) -> str:
+        return f"SinkType({self.name!r}, source={self.source!r})"
+
+
+class SinkRegistry(NamedRegistry[SinkType]):
+    kind = "issue sink"
+    group = "harness.sinks"
+
+    def add(self, item: SinkType, *, replace: bool = False) -> SinkType:
+        if not isinstance(item, SinkType):
+            raise ValueError(f"an issue sink must be registered as a harness.compare.sinks.SinkType, got "
+                             f"{type(item).__module__}.{type(item).__qualname__}")
+        return super().add(item, replace=replace)
+
+
+def _github(opts, out):
+    from harness.compare.github_client import GitHubClient  # the only networked module
+
+    return GitHubClient.from_env(opts.repo, api_url=opts.api_url or None, enterprise_url=opts.enterprise_url,
+                                 max_calls=opts.max_api_calls)
+
+
+def register(registry: SinkRegistry) -> None:
+    """harness's own sinks (the ``harness.sinks`` entry point in its pyproject.toml)."""
+    registry.add(SinkType("github", _github, "GitHub issues (GITHUB_TOKEN, --repo / $GITHUB_REPOSITORY)"))
+    registry.add(SinkType("file", lambda opts, out: FileSink(opts.out_dir),
+                          "markdown per issue + issues.json + actions.json in --out-dir"))
+    registry.add(SinkType("stdout", lambda opts, out: StdoutSink(out), "prints the actions; remembers nothing"))
+
+
+_REGISTRY: SinkRegistry | None = None
+
+
+def registry() -> SinkRegistry:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = SinkRegistry().load_entry_points()
+    return _REGISTRY
+
+
+def make(name: str, opts, out: TextIO):
+    """The sink named ``name``; an unknown name is a SinkConfigError listing the registered ones."""
+    try:
+        kind = registry().get(name)
+    except KeyError as e:
+        raise SinkConfigError(str(e).strip("'\"")) from None
+    return kind.make(opts, out)
 
 
 class MemoryOutbox:

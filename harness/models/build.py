@@ -7,7 +7,6 @@ Local weights load through safetensors only; nothing is ever unpickled.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from harness.models.config import (
     ModelBuildError,
     ModelConfig,
-    architecture_class,
+    architecture_class,  # noqa: F401 - re-exported (tests and callers import it from here)
     build_config,
     use_eager_experts,
 )
@@ -50,28 +49,22 @@ def model_config(ls: LoadedSuite, *, pruned: bool = True) -> ModelConfig:
 
 def load_adapter(spec: str) -> Callable:
     """``package.module:callable`` -> the callable, with an error that says what went wrong."""
-    mod_name, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise AdapterError(f"model.adapter {spec!r}: cannot import {mod_name!r}: {e}") from None
-    fn = getattr(mod, attr, None)
-    if not callable(fn):
-        raise AdapterError(f"model.adapter {spec!r}: {mod_name} has no callable {attr!r}")
-    return fn
+    from harness.models.builders import from_import_string
+
+    return from_import_string(spec).fn
 
 
 def instantiate(ls: LoadedSuite, mc: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """The bare module, on CPU, weights from the current RNG state."""
+    """The bare module, on CPU, weights from the current RNG state, built by the suite's
+    ``model.adapter`` (a registered builder's name, ``hf`` by default, or an import string)."""
+    from harness.models.builders import resolve
+
     if dtype == torch.float64:
         use_eager_experts(mc.config)
     adapter = ls.suite.model.adapter
-    if adapter == "hf":
-        model = architecture_class(mc.architecture)(mc.config)
-    else:
-        model = load_adapter(adapter)(mc.config, dtype=torch.float32, device="cpu")
-        if not isinstance(model, torch.nn.Module):
-            raise AdapterError(f"model.adapter {adapter!r} returned {type(model).__name__}, not a torch.nn.Module")
+    model = resolve(adapter).build(mc, dtype=torch.float32, device="cpu")
+    if not isinstance(model, torch.nn.Module):
+        raise AdapterError(f"model.adapter {adapter!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 

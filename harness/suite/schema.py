@@ -59,8 +59,9 @@ class ModelSection(_Strict):
             data = {**data, "weights": None, "weights_env": w.strip("${}")}
         return data
     adapter: str = Field(
-        "hf", description="'hf' builds with transformers; 'package.module:callable' calls a vendor's "
-        "own builder as callable(config, dtype=..., device=...) -> torch.nn.Module.")
+        "hf", description="The model builder: the name of a registered one ('hf', transformers' class for the "
+        "architecture; a vendor's, through the harness.models entry point), or 'package.module:callable', "
+        "called as callable(config, dtype=..., device=...) -> torch.nn.Module.")
     trust_remote_code: bool = Field(
         False, description="Keep the config's auto_map (code shipped beside config.json) instead of dropping it. "
         "harness never imports remote code itself; off unless the suite says so.")
@@ -70,8 +71,15 @@ class ModelSection(_Strict):
     @field_validator("adapter")
     @classmethod
     def _adapter_form(cls, v: str) -> str:
-        if v != "hf" and (":" not in v or not all(v.split(":", 1))):
-            raise ValueError(f"must be 'hf' or 'package.module:callable', got {v!r}")
+        if ":" in v:
+            if not all(v.split(":", 1)):
+                raise ValueError(f"must be a model builder's name or 'package.module:callable', got {v!r}")
+            return v
+        from harness.models.builders import registry
+
+        if v not in registry():
+            raise ValueError(f"unknown model builder {v!r} (registered: {', '.join(registry().names())}); "
+                             f"or name one as 'package.module:callable'")
         return v
 
 
