@@ -1,0 +1,13 @@
+"""The run machinery: suite files to pytest items and back to results.
+
+* ``plugin``     the pytest plugin (``pytest11`` entry point): suites -> items -> JUnit properties;
+* ``execute``    one item: a check's named steps -> an ``ItemResult`` (the one mapping to outcomes);
+* ``isolation``  each item in a long-lived child process with a time limit (hangs, crashes, leaks);
+* ``exclusive``  the run lock that gives timing checks the machine alone;
+* ``shard``      balanced, deterministic shards from recorded durations;
+* ``durations``  the recorded item durations (time limits, shard balance);
+* ``rows``       one finished item as the results keep it, outcome counts;
+* ``results``    the journal and ``results/`` (junit.xml, summary.json/.txt, run.json);
+* ``table``      the summary table;
+* ``driver``     ``harness run``: pytest in-process with a progress bar and the table.
+"""
