@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.inspect.coverage import COMPOSITE, FALLBACK, NATIVE, OPLIST_DIR, canonical, parse_op_list
+from harness.oplists.format import COMPOSITE, FALLBACK, NATIVE, OPLIST_DIR, canonical, parse_op_list
 
 TAG_WORD = {NATIVE: "native", COMPOSITE: "composite", FALLBACK: "fallback"}
 # Which source wins when two disagree: the host-fallback routing is explicit vendor intent; a kernel

@@ -13,13 +13,13 @@ from harness.inspect.coverage import (
     FALLBACK,
     MISSING,
     NATIVE,
-    OPLIST_DIR,
     classify_op,
     composite_kind,
     declared_op_lists,
     dispatcher_name,
     parse_op_list,
 )
+from harness.oplists.format import OPLIST_DIR
 from harness.oplists.generate import BACKENDS, extract, packaged_native_functions
 
 SHIPPED = {"cuda", "rocm", "xpu", "npu", "musa", "mlu"}
