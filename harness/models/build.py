@@ -98,12 +98,14 @@ def build_model(ls: LoadedSuite, dtype: str | torch.dtype = "float32", device: s
     if real:
         # Real tensors of the kept layers/experts (docs/weights.md). No random init first: the load writes
         # every parameter, and initialising them was most of a pruned build's time.
-        from harness.weights.load import instantiate_empty, load_pruned
+        from harness.models import loaders
+
+        loader = loaders.registry().get(loaders.DEFAULT)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = instantiate_empty(ls, mc, dt) if real else instantiate(ls, mc, dt)
+        model = loader.empty(ls, mc, dt) if real else instantiate(ls, mc, dt)
     if real:
-        mc.notes.extend(load_pruned(model, ls, mc, dtype=dt))
+        mc.notes.extend(loader.load(model, ls, mc, dtype=dt))
     return cast_model(model, dt, device), mc
 
 

@@ -246,3 +246,11 @@ def weights_provenance(ls: LoadedSuite) -> dict:
     manifest's digest for real weights (``harness.weights.provenance``), else the seed of the random
     ones. ``load_golden`` refuses a golden whose weights are not the run's."""
     return provenance(ls) or {"weights": "random", "seed": ls.suite.checks.precision.seed}
+
+
+def register(registry) -> None:
+    """harness's own weights loader (the ``harness.weights`` entry point in its pyproject.toml)."""
+    from harness.models.loaders import WeightsLoader
+
+    registry.add(WeightsLoader("safetensors", instantiate_empty, load_pruned,
+                               description="safetensors checkpoints, pruned layers/experts renamed (docs/weights.md)"))
