@@ -1,11 +1,17 @@
 """One rank of a parallel launch: every layout of the launch, one after another.
 
-Per layout: build the seeded model (identical on every rank), apply the layout
-(apply_tp -> apply_ep -> apply_ac -> apply_fsdp | apply_dp; for pp on the stage split first), run the step of
-``harness.parallel.reference`` on this rank's slice of the batch, gather every gradient and weight
-to full shape, and write the results (``<layout>/rank<r>.safetensors`` + ``.json``) *before* the
-next layout and before teardown: a process that aborts while tearing down DTensor state after it
-reported is told apart from a failure by those files.
+Per layout, ``RankRun.step`` is torchtitan's sequence, one named step each:
+
+    build -> parallelize (split_stage -> apply_tp -> apply_ep -> apply_cp -> apply_ac -> apply_fsdp
+    -> apply_dp | pipeline_stage) -> start_captures -> forward_backward -> sync_gradients ->
+    gather_params(grad) -> optimizer_step -> gather_params(weight) -> forward_after_step ->
+    collect_results
+
+i.e. the seeded model (identical on every rank), the layout applied, the step of
+``harness.parallel.reference`` on this rank's slice of the batch, every gradient and weight
+gathered to full shape; ``run`` writes the results (``<layout>/rank<r>.safetensors`` + ``.json``)
+*before* the next layout and before teardown: a process that aborts while tearing down DTensor
+state after it reported is told apart from a failure by those files.
 
 A layout that raises on a rank writes the error and ends the rank at once (the others would
 otherwise wait in a collective until the time limit); the launcher relaunches the layouts left.
@@ -19,11 +25,13 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from harness.parallel import cp as cp_mod
 from harness.parallel import ep as ep_mod
@@ -72,6 +80,37 @@ def _subgroups(mesh, lay: Layout) -> dict:
     return groups
 
 
+@dataclass
+class _Step:
+    """Everything one layout's step on this rank holds, from the build to its results."""
+
+    lay: Layout
+    model: torch.nn.Module  # the whole model (under pp: with only this stage's layers)
+    mesh: DeviceMesh
+    groups: dict  # process group per mesh dimension, plus "data" (and "data_cp"): see _subgroups
+    counter: CommCounter  # every collective's count and bytes (the comm_* metrics)
+    res: dict  # what rank<r>.json gets
+    ids: torch.Tensor  # [b, S]: this rank's data slice of the batch ([b, S / cp] under cp)
+    full_ids: torch.Tensor  # [b, S]: the cp loss's targets (the whole sequences)
+    fwd: dict  # extra forward arguments: cp's position_ids [1, S / cp]
+    cp_index: int
+    full_bytes: int  # the unsharded model's parameter bytes
+    part: torch.nn.Module | None = None  # what tp and fsdp shard: the pipeline stage, else the model
+    wrapped: torch.nn.Module | None = None  # what runs: DDP, the pipeline's stage module or the model
+    stage: object = None  # PipelineStage and its schedule (pp only)
+    sched: object = None
+    tp_norms: list[str] = field(default_factory=list)  # replicated_with_grad_allreduce modules
+    tp_split: dict[str, tuple[int, bool]] = field(default_factory=dict)  # fused experts over tp
+    ep_names: list[str] = field(default_factory=list)  # experts modules partitioned over ep
+    manual_sync: bool = False  # data gradients summed by sync_gradients (not DDP / FSDP / pipeline)
+    cap: ModuleCapture | None = None
+    rcap: RouterCapture | None = None
+    logits: torch.Tensor | None = None  # [b, S, V] (None on a pipeline stage other than the last)
+    loss: torch.Tensor | None = None
+    params: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)  # trainable, clean names
+    out: dict[str, torch.Tensor] = field(default_factory=dict)  # what rank<r>.safetensors gets
+
+
 class RankRun:
     def __init__(self, spec: dict, rank: int, world: int, status: StatusWriter):
         self.spec, self.rank, self.world, self.status = spec, rank, world, status
@@ -98,20 +137,7 @@ class RankRun:
         t0 = time.perf_counter()
         res, tensors = self.step(lay, recompute=lay.recompute, capture=True, ids=self.ids)
         if lay.recompute:
-            # Recomputation on vs off on a longer batch, where activations (not the tiny model's
-            # weights) make the peak: equal gradients, lower peak with it on.
-            long_ids = batch(self.mc.config.vocab_size, self.spec["batch_size"], self.spec["memory_seq_len"],
-                             self.spec["seed"] + 2)
-            self.status.step("recompute_on")
-            res1, t1s = self.step(lay, recompute=True, capture=False, ids=long_ids, light=True)
-            self.status.step("recompute_off")
-            res0, t0s = self.step(lay, recompute=False, capture=False, ids=long_ids, light=True)
-            res["peak_bytes_recompute_on"] = res1["peak_bytes"]
-            res["peak_bytes_recompute_off"] = res0["peak_bytes"]
-            for k, v in t0s.items():
-                if k.startswith("grad/") and k in t1s:
-                    tensors["noac_" + k] = v
-                    tensors["ac_" + k] = t1s[k]
+            self._recompute_memory(lay, res, tensors)
         res["wall_s"] = time.perf_counter() - t0
         self.status.step("write")
         from safetensors.torch import save_file
@@ -120,230 +146,328 @@ class RankRun:
         _write_json(os.path.join(out_dir, f"rank{self.rank}.json"), res)
         self.status.step("done")
 
+    def _recompute_memory(self, lay: Layout, res: dict, tensors: dict) -> None:
+        """Recomputation on vs off on a longer batch, where activations (not the tiny model's
+        weights) make the peak: equal gradients, lower peak with it on."""
+        long_ids = batch(self.mc.config.vocab_size, self.spec["batch_size"], self.spec["memory_seq_len"],
+                         self.spec["seed"] + 2)
+        self.status.step("recompute_on")
+        res1, t1s = self.step(lay, recompute=True, capture=False, ids=long_ids, light=True)
+        self.status.step("recompute_off")
+        res0, t0s = self.step(lay, recompute=False, capture=False, ids=long_ids, light=True)
+        res["peak_bytes_recompute_on"] = res1["peak_bytes"]
+        res["peak_bytes_recompute_off"] = res0["peak_bytes"]
+        for k, v in t0s.items():
+            if k.startswith("grad/") and k in t1s:
+                tensors["noac_" + k] = v
+                tensors["ac_" + k] = t1s[k]
+
     def step(self, lay: Layout, recompute: bool, capture: bool, ids: torch.Tensor,
              light: bool = False) -> tuple[dict, dict]:
-        spec, st = self.spec, self.status
-        st.step("build")
-        model, _ = self.build_model(self.ls, spec["dtype"], "cpu", seed=spec["seed"], mc=self.mc)
+        """One step of ``lay`` on this rank (reference.py's step): (its json, its tensors at full
+        shape). ``light`` (the recomputation memory runs): no capture, no fault, ends after the
+        gradients."""
+        st = self.status
+        s = self._build(lay, ids)
+        st.step("apply")
+        parallelize(s, self.spec, self.mc.config, recompute)
+        _name_modules(s.wrapped)
+        if self.fault is not None and not light:
+            self.fault(SimpleNamespace(layout=lay, rank=self.rank, world=self.world, model=s.model, wrapped=s.wrapped,
+                                       stage=s.stage, schedule=s.sched, mesh=s.mesh, groups=s.groups))
+        if capture:
+            start_captures(s)
+        ep_mod.STATS.__init__()
+        mt = _memory_tracker(s)
+        st.step("forward")
+        with s.counter, mt:
+            forward_backward(s, st, recompute)
+            st.step("grad_sync")
+            sync_gradients(s)
+        s.res["peak_bytes"] = int(_peak(mt))
+        keep_loss(s)
+        st.step("gather_grads")
+        gather_params(s, "grad")
+        if not light:
+            st.step("optimizer")
+            optimizer_step(s, self.spec["lr"])
+            st.step("gather_weights")
+            gather_params(s, "weight")
+            st.step("forward_after_step")
+            forward_after_step(s)
+            collect_results(s)
+            st.step("teardown_layout")
+        dist.barrier()
+        return s.res, {k: v.detach().to("cpu").contiguous() for k, v in s.out.items()}
+
+    def _build(self, lay: Layout, ids: torch.Tensor) -> _Step:
+        """The seeded model (identical on every rank), the mesh and its groups, this rank's tokens."""
+        self.status.step("build")
+        model, _ = self.build_model(self.ls, self.spec["dtype"], "cpu", seed=self.spec["seed"], mc=self.mc)
         model.train()
         res: dict = {"layout": lay.to_dict(), "rank": self.rank, "coords": lay.coords(self.rank),
                      "data_index": lay.data_index(self.rank), "notes": []}
-        from torch.distributed.device_mesh import init_device_mesh
-
         names, sizes = lay.mesh_shape()
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-        groups = _subgroups(mesh, lay)
-        counter = CommCounter(on_collective=st.collective)
-        d = lay.data_degree
-        ids = ids.chunk(d)[lay.data_index(self.rank)] if d > 1 else ids
-        full_ids, fwd, ci = ids, {}, lay.coords(self.rank)["cp"]  # full_ids [b, S]: the cp loss's targets
+        d, ci = lay.data_degree, lay.coords(self.rank)["cp"]
+        ids = ids.chunk(d)[lay.data_index(self.rank)] if d > 1 else ids  # [B, S] -> [B / d, S]
+        full_ids, fwd = ids, {}
         if lay.cp > 1:
             # Context parallelism: this rank's chunk of every sequence [b, S / cp], at global positions.
             fwd = {"position_ids": cp_mod.positions(ids.shape[1], lay.cp, ci)}
             ids = cp_mod.chunk(ids, lay.cp, ci)
-        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        st.step("apply")
-        tp_norms: list[str] = []
-        tp_split: dict[str, tuple[int, bool]] = {}  # fused experts' parameters split over tp (tp_experts)
-        ep_names: list[str] = []
-        n_exp = _num_experts(self.mc.config)
-        # Pipeline: split first, then tp / fsdp on the stage's chunk (torchtitan's order); ``model``
-        # keeps only this stage's layers too (recomputation is switched on through it).
-        part = split_stage(model, groups["pp"]) if lay.pp > 1 else model
-        if lay.tp > 1:
-            plan, notes = tp_plan_of(model, spec.get("tp_plan") or None)
-            res["notes"] += notes
-            from harness.inspect.flops import head_dims
+        return _Step(lay, model, mesh, _subgroups(mesh, lay), CommCounter(on_collective=self.status.collective),
+                     res, ids, full_ids, fwd, ci, sum(p.numel() * p.element_size() for p in model.parameters()))
 
-            tp_norms = apply_tp(part, mesh["tp"], plan, kv_heads=head_dims(self.mc.config)[1])
-            fused = fused_experts_in_plan(part, plan)
-            if fused and lay.ep == 1:  # under ep x tp the experts are split over ep instead
-                tp_split, notes = shard_fused_experts(part, fused, groups["tp"])
-                res["notes"] += notes
-        if lay.cp > 1:
-            cp_mod.apply_cp(model, groups["cp"], ci, lay.cp)
-        if lay.ep > 1:
-            ep_names = apply_ep(model, n_exp, groups["ep"], spec.get("capacity_factor", 0.0))
-        if recompute:
-            apply_ac(model)
-        if lay.fsdp > 1 and lay.ep > 1:
-            # ep x fsdp: the experts' partitions FSDP over the ranks that hold the same one (fsdp),
-            # the rest over every data rank (fsdp x ep flattened), torchtitan's dp_shard_in_ep.
-            apply_fsdp(part, mesh["fsdp", "ep"]._flatten(), experts=(ep_names, mesh["fsdp"], float(d)))
-        elif lay.fsdp > 1:
-            # dp x fsdp is HSDP: FSDP2 on the 2-D (replicate, shard) mesh, replicate dimension first.
-            apply_fsdp(part, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
-        if lay.zero == 2:
-            # ZeRO-2 over dp: FSDP2 keeping the gathered parameters from forward through backward.
-            apply_fsdp(model, mesh["dp"], reshard_after_forward=False)
-        wrapped = model
-        # DDP only where dp is the one strategy; with tp or ep beside it, the data dimension's
-        # gradients are summed explicitly (an expert shard is replicated over dp only).
-        # ZeRO-1 is DDP (gradients all-reduced) with a sharded optimizer; ZeRO-2 is FSDP2 above.
-        # pp x dp: DDP per stage, inside the pipeline (pipeline_stage).
-        ddp = (lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2 and lay.pp == 1
-               and lay.cp == 1)
-        manual_sync = (d > 1 or lay.cp > 1) and lay.fsdp == 1 and lay.zero != 2 and lay.pp == 1 and not ddp
-        if ddp:
-            wrapped = apply_dp(model, groups["dp"], counter)
-        stage = sched = None
-        if lay.pp > 1:
-            wrapped, stage, sched = pipeline_stage(part, groups["pp"], lay.microbatches, lay.schedule,
-                                                   dp_group=groups["dp"] if lay.dp > 1 else None, counter=counter)
-        for n, m in wrapped.named_modules():
-            m._harness_qualname = clean_name(n) or type(m).__name__
-        if self.fault is not None and not light:
-            self.fault(SimpleNamespace(layout=lay, rank=self.rank, world=self.world, model=model, wrapped=wrapped,
-                                       stage=stage, schedule=sched, mesh=mesh, groups=groups))
-        # A pipeline stage's plumbing is not the model's: layers of other stages (pass-through), the
-        # final norm before the last stage (identity), the base model's output mid-pipeline.
-        inner = wrapped.module if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else wrapped
-        plumbing = frozenset(m for m in wrapped.modules() if isinstance(m, (_PassLayer, torch.nn.Identity))) | (
-            frozenset([getattr(inner, inner.base_name)]) if stage is not None and not stage.is_last
-            else frozenset())
-        cap = ModuleCapture(wrapped, skip=plumbing) if capture else None
-        # Every router's chosen experts, for the routing-aware comparison (harness.precision.routing).
-        rcap = RouterCapture(wrapped, name_of=clean_name) if capture else None
-        if rcap is not None:
-            rcap.phase = "step"
-        ep_mod.STATS.__init__()
-        from torch.distributed._tools.mem_tracker import MemTracker
 
-        # MemTracker's module tracking (multi-grad hooks) does not survive the pipeline schedule's
-        # partial backward calls: pipeline stages are measured by StoragePeak (MemTracker's storage
-        # accounting without the module tracker; harness.parallel.memory).
-        mt = MemTracker() if sched is None else StoragePeak(wrapped)
-        if sched is None:
-            mt.track_external(wrapped)
-        out: dict[str, torch.Tensor] = {}
-        st.step("forward")
-        with counter, mt:
-            if sched is not None:
-                losses: list[torch.Tensor] = []
-                paused = _capture_outside_backward(cap, rcap) if recompute and cap is not None else None
-                if stage.is_first:
-                    sched.step(ids)
-                    logits = None
-                else:
-                    logits = sched.step(target=ids, losses=losses)
-                    loss = torch.stack([x.detach() for x in losses]).mean()
-                if paused is not None:
-                    paused.remove()
-            else:
-                logits = wrapped(input_ids=ids, **fwd).logits
-                if cap is not None:
-                    cap.enabled = False  # recomputation re-runs forwards inside backward: not captured
-                    rcap.phase = None
-                if lay.cp > 1:
-                    # This chunk's share of the slice's mean loss; the shares sum to it over cp.
-                    own = cp_mod.chunk_loss(logits, full_ids, lay.cp, ci)
-                    loss = own.detach().clone()
-                    dist.all_reduce(loss, group=groups["cp"])
-                else:
-                    own = loss = lm_loss(logits, ids)
-                st.step("backward")
-                (own / d if manual_sync else own).backward()
-            st.step("grad_sync")
-            if manual_sync:
-                experts = set(_expert_param_names(model, ep_names))
-                sync_grads(model, groups["data_cp" if lay.cp > 1 else "data"], skip=experts)
-                if experts and lay.dp > 1:
-                    # An expert shard's gradient already sums its ep group's tokens (the backward of
-                    # the dispatch all-to-all); its copies on the dp replicas saw other sequences.
-                    sync_grads(model, groups["dp"], only=experts)
-            if tp_norms:
-                for name, p in model.named_parameters():
-                    if p.grad is not None and any(clean_name(name).startswith(n + ".") for n in tp_norms):
-                        # Under fsdp x tp the gradient is this rank's fsdp shard (a DTensor).
-                        dist.all_reduce(_local(p.grad), group=groups["tp"])
-        res["peak_bytes"] = int(_peak(mt))
-        if cap is not None:
-            cap.remove()
-        if logits is not None:
-            out["logits"] = logits.detach()
-            out["loss"] = loss.detach().float().reshape(1)
-        params = [(clean_name(n), p) for n, p in wrapped.named_parameters() if p.requires_grad]
-        st.step("gather_grads")
-        with counter:
-            expert_params = set(_expert_param_names(model, ep_names))
-            for n, p in params:
-                if p.grad is not None:
-                    out[f"grad/{n}"] = self._full(p.grad, n in expert_params, groups, tp_split.get(n))
-        if light:
-            dist.barrier()
-            return res, {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
-        res["grad_bytes_local"] = sum(_local(p.grad).numel() * p.grad.element_size() for _, p in params
-                                      if p.grad is not None)
-        st.step("optimizer")
-        if lay.zero == 1:
-            opt = zero1_optimizer([p for _, p in params], spec["lr"], groups["dp"])
+# --- parallelize: the layout's strategies, in torchtitan's order -------------------------------------
+def parallelize(s: _Step, spec: dict, cfg, recompute: bool) -> None:
+    """pp split -> tp -> ep -> cp -> recomputation -> fsdp -> dp | pipeline stage (torchtitan's
+    parallelize_llama order: tp and ep change modules, ac wraps layers, fsdp shards what is left).
+    Sets ``s.part``, ``s.wrapped`` (what runs) and what the later steps need to know of the layout."""
+    lay = s.lay
+    # Pipeline: split first, then tp / fsdp on the stage's chunk; ``s.model`` keeps only this
+    # stage's layers too (recomputation is switched on through it).
+    s.part = split_stage(s.model, s.groups["pp"]) if lay.pp > 1 else s.model
+    if lay.tp > 1:
+        _apply_tp(s, spec.get("tp_plan") or None, cfg)
+    if lay.ep > 1:
+        s.ep_names = apply_ep(s.model, _num_experts(cfg), s.groups["ep"], spec.get("capacity_factor", 0.0))
+    if lay.cp > 1:
+        cp_mod.apply_cp(s.model, s.groups["cp"], s.cp_index, lay.cp)
+    if recompute:
+        apply_ac(s.model)
+    _apply_fsdp(s)
+    _apply_dp_or_pipeline(s)
+
+
+def _apply_tp(s: _Step, override: dict | None, cfg) -> None:
+    from harness.inspect.flops import head_dims
+
+    plan, notes = tp_plan_of(s.model, override)
+    s.res["notes"] += notes
+    s.tp_norms = apply_tp(s.part, s.mesh["tp"], plan, kv_heads=head_dims(cfg)[1])
+    fused = fused_experts_in_plan(s.part, plan)
+    if fused and s.lay.ep == 1:  # under ep x tp the experts are split over ep instead
+        s.tp_split, notes = shard_fused_experts(s.part, fused, s.groups["tp"])
+        s.res["notes"] += notes
+
+
+def _apply_fsdp(s: _Step) -> None:
+    lay, mesh = s.lay, s.mesh
+    if lay.fsdp > 1 and lay.ep > 1:
+        # ep x fsdp: the experts' partitions FSDP over the ranks that hold the same one (fsdp),
+        # the rest over every data rank (fsdp x ep flattened), torchtitan's dp_shard_in_ep.
+        apply_fsdp(s.part, mesh["fsdp", "ep"]._flatten(), experts=(s.ep_names, mesh["fsdp"], float(lay.data_degree)))
+    elif lay.fsdp > 1:
+        # dp x fsdp is HSDP: FSDP2 on the 2-D (replicate, shard) mesh, replicate dimension first.
+        apply_fsdp(s.part, mesh["dp", "fsdp"] if lay.dp > 1 else mesh["fsdp"])
+    if lay.zero == 2:
+        # ZeRO-2 over dp: FSDP2 keeping the gathered parameters from forward through backward.
+        apply_fsdp(s.model, mesh["dp"], reshard_after_forward=False)
+
+
+def _apply_dp_or_pipeline(s: _Step) -> None:
+    """Who sums the data dimension's gradients: DDP only where dp is the one strategy (ZeRO-1 is DDP
+    with a sharded optimizer); FSDP2 under fsdp and ZeRO-2; DDP per stage inside the pipeline under
+    pp x dp (pipeline_stage); else sync_gradients, explicitly (with tp or ep beside dp, an expert
+    shard is replicated over dp only)."""
+    lay = s.lay
+    ddp = (lay.dp > 1 and lay.tp == 1 and lay.fsdp == 1 and lay.ep == 1 and lay.zero != 2 and lay.pp == 1
+           and lay.cp == 1)
+    s.manual_sync = ((lay.data_degree > 1 or lay.cp > 1) and lay.fsdp == 1 and lay.zero != 2 and lay.pp == 1
+                     and not ddp)
+    s.wrapped = apply_dp(s.model, s.groups["dp"], s.counter) if ddp else s.model
+    if lay.pp > 1:
+        s.wrapped, s.stage, s.sched = pipeline_stage(s.part, s.groups["pp"], lay.microbatches, lay.schedule,
+                                                     dp_group=s.groups["dp"] if lay.dp > 1 else None,
+                                                     counter=s.counter)
+
+
+def _name_modules(wrapped: torch.nn.Module) -> None:
+    for n, m in wrapped.named_modules():
+        m._harness_qualname = clean_name(n) or type(m).__name__
+
+
+# --- capture, forward / backward, gradient sync -----------------------------------------------------
+def start_captures(s: _Step) -> None:
+    """Every module's output and every router's chosen experts (the routing-aware comparison,
+    harness.precision.routing), during the step's forward."""
+    # A pipeline stage's plumbing is not the model's: layers of other stages (pass-through), the
+    # final norm before the last stage (identity), the base model's output mid-pipeline.
+    w = s.wrapped
+    inner = w.module if isinstance(w, torch.nn.parallel.DistributedDataParallel) else w
+    plumbing = frozenset(m for m in w.modules() if isinstance(m, (_PassLayer, torch.nn.Identity))) | (
+        frozenset([getattr(inner, inner.base_name)]) if s.stage is not None and not s.stage.is_last
+        else frozenset())
+    s.cap = ModuleCapture(w, skip=plumbing)
+    s.rcap = RouterCapture(w, name_of=clean_name)
+    s.rcap.phase = "step"
+
+
+def _memory_tracker(s: _Step):
+    """MemTracker's module tracking (multi-grad hooks) does not survive the pipeline schedule's
+    partial backward calls: pipeline stages are measured by StoragePeak (MemTracker's storage
+    accounting without the module tracker; harness.parallel.memory)."""
+    if s.sched is not None:
+        return StoragePeak(s.wrapped)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(s.wrapped)
+    return mt
+
+
+def forward_backward(s: _Step, st: StatusWriter, recompute: bool) -> None:
+    """Forward, loss, backward: ``s.logits`` [b, S(/cp), V] and ``s.loss`` (a scalar, the slice's)."""
+    if s.sched is not None:
+        _pipeline_forward_backward(s, recompute)
+        return
+    lay = s.lay
+    logits = s.wrapped(input_ids=s.ids, **s.fwd).logits
+    if s.cap is not None:
+        s.cap.enabled = False  # recomputation re-runs forwards inside backward: not captured
+        s.rcap.phase = None
+    if lay.cp > 1:
+        # This chunk's share of the slice's mean loss; the shares sum to it over cp.
+        own = cp_mod.chunk_loss(logits, s.full_ids, lay.cp, s.cp_index)
+        loss = own.detach().clone()
+        dist.all_reduce(loss, group=s.groups["cp"])
+    else:
+        own = loss = lm_loss(logits, s.ids)
+    st.step("backward")
+    # Summed explicitly over the data ranks by sync_gradients: the mean over the whole batch.
+    (own / lay.data_degree if s.manual_sync else own).backward()
+    s.logits, s.loss = logits, loss
+
+
+def _pipeline_forward_backward(s: _Step, recompute: bool) -> None:
+    """The schedule runs every microbatch's forward and backward; the last stage returns the logits
+    [b, S, V] and the microbatches' losses."""
+    losses: list[torch.Tensor] = []
+    paused = _capture_outside_backward(s.cap, s.rcap) if recompute and s.cap is not None else None
+    if s.stage.is_first:
+        s.sched.step(s.ids)
+    else:
+        s.logits = s.sched.step(target=s.ids, losses=losses)
+        s.loss = torch.stack([x.detach() for x in losses]).mean()
+    if paused is not None:
+        paused.remove()
+
+
+def sync_gradients(s: _Step) -> None:
+    """The reductions no wrapper does: the data dimension's under manual_sync, and the gradients of
+    tp's replicated_with_grad_allreduce modules (Qwen3's q/k norms on local heads) over tp."""
+    if s.manual_sync:
+        experts = set(_expert_param_names(s.model, s.ep_names))
+        sync_grads(s.model, s.groups["data_cp" if s.lay.cp > 1 else "data"], skip=experts)
+        if experts and s.lay.dp > 1:
+            # An expert shard's gradient already sums its ep group's tokens (the backward of
+            # the dispatch all-to-all); its copies on the dp replicas saw other sequences.
+            sync_grads(s.model, s.groups["dp"], only=experts)
+    if s.tp_norms:
+        for name, p in s.model.named_parameters():
+            if p.grad is not None and any(clean_name(name).startswith(n + ".") for n in s.tp_norms):
+                # Under fsdp x tp the gradient is this rank's fsdp shard (a DTensor).
+                dist.all_reduce(_local(p.grad), group=s.groups["tp"])
+
+
+def keep_loss(s: _Step) -> None:
+    """The step's module captures end with its forward; its logits and loss go to the results."""
+    if s.cap is not None:
+        s.cap.remove()
+    if s.logits is not None:
+        s.out["logits"] = s.logits.detach()
+        s.out["loss"] = s.loss.detach().float().reshape(1)
+    s.params = [(clean_name(n), p) for n, p in s.wrapped.named_parameters() if p.requires_grad]
+
+
+# --- gather, optimizer step, after-step forward, results --------------------------------------------
+def gather_params(s: _Step, kind: str) -> None:
+    """Every gradient (``kind`` "grad") or weight ("weight") at full shape into ``s.out``."""
+    with s.counter:
+        experts = set(_expert_param_names(s.model, s.ep_names))
+        for n, p in s.params:
+            t = p.grad if kind == "grad" else p.detach()
+            if t is not None:
+                s.out[f"{kind}/{n}"] = _full(t, n in experts, s.groups, s.tp_split.get(n))
+
+
+def optimizer_step(s: _Step, lr: float) -> None:
+    """One SGD step (ZeRO-1: each rank steps its partition and broadcasts it); the rank's share of
+    gradients, parameters and optimizer state, in bytes."""
+    params = [p for _, p in s.params]
+    s.res["grad_bytes_local"] = sum(_local(p.grad).numel() * p.grad.element_size() for p in params
+                                    if p.grad is not None)
+    opt = zero1_optimizer(params, lr, s.groups["dp"]) if s.lay.zero == 1 else make_optimizer(params, lr)
+    with s.counter:  # ZeRO-1 broadcasts every updated partition from its owner
+        opt.step()
+    # ZeroRedundancyOptimizer keeps its rank's state in the wrapped local optimizer.
+    opt_state = getattr(opt, "optim", opt).state
+    s.res["param_bytes_local"] = sum(_local(p).numel() * p.element_size() for p in params)
+    s.res["param_bytes_full"] = s.full_bytes
+    s.res["optimizer_bytes_local"] = sum(_local(v).numel() * v.element_size() for st in opt_state.values()
+                                         for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def forward_after_step(s: _Step) -> None:
+    """The logits again with the new weights (a stale parameter shard shows up there); routers
+    captured in phase "after"."""
+    if s.rcap is not None:
+        s.rcap.phase = "after"
+    with s.counter:
+        if s.sched is not None:
+            after = s.sched.eval(s.ids) if s.stage.is_first else s.sched.eval(target=s.ids, losses=[])
+            if not s.stage.is_first:
+                s.out["logits_after"] = after.detach()
         else:
-            opt = make_optimizer([p for _, p in params], spec["lr"])
-        with counter:  # ZeRO-1 broadcasts every updated partition from its owner
-            opt.step()
-        local_param_bytes = sum(_local(p).numel() * p.element_size() for _, p in params)
-        # ZeroRedundancyOptimizer keeps its rank's state in the wrapped local optimizer.
-        opt_state = getattr(opt, "optim", opt).state
-        opt_bytes = sum(_local(v).numel() * v.element_size() for s in opt_state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor))
-        res["param_bytes_local"], res["param_bytes_full"] = local_param_bytes, full_bytes
-        res["optimizer_bytes_local"] = opt_bytes
-        st.step("gather_weights")
-        with counter:
-            for n, p in params:
-                out[f"weight/{n}"] = self._full(p.detach(), n in expert_params, groups, tp_split.get(n))
-        st.step("forward_after_step")
-        if rcap is not None:
-            rcap.phase = "after"
-        with counter:
-            if sched is not None:
-                after = sched.eval(ids) if stage.is_first else sched.eval(target=ids, losses=[])
-                if not stage.is_first:
-                    out["logits_after"] = after.detach()
-            else:
-                with torch.no_grad():
-                    out["logits_after"] = wrapped(input_ids=ids, **fwd).logits.detach()
-        if rcap is not None:
-            rcap.remove()
-            # A pipeline stage's first forward is a shape-inference run: the schedule's own calls only.
-            routed = rcap.tensors(last=lay.microbatches if sched is not None else None)
-            if lay.cp > 1:
-                # Routing is compared per batch slice (harness.precision.routing): each cp rank gets
-                # its slice's whole sequences, [b S / cp, .] -> [b S, .] in the reference's order.
-                routed = {k: cp_mod.gather_tokens(routed[k], ids.shape[0], groups["cp"], lay.cp)
-                          for k in sorted(routed)}
-            out.update(routed)
-        res["comm"] = counter.summary()
-        res["ep"] = {"assignments": ep_mod.STATS.assignments, "dropped": ep_mod.STATS.dropped,
-                     "max_expert_load": ep_mod.STATS.max_expert_load} if lay.ep > 1 else None
-        if cap is not None:
-            for name, ts in cap.outputs.items():
-                if sched is not None:
-                    # The stage's first forward is a shape-inference run of a microbatch: keep the
-                    # schedule's own calls, one per microbatch in the order they ran.
-                    ts = ts[-lay.microbatches:]
-                shapes = {tuple(t.shape) for t in ts}
-                # Several calls (pipeline microbatches): in call order along the batch dimension.
-                out[f"act/{name}"] = torch.cat(ts) if len(ts) > 1 and len(shapes) == 1 else ts[0]
-                res.setdefault("act_calls", {})[name] = len(ts)
-        st.step("teardown_layout")
-        dist.barrier()
-        return res, {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+            with torch.no_grad():
+                s.out["logits_after"] = s.wrapped(input_ids=s.ids, **s.fwd).logits.detach()
 
-    def _full(self, t: torch.Tensor, expert: bool, groups: dict, tp_split: tuple[int, bool] | None = None
-              ) -> torch.Tensor:
-        if tp_split is not None:  # a fused experts' slice over tp (under fsdp x tp: its fsdp shard first)
-            return gather_full(t.full_tensor() if hasattr(t, "full_tensor") else t, *tp_split, groups["tp"])
-        if hasattr(t, "full_tensor"):
-            if not expert:
-                return t.full_tensor()
-            t = t.full_tensor()  # ep x fsdp: this rank's expert partition, gathered over fsdp first
-        if expert:
-            g = groups["ep"]
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(g))]
-            dist.all_gather(parts, t.contiguous(), group=g)
-            return torch.cat(parts)
-        return t.detach().clone()  # a copy: the schedule's eval() rescales .grad in place later
+
+def collect_results(s: _Step) -> None:
+    """Routing, communication, expert-parallel statistics and module outputs into the results."""
+    lay = s.lay
+    if s.rcap is not None:
+        s.rcap.remove()
+        # A pipeline stage's first forward is a shape-inference run: the schedule's own calls only.
+        routed = s.rcap.tensors(last=lay.microbatches if s.sched is not None else None)
+        if lay.cp > 1:
+            # Routing is compared per batch slice (harness.precision.routing): each cp rank gets
+            # its slice's whole sequences, [b S / cp, .] -> [b S, .] in the reference's order.
+            routed = {k: cp_mod.gather_tokens(routed[k], s.ids.shape[0], s.groups["cp"], lay.cp)
+                      for k in sorted(routed)}
+        s.out.update(routed)
+    s.res["comm"] = s.counter.summary()
+    s.res["ep"] = {"assignments": ep_mod.STATS.assignments, "dropped": ep_mod.STATS.dropped,
+                   "max_expert_load": ep_mod.STATS.max_expert_load} if lay.ep > 1 else None
+    if s.cap is None:
+        return
+    for name, ts in s.cap.outputs.items():
+        if s.sched is not None:
+            # The stage's first forward is a shape-inference run of a microbatch: keep the
+            # schedule's own calls, one per microbatch in the order they ran.
+            ts = ts[-lay.microbatches:]
+        shapes = {tuple(t.shape) for t in ts}
+        # Several calls (pipeline microbatches): in call order along the batch dimension.
+        s.out[f"act/{name}"] = torch.cat(ts) if len(ts) > 1 and len(shapes) == 1 else ts[0]
+        s.res.setdefault("act_calls", {})[name] = len(ts)
+
+
+def _full(t: torch.Tensor, expert: bool, groups: dict, tp_split: tuple[int, bool] | None = None) -> torch.Tensor:
+    """``t`` (a gradient or weight of this rank) at the model's full shape, on every rank."""
+    if tp_split is not None:  # a fused experts' slice over tp (under fsdp x tp: its fsdp shard first)
+        return gather_full(t.full_tensor() if hasattr(t, "full_tensor") else t, *tp_split, groups["tp"])
+    if hasattr(t, "full_tensor"):
+        if not expert:
+            return t.full_tensor()
+        t = t.full_tensor()  # ep x fsdp: this rank's expert partition, gathered over fsdp first
+    if expert:
+        g = groups["ep"]
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(parts, t.contiguous(), group=g)
+        return torch.cat(parts)
+    return t.detach().clone()  # a copy: the schedule's eval() rescales .grad in place later
 
 
 def _capture_outside_backward(cap: ModuleCapture, rcap: RouterCapture):
