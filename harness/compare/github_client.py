@@ -30,9 +30,9 @@ from github3.exceptions import GitHubError, GitHubException
 from github3.session import GitHubSession
 from urllib3.util.retry import Retry
 
+from harness.compare.errors import BudgetExhausted, IssueGone, SinkConfigError, SinkError
 from harness.compare.issues import IssueRef
 from harness.compare.scrub import scrub
-from harness.compare.sinks import BudgetExhausted, IssueGone, SinkConfigError, SinkError
 
 # Methods safe to repeat after a 5xx: urllib3's own list of idempotent methods (GET, PUT, DELETE,
 # HEAD, OPTIONS, TRACE; POST and PATCH are left out there), plus PATCH, because every PATCH harness

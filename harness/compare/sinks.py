@@ -37,30 +37,10 @@ import os
 import sys
 from typing import TextIO
 
+from harness.compare.errors import BudgetExhausted, IssueGone, SinkConfigError, SinkError  # noqa: F401 (part of the sink interface)
 from harness.compare.issues import LABEL, MUTED_LABEL, Action, IssueRef, comment_marker, read_state
-from harness.compare.scrub import scrub
+from harness.compare.scrub import scrub, scrub_secrets
 from harness.registry import NamedRegistry
-
-
-class SinkError(RuntimeError):
-    """An issue operation failed. ``maybe_applied``: the request may have taken effect anyway
-    (a 5xx or a lost answer to a POST), so it must not simply be sent again."""
-
-    def __init__(self, message: str, status: int | None = None, maybe_applied: bool = False):
-        super().__init__(message)
-        self.status, self.maybe_applied = status, maybe_applied
-
-
-class IssueGone(SinkError):
-    """The issue does not exist (any more): deleted on GitHub (410 Gone), or unknown (404)."""
-
-
-class BudgetExhausted(SinkError):
-    """The per-run API call budget is used up: stop, the next run goes on."""
-
-
-class SinkConfigError(SinkError):
-    """The sink cannot be used at all (no token, no repository)."""
 
 
 class FileSink:
@@ -111,14 +91,13 @@ class FileSink:
         self._save(number, {"op": "comment", "body": body})
 
     def _save(self, number: int, entry: dict) -> None:
+        from harness.files import atomic
+
         i = self.issues[number]
-        with open(os.path.join(self.folder, f"issue-{number}.md"), "w", encoding="utf-8") as f:
-            f.write(f"# {i['title']}\n\nstate: {i['state']} | labels: {', '.join(i['labels'])}\n\n")
-            f.write(i["body"])
-            for c in i["comments"]:
-                f.write(f"\n\n---\n**comment**\n\n{c}")
-        with open(self._state_path, "w", encoding="utf-8") as f:
-            json.dump(self.issues, f, indent=1)
+        text = (f"# {i['title']}\n\nstate: {i['state']} | labels: {', '.join(i['labels'])}\n\n" + i["body"]
+                + "".join(f"\n\n---\n**comment**\n\n{c}" for c in i["comments"]))
+        atomic.write_text(os.path.join(self.folder, f"issue-{number}.md"), scrub_secrets(text))
+        atomic.write_json(self._state_path, self.issues, newline=False)
         log = []
         if os.path.exists(self._log_path):
             with open(self._log_path, encoding="utf-8") as f:

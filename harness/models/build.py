@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from harness.models.config import (
+    AdapterError,  # noqa: F401 - re-exported (the builders raise it; callers catch it from here)
     ModelBuildError,
     ModelConfig,
     architecture_class,  # noqa: F401 - re-exported (tests and callers import it from here)
@@ -23,10 +24,6 @@ from harness.suite.loader import LoadedSuite, SuiteError
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-
-
-class AdapterError(ModelBuildError):
-    pass
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -93,7 +93,7 @@ def is_import_string(spec: str) -> bool:
 
 def from_import_string(spec: str) -> Builder:
     """``package.module:callable`` -> a builder calling it, with an error that says what went wrong."""
-    from harness.models.build import AdapterError
+    from harness.models.config import AdapterError
 
     mod_name, _, attr = spec.partition(":")
     try:
@@ -108,7 +108,7 @@ def from_import_string(spec: str) -> Builder:
 
 def resolve(spec: str) -> Builder:
     """``model.adapter`` -> its builder: a registered name, or an import string."""
-    from harness.models.build import AdapterError
+    from harness.models.config import AdapterError
 
     if is_import_string(spec):
         return from_import_string(spec)

@@ -26,6 +26,10 @@ class ModelBuildError(Exception):
     """Base of every "this suite's model cannot be built" error: one line, never a traceback."""
 
 
+class AdapterError(ModelBuildError):
+    """The suite's model builder (``model.adapter``) cannot be found or returned no module."""
+
+
 class UnknownArchitectureError(ModelBuildError):
     """No way to build the model: the message names what was tried and which suite knob fixes it."""
 
