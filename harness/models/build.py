@@ -109,8 +109,8 @@ def build_model(ls: LoadedSuite, dtype: str | torch.dtype = "float32", device: s
 def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
     """``model.to(device, dtype)`` as a deployed model is: floating parameters and checkpoint buffers
     in ``dtype``, the float32 buffers a checkpoint does not hold kept in float32 (see below)."""
-    kept = _creation_dtype_buffers(model, dtype)
-    fp32 = _keep_in_fp32(model, dtype)
+    kept = creation_dtype_buffers(model, dtype)
+    fp32 = keep_in_fp32(model, dtype)
     for mod, name, _ in kept:  # out of Module.to's way (it skips None buffers): never cast, no warning
         mod._buffers[name] = None
     for mod, name, t in fp32:
@@ -127,7 +127,7 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
     return model
 
 
-def _keep_in_fp32(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+def keep_in_fp32(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """Parameters and buffers a deployed model keeps in float32 in a bf16/fp16 build: the model class's
     ``_keep_in_fp32_modules_strict`` (bf16 and fp16; DeepSeek-V3's router ``gate.weight`` and
     ``e_score_correction_bias``) and ``_keep_in_fp32_modules`` (fp16 only), matched as
@@ -151,7 +151,7 @@ def _keep_in_fp32(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.n
     return out
 
 
-def _creation_dtype_buffers(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+def creation_dtype_buffers(model: torch.nn.Module, dt: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
     """Float32 buffers that are not part of a checkpoint (non-persistent: rotary ``inv_freq``, its
     ``original_inv_freq``) and must stay float32 in a bf16/fp16 model. ``from_pretrained(dtype=bf16)``
     casts only what it loads, so a deployed model holds ``inv_freq`` in float32; ``model.to(bf16)``

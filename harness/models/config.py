@@ -69,7 +69,7 @@ def architecture_class(name: str):
     return cls
 
 
-def _registry_class(model_type: str) -> tuple[str | None, str]:
+def registry_class(model_type: str) -> tuple[str | None, str]:
     """(class name, which registry) for a registered model_type: causal LM first, then image-text-to-text."""
     from transformers.models.auto import modeling_auto as ma
 
@@ -101,7 +101,7 @@ def resolve_architecture(raw: dict, override: str | None = None) -> tuple[str, s
     tried = [f"architectures[0] {arch!r}: " + ("no such class" if arch else "absent"),
              f"model_type {mt!r}: " + ("registered" if mt in CONFIG_MAPPING_NAMES else "not in the config mapping")]
     if mt in CONFIG_MAPPING_NAMES:
-        name, label = _registry_class(mt)
+        name, label = registry_class(mt)
         if name:
             return name, f"model_type ({label})", [
                 f"architectures[0] {arch!r} is not a class in transformers {tf.__version__}; model_type {mt!r} "

@@ -272,9 +272,9 @@ class StreamedReference:
         if not names:
             return
         if self._host_buffers is None:
-            from harness.weights.load import _parameters_on_meta
+            from harness.weights.load import parameters_on_meta
 
-            with _parameters_on_meta():
+            with parameters_on_meta():
                 self._host_buffers = decoder_layers(type(self.meta)(self.meta.config))[1]
         src = self._host_buffers[i]
         for mn, bn in names:

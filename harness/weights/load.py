@@ -33,7 +33,7 @@ def _meta(ls: LoadedSuite, mc) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Every parameter registered in this block goes to the meta device; buffers stay where they are made.
 
     What ``accelerate.init_empty_weights(include_buffers=False)`` does (accelerate is not a dependency:
@@ -68,7 +68,7 @@ def instantiate_empty(ls: LoadedSuite, mc, dtype: torch.dtype) -> torch.nn.Modul
     non-persistent one has no source and the build is refused naming it."""
     from harness.models.build import instantiate
 
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = instantiate(ls, mc, dtype)
     materialize_empty(model, lambda _m: "cpu",
                       lambda _m, _n, p: torch.float64 if dtype == torch.float64 and p.is_floating_point() else p.dtype)

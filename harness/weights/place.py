@@ -2,7 +2,7 @@
 
 A full model is never built on the host first: a 671B-parameter model would need 2.7 TB of host
 memory in float32 (as the pruned builds are made). Instead the model's own ``__init__`` runs with its
-parameters on the meta device (:func:`harness.weights.load._parameters_on_meta`: free; the buffers it
+parameters on the meta device (:func:`harness.weights.load.parameters_on_meta`: free; the buffers it
 computes, rotary ``inv_freq`` and the like, are computed on the host exactly as in every other build),
 each parameter is then allocated, uninitialised, on the device its module is placed on, in the run
 dtype, and every tensor is written from the shards one at a time (dequantized where stored
@@ -119,12 +119,12 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
     """The full model for ``ls`` in ``dtype``, each module allocated on its device and filled from ``ckpt``.
     Returns the model and the count of tensors read per storage format."""
     from harness.anatomy.layers import decoder_layers
-    from harness.models.build import _creation_dtype_buffers, _keep_in_fp32, instantiate
+    from harness.models.build import creation_dtype_buffers, instantiate, keep_in_fp32
     from harness.weights import rename
-    from harness.weights.load import _parameters_on_meta, fill, materialize_empty
+    from harness.weights.load import fill, materialize_empty, parameters_on_meta
     from harness.weights.reader import ShardReader
 
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = instantiate(ls, mc, dtype)
     _, layers = decoder_layers(model)
     if len(layers) != len(placement.layers):
@@ -133,8 +133,8 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
     # What the deployed model keeps in float32 in a bf16 build (DeepSeek-V3's router), and the float32
     # buffers a checkpoint does not hold (rotary inv_freq) or complex ones: the rules of
     # harness.models.build.cast_model, which every build follows.
-    fp32 = {(id(m), n) for m, n, _ in _keep_in_fp32(model, dtype)}
-    kept = {(id(m), n) for m, n, _ in _creation_dtype_buffers(model, dtype)}
+    fp32 = {(id(m), n) for m, n, _ in keep_in_fp32(model, dtype)}
+    kept = {(id(m), n) for m, n, _ in creation_dtype_buffers(model, dtype)}
 
     def dtype_of(m, name, t):
         if not t.is_floating_point() or (id(m), name) in kept:

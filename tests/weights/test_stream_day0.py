@@ -46,9 +46,9 @@ def _checkpoint(tmp_path: Path, name: str, keep: list | None = None) -> tuple[Pa
 @pytest.mark.parametrize("name", ["Llama-4-Scout-17B-16E-Instruct", "gemma-4-26B-A4B", "MiMo-V2-Flash",
                                   "DeepSeek-V4-Flash", "Qwen3-VL-30B-A3B-Instruct"])
 def test_streamed_reference_agrees_and_localizes_a_fault(tmp_path, name):
+    from harness.anatomy.layers import decoder_layers
     from harness.backends import get
     from harness.checks import CheckContext, CheckFailure, registry
-    from harness.anatomy.layers import decoder_layers
     from harness.suite.loader import load_suite
 
     root, small, arch = _checkpoint(tmp_path, name)
@@ -101,9 +101,9 @@ def test_a_wrong_top_k_in_a_router_that_takes_its_bias_as_an_argument_is_named(t
     """MiniMax-M2's router is called with its correction bias as a second argument and selects by the
     bias-corrected score: the flip judge replays that call. A router returning its lowest-scoring experts
     fails as a routing fault at its layer (it used to crash the judge)."""
+    from harness.anatomy.layers import decoder_layers
     from harness.backends import get
     from harness.checks import CheckContext, CheckFailure, registry
-    from harness.anatomy.layers import decoder_layers
     from harness.suite.loader import load_suite
 
     root, small, arch = _checkpoint(tmp_path, "MiniMax-M2.5")
