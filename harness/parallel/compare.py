@@ -138,35 +138,64 @@ def _worst_param(ranks: list[RankData], ref: dict, prefix: str, tol: float):
 
 def compare_layout(ref: dict[str, torch.Tensor], order: list[str], ids: torch.Tensor, lay: Layout,
                    ranks: list[RankData], tol: dict[str, float]) -> Verdict:
+    """Every quantity of every rank against its piece of the reference, then the first diverging
+    module. ``ids`` [B, S]: the whole batch (the loss's targets)."""
     v = Verdict()
-    # logits, logits after the step, loss: every rank that has them, against its slice.
+    _compare_logits(v, ref, lay, ranks, tol)
+    _compare_loss(v, ref, ids, lay, ranks, tol)
+    _compare_params(v, ref, ranks, tol)
+    _compare_router_logits(v, ref, lay, ranks, tol["router"])
+    _compare_recompute(v, ranks, tol["grads"])
+    localize(v, ref, order, lay, ranks, tol["activations"], tokens=tuple(ids.shape))
+    if v.first_module and not v.failed:
+        # Outputs of inner modules over tolerance while every result agrees: noted, not failed
+        # (the activations tolerance is for localization).
+        v.notes.append(f"module {v.first_module} differs by {v.first_module_error:.3g} on rank(s) "
+                       f"{v.first_module_ranks} although every result agrees")
+        v.first_module, v.first_module_ranks = None, []
+    return v
+
+
+def _judge(v: Verdict, q: str, errs: dict[int, float], tol: float, what: str) -> None:
+    """Worst error of ``q`` over ranks; the ranks over ``tol`` fail it."""
+    if not errs:
+        return
+    v.errors[q] = max(errs.values())
+    bad = sorted(r for r, e in errs.items() if e > tol)
+    if bad:
+        v.failed.append(f"{q} {what} on rank(s) {bad} (error {v.errors[q]:.3g} > {tol:.3g})")
+
+
+def _compare_logits(v: Verdict, ref: dict, lay: Layout, ranks: list[RankData], tol: dict[str, float]) -> None:
+    """Logits and logits after the step: every rank that has them, against its slice."""
     for q in ("logits", "logits_after"):
         errs = {}
         for rd in ranks:
             if q in rd.tensors:
                 piece = ref_piece(ref[q], tuple(rd.tensors[q].shape), lay, rd.rank)
                 errs[rd.rank] = rel_err(rd.tensors[q], piece) if piece is not None else float("inf")
-        if errs:
-            v.errors[q] = max(errs.values())
-            bad = sorted(r for r, e in errs.items() if e > tol[q])
-            if bad:
-                v.failed.append(f"{q} differ on rank(s) {bad} (error {v.errors[q]:.3g} > {tol[q]:.3g})")
-    lerrs = {}
+        _judge(v, q, errs, tol[q], "differ")
+
+
+def _compare_loss(v: Verdict, ref: dict, ids: torch.Tensor, lay: Layout, ranks: list[RankData],
+                  tol: dict[str, float]) -> None:
+    """Each rank's loss against the loss of the reference's logits on its slice [b, S, V]."""
+    errs = {}
     for rd in ranks:
         if "loss" in rd.tensors:
             logits_piece = ref_piece(ref["logits"], (rd.tensors["logits"].shape[0], *ref["logits"].shape[1:]), lay,
                                      rd.rank)
             ids_piece = ref_piece(ids, (logits_piece.shape[0], ids.shape[1]), lay, rd.rank)
             want = lm_loss(logits_piece, ids_piece).reshape(1)
-            lerrs[rd.rank] = abs(rd.tensors["loss"].double().item() - want.double().item()) / max(abs(want.item()),
-                                                                                                  1e-30)
-    if lerrs:
-        v.errors["loss"] = max(lerrs.values())
-        bad = sorted(r for r, e in lerrs.items() if e > tol["loss"])
-        if bad:
-            v.failed.append(f"loss differs on rank(s) {bad} (error {v.errors['loss']:.3g} > {tol['loss']:.3g})")
+            errs[rd.rank] = abs(rd.tensors["loss"].double().item() - want.double().item()) / max(abs(want.item()),
+                                                                                                 1e-30)
+    _judge(v, "loss", errs, tol["loss"], "differs")
+
+
+def _compare_params(v: Verdict, ref: dict, ranks: list[RankData], tol: dict[str, float]) -> None:
+    """Every gradient and every weight after the step, at full shape; the worst of each is named."""
     for q, prefix in (("grads", "grad/"), ("weights", "weight/")):
-        name, err, where, absent, extra = _worst_param(ranks, ref, prefix, tol[q])
+        name, err, where, absent, _extra = _worst_param(ranks, ref, prefix, tol[q])
         v.errors[q] = err
         if q == "grads":
             v.worst_grad = (name, err, where)
@@ -176,38 +205,36 @@ def compare_layout(ref: dict[str, torch.Tensor], order: list[str], ids: torch.Te
             v.failed.append(f"{len(absent)} parameters have no {q[:-1]} on any rank, e.g. {absent[0][len(prefix):]}")
         if err > tol[q]:
             v.failed.append(f"{q} differ: worst {name} (error {err:.3g} > {tol[q]:.3g}) on rank(s) {where}")
-    # Router logits (both forwards), the noise that routing flips are judged against.
-    rerrs: dict[int, float] = {}
+
+
+def _compare_router_logits(v: Verdict, ref: dict, lay: Layout, ranks: list[RankData], tol: float) -> None:
+    """Router logits (both forwards), the noise that routing flips are judged against."""
+    errs: dict[int, float] = {}
     for rd in ranks:
         for key, t in rd.tensors.items():
             if key.startswith("rlogits/") and key in ref:
                 piece = ref_piece(ref[key], tuple(t.shape), lay, rd.rank)
                 e = rel_err(t, piece) if piece is not None else float("inf")
-                rerrs[rd.rank] = max(rerrs.get(rd.rank, 0.0), e)
-    if rerrs:
-        v.errors["router"] = max(rerrs.values())
-        bad = sorted(r for r, e in rerrs.items() if e > tol["router"])
-        if bad:
-            # Not a failure by itself (module outputs are localized under the activations tolerance);
-            # but the near-tie limit derived from tol["router"] is then narrower than this run's noise.
-            v.notes.append(f"router logits differ by more than the routing noise tolerance on rank(s) {bad} "
-                           f"(error {v.errors['router']:.3g} > {tol['router']:.3g}): near-tie flips may be "
-                           "judged wide")
-    # Recomputation: the same layout without it must give the same gradients.
+                errs[rd.rank] = max(errs.get(rd.rank, 0.0), e)
+    if not errs:
+        return
+    v.errors["router"] = max(errs.values())
+    bad = sorted(r for r, e in errs.items() if e > tol)
+    if bad:
+        # Not a failure by itself (module outputs are localized under the activations tolerance);
+        # but the near-tie limit derived from tol["router"] is then narrower than this run's noise.
+        v.notes.append(f"router logits differ by more than the routing noise tolerance on rank(s) {bad} "
+                       f"(error {v.errors['router']:.3g} > {tol:.3g}): near-tie flips may be judged wide")
+
+
+def _compare_recompute(v: Verdict, ranks: list[RankData], tol: float) -> None:
+    """Recomputation: the same layout without it must give the same gradients."""
     noac = [(rd, k) for rd in ranks for k in rd.tensors if k.startswith("noac_grad/")]
     if noac:
         e = max(rel_err(rd.tensors["ac_" + k[len("noac_"):]], rd.tensors[k]) for rd, k in noac)
         v.recompute_grad_error = e
-        if e > tol["grads"]:
+        if e > tol:
             v.failed.append(f"gradients with recomputation differ from those without (error {e:.3g})")
-    localize(v, ref, order, lay, ranks, tol["activations"], tokens=tuple(ids.shape))
-    if v.first_module and not v.failed:
-        # Outputs of inner modules over tolerance while every result agrees: noted, not failed
-        # (the activations tolerance is for localization).
-        v.notes.append(f"module {v.first_module} differs by {v.first_module_error:.3g} on rank(s) "
-                       f"{v.first_module_ranks} although every result agrees")
-        v.first_module, v.first_module_ranks = None, []
-    return v
 
 
 def localize(v: Verdict, ref: dict, order: list[str], lay: Layout, ranks: list[RankData], tol: float,
