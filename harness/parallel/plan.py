@@ -179,40 +179,47 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int, device_memory: int,
-             devices_per_node: int, usable: float = 0.9) -> Estimate:
-    tp, pp, dp, ep, cp = lay.tp, lay.pp, lay.dp, lay.ep, lay.cp
-    train = mode == "training"
-    by, wb = m.params_by_kind, m.weight_bytes
-    # --- weights (and the parameter share the training state follows) -------------------------
-    layer_kinds = ("attention", "dense_mlp", "routed_experts", "shared_experts", "router", "norm", "other")
+_LAYER_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "router", "norm", "other")
 
-    def share(kind: str) -> float:
-        f = 1.0
-        if kind in ("attention", "dense_mlp", "shared_experts", "embedding", "lm_head"):
-            f /= tp
-        if kind == "routed_experts":
-            f /= ep if ep > 1 else tp
-        if kind in layer_kinds:
-            f /= pp
-        return f
 
-    def per_device(values: dict[str, float]) -> float:
-        s = sum(v * share(k) for k, v in values.items() if k not in ("embedding", "lm_head"))
-        ends = [values.get("embedding", 0.0) * share("embedding"), values.get("lm_head", 0.0) * share("lm_head")]
-        return s + (max(ends) if pp > 1 else sum(ends))
+def _share(kind: str, lay: Layout) -> float:
+    """The fraction of a parameter kind one device holds: split by tp (vocabulary-parallel embedding
+    too), routed experts by ep (by tp when ep = 1), decoder layers by pp."""
+    f = 1.0
+    if kind in ("attention", "dense_mlp", "shared_experts", "embedding", "lm_head"):
+        f /= lay.tp
+    if kind == "routed_experts":
+        f /= lay.ep if lay.ep > 1 else lay.tp
+    if kind in _LAYER_KINDS:
+        f /= lay.pp
+    return f
 
-    params_dev = per_device({k: float(v) for k, v in by.items()})
+
+def _per_device(values: dict[str, float], lay: Layout) -> float:
+    """Per-kind totals -> what one device holds; under pp the worst stage keeps the larger end."""
+    s = sum(v * _share(k, lay) for k, v in values.items() if k not in ("embedding", "lm_head"))
+    ends = [values.get("embedding", 0.0) * _share("embedding", lay), values.get("lm_head", 0.0) * _share("lm_head", lay)]
+    return s + (max(ends) if lay.pp > 1 else sum(ends))
+
+
+def _weights_and_state(m: ModelFacts, lay: Layout, train: bool) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer state, parameters) per device. Training: bf16 weights and
+    gradients, Adam's 12 B/param in float32, split by dp from ZeRO-3 / -2 / -1."""
+    params_dev = _per_device({k: float(v) for k, v in m.params_by_kind.items()}, lay)
     if train:
-        weights = params_dev * 2 / (dp if lay.zero >= 3 else 1)
-        grads = params_dev * 2 / (dp if lay.zero >= 2 else 1)
-        optim = params_dev * 12 / (dp if lay.zero >= 1 else 1)
+        weights = params_dev * 2 / (lay.dp if lay.zero >= 3 else 1)
+        grads = params_dev * 2 / (lay.dp if lay.zero >= 2 else 1)
+        optim = params_dev * 12 / (lay.dp if lay.zero >= 1 else 1)
     else:
-        weights = per_device(wb) + m.buffer_bytes
+        weights = _per_device(m.weight_bytes, lay) + m.buffer_bytes
         grads = optim = 0.0
-    # --- KV cache, activations ------------------------------------------------------------------
-    seqs = math.ceil(batch / dp)
-    tokens = seqs * context / cp  # tokens of one replica on this device's context shard
+    return weights, grads, optim, params_dev
+
+
+def _kv_and_activations(m: ModelFacts, lay: Layout, train: bool, seqs: int, tokens: float,
+                        context: int) -> tuple[float, float]:
+    """KV cache (inference) and activations per device (training: Korthikanti et al. 2022)."""
+    tp, pp, cp = lay.tp, lay.pp, lay.cp
     kv = 0.0 if train else m.kv_bytes_per_token * seqs * context / cp / pp / min(tp, m.kv_split_by_tp)
     layers_dev = math.ceil(m.layers / pp)
     if train:
@@ -221,10 +228,16 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
         act += tokens * m.vocab / tp * 4  # float32 logits for the loss (last stage)
     else:
         act = tokens * 2 * (4 * m.hidden + 3 * m.intermediate / tp) + seqs * m.vocab / tp * 4
-    total = weights + kv + act + grads + optim
-    # --- communication per step -----------------------------------------------------------------
+    return kv, act
+
+
+def _communication(m: ModelFacts, lay: Layout, train: bool, tokens: float, params_dev: float) -> dict[str, float]:
+    """Bytes per step and device of each group: ring all-reduce 2 (n-1)/n of the tensor, the
+    all-to-all dispatch + combine, one activation per pipeline boundary, the KV ring."""
+    tp, pp, dp, ep, cp = lay.tp, lay.pp, lay.dp, lay.ep, lay.cp
     passes = 2 if train else 1
     act_bytes = tokens * m.hidden * 2
+    layers_dev = math.ceil(m.layers / pp)
     comm: dict[str, float] = {}
     if tp > 1:
         comm["tp"] = layers_dev * 2 * passes * 2 * (tp - 1) / tp * act_bytes
@@ -237,10 +250,14 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
         comm["cp"] = passes * (m.kv_bytes_per_token / max(m.layers, 1)) * layers_dev * tokens * (cp - 1)
     if train and dp > 1:
         comm["dp"] = (3 if lay.zero >= 3 else 2) * (dp - 1) / dp * params_dev * 2
-    # Which groups cross nodes: ranks are laid out tp (innermost), cp, ep/dp, pp (outermost).
+    return comm
+
+
+def _cross_node(comm: dict[str, float], lay: Layout, devices_per_node: int) -> float:
+    """The bytes of the groups that span nodes: ranks are laid out tp (innermost), cp, ep/dp, pp."""
     cross = 0.0
     inner = 1
-    for dim, n in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
+    for dim, n in (("tp", lay.tp), ("cp", lay.cp), ("dp", lay.dp), ("pp", lay.pp)):
         inner *= n
         spans = inner > devices_per_node
         if dim == "dp":
@@ -249,13 +266,27 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
                     cross += comm[k]
         elif spans and dim in comm:
             cross += comm[dim]
+    return cross
+
+
+def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int, device_memory: int,
+             devices_per_node: int, usable: float = 0.9) -> Estimate:
+    """Memory per device, communication and step time of ``lay`` (the module docstring's model)."""
+    train = mode == "training"
+    weights, grads, optim, params_dev = _weights_and_state(m, lay, train)
+    seqs = math.ceil(batch / lay.dp)
+    tokens = seqs * context / lay.cp  # tokens of one replica on this device's context shard
+    kv, act = _kv_and_activations(m, lay, train, seqs, tokens, context)
+    total = weights + kv + act + grads + optim
+    comm = _communication(m, lay, train, tokens, params_dev)
+    cross = _cross_node(comm, lay, devices_per_node)
     comm_total = sum(comm.values())
     time_s = (comm_total - cross) / INTRA_NODE_BW + cross / INTER_NODE_BW
     # Compute: the step's FLOPs over the devices that work at once. A pipeline keeps its stages busy
     # only with several microbatches in flight (bubble (pp-1)/(m+pp-1), m = sequences per replica);
     # replicas beyond the batch idle; training is 3 forward passes (4 with recomputation).
     m_mb = seqs
-    busy = tp * cp * min(dp, batch) * pp * m_mb / (m_mb + pp - 1)
+    busy = lay.tp * lay.cp * min(lay.dp, batch) * lay.pp * m_mb / (m_mb + lay.pp - 1)
     flops = m.flops_per_token * batch * context * ((4 if lay.recompute else 3) if train else 1)
     compute_s = flops / busy / DEVICE_FLOPS
     limit = device_memory * usable
