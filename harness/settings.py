@@ -1,6 +1,11 @@
 """Project-level settings: ``harness.toml`` at the repository root (or the file named by the
 ``HARNESS_CONFIG`` environment variable). Every key is declared with type, default and description.
 
+The ``HARNESS_*`` environment variables are settings too, and this module owns them all: each is
+declared in :data:`ENV` (name, type, default, description; ``harness validate --schema`` lists
+them), read through :func:`env` and passed to child processes through :func:`set_env` /
+:func:`unset_env`. No other module names a ``HARNESS_*`` variable (tests/test_settings.py checks).
+
 Example::
 
     suites_dir = "suites"
@@ -16,7 +21,10 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,10 +58,129 @@ class SettingsError(Exception):
     pass
 
 
+# --- HARNESS_* environment variables ---------------------------------------------------------------
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE[1:])}), got {raw!r}")
+
+
+def _int(raw: str) -> int:
+    v = raw.strip()
+    if not v.lstrip("-").isdigit():  # int() would take "1_000" and " 7 "; a setting is plain digits
+        raise ValueError(f"expected an integer, got {raw!r}")
+    return int(v)
+
+
+def _paths(raw: str) -> list[Path]:
+    return [Path(x) for x in raw.split(os.pathsep) if x.strip()]
+
+
+_PARSE: dict[str, Callable[[str], Any]] = {
+    "str": str, "path": lambda raw: Path(raw), "paths": _paths, "int": _int, "bool": _bool}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``HARNESS_*`` environment variable (the way tox 4's config loader declares a key)."""
+
+    name: str
+    type: str  # str | path | paths (os.pathsep-separated) | int | bool
+    default: Any
+    description: str
+    internal: bool = False  # set by harness for its own child processes, not by users
+
+    def parse(self, raw: str) -> Any:
+        return _PARSE[self.type](raw)
+
+
+ENV: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("HARNESS_CONFIG", "path", None, "The settings file to use instead of ./harness.toml."),
+    EnvVar("HARNESS_RESULTS_DIR", "path", None, "Where checks put their files (plots, samples): set by "
+           "`harness run` / --harness-results for the run and its workers; else `results_dir`."),
+    EnvVar("HARNESS_GOLDEN_DIR", "path", None, "Where goldens are read and written, instead of `golden_dir`."),
+    EnvVar("HARNESS_CACHE_DIR", "path", None, "Cache of traced operator inventories "
+           "(default: $XDG_CACHE_HOME/harness, else ~/.cache/harness)."),
+    EnvVar("HARNESS_SUITES_PATH", "paths", [], "More directories where bare suite names are looked up "
+           "(os.pathsep-separated), after `suites_dir` and the ones `harness init --suites-dir` recorded."),
+    EnvVar("HARNESS_PERF", "bool", False, "Generate the perf check's items in every scope and for every "
+           "suite (the golden-update and nightly workflows set it)."),
+    EnvVar("HARNESS_WEIGHTS_VERBOSE", "bool", False, "The real-weights check adds its per-layer report "
+           "to the item's notes even when it passes."),
+    EnvVar("HARNESS_TORCHRUN_ARGS", "str", None, "Rendezvous arguments for the parallel check's torchrun "
+           "launches, replacing `--standalone --nnodes 1` (shell-split; docs/parallel.md)."),
+    EnvVar("HARNESS_LEAK_BYTES", "int", None, "Host memory an isolated worker may keep growing by per item "
+           "before it is replaced (default: harness.run.isolation.Limits.leak_bytes)."),
+    EnvVar("HARNESS_NUM_THREADS", "int", None, "torch threads of an isolated worker: the launching "
+           "process's count, passed down by the pytest plugin.", internal=True),
+    EnvVar("HARNESS_ISOLATION_FDS", "str", None, "'command_fd,result_fd' of an isolated worker's pipes.",
+           internal=True),
+    EnvVar("HARNESS_ISOLATION_STATUS", "path", None, "The status file an isolated worker reports its "
+           "phase and module in.", internal=True),
+    EnvVar("HARNESS_PREFETCH_PARENT", "int", None, "Process id of the `harness compare` that started a "
+           "baseline prefetch child.", internal=True),
+)}
+
+
+def _declared(name: str) -> EnvVar:
+    try:
+        return ENV[name]
+    except KeyError:
+        raise KeyError(f"undeclared environment variable {name!r}: declare it in harness.settings.ENV "
+                       f"(declared: {', '.join(ENV)})") from None
+
+
+def env(name: str, environ: MutableMapping[str, str] | None = None) -> Any:
+    """The typed value of a declared ``HARNESS_*`` variable (its default when unset or empty); a
+    malformed value is a SettingsError naming the variable."""
+    var = _declared(name)
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or (raw == "" and var.type != "str"):
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise SettingsError(f"${name}: {e}") from None
+
+
+def set_env(name: str, value: Any, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set a declared variable, in ``environ`` (a child process's environment) or in this process's."""
+    var = _declared(name)
+    if var.type == "paths" and not isinstance(value, str):
+        text = os.pathsep.join(str(v) for v in value)
+    elif var.type == "bool" and not isinstance(value, str):
+        text = "1" if value else "0"
+    else:
+        text = str(value)
+    var.parse(text)  # what is written must read back
+    (os.environ if environ is None else environ)[name] = text
+
+
+def unset_env(name: str, environ: MutableMapping[str, str] | None = None) -> None:
+    _declared(name)
+    (os.environ if environ is None else environ).pop(name, None)
+
+
+def env_markdown() -> str:
+    """The declared variables as a markdown table (``harness validate --schema``)."""
+    rows = ["| variable | type | default | description |", "|---|---|---|---|"]
+    for v in ENV.values():
+        default = "unset" if v.default is None else f"`{v.default!r}`"
+        rows.append(f"| `{v.name}` | `{v.type}` | {default} | "
+                    f"{'(set by harness) ' if v.internal else ''}{v.description.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
 def settings_path() -> Path | None:
-    env = os.environ.get("HARNESS_CONFIG")
-    if env:
-        return Path(env)
+    p = env("HARNESS_CONFIG")
+    if p:
+        return p
     p = Path("harness.toml")
     return p if p.exists() else None
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from types import SimpleNamespace
 from typing import Literal
@@ -167,7 +166,9 @@ PUBLISHED = "-published"
 
 
 def _forced() -> bool:
-    return os.environ.get("HARNESS_PERF", "") not in ("", "0")
+    from harness.settings import env
+
+    return env("HARNESS_PERF")
 
 
 def parse_shape(variant: str | None, cfg: PerfConfig) -> tuple[int, int, bool]:

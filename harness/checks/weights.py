@@ -19,7 +19,6 @@ set``). Two variants:
 from __future__ import annotations
 
 import fnmatch
-import os
 from typing import Literal
 
 import torch
@@ -246,7 +245,9 @@ class WeightsCheck(Check):
             raise CheckFailure(f"decoder layer {first} diverges from the float64 reference (fed the target's own input "
                                f"to that layer)", metric="stream_rel_rmse", expected=f"<= {tol}",
                                observed=f"{bad:.3g}", tolerance=tol, details=rep.render())
-        if os.environ.get("HARNESS_WEIGHTS_VERBOSE"):
+        from harness.settings import env
+
+        if env("HARNESS_WEIGHTS_VERBOSE"):
             ctx.notes.append(rep.render())
 
 

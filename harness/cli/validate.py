@@ -10,7 +10,8 @@ def register(sub) -> None:
     p.add_argument("suites", nargs="*", help="suite names or paths; default: every suite")
     p.add_argument("--no-build", action="store_true", help="skip resolving the transformers config")
     p.add_argument("--schema", action="store_true",
-                   help="print every suite key with type, default and description (markdown) and exit")
+                   help="print every suite key, then every HARNESS_* environment variable, with type, default "
+                   "and description (markdown) and exit")
     p.set_defaults(func=main)
 
 
@@ -49,7 +50,10 @@ def schema_markdown() -> str:
             rows.append(f"| `{key}` | `{typ}` | {default} | {(f.description or '').replace('|', '/')} |")
 
     walk(suite_model(), "")  # [checks.<name>] tables come from the registered checks
-    return "\n".join(rows)
+    from harness.settings import env_markdown
+
+    # the HARNESS_* environment variables are settings too: declared in harness.settings.ENV
+    return "\n".join(rows) + "\n\n## Environment variables\n\n" + env_markdown()
 
 
 def main(args) -> int:

@@ -24,6 +24,9 @@ import os
 import subprocess
 import sys
 
+from harness.settings import env as setting
+from harness.settings import set_env
+
 MIN_BYTES = 8 << 20  # below this a second process costs more than it saves
 
 
@@ -39,8 +42,8 @@ def start(paths: list[str], db_path: str, key: str) -> subprocess.Popen | None:
         return None
     if size < MIN_BYTES:
         return None
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-           "HARNESS_PREFETCH_PARENT": str(os.getpid())}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    set_env("HARNESS_PREFETCH_PARENT", os.getpid(), env)
     try:
         # stdin is the lifeline: the parent never writes to it, and never closes it until done
         return subprocess.Popen([sys.executable, "-m", "harness.compare.prefetch", db_path, key, *paths],
@@ -80,7 +83,7 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-        if os.environ.get("HARNESS_PREFETCH_PARENT") not in (None, str(os.getppid())):
+        if setting("HARNESS_PREFETCH_PARENT") not in (None, os.getppid()):
             os._exit(4)  # the parent died before the request took effect
 
     def watch() -> None:

@@ -62,10 +62,10 @@ def _display(p: Path) -> str:
 def golden_root(root: str | Path | None = None) -> Path:
     if root is not None:
         return Path(root)
-    env = os.environ.get("HARNESS_GOLDEN_DIR")
-    if env:
-        return Path(env)
-    from harness.settings import load_settings
+    from harness.settings import env, load_settings
+
+    if env("HARNESS_GOLDEN_DIR"):
+        return env("HARNESS_GOLDEN_DIR")
 
     return Path(load_settings().golden_dir)
 

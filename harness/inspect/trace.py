@@ -411,9 +411,10 @@ def numerics_gains(ls, num: TraceNumerics) -> dict | None:
 
 # --- inventories of a suite, cached ---------------------------------------------------------------
 def cache_dir() -> Path:
-    d = os.environ.get("HARNESS_CACHE_DIR")
-    if d:
-        return Path(d)
+    from harness.settings import env
+
+    if env("HARNESS_CACHE_DIR"):
+        return env("HARNESS_CACHE_DIR")
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness"
 
 

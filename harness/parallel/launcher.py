@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import settings
 from harness.parallel.layouts import Layout
 from harness.parallel.status import RankStatus, read_status
 from harness.run.isolation import _die_with_parent
@@ -55,7 +56,7 @@ class LaunchReport:
 
 
 def _torchrun_cmd(world: int, spec_path: Path) -> list[str]:
-    extra = os.environ.get("HARNESS_TORCHRUN_ARGS")
+    extra = settings.env("HARNESS_TORCHRUN_ARGS")
     rdzv = shlex.split(extra) if extra else ["--standalone", "--nnodes", "1"]
     return [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(world),
             "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "harness.parallel.rank", str(spec_path)]
@@ -67,8 +68,8 @@ def _env() -> dict:
     # The ranks import fault hooks and vendor modules from the working directory, as pytest does.
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.pop("HARNESS_ISOLATION_FDS", None)
-    env.pop("HARNESS_ISOLATION_STATUS", None)
+    settings.unset_env("HARNESS_ISOLATION_FDS", env)
+    settings.unset_env("HARNESS_ISOLATION_STATUS", env)
     return env
 
 
@@ -115,7 +116,9 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, layouts=[lay.to_dict() for lay in layouts])
     spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
+    from harness.files import atomic
+
+    atomic.write_json(spec_path, spec, indent=None, newline=False)
     t0 = time.monotonic()
     with open(run_dir / "torchrun.log", "wb") as log:
         # Own session (one killpg ends the launch) and death with our process: an item killed by the

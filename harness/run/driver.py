@@ -7,7 +7,6 @@ pytest does the work in-process; ``RunObserver`` is a small pytest plugin that f
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harness.run.rows import counts
 from harness.run.table import summary_table
+from harness.settings import set_env
 
 
 class RunObserver:
@@ -93,7 +93,7 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
         return 2
     # Checks that write files (precision plots, perf samples) put them beside this run's results,
     # in this process and in the isolated workers, which inherit the environment.
-    os.environ["HARNESS_RESULTS_DIR"] = str(Path(results).resolve())
+    set_env("HARNESS_RESULTS_DIR", Path(results).resolve())
     observer = RunObserver(console, writer, show_progress=console.is_terminal)
     args = build_args(suites, backends, dtypes, checks, workers, keyword, extra or [])
     args += [f"--harness-isolate={'on' if isolate else 'off'}"]

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 from harness import metrics
 from harness.run.execute import ItemResult
+from harness.settings import env as setting
+from harness.settings import set_env
 
 STATUS_BYTES = 1024
 metrics.declare("leaked_bytes", "bytes", "lower",
@@ -85,8 +87,8 @@ class Worker:
         os.write(fd, b" " * STATUS_BYTES)
         os.close(fd)
         env = dict(os.environ if self.env is None else self.env)
-        env["HARNESS_ISOLATION_FDS"] = f"{cmd_r},{res_w}"
-        env["HARNESS_ISOLATION_STATUS"] = self.status_path
+        set_env("HARNESS_ISOLATION_FDS", f"{cmd_r},{res_w}", env)
+        set_env("HARNESS_ISOLATION_STATUS", self.status_path, env)
         # Its own session: a kill of the process group takes the child's own children (a
         # compile worker, a launcher) with it, and a signal meant for the parent's group (Ctrl-C)
         # does not reach the child mid-item; the child dies with the parent (PR_SET_PDEATHSIG).
@@ -300,8 +302,8 @@ def _die_with_parent() -> None:
 
 def _child_main() -> int:
     _die_with_parent()
-    cmd_fd, res_fd = (int(x) for x in os.environ["HARNESS_ISOLATION_FDS"].split(","))
-    status = _Status(os.environ["HARNESS_ISOLATION_STATUS"])
+    cmd_fd, res_fd = (int(x) for x in setting("HARNESS_ISOLATION_FDS").split(","))
+    status = _Status(str(setting("HARNESS_ISOLATION_STATUS")))
     cmd = os.fdopen(cmd_fd, "r")
     res = os.fdopen(res_fd, "w", buffering=1)
 
@@ -312,15 +314,16 @@ def _child_main() -> int:
     from harness.run.execute import execute
     from harness.suite.loader import load_suite
 
-    leak_bytes = int(os.environ.get("HARNESS_LEAK_BYTES", str(Limits.leak_bytes)))
+    leak_bytes = setting("HARNESS_LEAK_BYTES")
+    leak_bytes = Limits.leak_bytes if leak_bytes is None else leak_bytes
     import gc
 
     gc.collect()
     gc.freeze()  # the imported modules never die: keep them out of every later collection's walk
     torch.nn.modules.module.register_module_forward_pre_hook(status.enter)
     add_phase_listener(status.set_phase)
-    if os.environ.get("HARNESS_NUM_THREADS"):
-        torch.set_num_threads(int(os.environ["HARNESS_NUM_THREADS"]))
+    if setting("HARNESS_NUM_THREADS"):
+        torch.set_num_threads(setting("HARNESS_NUM_THREADS"))
     suites: dict = {}  # (path, mtime) -> LoadedSuite: one parse per suite, not per item
     for line in cmd:
         req = json.loads(line)

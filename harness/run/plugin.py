@@ -25,6 +25,7 @@ import pytest
 from harness import checks
 from harness.backends import registry as backend_registry
 from harness.run.execute import ItemResult, execute, identity_properties
+from harness.settings import set_env
 from harness.suite.loader import LoadedSuite, SuiteError, load_suite
 
 
@@ -78,7 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
         except ResultsError as e:
             raise pytest.UsageError(str(e)) from None
         config.pluginmanager.register(writer, "harness-results")
-        os.environ["HARNESS_RESULTS_DIR"] = str(Path(results).resolve())  # where checks put their files
+        set_env("HARNESS_RESULTS_DIR", Path(results).resolve())  # where checks put their files
         config.stash[_WRITER] = writer
 
 
@@ -184,7 +185,8 @@ def _prestart_worker(config: pytest.Config) -> None:
     if not worker.alive():
         import torch
 
-        worker.env = dict(os.environ, HARNESS_NUM_THREADS=str(torch.get_num_threads()))
+        worker.env = dict(os.environ)
+        set_env("HARNESS_NUM_THREADS", torch.get_num_threads(), worker.env)
         worker._start()
 
 
@@ -399,7 +401,8 @@ class HarnessItem(pytest.Item):
         mem = opt("harness_memory_limit") or suite.memory_limit_gib
         limits = Limits(timeout_s=timeout, memory_bytes=int(mem * 2**30) if mem else None)
         worker = _isolation_worker(self.config)
-        worker.env = dict(os.environ, HARNESS_NUM_THREADS=str(torch.get_num_threads()))
+        worker.env = dict(os.environ)
+        set_env("HARNESS_NUM_THREADS", torch.get_num_threads(), worker.env)
         request = {"suite": str(self.suite.path), "check": self.check.name, "backend": self.backend_name,
                    "dtype": self.dtype, "variant": self.variant}
         result, _facts = worker.run(request, limits)

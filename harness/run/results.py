@@ -39,9 +39,10 @@ def results_root(results_dir: str | Path | None = None) -> Path:
     set by `harness run` / --harness-results), else the configured results_dir."""
     if results_dir is not None:
         return Path(results_dir)
-    env = os.environ.get("HARNESS_RESULTS_DIR")
-    if env:
-        return Path(env)
+    from harness.settings import env
+
+    if env("HARNESS_RESULTS_DIR"):
+        return env("HARNESS_RESULTS_DIR")
     from harness.settings import load_settings
 
     return Path(load_settings().results_dir)

@@ -156,7 +156,9 @@ def resolve_names(names: list[str], root: str | Path = "suites") -> list[Path]:
     rec = Path(SUITE_DIRS_FILE)
     if rec.is_file():
         extra += [Path(x) for x in rec.read_text().splitlines() if x.strip()]
-    extra += [Path(x) for x in os.environ.get("HARNESS_SUITES_PATH", "").split(os.pathsep) if x.strip()]
+    from harness.settings import env
+
+    extra += env("HARNESS_SUITES_PATH")
     out = []
     for n in names:
         p = Path(n)
