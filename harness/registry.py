@@ -20,6 +20,10 @@ T = TypeVar("T")
 # "group name = value" -> the message; process-wide, so that the CLI and the pytest plugin can say
 # what did not load whichever registry tried.
 _BROKEN: dict[str, str] = {}
+# group -> the registry class its owner declares (a subclass with that ``group``), and the one loaded
+# registry of each group in this process (:func:`of_group`).
+_TYPES: dict[str, type[NamedRegistry]] = {}
+_LOADED: dict[str, NamedRegistry] = {}
 
 
 def broken_entry_points() -> list[str]:
@@ -39,6 +43,11 @@ def _first_line(e: BaseException) -> str:
 class NamedRegistry(Generic[T]):
     kind = "item"  # used in messages: "unknown backend 'x' (registered: ...)"
     group = ""  # its entry-point group
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.group:
+            _TYPES[cls.group] = cls
 
     def __init__(self):
         self._items: dict[str, T] = {}
@@ -108,3 +117,22 @@ class NamedRegistry(Generic[T]):
             item.source = source
         except AttributeError:  # frozen or slotted: keeps its own
             pass
+
+
+def of_group(group: str) -> NamedRegistry:
+    """The process's one registry of an entry-point group, loaded on first use.
+
+    Its class is the one the group's owner declares (the ``NamedRegistry`` subclass whose ``group``
+    it is: it validates and orders what is added). Importing the entry points' targets imports the
+    owner, so a lower layer that reads an upper one's extensions (the suite schema, which has one
+    ``[checks.<name>]`` table per registered check) gets the owner's registry without importing the
+    owner's package: the extension point crosses the layers, no import does (docs/architecture.md)."""
+    reg = _LOADED.get(group)
+    if reg is None:
+        for ep in entry_points(group=group):
+            try:
+                ep.load()
+            except Exception:  # noqa: BLE001, S110 - load_entry_points below records it, naming it
+                pass
+        reg = _LOADED[group] = _TYPES.get(group, NamedRegistry)().load_entry_points(group)
+    return reg

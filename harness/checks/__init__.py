@@ -20,7 +20,7 @@ from harness.checks.base import (
     remove_phase_listener,
 )
 from harness.checks.outcomes import CheckFailure, CheckOutcome, CouldNotRun, KnownGap, NotApplicable
-from harness.registry import NamedRegistry
+from harness.registry import NamedRegistry, of_group
 
 __all__ = ["Check", "CheckConfig", "CheckContext", "CheckFailure", "CheckOutcome", "CheckRegistry",
            "CouldNotRun", "KnownGap", "NotApplicable", "add_phase_listener", "registry",
@@ -52,15 +52,11 @@ class CheckRegistry(NamedRegistry[Check]):
         return self
 
 
-_REGISTRY: CheckRegistry | None = None
 
 
 def registry() -> CheckRegistry:
     """Every check of the ``harness.checks`` entry points, built-ins and vendors' alike."""
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = CheckRegistry().load_entry_points()
-    return _REGISTRY
+    return of_group(CheckRegistry.group)  # one per process (harness.registry)
 
 
 def run_one(suite, check: str = "smoke", backend: str = "cpu", dtype: str = "float32",

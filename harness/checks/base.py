@@ -28,32 +28,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness import metrics
 from harness.checks.outcomes import CheckOutcome, CouldNotRun
+from harness.suite.schema import CheckConfig  # the [checks.<name>] table's base: the suite format owns it
 
 if TYPE_CHECKING:
     from harness.backends.base import Backend
     from harness.suite.loader import LoadedSuite
-
-
-class CheckConfig(BaseModel):
-    """Base of every ``[checks.<name>]`` table. Subclasses add their own keys (each with type,
-    default and description) and may change the defaults of these two."""
-
-    # extra="forbid": a misspelt key is an error that names the key, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-    enabled: bool = Field(True, description="Generate this check's items for the suite.")
-    variants: list[str] = Field(
-        default_factory=list, description="Only these variants of the check (empty: every variant the "
-        "check generates, e.g. every op for `ops`). An unknown name is an error listing the known ones.")
-    scope: Literal["commit", "nightly"] = Field(
-        "commit", description="Which runs generate this check's items: 'commit' (every run) or 'nightly' "
-        "(only `--scope nightly`, which also runs every commit item).")
 
 
 # Phase listeners: the run-integrity layer registers one to learn which step an item is in

@@ -40,7 +40,7 @@ from typing import TextIO
 from harness.compare.errors import BudgetExhausted, IssueGone, SinkConfigError, SinkError  # noqa: F401 (part of the sink interface)
 from harness.compare.issues import LABEL, MUTED_LABEL, Action, IssueRef, comment_marker, read_state
 from harness.compare.scrub import scrub, scrub_secrets
-from harness.registry import NamedRegistry
+from harness.registry import NamedRegistry, of_group
 
 
 class FileSink:
@@ -103,8 +103,7 @@ class FileSink:
             with open(self._log_path, encoding="utf-8") as f:
                 log = json.load(f)
         log.append({"time": dt.datetime.now(dt.timezone.utc).isoformat(), "issue": number, **entry})
-        with open(self._log_path, "w", encoding="utf-8") as f:
-            json.dump(log, f, indent=1)
+        atomic.write_json(self._log_path, log, newline=False)
 
 
 class StdoutSink:
@@ -178,14 +177,10 @@ def register(registry: SinkRegistry) -> None:
     registry.add(SinkType("stdout", lambda opts, out: StdoutSink(out), "prints the actions; remembers nothing"))
 
 
-_REGISTRY: SinkRegistry | None = None
 
 
 def registry() -> SinkRegistry:
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = SinkRegistry().load_entry_points()
-    return _REGISTRY
+    return of_group(SinkRegistry.group)  # one per process (harness.registry)
 
 
 def make(name: str, opts, out: TextIO):

@@ -28,7 +28,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from harness.registry import NamedRegistry
+from harness.registry import NamedRegistry, of_group
 
 if TYPE_CHECKING:
     import torch
@@ -77,14 +77,10 @@ def register(registry: BuilderRegistry) -> None:
     registry.add(HFBuilder("hf", description="transformers' class for config.json's architecture"))
 
 
-_REGISTRY: BuilderRegistry | None = None
 
 
 def registry() -> BuilderRegistry:
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = BuilderRegistry().load_entry_points()
-    return _REGISTRY
+    return of_group(BuilderRegistry.group)  # one per process (harness.registry)
 
 
 def is_import_string(spec: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.registry import NamedRegistry
+from harness.registry import NamedRegistry, of_group
 
 
 @dataclass
@@ -33,11 +33,7 @@ class LoaderRegistry(NamedRegistry[WeightsLoader]):
 
 
 DEFAULT = "safetensors"
-_REGISTRY: LoaderRegistry | None = None
 
 
 def registry() -> LoaderRegistry:
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = LoaderRegistry().load_entry_points()
-    return _REGISTRY
+    return of_group(LoaderRegistry.group)  # one per process (harness.registry)

@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from harness.registry import of_group
+
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
@@ -75,10 +77,9 @@ class ModelSection(_Strict):
             if not all(v.split(":", 1)):
                 raise ValueError(f"must be a model builder's name or 'package.module:callable', got {v!r}")
             return v
-        from harness.models.builders import registry
-
-        if v not in registry():
-            raise ValueError(f"unknown model builder {v!r} (registered: {', '.join(registry().names())}); "
+        builders = of_group("harness.models")  # the model builders' registry (an extension point)
+        if v not in builders:
+            raise ValueError(f"unknown model builder {v!r} (registered: {', '.join(builders.names())}); "
                              f"or name one as 'package.module:callable'")
         return v
 
@@ -183,21 +184,33 @@ class Suite(_Strict):
         return v
 
 
+class CheckConfig(BaseModel):
+    """Base of every ``[checks.<name>]`` table. Subclasses add their own keys (each with type,
+    default and description) and may change the defaults of these two."""
+
+    # extra="forbid": a misspelt key is an error that names the key, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    enabled: bool = Field(True, description="Generate this check's items for the suite.")
+    variants: list[str] = Field(
+        default_factory=list, description="Only these variants of the check (empty: every variant the "
+        "check generates, e.g. every op for `ops`). An unknown name is an error listing the known ones.")
+    scope: Literal["commit", "nightly"] = Field(
+        "commit", description="Which runs generate this check's items: 'commit' (every run) or 'nightly' "
+        "(only `--scope nightly`, which also runs every commit item).")
+
+
 CHECKS_DESCRIPTION = "Checks and their settings: one table per registered check."
 
 
 def suite_model() -> type[Suite]:
     """The suite schema with one ``[checks.<name>]`` table per registered check (built-in or a
     vendor's, through the ``harness.checks`` entry point), each the check's own ``config_model``."""
-    from harness.checks import registry
-
-    return _assemble(tuple((c.name, c.config_model, c.description) for c in registry()))
+    return _assemble(tuple((c.name, c.config_model, c.description) for c in of_group("harness.checks")))
 
 
 @functools.cache
 def _assemble(checks: tuple[tuple[str, type[BaseModel] | None, str], ...]) -> type[Suite]:
-    from harness.checks.base import CheckConfig
-
     fields = {}
     for name, model, description in checks:
         model = model or CheckConfig
