@@ -58,3 +58,21 @@ def balloon(config, dtype, device):
 
     m.model.layers[0].mlp.register_forward_pre_hook(grow)
     return m
+
+
+# What a failed collective and a failed download print, together: a gloo source location (shaped
+# like a closing console-markup tag) and a Hugging Face token the URL carried.
+HOSTILE_MESSAGE = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                   "peer [red]x[/red]; GET https://huggingface.co/x/resolve/main/model.safetensors "
+                   "Authorization: Bearer hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345 failed")
+
+
+def hostile_error(config, dtype, device):
+    """A forward that raises with :data:`HOSTILE_MESSAGE` (console markup and a token in one line)."""
+    m = LlamaForCausalLM(config)
+
+    def fail(mod, args):
+        raise RuntimeError(HOSTILE_MESSAGE)
+
+    m.model.layers[0].mlp.register_forward_pre_hook(fail)
+    return m

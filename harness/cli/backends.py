@@ -16,8 +16,10 @@ def main(args) -> int:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from harness.backends import registry
+    from harness.compare.scrub import scrub_secrets
 
     rows = []
     for b in registry():
@@ -35,8 +37,11 @@ def main(args) -> int:
               "source", "reason"):
         t.add_column(c, overflow="fold")
     for r in rows:
-        t.add_row(r["name"], "[green]yes" if r["available"] else "[yellow]no", str(r["devices"]), r["device"],
-                  " ".join(r["dtypes"]), r["collective"], r["dispatch_key"] or "", r["module"] or "", r["source"],
-                  r["reason"])
+        # cells are Text: a reason is an exception's message ("[/__w/...]" is not a closing tag)
+        cells = [r["name"], "yes" if r["available"] else "no", str(r["devices"]), r["device"],
+                 " ".join(r["dtypes"]), r["collective"], r["dispatch_key"] or "", r["module"] or "", r["source"],
+                 scrub_secrets(r["reason"] or "")]
+        t.add_row(*(Text(str(c), style=("green" if r["available"] else "yellow") if i == 1 else "")
+                    for i, c in enumerate(cells)))
     Console(width=None if sys.stdout.isatty() else 200).print(t)
     return 0

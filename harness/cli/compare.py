@@ -152,8 +152,9 @@ def main(args: argparse.Namespace) -> int:
     # rich renders the summary's tables for the terminal (plain text in CI logs)
     Console(width=None if sys.stdout.isatty() else 160).print(Markdown(text))
     if args.summary:
-        with open(args.summary, "w", encoding="utf-8") as f:
-            f.write(text)
+        from harness.files import atomic
+
+        atomic.write_text(args.summary, text)
     write_step_summary(text)
     if not outcome.current.cases:
         print("harness compare: no test case could be read", file=sys.stderr)

@@ -27,6 +27,8 @@ import re
 import sys
 from pathlib import Path
 
+from harness.files import atomic
+
 DEFAULT_MAX_PARAMS = 5_000_000
 
 
@@ -73,7 +75,7 @@ def _plan(raw: dict, config: str):
     """(Plan, resolved class name) or InitRefused."""
     from harness.models.config import (
         UnknownArchitectureError,
-        _registry_class,
+        registry_class,
         remote_code_only,
         resolve_architecture,
     )
@@ -109,7 +111,7 @@ def _plan(raw: dict, config: str):
         plan.notes += notes
         return plan, arch
     text_mt = raw[part].get("model_type") or ""
-    decoder, label = _registry_class(text_mt)
+    decoder, label = registry_class(text_mt)
     text_arch = (raw[part].get("architectures") or [None])[0]
     if not (decoder and label == "causal-LM mapping") and text_arch and getattr(tf, text_arch, None) is not None:
         decoder, label = text_arch, "causal-LM mapping"  # text_config names its own class (Kimi-K2.5)
@@ -233,8 +235,8 @@ def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str |
         notes.append("quantization_config is dropped for the random-weight build (see the smoke item notes)")
 
     def write(smoke=None, comments=None):
-        out.write_text(suite_toml(rel, raw, plan.prune, plan.why, title=name, notes=notes,
-                                  architecture=plan.architecture, smoke=smoke, smoke_comments=comments))
+        atomic.write_text(out, suite_toml(rel, raw, plan.prune, plan.why, title=name, notes=notes,
+                                          architecture=plan.architecture, smoke=smoke, smoke_comments=comments))
 
     write()
     try:
@@ -289,7 +291,7 @@ def record_suites_dir(out_dir: Path) -> None:
     known = f.read_text().splitlines() if f.exists() else []
     if str(out_dir) not in known:
         f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text("\n".join([*known, str(out_dir)]) + "\n")
+        atomic.write_text(f, "\n".join([*known, str(out_dir)]) + "\n")
 
 
 def validate(path: Path) -> tuple[bool, str]:

@@ -10,7 +10,8 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
+
+from harness.files import atomic
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +91,7 @@ def run(args) -> int:
         print(json.dumps(rep.to_dict(), indent=1))
     else:
         if args.json:
-            Path(args.json).write_text(json.dumps(rep.to_dict(), indent=1))
+            atomic.write_json(args.json, rep.to_dict(), newline=False)
         print(render_text(rep, show_inventory=not args.no_table))
     if args.fail_on_missing and missing_summary(rep.coverages):
         return 1
@@ -126,10 +127,10 @@ def _run_matrix(args) -> int:
         print(json.dumps(mat.to_dict(), indent=1))
     else:
         if args.json:
-            Path(args.json).write_text(json.dumps(mat.to_dict(), indent=1))
+            atomic.write_json(args.json, mat.to_dict(), newline=False)
         print(mat.render_text())
     if args.markdown:
-        Path(args.markdown).write_text(md)
+        atomic.write_text(args.markdown, md)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as f:

@@ -123,7 +123,9 @@ def run_update(args) -> int:
         return 0
     out = Path(args.output) if args.output else default_output(args.backend, version)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    from harness.files import atomic
+
+    atomic.write_text(out, text)
     counts = next(line for line in text.splitlines() if line.startswith("# counts:"))[2:]
     print(f"wrote {out}: {args.backend} {version}, {counts}")
     return 0

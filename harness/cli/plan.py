@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +56,8 @@ def run(args) -> int:
         print(json.dumps(rep.to_dict(), indent=1))
         return 0
     if args.json:
-        Path(args.json).write_text(json.dumps(rep.to_dict(), indent=1))
+        from harness.files import atomic
+
+        atomic.write_json(args.json, rep.to_dict(), newline=False)
     print(render(rep, args.top))
     return 0

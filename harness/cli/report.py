@@ -46,8 +46,9 @@ def main(args: argparse.Namespace) -> int:
         except (sqlite3.Error, ValueError):
             pass  # run_compare already listed the history among the problems
 
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(html_report(outcome, series, args.title))
+    from harness.files import atomic
+
+    atomic.write_text(args.output, html_report(outcome, series, args.title))
     for p in outcome.problems:
         print(f"harness report: {p}", file=sys.stderr)
     print(f"harness report: wrote {args.output} ({len(outcome.current.cases)} test cases)")

@@ -50,22 +50,22 @@ def main(args) -> int:
     try:
         suites = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)
     except SuiteError as e:
-        console.print(f"[red]{e}")
+        console.print(f"{e}", style="red", markup=False)
         return 2
     if not suites:
-        console.print(f"[red]no suites found in {settings.suites_dir}/")
+        console.print(f"no suites found in {settings.suites_dir}/", style="red", markup=False)
         return 2
     reg = registry()
     unknown = [b for b in args.backend if b not in reg]
     if unknown:
-        console.print(f"[red]unknown backend(s) {', '.join(unknown)} (registered: {', '.join(reg.names())})")
+        console.print(f"unknown backend(s) {', '.join(unknown)} (registered: {', '.join(reg.names())})", style="red", markup=False)
         return 2
     from harness.checks import registry as check_registry
 
     checks = check_registry().names()
     unknown = [c for c in args.check if c not in checks]
     if unknown:  # a typo would otherwise select nothing and exit 0
-        console.print(f"[red]unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})")
+        console.print(f"unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})", style="red", markup=False)
         return 2
     backends = args.backend or [b.name for b in reg if b.available()]
     extra = list(args.passthrough)
@@ -75,7 +75,7 @@ def main(args) -> int:
         try:
             shard.parse(args.shard)
         except ValueError as e:
-            console.print(f"[red]{e}")
+            console.print(f"{e}", style="red", markup=False)
             return 2
         extra += [f"--harness-shard={args.shard}"]
     extra += [f"--harness-scope={args.scope}"]

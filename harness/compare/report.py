@@ -19,11 +19,22 @@ from collections import Counter
 
 from harness.compare.classify import Finding
 from harness.compare.perfverdict import cpu_key
-from harness.compare.scrub import md_text, scrub
+from harness.compare.scrub import md_text, scrub, scrub_secrets
 
 _MAX_ROWS = 50
 _ORDER = ["new_failure", "still_failing", "vanished", "precision_drift", "metric_regression",
           "improvement", "flaky", "fixed", "new_test", "dropped", "not_run", "perf_not_compared"]
+
+
+def _esc(text) -> str:
+    """Untrusted text (names, messages, modules) in HTML: credentials cut, then every tag character
+    escaped, quotes included (attribute values too)."""
+    return html.escape(scrub_secrets(str(text)), quote=True)
+
+
+# Plot labels are text, never mathtext: a module or test named "a$x^2$" would render as math, and
+# an unbalanced "$" raises in matplotlib's parser and loses the whole report.
+_PLAIN = {"parse_math": False}
 
 
 def _row(f: Finding) -> list[str]:
@@ -144,8 +155,8 @@ def _layer_plot(f: Finding) -> str | None:
         ax.plot(zeros, [0] * len(zeros), "v", color="green", label="exact (0)",
                 transform=ax.get_xaxis_transform(), clip_on=False)
     ax.set_xticks(list(range(len(layers))), [str(r.get("module", ""))[-24:] for r in layers],
-                  rotation=60, fontsize=7)
-    ax.set_title(f"rel RMSE per layer vs its tolerance: {f.case.name}", fontsize=9)
+                  rotation=60, fontsize=7, **_PLAIN)
+    ax.set_title(f"rel RMSE per layer vs its tolerance: {scrub_secrets(f.case.name)}", fontsize=9, **_PLAIN)
     ax.legend(fontsize=7)
     data = _png(fig)
     plt.close(fig)
@@ -166,7 +177,7 @@ def _history_plot(f: Finding, series: list[float]) -> str | None:
         ax.legend(fontsize=7)
     if f.baseline is not None:
         ax.axhline(f.baseline, color="gray", linestyle=":", label="baseline / earlier level")
-    ax.set_title(f"{f.metric}: {f.case.name if f.case else f.key}", fontsize=9)
+    ax.set_title(scrub_secrets(f"{f.metric}: {f.case.name if f.case else f.key}"), fontsize=9, **_PLAIN)
     ax.set_xlabel("run (oldest first)")
     data = _png(fig)
     plt.close(fig)
@@ -176,7 +187,7 @@ def _history_plot(f: Finding, series: list[float]) -> str | None:
 def html_report(outcome, series=None, title: str = "harness report") -> str:
     """``series``: the history's :class:`~harness.compare.history.SeriesView` (or a plain mapping)."""
     cls = outcome.classification
-    esc = html.escape
+    esc = _esc
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title><style>"
              "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
              "td,th{border:1px solid #ccc;padding:3px 6px}th{background:#eee}.bad{color:#b00}"
@@ -248,11 +259,11 @@ def _suite_time_plots(outcome, series) -> list[str]:
             ax.axvline(cp.index - 0.5, color="red", linestyle="--",
                        label=f"change point ({cp.rel_change:+.0%})")
             ax.legend(fontsize=7)
-        ax.set_title(f"{suite} on {backend}: total wall time (s)", fontsize=9)
+        ax.set_title(f"{suite} on {backend}: total wall time (s)", fontsize=9, **_PLAIN)
         ax.set_xlabel("run (oldest first, this run last)")
         note = (f"change point {cp.runs_after} runs ago: {cp.before:.4g} s -> {cp.after:.4g} s "
                 f"({cp.rel_change:+.0%})" if cp else "no change point")
-        out.append(f"<h3>{html.escape(suite)} on {html.escape(backend)}: {note}</h3>"
+        out.append(f"<h3>{_esc(suite)} on {_esc(backend)}: {note}</h3>"
                    f"<img src='data:image/png;base64,{_png(fig)}'>")
         plt.close(fig)
     return out

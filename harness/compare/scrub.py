@@ -2,9 +2,11 @@
 
 * ``@mentions`` are neutralised with a zero-width joiner after the ``@``: a log line saying
   ``@alice`` must not notify alice every time a regression is filed or updated.
-* Anything that looks like a credential is replaced by ``***``: the value of every environment
-  variable whose name says token/secret/password/key, and well-known token shapes (GitHub, AWS,
-  bearer headers), because logs of failing tests sometimes echo their environment.
+* Anything that looks like a credential is replaced by ``***`` (:func:`scrub_secrets`, which the
+  results writer and the console use too): the value of every environment variable whose name says
+  token/secret/password/key, the token shapes vendors use (GitHub, Hugging Face, GitLab, AWS, Slack,
+  PyPI, npm, JWTs), and any value labelled as one (``Bearer x``, ``Authorization: x``,
+  ``token=x``), because logs of failing tests sometimes echo their environment or a request.
 * Names that came from a run (test ids, module names, suites) are shown with :func:`md_text` /
   :func:`md_code`: every character Markdown or HTML could read as markup becomes a numeric
   character reference, which GitHub renders as that very character and never as markup. So a test
@@ -22,9 +24,26 @@ import re
 
 ZWJ = "\u200d"
 _MENTION = re.compile(r"@(?=[A-Za-z0-9])")
+# The shapes vendors give their tokens: GitHub (ghp_/gho_/ghu_/ghs_/ghr_, github_pat_), Hugging Face
+# (hf_, and the older api_ org tokens), GitLab (glpat-), OpenAI-style (sk-), Slack (xox?-), AWS
+# access keys, PyPI upload tokens (pypi-), npm (npm_) and JWTs (three base64url parts, eyJ...).
 _TOKEN_SHAPES = re.compile(
-    r"(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|AKIA[0-9A-Z]{16}|"
-    r"xox[abpr]-[A-Za-z0-9-]{10,}|(?i:bearer|token)\s+[A-Za-z0-9._~+/=-]{16,})")
+    r"(?<![A-Za-z0-9])(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|hf_[A-Za-z0-9]{20,}|"
+    r"api_org_[A-Za-z0-9]{20,}|glpat-[A-Za-z0-9_-]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|"
+    r"xox[abpr]-[A-Za-z0-9-]{10,}|pypi-[A-Za-z0-9_-]{32,}|npm_[A-Za-z0-9]{30,}|"
+    r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})")
+# A credential by where it stands, whatever its shape: the value after "Bearer"/"token"/"Basic"
+# (one with a digit, or a long one: "the token embedding" is prose),
+# after an Authorization/X-Api-Key/... header, or after token=/password=/secret=/api_key= (query
+# strings, key=value logs, JSON; a number is a count, not a secret: "num_tokens: 1024"). The label
+# is kept, so the reader still sees what was removed.
+_LABELLED = re.compile(
+    r"(?i)(\b(?:bearer|basic|token)\s+)(?!\*\*\*)(?:(?=[A-Za-z._~+/=-]*[0-9])[A-Za-z0-9._~+/=-]{8,}"
+    r"|[A-Za-z0-9._~+/=-]{20,})"
+    r"|(\b(?:authorization|proxy-authorization|x-api-key|api-key|x-auth-token|private-token)\b\s*[:=]\s*"
+    r"[\"']?(?:(?:bearer|basic|token)\s+)?)(?!\*\*\*)[^\s\"',;&]{4,}"
+    r"|(\b[\w.-]*(?:token|secret|password|passwd|api_?key|access_?key|credential)s?[\"']?\s*[:=]\s*[\"']?)"
+    r"(?!\*\*\*)(?=[^\s\"',;&)}\]]*[A-Za-z])[^\s\"',;&)}\]]{4,}")
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE_KEY|CREDENTIAL", re.I)
 
 
@@ -33,11 +52,21 @@ def _secret_values() -> list[str]:
     return sorted(vals, key=len, reverse=True)  # longest first, so substrings do not split one
 
 
-def scrub(text: str) -> str:
+def scrub_secrets(text: str) -> str:
+    """The one redaction every output goes through (issue bodies and comments, junit.xml, the
+    journal and summaries, the console): secret environment values, token shapes and labelled
+    credentials become ``***``. Idempotent; non-text passes through unchanged."""
+    if not isinstance(text, str) or not text:
+        return text
     for v in _secret_values():
         text = text.replace(v, "***")
     text = _TOKEN_SHAPES.sub("***", text)
-    return _MENTION.sub("@" + ZWJ, text)
+    return _LABELLED.sub(lambda m: (m.group(1) or m.group(2) or m.group(3)) + "***", text)
+
+
+def scrub(text: str) -> str:
+    """Text for GitHub: credentials removed (:func:`scrub_secrets`) and @mentions neutralised."""
+    return _MENTION.sub("@" + ZWJ, scrub_secrets(text))
 
 
 # What Markdown or HTML can read as markup inside a line (code spans, emphasis, links, tags,

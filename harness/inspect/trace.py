@@ -130,7 +130,9 @@ class Inventory:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
-            Path(path).write_text(text)
+            from harness.files import atomic
+
+            atomic.write_text(path, text)
         return text
 
     @classmethod
@@ -476,10 +478,10 @@ def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16,
             pass
         names = real_inventory(ls, dtype, batch=batch, seq=seq, realistic=realistic).names()
         try:
+            from harness.files import atomic
+
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"ops": names}))
-            tmp.replace(path)
+            atomic.write_json(path, {"ops": names}, indent=None, newline=False)
         except OSError:
             pass
         out[dtype] = names

@@ -9,7 +9,6 @@ other ranks after one failed) is passed on to the worker and recorded as such.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -60,10 +59,9 @@ def main(argv: list[str]) -> int:
     rec = {"rank": rank, "code": code, "time": time.time(),
            "signal": _signal_name(-code) if code < 0 else None,
            "stopped_by_launcher": stopped[0] if stopped else None}
-    tmp = os.path.join(run_dir, f".exit-{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump(rec, f)
-    os.replace(tmp, os.path.join(run_dir, f"exit-{rank}.json"))
+    from harness.files import atomic
+
+    atomic.write_json(os.path.join(run_dir, f"exit-{rank}.json"), rec, indent=None, newline=False)
     return 128 - code if code < 0 else code
 
 

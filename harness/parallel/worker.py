@@ -58,10 +58,9 @@ from harness.precision.routing import RouterCapture
 
 
 def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    from harness.files import atomic
+
+    atomic.write_json(path, obj, indent=None, newline=False)
 
 
 def _subgroups(mesh, lay: Layout) -> dict:

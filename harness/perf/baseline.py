@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.files import atomic
 from harness.perf import fingerprint as fpmod
 from harness.perf import stats
 
@@ -55,9 +56,7 @@ def write_sidecar(record: dict, results_dir: str | Path | None = None) -> Path:
     record = {"format": FORMAT, **record}
     p = sidecar_path(record["suite"], record["key"], results_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=_jsonable))
-    tmp.replace(p)  # a reader never sees half a file
+    atomic.write_json(p, record, sort_keys=True, default=_jsonable, newline=False)  # never half a file
     return p
 
 
@@ -200,8 +199,6 @@ def update(results_dir: str | Path, golden_root: str | Path | None = None,
     for p, (base, took, refused) in by_file.items():
         if took:
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps({"format": FORMAT, **base}, indent=1, sort_keys=True))
-            tmp.replace(p)
+            atomic.write_json(p, {"format": FORMAT, **base}, sort_keys=True, newline=False)
         out.append((p, took, refused))
     return out

@@ -113,11 +113,17 @@ def plot(res: Comparison, tol: dict, path: Path, title: str) -> Path | None:
     ax.set_xticks(range(len(names)), [n.replace("model.", "") for n in names], rotation=75, ha="right",
                   fontsize=7)
     ax.set_ylabel("relative RMSE vs golden")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=9, parse_math=False)  # module names are text, never mathtext
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    import io
+
+    from harness.files import atomic
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=80, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
+    atomic.write_bytes(path, buf.getvalue())
     return path
 
 

@@ -26,7 +26,7 @@ class RunObserver:
         self.console, self.writer = console, writer
         self.live, self.total, self.done = show_progress, 0, 0
         self.progress = Progress(TextColumn("[bold]harness"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.description}"),
+                                 TimeElapsedColumn(), TextColumn("{task.description}", markup=False),
                                  console=console, transient=True, disable=not show_progress)
         self.task = None
 
@@ -89,7 +89,7 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
     try:
         writer.open()  # writable, enough space, previous run's files gone: before any model is built
     except ResultsError as e:
-        console.print(f"[red]{e}")
+        console.print(f"error: {e}", style="red", markup=False, highlight=False)
         return 2
     # Checks that write files (precision plots, perf samples) put them beside this run's results,
     # in this process and in the isolated workers, which inherit the environment.
@@ -106,14 +106,23 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
     finally:
         writer.close()
     rows = writer.finished_rows()
-    console.print(summary_table(rows))
-    c = counts(rows)
-    line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
-            + (f", {c['xfailed']} xfailed" if c.get("xfailed") else ""))
-    console.print(line + f" -> {results / 'junit.xml'}", highlight=False)
+    # Paths, reasons and messages come from the run: printed as text, never read as console markup.
+    say = dict(markup=False, highlight=False)
+    try:
+        console.print(summary_table(rows))
+        c = counts(rows)
+        line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
+                + (f", {c['xfailed']} xfailed" if c.get("xfailed") else ""))
+        console.print(line + f" -> {results / 'junit.xml'}", **say)
+    except OSError:  # stdout itself on the full disk (a redirected log): the results still decide
+        pass
+    if writer.status == "incomplete":
+        console.print(f"error: run incomplete: {writer.reason}; {len(writer.not_run())} item(s) not run, the "
+                      f"{len(rows)} finished item(s) are in {results}", style="red", **say)
+        return int(code) or 3
     if writer.status != "complete":
-        console.print(f"[red]run {writer.status} ({writer.reason}): {len(writer.not_run())} item(s) not run; "
-                      f"the results of the {len(rows)} finished item(s) are in {results}")
+        console.print(f"run {writer.status} ({writer.reason}): {len(writer.not_run())} item(s) not run; "
+                      f"the results of the {len(rows)} finished item(s) are in {results}", style="red", **say)
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
-        console.print("[red]no items matched: check the suite names and --backend/--dtype/--check")
+        console.print("no items matched: check the suite names and --backend/--dtype/--check", style="red", **say)
     return int(code)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 900.0  # no record, no suite or command-line limit: 15 minutes
@@ -40,7 +39,6 @@ def timeout_for(item_id: str, recorded: dict[str, float], override: float | None
 
 
 def save(path: str | Path, durations: dict[str, float]) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"durations": dict(sorted(durations.items()))}, indent=1) + "\n")
-    os.replace(tmp, path)
+    from harness.files import atomic
+
+    atomic.write_json(path, {"durations": dict(sorted(durations.items()))})

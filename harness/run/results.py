@@ -17,6 +17,7 @@ passes; only in the controlling process under pytest-xdist, which receives every
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -27,11 +28,16 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict
 from pathlib import Path
 
+from harness.files import atomic
 from harness.run.rows import Row, counts
 from harness.run.table import render_table
 
 FILES = ("junit.xml", "summary.json", "summary.txt", "journal.jsonl", "run.json")
 MIN_FREE_BYTES = 64 * 2**20
+# Space set aside at the start and given back when a write fails for lack of it, so that a disk that
+# fills during the run (another job, a check's own files) still takes run.json and the summaries.
+RESERVE = ".harness-reserve"
+RESERVE_BYTES = 8 * 2**20
 
 
 def results_root(results_dir: str | Path | None = None) -> Path:
@@ -55,35 +61,21 @@ class ResultsError(Exception):
 def check_writable(path: Path, what: str = "results directory") -> None:
     """Fail before any model is built: a read-only or full directory would otherwise cost the run."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".harness-write-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"x" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
+        atomic.check_writable(path, what)
     except OSError as e:
-        raise ResultsError(f"{what} {path} is not writable: {e.strerror or e}") from None
+        raise ResultsError(str(e)) from None
     free = shutil.disk_usage(path).free
     if free < MIN_FREE_BYTES:
         raise ResultsError(f"{what} {path} has only {free / 2**20:.0f} MiB free "
                            f"(need at least {MIN_FREE_BYTES // 2**20} MiB for results)")
 
 
-def atomic_write(path: Path, data: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
+def _why(e: OSError) -> str:
+    """``journal.jsonl: No space left on device (ENOSPC)``: one line, whatever the OSError."""
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    where = Path(e.filename).name if getattr(e, "filename", None) else ""
+    text = e.strerror or str(e) or type(e).__name__
+    return (f"{where}: " if where else "") + text + (f" ({code})" if code else "")
 
 
 def junit_names(nodeid: str) -> tuple[str, str]:
@@ -95,6 +87,15 @@ def junit_names(nodeid: str) -> tuple[str, str]:
 
     names = mangle_test_address(nodeid)
     return ".".join(names[:-1]), names[-1]
+
+
+def scrub_row(row: Row) -> None:
+    """Credentials a failing test echoed (an ``hf_`` token in a download error) are cut from every
+    text the row carries, once, before it is journaled, summarised or printed."""
+    from harness.compare.scrub import scrub_secrets
+
+    row.message, row.longrepr = scrub_secrets(row.message), scrub_secrets(row.longrepr)
+    row.props = {k: scrub_secrets(v) if isinstance(v, str) else v for k, v in row.props.items()}
 
 
 def _first_line(text: str) -> str:
@@ -113,6 +114,7 @@ class ResultsWriter:
         self.reason = ""
         self.started = time.time()
         self.journal = None
+        self.session = None
         self._old_handlers: dict[int, object] = {}
 
     # --- life cycle -----------------------------------------------------------------------------
@@ -123,22 +125,45 @@ class ResultsWriter:
                 (self.dir / name).unlink()
             except FileNotFoundError:
                 pass
-        self.journal = open(self.dir / "journal.jsonl", "a", encoding="utf-8")
-        self._write_run()
+        atomic.clean_leftovers(self.dir)
+        try:
+            self._reserve()
+            # unbuffered: a failed append is undone by truncating to the last whole line, and no
+            # buffered tail can be written half later, when the file is closed
+            self.journal = open(self.dir / "journal.jsonl", "ab", buffering=0)
+            self._journal_size = 0
+            self._write_run()
+        except OSError as e:
+            raise ResultsError(f"results directory {self.dir}: {_why(e)}") from None
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread
                 pass
 
+    def _reserve(self) -> None:
+        path = self.dir / RESERVE
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            try:  # real blocks, not a sparse file: the space must exist to be given back
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            except (AttributeError, OSError):
+                os.write(fd, b"\0" * RESERVE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _release(self) -> None:
+        try:
+            (self.dir / RESERVE).unlink()
+        except FileNotFoundError:
+            pass
+
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.status == "running":
             self.status, self.reason = "interrupted", f"{name} received"
-            try:  # write now: CI follows SIGTERM with SIGKILL after a grace period
-                self.finish()
-            except OSError:
-                pass
+            self.finish()  # write now: CI follows SIGTERM with SIGKILL after a grace period
         raise KeyboardInterrupt(f"{name} received")
 
     def close(self) -> None:
@@ -150,8 +175,23 @@ class ResultsWriter:
         if self.journal:
             self.journal.close()
             self.journal = None
+        self._release()
+
+    def fail(self, e: OSError) -> None:
+        """A write of this run's results failed (full disk, read-only remount, I/O error): the run
+        is ``incomplete`` from here, the items not yet run are listed as not run, and the run stops
+        instead of building models whose results could not be kept."""
+        if self.status in ("running", "complete"):
+            self.status = "incomplete"
+            self.reason = f"cannot write results: {_why(e)} after {len(self.finished_rows())} item(s)"
+        self._release()  # the space set aside at the start is what the summaries are written into
+        if self.session is not None:
+            self.session.shouldstop = self.reason
 
     # --- pytest hooks -------------------------------------------------------------------------
+    def pytest_sessionstart(self, session) -> None:
+        self.session = session
+
     def pytest_collection_finish(self, session) -> None:
         if not hasattr(session.config, "workerinput"):
             self.collected = [i.nodeid for i in session.items]
@@ -197,14 +237,32 @@ class ResultsWriter:
         if self.status == "running":
             self.status = "complete"
         self.finish()
+        if self.status == "incomplete" and session.exitstatus == pytest.ExitCode.OK:
+            # pytest returns session.exitstatus: results that could not be written are never a pass
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
     # --- writing --------------------------------------------------------------------------------
     def _record(self, row: Row) -> None:
+        """Journal first: the row is on disk (fsync'd) before anything else is written about it.
+        A write that fails keeps the row in memory, where the summaries still find it."""
+        scrub_row(row)  # tokens never reach the journal, the summaries, junit.xml or the console
         self.rows[row.nodeid] = row
-        if self.journal:
-            self.journal.write(json.dumps(asdict(row)) + "\n")
-            self.journal.flush()
-            os.fsync(self.journal.fileno())
+        if self.journal and self.status != "incomplete":
+            line = (json.dumps(asdict(row)) + "\n").encode("utf-8")
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[self.journal.write(view):]
+                os.fsync(self.journal.fileno())
+                self._journal_size += len(line)
+            except OSError as e:
+                try:  # no torn last line: the journal stays whole lines, every one of them readable
+                    os.ftruncate(self.journal.fileno(), self._journal_size)
+                except OSError:
+                    pass
+                if not getattr(e, "filename", None):
+                    e.filename = str(self.dir / "journal.jsonl")
+                self.fail(e)
 
     def finished_rows(self) -> list[Row]:
         return [r for r in self.rows.values() if r.outcome != "running"]
@@ -214,23 +272,43 @@ class ResultsWriter:
         return [n for n in self.collected if n not in done]
 
     def _write_run(self) -> None:
-        atomic_write(self.dir / "run.json", json.dumps({
+        atomic.write_json(self.dir / "run.json", {
             "status": self.status, "reason": self.reason, "started": self.started,
-            "updated": time.time(), "pid": os.getpid()}, indent=1))
+            "updated": time.time(), "pid": os.getpid()}, newline=False)
 
     def finish(self) -> None:
-        """Write junit.xml, summary.json and summary.txt from what finished (idempotent)."""
+        """Write run.json, junit.xml, summary.json and summary.txt from what finished (idempotent).
+
+        Never raises OSError: a file that cannot be written marks the run ``incomplete`` with the
+        reason, gives back the reserved space and the others are still tried, run.json first (the
+        smallest, and the one that says whether the rest can be trusted)."""
+        for _attempt in (1, 2):
+            failed = self._write_all()
+            if failed is None:
+                return
+            self.fail(failed)  # incomplete, reserve given back: the second pass says so, in the space freed
+
+    def _write_all(self) -> OSError | None:
         rows = self.finished_rows()
         not_run = self.not_run() if self.status != "complete" else []
-        atomic_write(self.dir / "junit.xml", junit_xml(rows, not_run, self.status, time.time() - self.started))
-        atomic_write(self.dir / "summary.json", json.dumps({
-            "status": self.status, "reason": self.reason, "counts": counts(rows),
-            "items": [asdict(r) for r in rows], "not_run": not_run}, indent=1))
         text = render_table(rows)
-        if not_run:
+        if self.status != "complete":  # also when every item ran: an incomplete run says so
             text += f"\nrun {self.status} ({self.reason}): {len(not_run)} item(s) not run\n"
-        atomic_write(self.dir / "summary.txt", text)
-        self._write_run()
+        summary = {"status": self.status, "reason": self.reason, "counts": counts(rows),
+                   "items": [asdict(r) for r in rows], "not_run": not_run}
+        failed = None
+        for name, make in (("run.json", None),
+                           ("junit.xml", lambda: junit_xml(rows, not_run, self.status, time.time() - self.started)),
+                           ("summary.json", lambda: json.dumps(summary, indent=1)),
+                           ("summary.txt", lambda: text)):
+            try:
+                if make is None:
+                    self._write_run()
+                else:
+                    atomic.write_text(self.dir / name, make())
+            except OSError as e:
+                failed = failed or e
+        return failed
 
 
 def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) -> str:

@@ -40,7 +40,9 @@ def build_manifest(ckpt: Checkpoint) -> dict:
 def write_manifest(path: str | Path, out: str | Path | None = None, *, allow_pickle: bool = False) -> Path:
     ckpt = open_checkpoint(path, allow_pickle=allow_pickle)
     target = Path(out) if out else ckpt.root / MANIFEST_NAME
-    target.write_text(json.dumps(build_manifest(ckpt), indent=1, sort_keys=True) + "\n")
+    from harness.files import atomic
+
+    atomic.write_json(target, build_manifest(ckpt), sort_keys=True)
     return target
 
 
