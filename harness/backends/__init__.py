@@ -1,5 +1,8 @@
 """Backend registry: built-ins and vendors' backends through the ``harness.backends`` entry-point
-group (each with the op lists it declares), plus custom backends declared in ``harness.toml``."""
+group (each with the op lists it declares), plus custom backends declared in ``harness.toml``.
+
+* ``base``     the ``Backend`` (device type, collective, dispatch key, module, op lists) and its probes;
+* ``builtin``  harness's own: cpu, cuda, rocm, xpu, mps and the PrivateUse1 npu, musa, mlu."""
 
 from __future__ import annotations
 

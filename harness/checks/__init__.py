@@ -8,6 +8,11 @@ The contract (``base.py``, ``outcomes.py``; walkthrough in docs/adding-a-check.m
 * built-in checks and a vendor's own register the same way, and only that way: an entry point in
   the ``harness.checks`` group whose target is ``register(registry)`` (harness's own are in its
   pyproject.toml). Items are generated in the checks' ``order`` (cheap smoke items first).
+
+The built-ins, one module each: ``smoke`` (load, forward, backward, a few optimizer steps),
+``precision`` (against the float64 golden, module by module), ``quantization`` (quantized weights'
+error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
+``perf`` (throughput, latency, memory against baselines), ``weights`` (real checkpoints).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ launcher reports it when an item hangs or crashes, and an exception is annotated
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -63,7 +62,6 @@ class CheckContext:
     check: str = ""
     properties: list[tuple[str, str]] = field(default_factory=list)  # -> item.user_properties
     notes: list[str] = field(default_factory=list)  # shown in the report and summary
-    started: float = field(default_factory=time.perf_counter)
     phase: str = ""
 
     @property

@@ -1,5 +1,9 @@
 """`harness` console script: one module per subcommand.
 
+Subcommands (one module each): ``run``, ``validate``, ``init``, ``backends``, ``inspect``, ``plan``,
+``golden``, ``precision``, ``weights``, ``oplist``, ``compare``, ``report``, ``baseline``,
+``durations``, ``ci_local`` (``harness ci-local``).
+
 Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
 ``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
 plus one line here.

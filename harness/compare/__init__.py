@@ -7,11 +7,13 @@ Read top to bottom, the pipeline is:
 ``prefetch``  a large baseline parsed by a second process while the current run is parsed
 ``changepoint`` the across-runs test (a level shift that holds for at least two runs)
 ``classify``  failures, flakes, vanished tests, precision drift and metric regressions
+``perfverdict`` the perf check's own verdicts (regression / improvement / not compared) read back
 ``mutes``     the mute file
 ``issues``    grouping, fingerprints and the plan of issue actions
 ``body``      the markdown of an issue (tables, first divergent module, logs; size-capped)
 ``scrub``     @mentions and secrets out of everything posted
-``sinks``     where the plan goes: GitHub (through :mod:`harness.compare.github_client`), files, stdout
+``sinks``     where the plan goes: GitHub (``github_client``, the only networked module), files, stdout
+``errors``    what every sink raises
 ``report``    the step-summary markdown and the static HTML page
 ``pipeline``  one run of all of the above, as ``harness compare`` does it
 """

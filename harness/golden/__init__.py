@@ -1,6 +1,5 @@
 """Goldens: reference outputs of a suite's pruned model, stored with their inputs and a manifest.
 
-``capture.py`` records module outputs with forward hooks, ``store.py`` reads and writes the
-``golden/<suite>/`` directory (atomic, sha256-verified, optionally sampled), ``generate.py`` runs
-the reference. See docs/precision.md.
-"""
+``store`` reads and writes the ``golden/<suite>/`` directory (atomic, sha256-verified, optionally
+sampled). The capture hooks are ``harness.anatomy.capture``; generating a golden is
+``harness.precision.generate`` (it needs the float64 reference). See docs/precision.md."""

@@ -1,4 +1,5 @@
 """Day-0 model inspection: what a model is and what it needs from a backend, before any weights.
+(The pruning ``harness init`` chooses is ``harness.models.prune``; module kinds are ``harness.anatomy``.)
 
 * :mod:`harness.inspect.params` - the unpruned model on the meta device: parameters total/activated,
   per module kind, checkpoint bytes per dtype (FP8 block-quantized included);
@@ -6,6 +7,5 @@
 * :mod:`harness.inspect.trace` - the aten operator inventory of one forward + backward;
 * :mod:`harness.inspect.coverage` - that inventory classified for a backend (native, composite,
   CPU fallback, missing);
-* :mod:`harness.models.prune` - pruning chosen from the architecture (``harness init``);
 * :mod:`harness.inspect.report` - text/JSON rendering used by ``harness inspect``.
 """

@@ -1,2 +1,3 @@
-"""Operator lists of backends (``<backend>-<version>.txt``, read by harness.inspect.coverage) and
-their generator from vendors' published registration files (generate.py, ``harness oplist update``)."""
+"""Operator lists of backends (``<backend>-<version>.txt``): ``format`` reads them (statuses,
+canonical op names, headers; harness.inspect.coverage classifies with it), ``generate`` writes them
+from vendors' published registration files (``harness oplist update``)."""

@@ -1,3 +1,12 @@
-"""Precision: compare a target run with a golden, per module (compare.py), with tolerances resolved
-per dtype / suite / backend / device generation (tolerance.py); localize and plot errors
-(align.py); find the modules or ops that need higher precision or a fallback (bisect.py)."""
+"""Precision: everything judged against the float64 reference (docs/precision.md).
+
+* ``generate``      ``harness golden generate``: the reference run, its budgets, the golden written;
+* ``compare``       per-module metrics of a target against a golden; ``tolerance`` the defaults per dtype;
+* ``budgets``       budgets measured at golden generation (noise of a correct run in each dtype);
+* ``align``         localize and plot errors layer by layer;
+* ``isolate``       replay one module on the golden's inputs (is it this module, or its inputs?);
+* ``routing``       MoE routing: captured selections, forced routing, near-tie vs fault judgement;
+* ``quantization``  quantized weights' error against the reference and the budgets derived from it;
+* ``runner``        the precision check's run (build, compare, generation);
+* ``bisect``        the modules or ops that need higher precision or a fallback;
+* ``stream``        the streamed layer-by-layer float64 reference of a full-size checkpoint."""
