@@ -186,6 +186,17 @@ def _crash_message(lay: Layout, sts: list[RankStatus], exits: dict[int, dict], e
     return f"layout {lay.label}: " + "; ".join(first) + tail
 
 
+@dataclass
+class _Ended:
+    """How one torchrun launch ended (``_one_launch``'s answer, with its folder)."""
+
+    run_dir: Path
+    how: str  # exited | hung
+    sts: list[RankStatus]
+    exits: dict[int, dict]
+    wall: float
+
+
 def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeout_s: float = 120.0,
            startup_s: float | None = None, on_outcome=None, stop=None) -> LaunchReport:
     """Run ``layouts`` (all of world size ``world``) in as few launches as faults allow.
@@ -205,49 +216,59 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
             outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=run_dir / lay.label, launch_wall_s=wall)
             publish(outcomes[lay.label])
 
-        how, sts, exits, wall = _one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s,
-                                            on_done=done, stop=stop)
+        end = _Ended(run_dir, *_one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s,
+                                           on_done=done, stop=stop))
         finished = []
         for lay in remaining:
             if not _done(run_dir, lay, world):
                 break
             finished.append(lay)
             if lay.label not in outcomes:  # written in the poll's last interval
-                done(lay, wall)
+                done(lay, end.wall)
         rest = remaining[len(finished):]
-        bad_exit = {r: x for r, x in exits.items() if x.get("code")}
         if not rest:
-            if how == "hung" or bad_exit:
-                # Every layout reported; the ranks then failed to end (the DTensor teardown abort).
-                what = ", ".join(f"rank {r} {x.get('signal') or 'exit ' + str(x.get('code'))}"
-                                 for r, x in sorted(bad_exit.items())) or "did not exit in time"
-                for lay in finished:
-                    outcomes[lay.label].warnings.append(
-                        f"after every rank wrote its results, the launch ended badly in teardown ({what}); "
-                        "results kept (a teardown abort is a warning, not a failure)")
+            _warn_teardown([outcomes[lay.label] for lay in finished], end)
             break
-        lay = rest[0]
-        errors = _errors(run_dir, lay, world)
-        if not finished and min((s.index for s in sts), default=-1) < 0 and not errors:
-            # Nothing started (a rank could not even set up): every layout left shares that fate.
-            log = (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-3:]
-            msg = ("hung before the first layout started" if how == "hung" else
-                   _crash_message(lay, sts, exits, errors)) + (" | " + " / ".join(log) if log else "")
-            for lay in rest:
-                outcomes[lay.label] = LayoutOutcome(lay, "crashed" if how != "hung" else "hung", msg,
-                                                    launch_wall_s=wall, ranks=sts)
-                publish(outcomes[lay.label])
-            break
-        if how == "hung":
-            outcomes[lay.label] = LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), run_dir / lay.label,
-                                                launch_wall_s=wall, ranks=sts)
-        else:
-            status = "error" if errors else "crashed"
-            outcomes[lay.label] = LayoutOutcome(lay, status, _crash_message(lay, sts, exits, errors),
-                                                run_dir / lay.label, launch_wall_s=wall, ranks=sts)
-        publish(outcomes[lay.label])
-        remaining = rest[1:]
+        # The layout the launch stopped at failed; the ones after it run in the next launch (unless
+        # nothing started at all: then every layout left failed with it).
+        failed = _failed(rest, end, world, timeout_s, started=bool(finished))
+        for out in failed:
+            outcomes[out.layout.label] = out
+            publish(out)
+        remaining = rest[len(failed):]
     return LaunchReport(outcomes, n, time.monotonic() - t_all)
+
+
+def _warn_teardown(finished: list[LayoutOutcome], end: _Ended) -> None:
+    """Every layout reported; the ranks then failed to end (the DTensor teardown abort): a warning
+    on each, the results kept."""
+    bad_exit = {r: x for r, x in end.exits.items() if x.get("code")}
+    if end.how != "hung" and not bad_exit:
+        return
+    what = ", ".join(f"rank {r} {x.get('signal') or 'exit ' + str(x.get('code'))}"
+                     for r, x in sorted(bad_exit.items())) or "did not exit in time"
+    for out in finished:
+        out.warnings.append(f"after every rank wrote its results, the launch ended badly in teardown ({what}); "
+                            "results kept (a teardown abort is a warning, not a failure)")
+
+
+def _failed(rest: list[Layout], end: _Ended, world: int, timeout_s: float, started: bool) -> list[LayoutOutcome]:
+    """The outcome of ``rest[0]``, the layout the launch ended in; of every layout in ``rest`` when
+    no rank got to its first layout (a rank could not even set up: every layout left shares that)."""
+    lay, sts, wall = rest[0], end.sts, end.wall
+    errors = _errors(end.run_dir, lay, world)
+    if not started and min((s.index for s in sts), default=-1) < 0 and not errors:
+        log = (end.run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-3:]
+        msg = ("hung before the first layout started" if end.how == "hung" else
+               _crash_message(lay, sts, end.exits, errors)) + (" | " + " / ".join(log) if log else "")
+        return [LayoutOutcome(x, "crashed" if end.how != "hung" else "hung", msg, launch_wall_s=wall, ranks=sts)
+                for x in rest]
+    if end.how == "hung":
+        return [LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), end.run_dir / lay.label,
+                              launch_wall_s=wall, ranks=sts)]
+    status = "error" if errors else "crashed"
+    return [LayoutOutcome(lay, status, _crash_message(lay, sts, end.exits, errors), end.run_dir / lay.label,
+                          launch_wall_s=wall, ranks=sts)]
 
 
 class BackgroundLaunch:
