@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
@@ -87,7 +87,7 @@ DEFAULT_TOLERANCES["float16"] = {k: v * 2**-3 for k, v in DEFAULT_TOLERANCES["bf
 class LayoutEntry(BaseModel):
     """One ``[[checks.parallel.configs]]`` entry: a degree per strategy; world size is the product."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `true` is no degree
     name: str | None = Field(None, description="Item variant name (default: from the degrees, e.g. ep2xtp2).")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (DTensor; transformers' tp plan or `tp_plan`).")
     pp: int = Field(1, ge=1, description="Pipeline stages (torch.distributed.pipelining, split at decoder layers); "
@@ -114,11 +114,22 @@ class LayoutEntry(BaseModel):
                                    "reshard_after_forward=False (gradients and optimizer state sharded); "
                                    "ZeRO-3 is fsdp. Named e.g. dp2-zero1.")
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str | None) -> str | None:
+        # the name becomes the ranks' result folder <run>/<name>/: a plain name (harness.files.paths)
+        from harness.files.paths import problem
+
+        why = problem(v) if v else None
+        if why:
+            raise ValueError(why)
+        return v
+
 
 class PlanRequest(BaseModel):
     """The cluster ``harness plan`` recommends a layout for; its shape is checked at pruned scale."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `true` is no degree
     devices: int = Field(..., ge=1, description="Devices per node.")
     device_memory: str = Field(..., description="Memory of one device, e.g. 141GiB.")
     nodes: int = Field(1, ge=1, description="Nodes.")

@@ -64,7 +64,8 @@ metrics.declare("routing_flips_near_tie", "", "lower", "tokens left out of isola
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # strict: a TOML `true` is no integer, a string no number; every value has the type the key declares.
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
 
 class Tolerance(_Table):
@@ -138,9 +139,11 @@ class PrecisionConfig(CheckConfig):
 
 def results_path(ls: LoadedSuite, backend: str, dtype: str, results_dir: str | Path | None = None,
                  suffix: str = "") -> Path:
+    from harness.files import paths
     from harness.run.results import results_root
 
-    return results_root(results_dir) / "precision" / f"{ls.name}-{backend}-{dtype}{suffix}.png"
+    return paths.join(results_root(results_dir) / "precision", f"{ls.name}-{backend}-{dtype}{suffix}.png",
+                      source=ls.path, field="model.name")
 
 
 def load_golden_for(ctx: CheckContext, golden_root=None):

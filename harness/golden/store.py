@@ -19,8 +19,18 @@ manifest's shape and storage dtype and is finite, every entry the check needs is
 
 In ``sampled`` mode (large models) ``modules.safetensors`` holds, per tensor, a fixed sample of
 elements (``<name>`` values, ``<name>::idx`` flat indices) and the manifest holds per-tensor
-statistics of the whole tensor. Writes are atomic: files go to a temporary sibling directory which
-replaces the old one with renames; an existing golden is only replaced when asked to.
+statistics of the whole tensor.
+
+Writes are atomic in one step, so no kill -9 at any moment leaves a suite without a golden: a new
+golden is written into a version folder ``golden/<suite>/v-<time>-<id>/`` (files and folder
+fsync'd), and ``golden/<suite>/CURRENT`` (one line: that folder's name) is replaced by one rename;
+readers follow ``CURRENT``. Until the rename they read the old version, after it the new one;
+then the versions no longer current are pruned. A suite's first golden is built in a hidden
+sibling (``.<suite>.tmp-...``) renamed into place whole. A golden without ``CURRENT`` (files
+directly in ``golden/<suite>/``, the layout before versions) is read as it is and replaced the
+same way. An existing golden is only replaced when asked to. What a killed write leaves behind is
+hidden (``.*.tmp-*``, ignored by git) or an unreferenced ``v-*`` folder, and both are removed by
+the next write.
 """
 
 from __future__ import annotations
@@ -31,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,9 +51,6 @@ FILES = ("inputs", "modules", "generation")
 IDX = "::idx"
 IN = "::in"
 GENERATION_KEYS = ("tokens", "logprobs", "top_ids", "top_logprobs")
-# A golden's name becomes a directory under the golden root: a plain identifier, nothing that could
-# climb out of the root or hide (no separators, no "..", no leading dot).
-NAME_RX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
 class GoldenError(Exception):
@@ -70,20 +76,28 @@ def golden_root(root: str | Path | None = None) -> Path:
     return Path(load_settings().golden_dir)
 
 
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME_RX.fullmatch(name) or ".." in name:
-        raise GoldenError(f"golden name {name!r} is not a plain identifier (letters, digits, '_', '-', '.', '+'; "
-                          "no path separators or '..'): set a plain model.name in the suite")
+def check_name(name: str, source="suite") -> str:
+    """A golden's name as a plain path component (harness.files.paths, the one rule for every
+    data-derived name)."""
+    from harness.files import paths
+
+    why = paths.problem(name)
+    if why:
+        raise GoldenError(f"{source}: model.name: golden name {why}; not a plain identifier: set a plain "
+                          "model.name in the suite")
     return name
 
 
 def golden_dir(suite_name: str, root: str | Path | None = None) -> Path:
-    """``<root>/<suite_name>``, refusing any name that would resolve outside the root."""
+    """``<root>/<suite_name>``, refusing any name that would resolve outside the root (symlinks too)."""
+    from harness.files import paths
+
     base = golden_root(root)
-    path = base / check_name(suite_name)
-    if path.resolve().parent != base.resolve():
-        raise GoldenError(f"golden name {suite_name!r} resolves outside the golden root {_display(base)}")
-    return path
+    check_name(suite_name)
+    try:
+        return paths.join(base, suite_name, source=base, field="golden name")
+    except paths.PathRefused as e:
+        raise GoldenError(str(e)) from None
 
 
 def sha256_bytes(b: bytes) -> str:
@@ -186,72 +200,153 @@ def pack(outputs: dict[str, torch.Tensor], mode: str = "full", sample_size: int 
     return store, meta
 
 
+CURRENT = "CURRENT"
+VERSION_RX = re.compile(r"v-[0-9TZ]+-[0-9a-f]+")
+
+
+def exists(path: Path) -> bool:
+    """A golden is there: a ``CURRENT`` pointer, or the files of the layout before versions (a bare
+    folder a killed first write could not leave, but a person can, is no golden)."""
+    return (Path(path) / CURRENT).exists() or (Path(path) / "manifest.json").exists()
+
+
+def current_dir(path: Path) -> Path:
+    """The folder holding the golden's files: the version ``CURRENT`` names, else ``path`` itself."""
+    path = Path(path)
+    try:
+        name = (path / CURRENT).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return path
+    except (OSError, UnicodeDecodeError) as e:
+        raise GoldenError(f"{_display(path / CURRENT)}: unreadable golden pointer ({e})") from None
+    if not VERSION_RX.fullmatch(name):  # data, not a path: it never leads out of the golden
+        raise GoldenError(f"{_display(path / CURRENT)}: names {name[:60]!r}, not a version folder (v-<time>-<id>); "
+                          f"regenerate with `harness golden generate {path.name} --update`")
+    return path / name
+
+
+def _new_version() -> str:
+    import secrets
+    import time as _time
+
+    return f"v-{_time.strftime('%Y%m%dT%H%M%SZ', _time.gmtime())}-{secrets.token_hex(4)}"
+
+
+def _write_version(folder: Path, manifest: dict, files: dict[str, dict[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save
+
+    from harness.files import atomic
+
+    atomic.make_dirs(folder)
+    manifest = dict(manifest, files={})
+    for fname, tensors in files.items():
+        data = save(tensors, metadata={"format": "pt"})
+        atomic.write_bytes(folder / f"{fname}.safetensors", data)
+        manifest["files"][f"{fname}.safetensors"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    atomic.write_json(folder / "manifest.json", manifest, sort_keys=True)  # last: the version is whole
+
+
+def prune(path: Path) -> list[Path]:
+    """Remove what is not the current version: older ``v-*`` folders, the files of the layout before
+    versions, and the leftovers of killed writes. Under the golden's lock (see ``write_golden``)."""
+    from harness.files import atomic
+
+    path = Path(path)
+    if not (path / CURRENT).exists():
+        return []
+    keep = current_dir(path).name
+    removed = atomic.clean_leftovers(path)
+    for p in path.iterdir():
+        old_version = p.is_dir() and VERSION_RX.fullmatch(p.name) and p.name != keep
+        flat = p.is_file() and (p.name == "manifest.json" or p.name.endswith(".safetensors"))
+        if old_version or flat:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            removed.append(p)
+    return removed
+
+
 def write_golden(path: Path, manifest: dict, files: dict[str, dict[str, torch.Tensor]], *,
                  update: bool = False) -> Path:
-    """Write atomically: everything into a temp sibling directory, then rename into place. Refuses
-    to replace an existing golden unless ``update``."""
-    from safetensors.torch import save
+    """Write a new version and make it current in one rename (module docstring). Refuses to
+    replace an existing golden unless ``update``."""
+    import fcntl
+
+    from harness.files import atomic
 
     path = Path(path)
     check_name(path.name)  # every write stays under <root>/<plain name>
     if ".." in path.parts:
         raise GoldenError(f"{path}: a golden path must not contain '..' (writes stay under the golden root)")
-    if path.exists() and not update:
+    if exists(path) and not update:
         raise GoldenError(f"{_display(path)}: a golden already exists; pass --update to replace it "
                           "(see `harness golden diff` for what would change)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    atomic.make_dirs(path.parent)
+    atomic.clean_leftovers(path.parent)  # what older or killed writers left beside the goldens
+    version = _new_version()
+    if not exists(path):
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()  # an empty folder (a person's mkdir): nothing to keep
+        tmp = atomic.tmp_name(path)
+        try:
+            _write_version(tmp / version, manifest, files)
+            atomic.write_text(tmp / CURRENT, version + "\n")
+            atomic.fsync_dir(tmp)
+            os.rename(tmp, path)  # fails if a golden appeared meanwhile: never replaced unasked
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        atomic.fsync_dir(path.parent)
+        return path
+    # Replace: one writer at a time per golden (a second one's prune must not take the first one's
+    # new version away between its rename and its pointer swap). The lock is on the folder itself.
+    fd = os.open(path, os.O_RDONLY)
     try:
-        manifest = dict(manifest, files={})
-        for fname, tensors in files.items():
-            data = save(tensors, metadata={"format": "pt"})
-            (tmp / f"{fname}.safetensors").write_bytes(data)
-            manifest["files"][f"{fname}.safetensors"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        staging = atomic.tmp_name(path / version)
+        try:
+            _write_version(staging, manifest, files)
+            os.rename(staging, path / version)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        atomic.write_text(path / CURRENT, version + "\n")  # the one step: old before, new after
+        prune(path)
+    finally:
+        os.close(fd)  # releases the lock
     return path
 
 
 def read_manifest(path: Path) -> dict:
+    suite = path  # messages name the suite's folder (and `generate <suite>`), not the version's
+    if path.exists():
+        path = current_dir(path)
     mf = path / "manifest.json"
     if not path.exists():
         raise GoldenError(f"{_display(mf)}: no golden for this suite; create it with "
-                          f"`harness golden generate {path.name}`")
+                          f"`harness golden generate {suite.name}`")
     try:
         manifest = json.loads(mf.read_text())
     except FileNotFoundError:
         raise GoldenError(f"{_display(mf)}: missing manifest (incomplete golden); regenerate with "
-                          f"`harness golden generate {path.name} --update`") from None
+                          f"`harness golden generate {suite.name} --update`") from None
     except (OSError, ValueError) as e:
         raise GoldenError(f"{_display(mf)}: corrupt manifest ({type(e).__name__}: {e})") from None
     if not isinstance(manifest, dict) or "files" not in manifest or not isinstance(manifest["files"], dict):
         raise GoldenError(f"{_display(mf)}: not a harness golden manifest")
     if manifest.get("format") != FORMAT:
         raise GoldenError(f"{_display(mf)}: golden format {manifest.get('format')!r}, this harness reads format "
-                          f"{FORMAT}; regenerate with `harness golden generate {path.name} --update`")
+                          f"{FORMAT}; regenerate with `harness golden generate {suite.name} --update`")
     need = [k for k in ("order", "tensors", "input_spec", "config_hash", "reference") if k not in manifest]
     if need:
         raise GoldenError(f"{_display(mf)}: manifest lacks {', '.join(need)}; regenerate with "
-                          f"`harness golden generate {path.name} --update`")
+                          f"`harness golden generate {suite.name} --update`")
     return manifest
 
 
 def _load_file(path: Path, fname: str, manifest: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
-    f = path / fname
+    f = current_dir(path) / fname
     want = manifest["files"].get(fname)
     if want is None:
         raise GoldenError(f"{_display(path / 'manifest.json')}: does not list {fname}")
@@ -372,11 +467,32 @@ def validate(g: Golden) -> None:
             if t is not None and t.dtype == torch.float64 and kind == "float":
                 t = t.float()  # generation logprobs are stored in float64
             _check_tensor(g, "generation.safetensors", key, t, shape, kind)
+    _check_ranges(g)
     for dtype, b in (mf.get("budgets") or {}).items():
         for mod, e in (b.get("modules") or {}).items() if isinstance(b, dict) else ():
             v = e.get("budget") if isinstance(e, dict) else None
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise _bad(g, "manifest.json", f"budget of {mod} in {dtype} is {v!r}, not a positive number")
+
+
+def _check_ranges(g: Golden) -> None:
+    """Values, not only hashes: a manifest re-hashed over edited files passes the sha256 check, so
+    token ids must lie inside the vocabulary (the logits' last dimension) and log-probabilities be
+    <= 0. An id out of range would make every generation mismatch look like a near tie."""
+    shape = (g.manifest["tensors"].get("logits") or {}).get("shape")
+    if not (isinstance(shape, list) and shape and isinstance(shape[-1], int) and shape[-1] > 0):
+        raise _bad(g, "manifest.json", f"logits shape {shape!r} names no vocabulary size")
+    vocab = shape[-1]
+    for fname, key, t in (("inputs.safetensors", "input_ids", g.inputs),
+                          ("generation.safetensors", "tokens", g.generation.get("tokens")),
+                          ("generation.safetensors", "top_ids", g.generation.get("top_ids"))):
+        if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise _bad(g, fname, f"{key} holds token ids in [{int(t.min())}, {int(t.max())}], outside the "
+                       f"vocabulary [0, {vocab})")
+    for key in ("logprobs", "top_logprobs"):
+        t = g.generation.get(key)
+        if t is not None and t.numel() and float(t.max()) > 1e-6:
+            raise _bad(g, "generation.safetensors", f"{key} has a log-probability {float(t.max()):.4g} > 0")
 
 
 def _check_weights(recorded: dict | None, ls, mf: str) -> None:

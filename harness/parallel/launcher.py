@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
-from harness.parallel.layouts import Layout
+from harness.parallel.layouts import Layout, layout_dir
 from harness.parallel.status import RankStatus, read_status
 from harness.run.isolation import _die_with_parent
 
@@ -74,7 +74,7 @@ def _env() -> dict:
 
 
 def _done(run_dir: Path, lay: Layout, world: int) -> bool:
-    return all((run_dir / lay.label / f"rank{r}.json").exists() for r in range(world))
+    return all((layout_dir(run_dir, lay) / f"rank{r}.json").exists() for r in range(world))
 
 
 def _exits(run_dir: Path, world: int) -> dict[int, dict]:
@@ -92,7 +92,7 @@ def _exits(run_dir: Path, world: int) -> dict[int, dict]:
 def _errors(run_dir: Path, lay: Layout, world: int) -> dict[int, dict]:
     out = {}
     for r in range(world):
-        p = run_dir / lay.label / f"rank{r}.error.json"
+        p = layout_dir(run_dir, lay) / f"rank{r}.error.json"
         if p.exists():
             out[r] = json.loads(p.read_text())
     return out
@@ -213,7 +213,7 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
         n += 1
 
         def done(lay: Layout, wall: float, run_dir=run_dir) -> None:
-            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=run_dir / lay.label, launch_wall_s=wall)
+            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=layout_dir(run_dir, lay), launch_wall_s=wall)
             publish(outcomes[lay.label])
 
         end = _Ended(run_dir, *_one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s,
@@ -264,10 +264,10 @@ def _failed(rest: list[Layout], end: _Ended, world: int, timeout_s: float, start
         return [LayoutOutcome(x, "crashed" if end.how != "hung" else "hung", msg, launch_wall_s=wall, ranks=sts)
                 for x in rest]
     if end.how == "hung":
-        return [LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), end.run_dir / lay.label,
+        return [LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), layout_dir(end.run_dir, lay),
                               launch_wall_s=wall, ranks=sts)]
     status = "error" if errors else "crashed"
-    return [LayoutOutcome(lay, status, _crash_message(lay, sts, end.exits, errors), end.run_dir / lay.label,
+    return [LayoutOutcome(lay, status, _crash_message(lay, sts, end.exits, errors), layout_dir(end.run_dir, lay),
                           launch_wall_s=wall, ranks=sts)]
 
 

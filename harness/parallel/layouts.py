@@ -40,6 +40,15 @@ class Layout:
     # ZeRO-3 is ``fsdp``.
     zero: int = 0
 
+    def __post_init__(self) -> None:
+        # A layout's label names its ranks' result folder (<run>/<label>/), and layouts also arrive
+        # as data (a suite's [[checks.parallel.configs]], the spec file the ranks read): refused here,
+        # once, for every reader and writer of that folder.
+        if self.name:
+            from harness.files.paths import name as plain
+
+            plain(self.name, source="parallel layout", field="name")
+
     @property
     def world(self) -> int:
         return math.prod(getattr(self, d) for d in MESH_ORDER)
@@ -81,6 +90,13 @@ class Layout:
         d = asdict(self)
         d["name"] = self.label
         return d
+
+
+def layout_dir(run_dir, lay: Layout):
+    """``run_dir / lay.label``, the folder of one layout's rank files (harness.files.paths)."""
+    from harness.files.paths import join
+
+    return join(run_dir, lay.label, source="parallel layout", field="name")
 
 
 def default_name(lay: Layout) -> str:

@@ -48,8 +48,21 @@ def item_key(backend: str, dtype: str, variant: str | None) -> str:
     return f"{backend}-{dtype}" + (f"-{variant}" if variant else "")
 
 
+def _under(root: Path, *names, source, fields) -> Path:
+    """``root / names...``, each a plain name (harness.files.paths), as BaselineError."""
+    from harness.files import paths
+
+    try:
+        for n, f in zip(names, fields, strict=True):
+            root = paths.join(root, n, source=source, field=f)
+    except paths.PathRefused as e:
+        raise BaselineError(str(e)) from None
+    return root
+
+
 def sidecar_path(suite: str, key: str, results_dir: str | Path | None = None) -> Path:
-    return results_root(results_dir) / "perf" / suite / f"{key}.json"
+    return _under(results_root(results_dir) / "perf", suite, f"{key}.json", source="perf sidecar",
+                  fields=("suite", "key"))
 
 
 def write_sidecar(record: dict, results_dir: str | Path | None = None) -> Path:
@@ -91,18 +104,48 @@ def _from_junit(root: Path) -> list[Path]:
             continue  # not ours to judge: the comparator reports bad XML
         for prop in tree.iter("property"):
             if prop.get("name") == "harness.detail.perf_samples" and prop.get("value"):
-                found.append(Path(prop.get("value")))
+                found.append((x, prop.get("value")))
     return found
 
 
-def read_sidecars(results_dir: str | Path) -> list[tuple[Path, dict]]:
+def _junit_sidecar(root: Path, xml: Path, value: str) -> Path:
+    """A sidecar path a JUnit property names: data, so it must lie in this results directory or
+    the configured one (where the check writes them), symlinks resolved; else BaselineError."""
+    from harness.files import paths
+
+    where = f"{xml}: harness.detail.perf_samples"
+    if "\x00" in value:
+        raise BaselineError(f"{where}: {value[:60]!r} contains a NUL byte")
+    p = Path(value)
+    for base in (root, results_root()):
+        try:
+            rel = p.resolve().relative_to(base.resolve())
+        except ValueError:
+            continue
+        try:
+            return paths.join(base, rel.as_posix(), source=xml, field="harness.detail.perf_samples", plain=False)
+        except paths.PathRefused as e:
+            raise BaselineError(str(e)) from None
+    raise BaselineError(f"{where}: {value[:120]!r} is outside the results directory {root} "
+                        f"and the configured {results_root()}")
+
+
+def read_sidecars(results_dir: str | Path, refused: list | None = None) -> list[tuple[Path, dict]]:
     """Every perf sidecar of a run: under ``results_dir`` (the dir itself, or its ``perf/``
-    folder), and those its JUnit XML names."""
+    folder), and those its JUnit XML names. ``refused``: where a JUnit path that leaves the results
+    goes, as (xml, why), instead of failing the whole read."""
     root = Path(results_dir)
     if not root.exists():
         raise BaselineError(f"{root}: no such results directory")
     files = {p.resolve(): p for p in root.rglob("*.json") if p.parent.parent.name == "perf"}
-    for p in _from_junit(root):
+    for xml, value in _from_junit(root):
+        try:
+            p = _junit_sidecar(root, xml, value)
+        except BaselineError as e:
+            if refused is None:
+                raise
+            refused.append((xml, str(e)))
+            continue
         if p.resolve() not in files:
             if not p.exists():
                 raise BaselineError(f"{p}: perf samples named in {root}'s JUnit XML are missing")
@@ -115,8 +158,9 @@ def read_sidecars(results_dir: str | Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def baseline_path(suite: str, cls_key: str, golden_root: str | Path | None = None) -> Path:
-    return perf_golden_root(golden_root) / suite / f"{cls_key}.json"
+def baseline_path(suite: str, cls_key: str, golden_root: str | Path | None = None, source="perf baseline") -> Path:
+    return _under(perf_golden_root(golden_root), suite, f"{cls_key}.json", source=source,
+                  fields=("suite", "fingerprint (machine class)"))
 
 
 def find_baseline(suite: str, key: str, fp: dict, golden_root: str | Path | None = None) -> tuple[dict | None, str]:
@@ -132,7 +176,8 @@ def find_baseline(suite: str, key: str, fp: dict, golden_root: str | Path | None
         if not ok:  # a hand-edited or colliding file: never compare silently
             return None, f"{p}: {why}"
         return item, f"{p} ({why})"
-    others = sorted(perf_golden_root(golden_root).joinpath(suite).glob("*.json"))
+    others = sorted(_under(perf_golden_root(golden_root), suite, source="perf baseline", fields=("suite",))
+                    .glob("*.json"))
     for q in others:
         try:
             data = _read(q)
@@ -174,11 +219,23 @@ def update(results_dir: str | Path, golden_root: str | Path | None = None,
     """Take a reviewed run's perf samples as the new baselines (``append``: pooled with the stored
     ones). Returns, per baseline file written, (path, items taken, items refused with why)."""
     by_file: dict[Path, tuple[dict, list[str], list[str]]] = {}
-    for src, rec in read_sidecars(results_dir):
+    bad: list[tuple[Path, str]] = []
+    sidecars = read_sidecars(results_dir, bad)
+    for xml, why in bad:
+        by_file.setdefault(xml, ({}, [], []))[2].append(why)
+    for src, rec in sidecars:
         if suites and rec["suite"] not in suites:
             continue
         fp = rec.get("fingerprint") or {}
-        p = baseline_path(rec["suite"], fpmod.class_key(fp), golden_root)
+        try:  # suite, key and machine class come from the sidecar: data, refused if not plain names
+            from harness.files import paths
+
+            paths.name(rec["key"], source=src, field="key")
+            p = baseline_path(rec["suite"], fpmod.class_key(fp if isinstance(fp, dict) else {}), golden_root,
+                              source=src)
+        except (BaselineError, ValueError) as e:
+            by_file.setdefault(src, ({}, [], []))[2].append(str(e))  # this sidecar only; the others go on
+            continue
         if p not in by_file:
             base = _read(p) if p.exists() else {"format": FORMAT, "suite": rec["suite"],
                                                  "class": fpmod.class_of(fp), "items": {}}

@@ -25,7 +25,8 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 class _Strict(BaseModel):
     # extra="forbid": a misspelt key is an error that names the key, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # strict: a TOML `true` is no integer, a string no number; every value has the type the key declares.
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
 
 class ModelSection(_Strict):
@@ -69,6 +70,17 @@ class ModelSection(_Strict):
         "harness never imports remote code itself; off unless the suite says so.")
     architecture: str | None = Field(
         None, description="Override config.json's architectures[0] (class name in transformers).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # the name becomes golden/<name>/, results/perf/<name>/, ...: a plain name (harness.files.paths)
+        from harness.files.paths import problem
+
+        why = problem(v) if v else None
+        if why:
+            raise ValueError(why)
+        return v
 
     @field_validator("adapter")
     @classmethod
@@ -189,7 +201,8 @@ class CheckConfig(BaseModel):
     default and description) and may change the defaults of these two."""
 
     # extra="forbid": a misspelt key is an error that names the key, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # strict: a TOML `true` is no integer, a string no number; every value has the type the key declares.
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
     enabled: bool = Field(True, description="Generate this check's items for the suite.")
     variants: list[str] = Field(

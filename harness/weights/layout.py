@@ -80,10 +80,19 @@ def read_header(path: Path) -> dict[str, dict]:
             if len(head) < 8:
                 raise WeightsError(f"{path.name}: truncated shard: {size} bytes, not even a header")
             (n,) = struct.unpack("<Q", head)
+            first = f.read(1)
+            if first != b"{":
+                # A safetensors header is JSON: its first byte is '{'. Anything else (a pickle renamed,
+                # a zip from torch.save, a text file behind a symlink) is another format, not a
+                # truncated download: saying "re-download it" would send people the wrong way.
+                raise WeightsError(f"{path.name}: not a safetensors file ({_looks_like(head + first)}); "
+                                   "harness reads safetensors only")
             if n > size - 8:
                 raise WeightsError(f"{path.name}: truncated shard: header says {n} bytes of metadata, "
                                    f"the file has {size - 8} after the length")
-            meta = json.loads(f.read(n))
+            meta = json.loads(first + f.read(n - 1))
+            if not isinstance(meta, dict) or not all(isinstance(v, dict) for v in meta.values()):
+                raise ValueError("the header is not a table of tensors")
     except OSError as e:
         raise WeightsError(f"{path.name}: cannot read: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -94,6 +103,28 @@ def read_header(path: Path) -> dict[str, dict]:
         raise WeightsError(f"{path.name}: truncated shard: its header needs {8 + n + end} bytes, "
                            f"the file has {size} (re-download it)")
     return meta
+
+
+def _looks_like(head: bytes) -> str:
+    if head[:1] == b"\x80":
+        return "it starts like a pickle"
+    if head[:2] == b"PK":
+        return "it is a zip archive, e.g. torch.save's"
+    return f"it starts with {head[:9]!r}"
+
+
+def shard_path(root: Path, shard, *, source: Path, field: str) -> Path:
+    """``root / shard`` for a shard name read from a file (the index, a manifest), through
+    harness.files.paths: a relative path of plain names that stays inside the checkpoint. In the
+    Hugging Face cache (``.../models--org--name/snapshots/<rev>/``) files are symlinks into the
+    repository's ``blobs/``; that repository folder is the bound there."""
+    from harness.files import paths
+
+    within = root.parent.parent if root.parent.name == "snapshots" else root
+    try:
+        return paths.join(root, shard, source=source, field=field, plain=False, within=within)
+    except paths.PathRefused as e:
+        raise WeightsError(str(e)) from None
 
 
 def _infos(root: Path, shard: str) -> dict[str, TensorInfo]:
@@ -137,8 +168,12 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Checkpoi
     elif (root / INDEX_NAME).is_file():
         try:
             index = json.loads((root / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(index, dict):
+                raise TypeError("weight_map is not a table")
         except (ValueError, KeyError, TypeError) as e:
             raise WeightsError(f"{root / INDEX_NAME}: not a safetensors index ({e})") from None
+        for tname, shard in index.items():  # every shard name is data: it must stay in the checkpoint
+            shard_path(root, shard, source=root / INDEX_NAME, field=f"weight_map[{tname!r}]")
         shards, pickled = sorted(set(index.values())), False
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:
@@ -156,6 +191,9 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Checkpoi
         raise WeightsError(f"{root}: only pickle weights ({shards[0]}{', ...' if len(shards) > 1 else ''}); harness "
                            "reads safetensors only. Convert them, or set model.weights_allow_pickle = true to read "
                            "them with torch.load(weights_only=True)")
+    if not path.is_file():  # a shard found by glob may be a symlink out of the folder: same rule
+        for s in shards:
+            shard_path(root, s, source=root / INDEX_NAME if index is not None else root, field="shard")
     ck = Checkpoint(root, shards, index=index, pickle=pickled, config=config)
     for s in shards:
         ck.tensors.update(_pickle_infos(root, s) if pickled else _infos(root, s))

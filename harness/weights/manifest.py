@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from harness.weights.layout import Checkpoint, WeightsError, open_checkpoint
+from harness.weights.layout import Checkpoint, WeightsError, open_checkpoint, shard_path
 
 MANIFEST_NAME = "harness-manifest.json"
 CHUNK = 16 << 20
@@ -62,7 +62,14 @@ def verify(ckpt: Checkpoint, manifest: dict, *, checksums: bool = True) -> list[
     files = manifest["files"]
     present = set(ckpt.shards) | ({"model.safetensors.index.json"} if ckpt.index is not None else set())
     for name, rec in sorted(files.items()):
-        p = ckpt.root / name
+        try:  # a name in the manifest is data: it must name a file inside the checkpoint
+            p = shard_path(ckpt.root, name, source=ckpt.root / MANIFEST_NAME, field=f"files[{name!r}]")
+        except WeightsError as e:
+            problems.append(str(e))
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("bytes"), int) or not isinstance(rec.get("sha256"), str):
+            problems.append(f"{name}: the manifest's record is not {{bytes, sha256}}: {str(rec)[:80]}")
+            continue
         if not p.is_file():
             problems.append(f"{name}: in the manifest, not in the checkpoint")
             continue

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness.weights.layout import Checkpoint, WeightsError
+from harness.weights.layout import Checkpoint, WeightsError, shard_path
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:
@@ -36,13 +36,17 @@ class ShardReader:
         self.bytes_read = 0
         self.tensors_read = 0
 
+    def _path(self, shard: str):
+        # once per shard (handles are cached): the shard name came from the index or a glob
+        return shard_path(self.ckpt.root, shard, source=self.ckpt.root, field="shard")
+
     def _handle(self, shard: str):
         h = self._handles.get(shard)
         if h is None:
             from safetensors import safe_open
 
             try:
-                h = safe_open(str(self.ckpt.root / shard), framework="pt", device="cpu")
+                h = safe_open(str(self._path(shard)), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise WeightsError(f"{shard}: cannot open: {type(e).__name__}: {e}") from None
             self._handles[shard] = h
@@ -53,7 +57,7 @@ class ShardReader:
         if sd is None:
             # weights_only=True: tensors and plain containers only, never arbitrary objects;
             # mmap=True keeps it lazy like safetensors.
-            sd = self._pickled[shard] = torch.load(self.ckpt.root / shard, map_location="cpu",
+            sd = self._pickled[shard] = torch.load(self._path(shard), map_location="cpu",
                                                    weights_only=True, mmap=True)
         return sd
 
