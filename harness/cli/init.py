@@ -74,20 +74,24 @@ def unreduced_keys(raw: dict, text: dict, flat: dict, prefix: str = "") -> list[
 def _plan(raw: dict, config: str):
     """(Plan, resolved class name) or InitRefused."""
     from harness.models.config import (
+        ModelBuildError,
         UnknownArchitectureError,
+        check_config_ranges,
         registry_class,
         remote_code_only,
         resolve_architecture,
     )
     from harness.models.prune import plan_config
 
-    why_remote = remote_code_only(raw)
-    if why_remote:
-        raise InitRefused(f"{config}: {why_remote}")
-    try:
+    try:  # numbers and names first: one line naming the key, before anything is built from them
+        check_config_ranges(raw, config)
+        why_remote = remote_code_only(raw)
+        if why_remote:
+            raise InitRefused(f"{config}: {why_remote}")
         arch, via, notes = resolve_architecture(raw)
-    except UnknownArchitectureError as e:
-        raise InitRefused(f"{config}: {e}") from None
+    except (UnknownArchitectureError, ModelBuildError) as e:
+        msg = str(e).removeprefix("config.json: ")
+        raise InitRefused(f"{config}: {msg}") from None
     import transformers as tf
 
     cls = getattr(tf, arch)

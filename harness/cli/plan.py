@@ -34,17 +34,14 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from harness.inspect.params import load_target
     from harness.models.config import UnknownArchitectureError
-    from harness.parallel.plan import model_facts, parse_bytes, plan, render
+    from harness.parallel.plan import check_inputs, model_facts, parse_bytes, plan, render
     from harness.settings import load_settings
     from harness.suite.loader import SuiteError
 
     try:
         mem = parse_bytes(args.device_memory)
-        for name in ("devices", "nodes", "batch", "context"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-        if not 0 < args.usable <= 1:
-            raise ValueError(f"--usable must be in (0, 1], got {args.usable}")
+        check_inputs(devices_per_node=args.devices, nodes=args.nodes, device_memory=mem, batch=args.batch,
+                     context=args.context, usable=args.usable)  # before the model is even read
         target = load_target(args.target, load_settings().suites_dir)
         facts = model_facts(target, args.weights, args.context)
     except (SuiteError, UnknownArchitectureError, ValueError, KeyError) as e:

@@ -73,6 +73,11 @@ def main(args) -> int:
     for p in paths:
         try:
             ls = load_suite(p)
+            from harness.checks import collection
+
+            bad_items = collection.problems(ls)  # what `harness run` would refuse at collection
+            if bad_items:
+                raise SuiteError(ls.path, bad_items)
             notes = [] if args.no_build else model_config(ls).notes
             print(f"ok    {p}" + "".join(f"\n      note: {n}" for n in notes))
         except SuiteError as e:

@@ -194,7 +194,12 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
     """``skip``: metrics another judge decided (the perf check's timings)."""
     for name, value in case.metrics.items():
         d = _direction(name)
-        if d == "none" or math.isnan(value) or name in skip:
+        if name in skip:
+            continue
+        if not math.isfinite(value):
+            _non_finite(out, case, base, series, name, value, config)
+            continue
+        if d == "none":
             continue
         if f"tolerance.{name}" in case.invalid:
             continue  # its tolerance is not a number (an input warning): it cannot be judged
@@ -240,6 +245,22 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
                 case, "metric_regression" if regression else "improvement",
                 "performance" if regression else "improvement", name, value, cp.before, cp.runs_after,
                 f"{sign}{thr:.0%}", config, note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})"))
+
+
+def _non_finite(out: Classification, case: Case, base: Case | None, series: SeriesView, name: str,
+                value: float, config: Config) -> None:
+    """A metric that was a number and now is NaN or inf is a change whatever its direction (a NaN
+    compares false with everything, so the threshold tests would call it "unchanged")."""
+    base_v = base.metrics.get(name) if base is not None else None
+    earlier = [v for v in series.get((case.key, name), []) if math.isfinite(v)]
+    old = base_v if base_v is not None and math.isfinite(base_v) else (earlier[-1] if earlier else None)
+    if old is None:
+        return  # never a number: nothing turned (a check may record NaN on purpose)
+    out.findings.append(Finding("metric_regression", "performance" if _is_time(name) else "precision",
+                                case.key, case.suite, case.backend, case, metric=name, baseline=old,
+                                current=value, change=math.inf, threshold="finite", confirmed=True,
+                                bad_runs=max(config.min_bad_runs, 1),
+                                note=f"{name} turned non-finite ({value}) from {old:g}"))
 
 
 def _finding(case: Case, category: str, kind: str, name: str, value: float, old: float, bad_runs: int,

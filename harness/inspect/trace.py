@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -467,16 +468,25 @@ def suite_op_names(ls, dtypes: list[str], *, batch: int = 2, seq: int = 16,
     out = {}
     nkey = trace_numerics(ls, realistic).key
     for dtype in dtypes:
-        path = cache_dir() / "ops" / f"{ls.path.stem}-{dtype}-{suite_key(ls, dtype, f'{batch}x{seq}', nkey)}.json"
+        from harness.files import paths
+
+        path = paths.join(cache_dir() / "ops", f"{ls.path.stem}-{dtype}-{suite_key(ls, dtype, f'{batch}x{seq}', nkey)}"
+                          ".json", source=ls.path, field="suite file name")
         try:
             ops = json.loads(path.read_text(encoding="utf-8"))["ops"]
-            if isinstance(ops, list) and all(isinstance(o, str) and o.count(".") >= 2 for o in ops):
+            if isinstance(ops, list) and ops and all(isinstance(o, str) and o.count(".") >= 2 for o in ops):
                 out[dtype] = ops
                 continue
-            # valid JSON but not an op list (a corrupt or foreign cache file): rebuild it
+            # Valid JSON but not an op list (a corrupt or foreign cache file), or an empty one: a real
+            # model runs ops, so an empty list is a broken cache, never "this suite has no op items".
+            print(f"note: {path}: op-list cache {'is empty' if ops == [] else 'is not an op list'}; "
+                  "recomputing it", file=sys.stderr)
         except (OSError, ValueError, KeyError, TypeError):
             pass
         names = real_inventory(ls, dtype, batch=batch, seq=seq, realistic=realistic).names()
+        if not names:  # nothing to cache: an empty list read back would hide every op item
+            out[dtype] = names
+            continue
         try:
             from harness.files import atomic
 

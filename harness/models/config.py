@@ -59,14 +59,74 @@ FIX_HINT = ("set model.architecture = '<a transformers class that runs it>' in t
             "builder with model.adapter = 'your_package.module:build' (see docs/adding-a-model.md)")
 
 
-def architecture_class(name: str):
-    """The transformers class called ``name``; a clear error if nobody knows it."""
+def model_class(name) -> type | None:
+    """transformers' model class called ``name``, or None: only subclasses of PreTrainedModel count
+    (``getattr(transformers, "logging")`` is a module, ``"AutoConfig"`` a config factory, neither a model)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
     tf = _transformers()
-    cls = getattr(tf, name, None) if name and name.isidentifier() else None
+    try:
+        cls = getattr(tf, name, None)
+    except Exception:  # noqa: BLE001 - transformers' lazy module raises for a missing backend
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel) else None
+
+
+def first_architecture(raw: dict) -> str | None:
+    """``architectures[0]``; a config whose ``architectures`` is not a list of class names is refused
+    (a string would otherwise be read one letter at a time)."""
+    archs = raw.get("architectures")
+    if archs is None or archs == []:
+        return None
+    if not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs):
+        raise ConfigBuildError(f"config.json: architectures: must be a list of class names, got "
+                               f"{type(archs).__name__} {str(archs)[:80]!r}")
+    return archs[0]
+
+
+def architecture_class(name: str):
+    """The transformers model class called ``name``; a clear error if nobody knows it."""
+    tf = _transformers()
+    cls = model_class(name)
     if cls is None:
         raise UnknownArchitectureError(
-            f"architecture {name!r} is not a class in transformers {tf.__version__}: {FIX_HINT}")
+            f"architecture {name!r} is not a model class in transformers {tf.__version__}: {FIX_HINT}")
     return cls
+
+
+# Bounds of the config fields harness itself reads before building anything (pruning plans build
+# per-layer lists, head arithmetic divides): checked first, so 10**12 layers is one line, not a hang,
+# and 0 heads is named, not a ZeroDivisionError. The upper bounds are far above any published model
+# (the largest have ~100 layers, 2**18 vocabulary, 384 experts) and far below what would exhaust memory.
+CONFIG_BOUNDS = {
+    "num_hidden_layers": (1, 10_000), "num_layers": (1, 10_000), "n_layers": (1, 10_000), "n_layer": (1, 10_000),
+    "hidden_size": (1, 1 << 20), "intermediate_size": (1, 1 << 22), "moe_intermediate_size": (1, 1 << 22),
+    "num_attention_heads": (1, 1 << 14), "num_key_value_heads": (1, 1 << 14), "head_dim": (1, 1 << 14),
+    "vocab_size": (1, 1 << 26), "max_position_embeddings": (1, 1 << 31),
+    "num_experts": (0, 1 << 16), "num_local_experts": (0, 1 << 16), "n_routed_experts": (0, 1 << 16),
+    "num_experts_per_tok": (0, 1 << 16), "n_shared_experts": (0, 1 << 16), "first_k_dense_replace": (0, 10_000),
+    "n_group": (1, 1 << 16), "topk_group": (1, 1 << 16), "kv_lora_rank": (1, 1 << 20), "q_lora_rank": (1, 1 << 20),
+    "qk_nope_head_dim": (0, 1 << 14), "qk_rope_head_dim": (0, 1 << 14), "v_head_dim": (1, 1 << 14),
+}
+
+
+def check_config_ranges(raw: dict, where: str = "config.json") -> None:
+    """Refuse (ConfigBuildError, one line naming the key and the bound) a field of CONFIG_BOUNDS that
+    is not an integer in range, at the top level and in every nested ``*_config`` table."""
+    tables = [("", raw)] + [(f"{k}.", v) for k, v in raw.items() if k.endswith("_config") and isinstance(v, dict)
+                            and k not in ("quantization_config", "rope_scaling")]
+    for prefix, d in tables:
+        for key, (lo, hi) in CONFIG_BOUNDS.items():
+            if key not in d or d[key] is None:
+                continue
+            v = d[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigBuildError(f"{where}: {prefix}{key}: must be an integer in [{lo}, {hi}], "
+                                       f"got {type(v).__name__} {v!r}"[:300])
+        heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
+        if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
+            raise ConfigBuildError(f"{where}: {prefix}num_key_value_heads: must be <= num_attention_heads "
+                                   f"({heads}), got {kv}")
 
 
 def registry_class(model_type: str) -> tuple[str | None, str]:
@@ -76,7 +136,7 @@ def registry_class(model_type: str) -> tuple[str | None, str]:
     for mapping, label in ((ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal-LM mapping"),
                            (ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, "image-text-to-text mapping")):
         name = mapping.get(model_type)
-        if name and getattr(_transformers(), name, None) is not None:
+        if name and model_class(name) is not None:
             return name, label
     return None, ""
 
@@ -94,8 +154,8 @@ def resolve_architecture(raw: dict, override: str | None = None) -> tuple[str, s
     if override:
         architecture_class(override)
         return override, "model.architecture", []
-    arch = (raw.get("architectures") or [None])[0]
-    if arch and getattr(tf, arch, None) is not None:
+    arch = first_architecture(raw)
+    if arch and model_class(arch) is not None:
         return arch, "architectures", []
     mt = raw.get("model_type") or ""
     tried = [f"architectures[0] {arch!r}: " + ("no such class" if arch else "absent"),
@@ -120,9 +180,9 @@ def remote_code_only(raw: dict) -> str | None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     tf = _transformers()
-    arch = (raw.get("architectures") or [None])[0]
+    arch = first_architecture(raw)
     mt = raw.get("model_type") or ""
-    if not raw.get("auto_map") or (arch and getattr(tf, arch, None) is not None) or mt in CONFIG_MAPPING_NAMES:
+    if not raw.get("auto_map") or (arch and model_class(arch) is not None) or mt in CONFIG_MAPPING_NAMES:
         return None
     return (f"remote code only: neither architectures[0] {arch!r} nor model_type {mt!r} is in transformers "
             f"{tf.__version__}, and auto_map points at code shipped beside the config "
@@ -217,6 +277,7 @@ def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: 
     tf = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    check_config_ranges(raw)
     arch, via, notes = resolve_architecture(raw, architecture)
     cls = architecture_class(arch)
     d = copy.deepcopy(raw)

@@ -399,6 +399,9 @@ def plan_config(raw: dict, *, decoder_only: bool = True) -> Plan:
     then builds the causal LM from ``text_config``); otherwise prune the wrapper with every part
     nested (dotted keys), for an end-to-end build with a tiny vision tower.
     """
+    from harness.models.config import check_config_ranges
+
+    check_config_ranges(raw)  # before any per-layer list is built from these numbers
     part = _text_part(raw)
     if part is None:
         flat, why = plan_text(raw)

@@ -46,7 +46,32 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (e.g. 141GiB, 80GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if not 0 < n <= MAX_DEVICE_MEMORY:
+        raise ValueError(f"--device-memory must be > 0 and <= {gib(MAX_DEVICE_MEMORY)} GiB, got {text!r}")
+    return n
+
+
+# What a plan's inputs can physically be: bounds far above any cluster built, far below what would
+# make the candidate enumeration run for minutes (it walks the divisors of the device count).
+MAX_DEVICE_MEMORY = 2**50  # 1 PiB on one device
+MAX_DEVICES_PER_NODE = 1024
+MAX_DEVICES = 2**20
+
+
+def check_inputs(*, devices_per_node: int, nodes: int, device_memory: int, batch: int, context: int,
+                 usable: float = 0.9) -> None:
+    """ValueError, one line naming the option and its bound, for inputs no cluster has."""
+    for opt, v, lo, hi in (("--devices", devices_per_node, 1, MAX_DEVICES_PER_NODE), ("--nodes", nodes, 1, MAX_DEVICES),
+                           ("--batch", batch, 1, 2**31), ("--context", context, 1, 2**31)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"{opt} must be an integer in [{lo}, {hi}], got {v!r}")
+    if devices_per_node * nodes > MAX_DEVICES:
+        raise ValueError(f"--devices x --nodes must be <= {MAX_DEVICES}, got {devices_per_node * nodes}")
+    if isinstance(device_memory, bool) or not 0 < device_memory <= MAX_DEVICE_MEMORY:
+        raise ValueError(f"--device-memory must be > 0 and <= {gib(MAX_DEVICE_MEMORY)} GiB, got {device_memory!r}")
+    if not 0 < usable <= 1:
+        raise ValueError(f"--usable must be in (0, 1], got {usable}")
 
 
 def gib(x: float) -> str:
@@ -176,7 +201,8 @@ class Estimate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 _LAYER_KINDS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "router", "norm", "other")
@@ -295,7 +321,10 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
                     time_s, compute_s, why)
 
 
-def candidate_layouts(m: ModelFacts, devices: int, devices_per_node: int, mode: str) -> list[Layout]:
+def candidate_layouts(m: ModelFacts, devices: int, devices_per_node: int, mode: str,
+                      context: int | None = None) -> list[Layout]:
+    """``context``: tokens per sequence; a context-parallel degree above it would leave ranks
+    without a token, so cp never exceeds it."""
     out = []
     for tp in _divisors(devices):
         if tp > devices_per_node or m.heads % tp:
@@ -304,6 +333,8 @@ def candidate_layouts(m: ModelFacts, devices: int, devices_per_node: int, mode: 
             if pp > m.layers:
                 continue
             for cp in _divisors(devices // tp // pp):
+                if context is not None and cp > context:
+                    continue
                 dp = devices // tp // pp // cp
                 eps = [1]
                 if m.num_experts:
@@ -338,10 +369,12 @@ class PlanReport:
 
 def plan(m: ModelFacts, *, devices_per_node: int, nodes: int, device_memory: int, mode: str = "inference",
          batch: int = 1, context: int = 4096, usable: float = 0.9) -> PlanReport:
+    check_inputs(devices_per_node=devices_per_node, nodes=nodes, device_memory=device_memory, batch=batch,
+                 context=context, usable=usable)
     n = devices_per_node * nodes
     ests = [estimate(m, lay, mode=mode, batch=batch, context=context, device_memory=device_memory,
                      devices_per_node=devices_per_node, usable=usable)
-            for lay in candidate_layouts(m, n, devices_per_node, mode)]
+            for lay in candidate_layouts(m, n, devices_per_node, mode, context)]
     # Feasible first; among them the shortest estimated step (compute over the busy devices plus
     # communication at nominal bandwidths), then the most headroom, then the simplest layout.
     ests.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6) if e.fits else e.total, -e.free,

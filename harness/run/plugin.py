@@ -277,15 +277,13 @@ class SuiteFile(pytest.File):
         opt = self.config.getoption
         want_b, want_d, want_c = (_split(opt("harness_backend")), _split(opt("harness_dtype")),
                                   _split(opt("harness_check")))
+        from harness.checks import collection  # the same refusals `harness validate` makes
+
         breg = backend_registry()
-        if "*" in ls.suite.backends:
-            names = breg.names()
-        else:
-            unknown = [b for b in ls.suite.backends if b not in breg]
-            if unknown:
-                raise SuiteError(ls.path, [f"backends: unknown backend {', '.join(map(repr, unknown))} "
-                                           f"(registered: {', '.join(breg.names())})"])
-            names = ls.suite.backends
+        bad = collection.unknown_backends(ls)
+        if bad:
+            raise SuiteError(ls.path, [bad])
+        names = collection.backend_names(ls)
         for check in checks.registry():
             if (want_c and check.name not in want_c) or not check.enabled(ls):
                 continue
@@ -296,11 +294,9 @@ class SuiteFile(pytest.File):
                 backend = breg.get(bname)
                 variants = check.variants(ls, backend) if backend.available() else [None]
                 if wanted_variants and variants != [None]:
-                    unknown = sorted(set(wanted_variants) - set(variants))
-                    if unknown:
-                        raise SuiteError(ls.path, [f"checks.{check.name}.variants: unknown variant "
-                                                   f"{', '.join(map(repr, unknown))} (known: "
-                                                   f"{', '.join(str(v) for v in variants)})"])
+                    bad = collection.unknown_variants(check, wanted_variants, variants)
+                    if bad:
+                        raise SuiteError(ls.path, [bad])
                     variants = [v for v in variants if v in wanted_variants]
                 # --harness-dtype replaces the suite's dtypes (a vendor may need float16 where the
                 # suite author only listed float32/bfloat16); backends and checks only filter.
