@@ -179,6 +179,7 @@ class RankRun:
         ep_mod.STATS.__init__()
         mt = _memory_tracker(s)
         st.step("forward")
+        # The memory peak (peak_bytes) is of forward, backward and the gradient reductions.
         with s.counter, mt:
             forward_backward(s, st, recompute)
             st.step("grad_sync")
