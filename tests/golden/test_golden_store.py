@@ -225,19 +225,20 @@ def test_golden_name_must_be_plain_identifier(write_suite, tmp_path, capsys):
     from harness.suite.loader import load_suite
 
     body = (REPO / "suites" / "qwen3-8b.toml").read_text().replace("[model]\n", "[model]\nname = \"../victim\"\n", 1)
-    ls = load_suite(write_suite("victim-suite", body))
-    assert ls.name == "../victim"
+    from harness.suite.loader import SuiteError
+
+    path = write_suite("victim-suite", body)
+    with pytest.raises(SuiteError, match="model.name: '../victim' is not a plain name"):
+        load_suite(path)  # refused at load now (harness.files.paths), before any golden code runs
     root = tmp_path / "golden"
     root.mkdir()
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep.txt").write_text("precious")
-    with pytest.raises(store.GoldenError, match="not a plain identifier"):
-        generate(ls, root, update=True)
-    assert (victim / "keep.txt").read_text() == "precious"
-    assert cli(["golden", "generate", str(ls.path), "--update", "--golden-dir", str(root)]) == 1
-    err = capsys.readouterr().err
-    assert "not a plain identifier" in err and err.strip().count("\n") == 0
+    assert cli(["golden", "generate", str(path), "--update", "--golden-dir", str(root)]) != 0
+    out = capsys.readouterr()
+    err = out.err + out.out
+    assert "not a plain name" in err and err.strip().count("\n") == 0
     assert (victim / "keep.txt").read_text() == "precious" and list(root.iterdir()) == []
     for bad in ("a/b", "..", ".hidden", "x/../../y", ""):
         with pytest.raises(store.GoldenError):
