@@ -166,7 +166,7 @@ def apply_fsdp(model: torch.nn.Module, fsdp_mesh, reshard_after_forward: bool = 
 def _own_units_for_other_dtypes(unit: torch.nn.Module, mesh, reshard_after_forward: bool) -> None:
     """FSDP2 all-gathers one unit's parameters as one flat buffer of one dtype. A module inside ``unit``
     whose own parameters are in another dtype than most of the unit's - a bf16 DeepSeek-V3 keeps its
-    router ``gate.weight`` in float32, as deployed (harness.models.build._keep_in_fp32) - becomes a
+    router ``gate.weight`` in float32, as deployed (harness.models.build.keep_in_fp32) - becomes a
     unit of its own first."""
     from collections import Counter
 
