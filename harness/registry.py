@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from importlib.metadata import EntryPoint, entry_points
 from typing import Generic, TypeVar
 
+from harness.messages import first_line
+
 T = TypeVar("T")
 
 # "group name = value" -> the message; process-wide, so that the CLI and the pytest plugin can say
@@ -35,9 +37,6 @@ def _dist_name(ep: EntryPoint) -> str:
     return ep.dist.name if ep.dist is not None else "?"
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 class NamedRegistry(Generic[T]):
@@ -99,7 +98,7 @@ class NamedRegistry(Generic[T]):
                 self._items = before  # nothing half-registered
                 self._broken(f"{group}:{_dist_name(ep)}:{ep.name}",
                              f"broken {group} entry point {ep.name} = {ep.value} (from {_dist_name(ep)}): "
-                             f"{type(e).__name__}: {_first_line(e)}")
+                             f"{type(e).__name__}: {first_line(e)}")
                 continue
             if _dist_name(ep) != "harness":
                 for n, item in self._items.items():

@@ -208,3 +208,19 @@ def _load(path: str | None) -> Settings:
 def load_settings() -> Settings:
     p = settings_path()
     return _load(str(p) if p else None)
+
+
+# --- where things are written -----------------------------------------------------------------------
+def results_root(results_dir: str | Path | None = None) -> Path:
+    """Where a check puts its files: the explicit directory, else this run's (HARNESS_RESULTS_DIR,
+    set by `harness run` / --harness-results), else the configured results_dir."""
+    if results_dir is not None:
+        return Path(results_dir)
+    return env("HARNESS_RESULTS_DIR") or Path(load_settings().results_dir)
+
+
+def golden_root(root: str | Path | None = None) -> Path:
+    """Where goldens are: the explicit directory, else HARNESS_GOLDEN_DIR, else the configured golden_dir."""
+    if root is not None:
+        return Path(root)
+    return env("HARNESS_GOLDEN_DIR") or Path(load_settings().golden_dir)

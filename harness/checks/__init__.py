@@ -13,6 +13,8 @@ The built-ins, one module each: ``smoke`` (load, forward, backward, a few optimi
 ``precision`` (against the float64 golden, module by module), ``quantization`` (quantized weights'
 error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
 ``perf`` (throughput, latency, memory against baselines), ``weights`` (real checkpoints).
+``collection`` is what the plugin and ``harness validate`` both refuse when items are generated
+(unknown backends, variants).
 """
 
 from __future__ import annotations

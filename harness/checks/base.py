@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness import metrics
 from harness.checks.outcomes import CheckOutcome, CouldNotRun
+from harness.messages import first_line
 from harness.suite.schema import CheckConfig  # the [checks.<name>] table's base: the suite format owns it
 
 if TYPE_CHECKING:
@@ -156,12 +157,6 @@ class Check:
                 raise
             except Exception as e:
                 if name in self.setup_steps:
-                    raise CouldNotRun(f"{type(e).__name__}: {_first_line(e)}", step=name) from e
+                    raise CouldNotRun(f"{type(e).__name__}: {first_line(e)}", step=name) from e
                 raise
 
-
-def _first_line(e: BaseException) -> str:
-    for line in str(e).splitlines():
-        if line.strip():
-            return line.strip()
-    return ""

@@ -140,7 +140,7 @@ class PrecisionConfig(CheckConfig):
 def results_path(ls: LoadedSuite, backend: str, dtype: str, results_dir: str | Path | None = None,
                  suffix: str = "") -> Path:
     from harness.files import paths
-    from harness.run.results import results_root
+    from harness.settings import results_root
 
     return paths.join(results_root(results_dir) / "precision", f"{ls.name}-{backend}-{dtype}{suffix}.png",
                       source=ls.path, field="model.name")

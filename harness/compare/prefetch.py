@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 
+from harness.proc import die_with_parent
 from harness.settings import env as setting
 from harness.settings import set_env
 
@@ -70,19 +71,13 @@ def stop(proc: subprocess.Popen | None) -> None:
         proc.stdin.close()
 
 
-def _die_with_parent() -> None:
+def _lifeline() -> None:
     """Block on the lifeline (stdin); end-of-file means the parent is gone: exit at once, without
     committing anything (SQLite rolls back an unfinished transaction)."""
     import threading
 
     if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            import signal
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        die_with_parent()
         if setting("HARNESS_PREFETCH_PARENT") not in (None, os.getppid()):
             os._exit(4)  # the parent died before the request took effect
 
@@ -115,5 +110,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    _die_with_parent()  # first, before the imports that take a while
+    _lifeline()  # first, before the imports that take a while
     sys.exit(main(sys.argv[1:]))

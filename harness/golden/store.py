@@ -46,6 +46,9 @@ from pathlib import Path
 
 import torch
 
+from harness.messages import display
+from harness.settings import golden_root
+
 FORMAT = 2
 FILES = ("inputs", "modules", "generation")
 IDX = "::idx"
@@ -56,24 +59,6 @@ GENERATION_KEYS = ("tokens", "logprobs", "top_ids", "top_logprobs")
 class GoldenError(Exception):
     """A golden that cannot be used: missing, corrupt, truncated, or made by another config.
     ``str()`` is a one-line message naming the file."""
-
-
-def _display(p: Path) -> str:
-    try:
-        return os.path.relpath(p)
-    except ValueError:
-        return str(p)
-
-
-def golden_root(root: str | Path | None = None) -> Path:
-    if root is not None:
-        return Path(root)
-    from harness.settings import env, load_settings
-
-    if env("HARNESS_GOLDEN_DIR"):
-        return env("HARNESS_GOLDEN_DIR")
-
-    return Path(load_settings().golden_dir)
 
 
 def check_name(name: str, source="suite") -> str:
@@ -218,9 +203,9 @@ def current_dir(path: Path) -> Path:
     except FileNotFoundError:
         return path
     except (OSError, UnicodeDecodeError) as e:
-        raise GoldenError(f"{_display(path / CURRENT)}: unreadable golden pointer ({e})") from None
+        raise GoldenError(f"{display(path / CURRENT)}: unreadable golden pointer ({e})") from None
     if not VERSION_RX.fullmatch(name):  # data, not a path: it never leads out of the golden
-        raise GoldenError(f"{_display(path / CURRENT)}: names {name[:60]!r}, not a version folder (v-<time>-<id>); "
+        raise GoldenError(f"{display(path / CURRENT)}: names {name[:60]!r}, not a version folder (v-<time>-<id>); "
                           f"regenerate with `harness golden generate {path.name} --update`")
     return path / name
 
@@ -278,7 +263,7 @@ def write_golden(path: Path, manifest: dict, files: dict[str, dict[str, torch.Te
     if ".." in path.parts:
         raise GoldenError(f"{path}: a golden path must not contain '..' (writes stay under the golden root)")
     if exists(path) and not update:
-        raise GoldenError(f"{_display(path)}: a golden already exists; pass --update to replace it "
+        raise GoldenError(f"{display(path)}: a golden already exists; pass --update to replace it "
                           "(see `harness golden diff` for what would change)")
     atomic.make_dirs(path.parent)
     atomic.clean_leftovers(path.parent)  # what older or killed writers left beside the goldens
@@ -322,23 +307,23 @@ def read_manifest(path: Path) -> dict:
         path = current_dir(path)
     mf = path / "manifest.json"
     if not path.exists():
-        raise GoldenError(f"{_display(mf)}: no golden for this suite; create it with "
+        raise GoldenError(f"{display(mf)}: no golden for this suite; create it with "
                           f"`harness golden generate {suite.name}`")
     try:
         manifest = json.loads(mf.read_text())
     except FileNotFoundError:
-        raise GoldenError(f"{_display(mf)}: missing manifest (incomplete golden); regenerate with "
+        raise GoldenError(f"{display(mf)}: missing manifest (incomplete golden); regenerate with "
                           f"`harness golden generate {suite.name} --update`") from None
     except (OSError, ValueError) as e:
-        raise GoldenError(f"{_display(mf)}: corrupt manifest ({type(e).__name__}: {e})") from None
+        raise GoldenError(f"{display(mf)}: corrupt manifest ({type(e).__name__}: {e})") from None
     if not isinstance(manifest, dict) or "files" not in manifest or not isinstance(manifest["files"], dict):
-        raise GoldenError(f"{_display(mf)}: not a harness golden manifest")
+        raise GoldenError(f"{display(mf)}: not a harness golden manifest")
     if manifest.get("format") != FORMAT:
-        raise GoldenError(f"{_display(mf)}: golden format {manifest.get('format')!r}, this harness reads format "
+        raise GoldenError(f"{display(mf)}: golden format {manifest.get('format')!r}, this harness reads format "
                           f"{FORMAT}; regenerate with `harness golden generate {suite.name} --update`")
     need = [k for k in ("order", "tensors", "input_spec", "config_hash", "reference") if k not in manifest]
     if need:
-        raise GoldenError(f"{_display(mf)}: manifest lacks {', '.join(need)}; regenerate with "
+        raise GoldenError(f"{display(mf)}: manifest lacks {', '.join(need)}; regenerate with "
                           f"`harness golden generate {suite.name} --update`")
     return manifest
 
@@ -349,21 +334,21 @@ def _load_file(path: Path, fname: str, manifest: dict) -> dict[str, torch.Tensor
     f = current_dir(path) / fname
     want = manifest["files"].get(fname)
     if want is None:
-        raise GoldenError(f"{_display(path / 'manifest.json')}: does not list {fname}")
+        raise GoldenError(f"{display(path / 'manifest.json')}: does not list {fname}")
     try:
         data = f.read_bytes()
     except OSError as e:
-        raise GoldenError(f"{_display(f)}: cannot read golden file ({e.strerror})") from None
+        raise GoldenError(f"{display(f)}: cannot read golden file ({e.strerror})") from None
     if len(data) != want["bytes"]:
-        raise GoldenError(f"{_display(f)}: truncated or corrupt golden file ({len(data)} bytes, manifest says "
+        raise GoldenError(f"{display(f)}: truncated or corrupt golden file ({len(data)} bytes, manifest says "
                           f"{want['bytes']}); regenerate with `harness golden generate {path.name} --update`")
     if sha256_bytes(data) != want["sha256"]:
-        raise GoldenError(f"{_display(f)}: corrupt golden file (sha256 differs from the manifest); "
+        raise GoldenError(f"{display(f)}: corrupt golden file (sha256 differs from the manifest); "
                           f"regenerate with `harness golden generate {path.name} --update`")
     try:
         return load(data)
     except Exception as e:
-        raise GoldenError(f"{_display(f)}: unreadable safetensors ({type(e).__name__}: {e})") from None
+        raise GoldenError(f"{display(f)}: unreadable safetensors ({type(e).__name__}: {e})") from None
 
 
 def load_golden_dir(path: Path) -> Golden:
@@ -377,7 +362,7 @@ def load_golden_dir(path: Path) -> Golden:
     n_gen = spec.get("generate_tokens") or 0
     if n_gen and "generation.safetensors" not in manifest["files"]:
         # never a silent skip: the suite asks for greedy tokens, so the golden must have them
-        raise GoldenError(f"{_display(path / 'manifest.json')}: lists no generation.safetensors but the input spec "
+        raise GoldenError(f"{display(path / 'manifest.json')}: lists no generation.safetensors but the input spec "
                           f"asks for {n_gen} greedy tokens; regenerate with `harness golden generate {path.name} --update`")
     gen = _load_file(path, "generation.safetensors", manifest) if "generation.safetensors" in manifest["files"] else {}
     values = {k: v for k, v in mods.items() if not k.endswith((IDX, IN))}
@@ -389,7 +374,7 @@ def load_golden_dir(path: Path) -> Golden:
 
 
 def _bad(g: Golden, fname: str, what: str) -> GoldenError:
-    return GoldenError(f"{_display(g.path / fname)}: {what}; the golden is bad, not the target: regenerate with "
+    return GoldenError(f"{display(g.path / fname)}: {what}; the golden is bad, not the target: regenerate with "
                        f"`harness golden generate {g.path.name} --update`")
 
 
@@ -530,7 +515,7 @@ def load_golden(ls, root: str | Path | None = None) -> Golden:
         if beside.exists():
             path = beside
     g = load_golden_dir(path)
-    mf = _display(path / "manifest.json")
+    mf = display(path / "manifest.json")
     if g.manifest.get("config_hash") != config_hash(ls):
         raise GoldenError(f"{mf}: golden was made by another config (config hash "
                           f"{str(g.manifest.get('config_hash'))[:12]} != {config_hash(ls)[:12]} of {ls.name}); "

@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.module_tracker import ModuleTracker
 
+from harness.messages import display
+
 TRACE_FORMAT = 1
 MAX_SIGNATURES = 8  # distinct input signatures kept per op in the inventory
 MAX_SAMPLES = 2  # real input samples kept per op (for the conformance check)
@@ -369,14 +371,14 @@ def trace_numerics(ls, realistic: bool | None = None) -> TraceNumerics:
             manifest = store.read_manifest(path)
             gains = _valid_gains(manifest.get("numerics"))
             if manifest.get("config_hash") != store.config_hash(ls):
-                why = f"golden {store._display(path)} is for another config"
+                why = f"golden {display(path)} is for another config"
             elif gains is None:
-                why = f"golden {store._display(path)} has no usable numerics gains"
+                why = f"golden {display(path)} has no usable numerics gains"
             else:
                 key = store.canonical_hash({"golden": gains})[:16]
                 num = manifest["numerics"]
                 return TraceNumerics(
-                    "golden", f"realistic: gains of golden {store._display(path)} (attention logit std "
+                    "golden", f"realistic: gains of golden {display(path)} (attention logit std "
                     f"{num.get('attention_logit_std')}, residual growth {num.get('residual_growth')})",
                     f"golden:{key}", p.seed, gains)
     except store.GoldenError as e:

@@ -30,7 +30,7 @@ from pathlib import Path
 from harness import settings
 from harness.parallel.layouts import Layout, layout_dir
 from harness.parallel.status import RankStatus, read_status
-from harness.run.isolation import _die_with_parent
+from harness.proc import die_with_parent
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
         # run-integrity launcher must not leave torchrun and its ranks running.
         proc = subprocess.Popen(_torchrun_cmd(world, spec_path), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=_env(), start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         try:
             last_key, since = None, time.monotonic()
             published = 0

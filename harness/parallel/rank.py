@@ -15,27 +15,11 @@ import subprocess
 import sys
 import time
 
-
-def _signal_name(n: int) -> str:
-    # As harness.run.isolation names signals; not imported from there, since that module pulls in
-    # torch through harness.run.execute and this wrapper must start in milliseconds.
-    try:
-        return signal.Signals(n).name
-    except ValueError:
-        return f"signal {n}"
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+from harness.proc import die_with_parent, signal_name
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
+    die_with_parent()
     spec_path = argv[0]
     run_dir = os.path.dirname(spec_path)
     rank = int(os.environ.get("RANK", "0"))
@@ -43,11 +27,11 @@ def main(argv: list[str]) -> int:
     # PR_SET_PDEATHSIG set before exec (preexec_fn): the worker dies with this wrapper even while it
     # is still importing torch, long before its own code could ask for it.
     proc = subprocess.Popen([sys.executable, "-m", "harness.parallel.worker", spec_path], stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     stopped = []
 
     def forward(signum, _frame):
-        stopped.append(_signal_name(signum))
+        stopped.append(signal_name(signum))
         try:
             proc.send_signal(signum)
         except ProcessLookupError:
@@ -57,7 +41,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     code = proc.wait()
     rec = {"rank": rank, "code": code, "time": time.time(),
-           "signal": _signal_name(-code) if code < 0 else None,
+           "signal": signal_name(-code) if code < 0 else None,
            "stopped_by_launcher": stopped[0] if stopped else None}
     from harness.files import atomic
 

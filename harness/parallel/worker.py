@@ -517,9 +517,9 @@ def _expert_param_names(model: torch.nn.Module, ep_names: list[str]) -> list[str
 
 
 def main(spec_path: str) -> int:
-    from harness.run.isolation import _die_with_parent
+    from harness.proc import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     with open(spec_path) as f:
         spec = json.load(f)
     run_dir = os.path.dirname(spec_path)

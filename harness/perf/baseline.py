@@ -33,13 +33,13 @@ class BaselineError(Exception):
 
 
 def results_root(results_dir: str | Path | None = None) -> Path:
-    from harness.run.results import results_root as root
+    from harness.settings import results_root as root
 
     return root(results_dir)
 
 
 def perf_golden_root(golden_root: str | Path | None = None) -> Path:
-    from harness.golden.store import golden_root as root
+    from harness.settings import golden_root as root
 
     return root(golden_root) / "perf"
 

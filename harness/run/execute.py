@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from harness import metrics
 from harness.checks import CheckContext, CheckFailure, CouldNotRun, KnownGap, NotApplicable, registry
+from harness.messages import first_line
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 
@@ -67,7 +68,7 @@ def execute(suite, check_name: str, backend, dtype: str, variant: str | None) ->
                             + (f"\n\n{cause}" if cause else ""))
     except Exception as e:  # the model or the backend raised: the check ran and the answer is no
         step = getattr(e, "_harness_step", None) or ctx.phase
-        msg = f"{type(e).__name__}: {_first_line(e)}"
+        msg = f"{type(e).__name__}: {first_line(e, 500)}"
         result = ItemResult("failed", f"{msg} (in step {step})" if step else msg,
                             describe("failed", *where) + f": step {step!r} raised {msg}\n\n"
                             + "".join(traceback.format_exception(e)))
@@ -97,9 +98,3 @@ def identity_properties(suite: str, check: str, backend: str, dtype: str, varian
              if p[0] != "harness.device" or device]
     return props
 
-
-def _first_line(e: BaseException) -> str:
-    for line in str(e).splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return ""

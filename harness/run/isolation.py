@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from harness import metrics
+from harness.proc import die_with_parent, signal_name
 from harness.run.execute import ItemResult
 from harness.settings import env as setting
 from harness.settings import set_env
@@ -62,11 +63,6 @@ def _rss(pid: int | str = "self") -> int:
     return 0
 
 
-def _signal_name(n: int) -> str:
-    try:
-        return signal.Signals(n).name
-    except ValueError:
-        return f"signal {n}"
 
 
 class Worker:
@@ -201,7 +197,7 @@ class Worker:
                 code = self.proc.returncode if self.proc else None
                 phase, module = self.status()
                 self._close()
-                how = (f"crashed with {_signal_name(-code)}" if code is not None and code < 0
+                how = (f"crashed with {signal_name(-code)}" if code is not None and code < 0
                        else f"exited with status {code}")
                 return self._dead(how, phase, module, time.monotonic() - t0), {"replace": True}
             rss = _rss(self.proc.pid)
@@ -290,18 +286,10 @@ def _release_memory() -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the parent dies
-    except (OSError, AttributeError):
-        pass
 
 
 def _child_main() -> int:
-    _die_with_parent()
+    die_with_parent()
     cmd_fd, res_fd = (int(x) for x in setting("HARNESS_ISOLATION_FDS").split(","))
     status = _Status(str(setting("HARNESS_ISOLATION_STATUS")))
     cmd = os.fdopen(cmd_fd, "r")

@@ -29,8 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from harness.files import atomic
+from harness.messages import first_line
 from harness.run.rows import Row, counts
 from harness.run.table import render_table
+from harness.settings import results_root  # noqa: F401 - where a run's files go (re-exported)
 
 FILES = ("junit.xml", "summary.json", "summary.txt", "journal.jsonl", "run.json")
 MIN_FREE_BYTES = 64 * 2**20
@@ -38,20 +40,6 @@ MIN_FREE_BYTES = 64 * 2**20
 # fills during the run (another job, a check's own files) still takes run.json and the summaries.
 RESERVE = ".harness-reserve"
 RESERVE_BYTES = 8 * 2**20
-
-
-def results_root(results_dir: str | Path | None = None) -> Path:
-    """Where a check puts its files: the explicit directory, else this run's (HARNESS_RESULTS_DIR,
-    set by `harness run` / --harness-results), else the configured results_dir."""
-    if results_dir is not None:
-        return Path(results_dir)
-    from harness.settings import env
-
-    if env("HARNESS_RESULTS_DIR"):
-        return env("HARNESS_RESULTS_DIR")
-    from harness.settings import load_settings
-
-    return Path(load_settings().results_dir)
 
 
 class ResultsError(Exception):
@@ -98,11 +86,6 @@ def scrub_row(row: Row) -> None:
     row.props = {k: scrub_secrets(v) if isinstance(v, str) else v for k, v in row.props.items()}
 
 
-def _first_line(text: str) -> str:
-    for line in (text or "").splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
 
 
 class ResultsWriter:
@@ -202,7 +185,7 @@ class ResultsWriter:
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:  # a suite that cannot be collected at all: still a row
-            self._record(Row(report.nodeid or "collection", "error", message=_first_line(report.longreprtext),
+            self._record(Row(report.nodeid or "collection", "error", message=first_line(report.longreprtext),
                              longrepr=report.longreprtext))
 
     def pytest_runtest_logreport(self, report) -> None:
@@ -214,7 +197,7 @@ class ResultsWriter:
         if report.failed:
             row.outcome = "failed" if report.when == "call" else "error"
             row.longrepr = report.longreprtext
-            row.message = getattr(report, "harness_message", None) or _first_line(report.longreprtext)
+            row.message = getattr(report, "harness_message", None) or first_line(report.longreprtext)
         elif report.skipped and row.outcome in ("running", "passed"):
             if hasattr(report, "wasxfail"):
                 row.outcome, row.message = "xfailed", str(report.wasxfail)

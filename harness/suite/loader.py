@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from harness import toml
+from harness.messages import display
 from harness.suite.schema import Suite, suite_model
 
 
@@ -23,7 +24,7 @@ class SuiteError(Exception):
     def __init__(self, path: Path | str, problems: list[str]):
         self.path = Path(path)
         self.problems = problems
-        shown = _display(self.path)
+        shown = display(self.path)
         super().__init__("\n".join(f"{shown}: {p}" for p in problems))
 
 
@@ -47,11 +48,6 @@ class LoadedSuite:
         return p if m.weights or p.exists() else None
 
 
-def _display(path: Path) -> str:
-    try:
-        return os.path.relpath(path)
-    except ValueError:
-        return str(path)
 
 
 def _fmt_loc(loc: tuple) -> str:
@@ -113,7 +109,7 @@ def load_suite(path: str | Path) -> LoadedSuite:
     config_path = (path.parent / suite.model.config).resolve()
     raw: dict = {}
     if not config_path.is_file():
-        problems.append(f"model.config: file not found: {_display(config_path)}")
+        problems.append(f"model.config: file not found: {display(config_path)}")
     else:
         try:
             raw = json.loads(config_path.read_text(encoding="utf-8"))
@@ -121,13 +117,13 @@ def load_suite(path: str | Path) -> LoadedSuite:
                 raise ValueError("top level is not a JSON object")
         except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raw = {}
-            problems.append(f"model.config: {_display(config_path)} is not a valid config.json: {e}")
+            problems.append(f"model.config: {display(config_path)} is not a valid config.json: {e}")
     if raw and not (raw.get("architectures") or suite.model.architecture):
         problems.append("model.config: config.json has no 'architectures'; set model.architecture")
     if suite.model.weights:
         w = (path.parent / suite.model.weights).resolve()
         if not w.exists():
-            problems.append(f"model.weights: not found: {_display(w)}")
+            problems.append(f"model.weights: not found: {display(w)}")
         elif w.is_file() and w.suffix != ".safetensors" and not (
                 suite.model.weights_allow_pickle and w.suffix in (".bin", ".pt", ".pth")):
             problems.append(f"model.weights: only safetensors weights are loaded (never pickles), got {w.name}; "
@@ -169,7 +165,7 @@ def resolve_names(names: list[str], root: str | Path = "suites") -> list[Path]:
         found = next((d / f"{n}.toml" for d in [Path(root), *extra] if (d / f"{n}.toml").is_file()), None)
         if found is None:
             known = ", ".join(x.stem for x in discover(root)) or "none"
-            where = ", ".join(dict.fromkeys(_display(d) for d in [Path(root), *extra]))
-            raise SuiteError(cand, [f"no such suite {n!r} in {where} (known in {_display(Path(root))}: {known})"])
+            where = ", ".join(dict.fromkeys(display(d) for d in [Path(root), *extra]))
+            raise SuiteError(cand, [f"no such suite {n!r} in {where} (known in {display(Path(root))}: {known})"])
         out.append(found)
     return out

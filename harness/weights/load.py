@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 
 import torch
 
+from harness.messages import display
 from harness.suite.loader import LoadedSuite
 from harness.weights import quant, rename
 from harness.weights.layout import Checkpoint, WeightsError, open_checkpoint
@@ -203,7 +203,7 @@ def load_pruned(model: torch.nn.Module, ls: LoadedSuite, mc, dtype: torch.dtype 
                 kernel = "INT4 group-wise (aten._weight_int4pack_mm_for_cpu)"
     finally:
         reader.close()
-    notes = [f"real weights from {_display(path)}: {p.selection.describe()}; read {reader.bytes_read / 2**20:.1f} MiB "
+    notes = [f"real weights from {display(path)}: {p.selection.describe()}; read {reader.bytes_read / 2**20:.1f} MiB "
              f"of {ckpt.total_bytes / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f} s"]
     q = {k: v for k, v in kinds.items() if k != "plain"}
     if q:
@@ -232,13 +232,6 @@ def provenance(ls: LoadedSuite) -> dict | None:
             "manifest_sha256": manifest_digest(loc.path)}
 
 
-def _display(p: Path) -> str:
-    import os
-
-    try:
-        return os.path.relpath(p)
-    except ValueError:
-        return str(p)
 
 
 def weights_provenance(ls: LoadedSuite) -> dict:

@@ -77,9 +77,11 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "refused cpu-float32-b1-s128: no samples (no synchronize)" in capsys.readouterr().err
 
 
-def test_sidecars_named_by_the_junit_xml_of_the_run(tmp_path):
+def test_sidecars_named_by_the_junit_xml_of_the_run(tmp_path, monkeypatch):
     # `harness run --results R` writes R/junit.xml; the check wrote its samples to the configured
-    # results dir: the XML's perf_samples detail leads there.
+    # results dir: the XML's perf_samples detail leads there (and only there: a path outside both
+    # is refused, tests/files/test_paths.py).
+    monkeypatch.setenv("HARNESS_RESULTS_DIR", str(tmp_path / "elsewhere"))
     side = store.write_sidecar(record(), tmp_path / "elsewhere")
     run = tmp_path / "run"
     run.mkdir()
