@@ -21,6 +21,7 @@ error is caught.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -99,72 +100,99 @@ def isolated_errors(names: list[str], ref_outputs: dict, structures: dict, tenso
     return errs, scales, noise, flips
 
 
+@dataclass
+class _Measured:
+    """One dtype's clean errors, gathered over the draws."""
+    modules: dict[str, list[float]] = field(default_factory=dict)  # module -> rel_rmse per draw
+    scales: dict[str, list[float]] = field(default_factory=dict)  # module -> |scale error| per draw
+    noise: dict[str, float] = field(default_factory=dict)  # router -> largest router-logit error
+    logits: list[float] = field(default_factory=list)  # propagated logits rel_rmse per draw
+    gen_lp: list[float] = field(default_factory=list)  # greedy generation's logprob diff per draw
+    tie_gaps: list[float] = field(default_factory=list)  # reference gaps where greedy tokens differ
+    flips: int = 0
+
+
 def measure(ls, draws: list[torch.Tensor], reference_model, dtypes: list[str], reference_runs=None,
             numerics_entry: dict | None = None) -> dict:
     """The manifest's ``budgets``: {dtype: {"k", "floor", "draws", "modules": {name: stats + budget},
     "router_noise": {gate: value}, "propagated": {"logits": stats}, "flips": n}}."""
-    from harness.anatomy.capture import capture_with_inputs
-    from harness.models import numerics
-    from harness.models.build import build_model, torch_dtype
-    from harness.precision.tolerance import DEFAULTS
-
-    p = ls.suite.checks.precision
-    n_gen = p.generate_tokens
+    runs = _reference_runs(ls, draws, reference_model, reference_runs)
+    # the reference's greedy generation per draw: made once, compared against every dtype's
     ref_gens: dict[int, dict] = {}
-    runs = reference_runs or []
-    for i in range(len(runs), len(draws)):
-        outs, cap = capture_with_inputs(reference_model, draws[i], p.capture)
-        runs.append((outs, cap))
     result = {}
     for dtype in dtypes:
-        dt = torch_dtype(dtype)
-        model, _ = build_model(ls, dtype, "cpu", seed=p.seed)
-        numerics.apply(model, numerics_entry)
-        model.eval()
-        per_mod: dict[str, list[float]] = {}
-        per_scale: dict[str, list[float]] = {}
-        noise: dict[str, float] = {}
-        logits_err: list[float] = []
-        gen_lp: list[float] = []
-        tie_gaps: list[float] = []
-        flips = 0
-        for (outs, cap), ids in zip(runs, draws, strict=True):
-            names = [n for n in outs if n in cap.inputs]
-            errs, sc, nz, fl = isolated_errors(names, outs, cap.inputs, cap.input_tensors, model, dt, "cpu")
-            flips += fl
-            for n, e in errs.items():
-                per_mod.setdefault(n, []).append(e)
-                per_scale.setdefault(n, []).append(sc[n])
-            for g, v in nz.items():
-                noise[g] = max(noise.get(g, 0.0), v)
-            with torch.no_grad():
-                from harness.anatomy.capture import forward_logits
-
-                lg = forward_logits(model, ids).to("cpu")
-            logits_err.append(tensor_metrics(lg, outs["logits"])["rel_rmse"])
-            if n_gen:
-                lp, gap = _generation_errors(reference_model, model, ids, n_gen, ref_gens, len(logits_err) - 1)
-                gen_lp.append(lp)
-                tie_gaps.extend(gap)
-        ceiling = DEFAULTS.get(dtype, DEFAULTS["float32"])["rel_rmse"]
-        mods = {}
-        for n, vals in per_mod.items():
-            st = _summary(vals)
-            st["budget"] = budget(st, dtype, ceiling)
-            sst = _summary(per_scale[n])
-            st["scale"] = {"mean": sst["mean"], "max": sst["max"], "budget": scale_budget(sst, dtype)}
-            mods[n] = _rounded(st)
-        lst = _summary(logits_err)
-        lst["budget"] = budget(lst, dtype, ceiling)
-        result[dtype] = {"k": K, "floor": FLOORS.get(dtype, 0.0), "scale_floor": SCALE_FLOORS.get(dtype, 0.0),
-                         "draws": len(draws), "modules": mods,
-                         "router_noise": {g: float(f"{v:.4g}") for g, v in noise.items()},
-                         "propagated": {"logits": {k: float(f"{v:.4g}") if isinstance(v, float) else v
-                                                   for k, v in lst.items()}},
-                         "flips": flips}
-        if n_gen:
-            result[dtype]["generation"] = _rounded({"logprob_diff": _summary(gen_lp), "mismatch_gaps": sorted(tie_gaps)})
+        m = _measure_dtype(ls, dtype, draws, runs, reference_model, ref_gens, numerics_entry)
+        result[dtype] = _entry(m, dtype, len(draws), ls.suite.checks.precision.generate_tokens)
     return result
+
+
+def _reference_runs(ls, draws: list[torch.Tensor], reference_model, reference_runs) -> list[tuple]:
+    """(outputs, capture with inputs) of the reference on every draw; runs the caller already made
+    (the golden's own, draw 0) are reused and the list is extended in place."""
+    from harness.anatomy.capture import capture_with_inputs
+
+    runs = reference_runs or []
+    for i in range(len(runs), len(draws)):
+        outs, cap = capture_with_inputs(reference_model, draws[i], ls.suite.checks.precision.capture)
+        runs.append((outs, cap))
+    return runs
+
+
+def _measure_dtype(ls, dtype: str, draws: list[torch.Tensor], runs: list[tuple], reference_model,
+                   ref_gens: dict, numerics_entry: dict | None) -> _Measured:
+    """The same weights built in ``dtype`` (the suite's realistic numerics applied), measured on every draw."""
+    from harness.anatomy.capture import forward_logits
+    from harness.models import numerics
+    from harness.models.build import build_model, torch_dtype
+
+    p = ls.suite.checks.precision
+    dt = torch_dtype(dtype)
+    model, _ = build_model(ls, dtype, "cpu", seed=p.seed)
+    numerics.apply(model, numerics_entry)
+    model.eval()
+    m = _Measured()
+    for draw, ((outs, cap), ids) in enumerate(zip(runs, draws, strict=True)):
+        names = [n for n in outs if n in cap.inputs]
+        errs, sc, nz, fl = isolated_errors(names, outs, cap.inputs, cap.input_tensors, model, dt, "cpu")
+        m.flips += fl
+        for n, e in errs.items():
+            m.modules.setdefault(n, []).append(e)
+            m.scales.setdefault(n, []).append(sc[n])
+        for g, v in nz.items():
+            m.noise[g] = max(m.noise.get(g, 0.0), v)
+        with torch.no_grad():
+            lg = forward_logits(model, ids).to("cpu")
+        m.logits.append(tensor_metrics(lg, outs["logits"])["rel_rmse"])
+        if p.generate_tokens:
+            lp, gap = _generation_errors(reference_model, model, ids, p.generate_tokens, ref_gens, draw)
+            m.gen_lp.append(lp)
+            m.tie_gaps.extend(gap)
+    return m
+
+
+def _entry(m: _Measured, dtype: str, n_draws: int, n_gen: int) -> dict:
+    """The manifest entry of one dtype: stats and budget per module, router noise, propagated logits."""
+    from harness.precision.tolerance import DEFAULTS
+
+    ceiling = DEFAULTS.get(dtype, DEFAULTS["float32"])["rel_rmse"]
+    mods = {}
+    for n, vals in m.modules.items():
+        st = _summary(vals)
+        st["budget"] = budget(st, dtype, ceiling)
+        sst = _summary(m.scales[n])
+        st["scale"] = {"mean": sst["mean"], "max": sst["max"], "budget": scale_budget(sst, dtype)}
+        mods[n] = _rounded(st)
+    lst = _summary(m.logits)
+    lst["budget"] = budget(lst, dtype, ceiling)
+    entry = {"k": K, "floor": FLOORS.get(dtype, 0.0), "scale_floor": SCALE_FLOORS.get(dtype, 0.0),
+             "draws": n_draws, "modules": mods,
+             "router_noise": {g: float(f"{v:.4g}") for g, v in m.noise.items()},
+             "propagated": {"logits": {k: float(f"{v:.4g}") if isinstance(v, float) else v
+                                       for k, v in lst.items()}},
+             "flips": m.flips}
+    if n_gen:
+        entry["generation"] = _rounded({"logprob_diff": _summary(m.gen_lp), "mismatch_gaps": sorted(m.tie_gaps)})
+    return entry
 
 
 def _generation_errors(reference_model, model, ids, n: int, ref_gens: dict, draw: int) -> tuple[float, list[float]]:

@@ -44,19 +44,38 @@ def replay(model: torch.nn.Module, structures: dict[str, dict], outputs: dict[st
     import contextlib
 
     mods = dict(model.named_modules())
-    routers = [n for n in mods if n.endswith(ROUTER_SUFFIXES) and n]
     res = Replayed()
+    # every router's output during one module's call: which experts the routers *inside* that module
+    # chose (a flip there is judged per token by routing_mask, not counted as the module's error)
     seen: dict[str, tuple] = {}
-    handles = []
+    handles = _hook_routers(mods, seen)
+    resolve = _resolver(outputs, tensors, dtype, device)
+    ctx = context() if context is not None else contextlib.nullcontext()
+    try:
+        with ctx, torch.no_grad():
+            for name in names:
+                _replay_one(name, structures.get(name), mods, resolve, seen, res)
+    finally:
+        for h in handles:
+            h.remove()
+    return res
 
+
+def _hook_routers(mods: dict[str, torch.nn.Module], seen: dict[str, tuple]) -> list:
+    """Forward hooks that record each router's first output into ``seen`` (cleared per replayed module)."""
     def router_hook(name):
         def hook(_m, _a, out):
             if name not in seen:
                 seen[name] = out
         return hook
 
-    for n in routers:
-        handles.append(mods[n].register_forward_hook(router_hook(n)))
+    routers = [n for n in mods if n.endswith(ROUTER_SUFFIXES) and n]
+    return [mods[n].register_forward_hook(router_hook(n)) for n in routers]
+
+
+def _resolver(outputs: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    """``resolve(kind, key)`` for :func:`decode`: a recorded leaf in the run dtype on the device,
+    converted once (the same residual stream feeds many modules)."""
     cache: dict[tuple, torch.Tensor] = {}
 
     def resolve(kind, key):
@@ -66,35 +85,31 @@ def replay(model: torch.nn.Module, structures: dict[str, dict], outputs: dict[st
             got = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
             cache[(kind, key)] = got
         return got
+    return resolve
 
-    ctx = context() if context is not None else contextlib.nullcontext()
-    try:
-        with ctx, torch.no_grad():
-            for name in names:
-                st = structures.get(name)
-                mod = mods.get("lm_head" if name == "logits" else module_path(name))
-                if st is None or mod is None:
-                    res.skipped[name] = "no recorded inputs" if st is None else "module not in the target"
-                    continue
-                args = [decode(a, resolve) for a in st["args"]]
-                kwargs = {k: decode(v, resolve) for k, v in st["kwargs"].items()}
-                seen.clear()
-                out = mod(*args, **kwargs)
-                if name.endswith(ROUTER_SUFFIXES):
-                    for k, v in router_outputs(name, out).items():
-                        res.outputs[k] = v.detach().to("cpu")
-                else:
-                    t = first_tensor(out)
-                    if t is not None:
-                        res.outputs[name] = t.detach().to("cpu")
-                inner = {g: router_outputs(g, o) for g, o in seen.items()}
-                res.inner_choices[name] = {g: d[g + EXPERTS_SUFFIX].to("cpu") for g, d in inner.items()
-                                           if g + EXPERTS_SUFFIX in d}
-                res.inner_logits[name] = {g: d[g].detach().to("cpu") for g, d in inner.items() if g in d}
-    finally:
-        for h in handles:
-            h.remove()
-    return res
+
+def _replay_one(name: str, st: dict | None, mods: dict[str, torch.nn.Module], resolve, seen: dict[str, tuple],
+                res: Replayed) -> None:
+    """Replay one module on its recorded inputs; its output and its inner routers' choices go to ``res``."""
+    mod = mods.get("lm_head" if name == "logits" else module_path(name))
+    if st is None or mod is None:
+        res.skipped[name] = "no recorded inputs" if st is None else "module not in the target"
+        return
+    args = [decode(a, resolve) for a in st["args"]]
+    kwargs = {k: decode(v, resolve) for k, v in st["kwargs"].items()}
+    seen.clear()
+    out = mod(*args, **kwargs)
+    if name.endswith(ROUTER_SUFFIXES):
+        for k, v in router_outputs(name, out).items():
+            res.outputs[k] = v.detach().to("cpu")
+    else:
+        t = first_tensor(out)
+        if t is not None:
+            res.outputs[name] = t.detach().to("cpu")
+    inner = {g: router_outputs(g, o) for g, o in seen.items()}
+    res.inner_choices[name] = {g: d[g + EXPERTS_SUFFIX].to("cpu") for g, d in inner.items()
+                               if g + EXPERTS_SUFFIX in d}
+    res.inner_logits[name] = {g: d[g].detach().to("cpu") for g, d in inner.items() if g in d}
 
 
 def flip_margins(ref_chosen: torch.Tensor, got_chosen: torch.Tensor, ref_logits: torch.Tensor
@@ -152,6 +167,34 @@ class SelectionJudge:
     def legit(self, gate: str, flipped: torch.Tensor, got: torch.Tensor, ref: torch.Tensor,
               limit: float) -> torch.Tensor | None:
         """[T] bool (flipped tokens judged legitimate), or None where this router cannot be judged so."""
+        call = self._call(gate)
+        if call is None:
+            return None
+        router, w, args, kwargs, pos = call
+        h, n_e = args[pos], self.outputs[gate].shape[-1]
+        ref2, got2 = ref.reshape(-1, ref.shape[-1]).long(), got.reshape(-1, got.shape[-1]).long()
+        n_t = ref2.shape[0]
+        if h.numel() != n_t * w.shape[1]:
+            return None
+        # the golden's logits moved by the noise toward the target's choice, through the router's
+        # input (its logits are affine in it), so the router's own selection rule judges the flip
+        d = _toward_target(ref2, got2, flipped, n_t, n_e, limit)
+        pinv_t = torch.linalg.pinv(w.detach().to(torch.float64)).T  # [E, H]
+        dh = d @ pinv_t  # [T, H]: moves logits by d
+        chosen = _moved_choice(gate, router, args, kwargs, pos, dh, d, n_t, n_e)
+        if chosen is None:
+            return None  # not affine in its input (or no choice to read): the logit-margin rule
+        same = (chosen.reshape(n_t, -1).long() == got2).all(-1)
+        if self.dtype is not None and self.dtype.itemsize < 4 and bool((flipped.reshape(-1) & ~same).any()):
+            # a selection that rounds in the run dtype needs a witness computed in it
+            same = self._low_precision_witness(gate, router, args, kwargs, pos, h, dh, pinv_t, flipped, limit,
+                                               got2, same)
+        return flipped.reshape(-1) & same
+
+    def _call(self, gate: str) -> tuple | None:
+        """(router, weight [E, H], float64 args, kwargs, position of the hidden state) of the reference
+        router's recorded call, or None where it has no recorded call, weight or hidden-state input.
+        The structure is looked at first: the reference model is built only for a router with one."""
         st = self.structures.get(gate)
         if st is None:
             return None
@@ -170,66 +213,81 @@ class SelectionJudge:
         pos = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
         if pos is None or args[pos].shape[-1] != w.shape[1]:
             return None
-        h = args[pos]
-        ref2, got2 = ref.reshape(-1, ref.shape[-1]).long(), got.reshape(-1, got.shape[-1]).long()
-        n_t = ref2.shape[0]
-        if h.numel() != n_t * w.shape[1]:
-            return None
-        ref_set = torch.zeros(n_t, n_e, dtype=torch.bool).scatter_(1, ref2.clamp(0, n_e - 1), True)
-        got_set = torch.zeros(n_t, n_e, dtype=torch.bool).scatter_(1, got2.clamp(0, n_e - 1), True)
-        d = torch.zeros(n_t, n_e, dtype=torch.float64)
-        d[got_set & ~ref_set] = limit / 2
-        d[ref_set & ~got_set] = -limit / 2
-        d[~flipped.reshape(-1)] = 0
-        pinv_t = torch.linalg.pinv(w.detach().to(torch.float64)).T  # [E, H]
-        dh = d @ pinv_t  # [T, H]: moves logits by d
-        with torch.no_grad():
-            base = router_outputs(gate, router(*args, **kwargs))
-            args[pos] = h + dh.reshape(h.shape)
-            moved = router_outputs(gate, router(*args, **kwargs))
-        chosen = moved.get(gate + EXPERTS_SUFFIX)
-        if chosen is None or gate not in base:
-            return None
-        shift = moved[gate].reshape(n_t, n_e).double() - base[gate].reshape(n_t, n_e).double()
-        # routers that compute in float32 (DeepSeek-V3's) round the shift at ~1e-7 of the logits
-        if not torch.allclose(shift, d, rtol=1e-2, atol=1e-5 * (1 + base[gate].abs().max().item())):
-            return None  # not affine in its input: the logit-margin rule
-        same = (chosen.reshape(n_t, -1).long() == got2).all(-1)
-        if self.dtype is not None and self.dtype.itemsize < 4 and bool((flipped.reshape(-1) & ~same).any()):
-            # The selection itself rounds in the run dtype: DeepSeek-V4 adds the correction bias to
-            # score_fn(logits) in bf16 (steps of 2^-8 at scores near 1), which moving the logits by
-            # their noise does not cover (measured: a flip at logit margin 0.0137 against a limit of
-            # 0.0098, 3 of 3 clean bf16 reruns). So a second witness: the reference router in the run
-            # dtype (a correct implementation: the same weights rounded as the target's). The target
-            # has both effects at once - its router's input is off by the upstream noise *and* its
-            # selection rounds, which is not monotone in the input: experts within one rounding step
-            # tie, and which one a top-k keeps depends on where the others round (measured:
-            # DeepSeek-V4-Flash seed 1007, token 30: experts 0, 2 and 5 at float64 scores 0.8536,
-            # <0.8536, 0.8503 all round to 0.8516-0.8555 in bf16; the target kept 5, at logit margin
-            # 0.0111 against a limit of 0.00998). So the low-precision router is asked on the golden's
-            # input and on inputs moved by noise-sized shifts: toward the target's choice by fractions
-            # of the noise (STEPS) and in RANDOM seeded directions (each logit moved uniformly within
-            # +-limit / 2). A correct router in the run dtype whose input is within the measured noise
-            # picks what the target did: legitimate. A wrong top-k or router kernel picks experts no
-            # such input reaches.
-            import copy
+        return router, w, args, kwargs, pos
 
-            low = copy.deepcopy(router).to(self.dtype)
-            la = [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            lk = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                  for k, v in kwargs.items()}
-            g = torch.Generator().manual_seed(0)
-            rows = flipped.reshape(-1, 1).double()
-            shifts = [t * dh for t in self.STEPS] + [
-                ((torch.rand(n_t, n_e, generator=g, dtype=torch.float64) - 0.5) * limit * rows) @ pinv_t
-                for _ in range(self.RANDOM)]
-            for shift in shifts:
-                la[pos] = (h + shift.reshape(h.shape)).to(self.dtype)
-                with torch.no_grad():
-                    own = router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
-                if own is not None and own.numel() == got2.numel():
-                    same = same | (own.reshape(n_t, -1).long() == got2).all(-1)
-        return flipped.reshape(-1) & same
+    def _low_precision_witness(self, gate: str, router, args: list, kwargs: dict, pos: int, h: torch.Tensor,
+                               dh: torch.Tensor, pinv_t: torch.Tensor, flipped: torch.Tensor, limit: float,
+                               got2: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
+        """``same`` widened by the tokens where the reference router in the run dtype, on an input
+        within the noise of the golden's, selects what the target did.
+
+        The selection itself rounds in the run dtype: DeepSeek-V4 adds the correction bias to
+        score_fn(logits) in bf16 (steps of 2^-8 at scores near 1), which moving the logits by their
+        noise does not cover (measured: a flip at logit margin 0.0137 against a limit of 0.0098, 3 of
+        3 clean bf16 reruns). So a second witness: the reference router in the run dtype (a correct
+        implementation: the same weights rounded as the target's). The target has both effects at
+        once - its router's input is off by the upstream noise *and* its selection rounds, which is
+        not monotone in the input: experts within one rounding step tie, and which one a top-k keeps
+        depends on where the others round (measured: DeepSeek-V4-Flash seed 1007, token 30: experts
+        0, 2 and 5 at float64 scores 0.8536, <0.8536, 0.8503 all round to 0.8516-0.8555 in bf16; the
+        target kept 5, at logit margin 0.0111 against a limit of 0.00998). So the low-precision
+        router is asked on the golden's input and on inputs moved by noise-sized shifts: toward the
+        target's choice by fractions of the noise (STEPS) and in RANDOM seeded directions (each logit
+        moved uniformly within +-limit / 2). A correct router in the run dtype whose input is within
+        the measured noise picks what the target did: legitimate. A wrong top-k or router kernel
+        picks experts no such input reaches."""
+        import copy
+
+        n_t, n_e = dh.shape[0], pinv_t.shape[0]  # tokens, experts
+        low = copy.deepcopy(router).to(self.dtype)
+        la = [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        lk = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in kwargs.items()}
+        g = torch.Generator().manual_seed(0)
+        rows = flipped.reshape(-1, 1).double()
+        shifts = [t * dh for t in self.STEPS] + [
+            ((torch.rand(n_t, n_e, generator=g, dtype=torch.float64) - 0.5) * limit * rows) @ pinv_t
+            for _ in range(self.RANDOM)]
+        for shift in shifts:
+            la[pos] = (h + shift.reshape(h.shape)).to(self.dtype)
+            with torch.no_grad():
+                own = router_outputs(gate, low(*la, **lk)).get(gate + EXPERTS_SUFFIX)
+            if own is not None and own.numel() == got2.numel():
+                same = same | (own.reshape(n_t, -1).long() == got2).all(-1)
+        return same
+
+
+def _toward_target(ref2: torch.Tensor, got2: torch.Tensor, flipped: torch.Tensor, n_t: int, n_e: int,
+                   limit: float) -> torch.Tensor:
+    """[T, E] float64: each flipped token's logit move by the noise toward the target's choice (the
+    experts it added up by ``limit / 2``, those it dropped down by as much); zero elsewhere."""
+    ref_set = torch.zeros(n_t, n_e, dtype=torch.bool).scatter_(1, ref2.clamp(0, n_e - 1), True)
+    got_set = torch.zeros(n_t, n_e, dtype=torch.bool).scatter_(1, got2.clamp(0, n_e - 1), True)
+    d = torch.zeros(n_t, n_e, dtype=torch.float64)
+    d[got_set & ~ref_set] = limit / 2
+    d[ref_set & ~got_set] = -limit / 2
+    d[~flipped.reshape(-1)] = 0
+    return d
+
+
+def _moved_choice(gate: str, router, args: list, kwargs: dict, pos: int, dh: torch.Tensor, d: torch.Tensor,
+                  n_t: int, n_e: int) -> torch.Tensor | None:
+    """The experts the float64 reference router selects with its input moved by ``dh`` (logits moved
+    by ``d``), or None where it reports no choice or its logits did not move by ``d`` (not affine in
+    its input). ``args[pos]`` is left moved."""
+    h = args[pos]
+    with torch.no_grad():
+        base = router_outputs(gate, router(*args, **kwargs))
+        args[pos] = h + dh.reshape(h.shape)
+        moved = router_outputs(gate, router(*args, **kwargs))
+    chosen = moved.get(gate + EXPERTS_SUFFIX)
+    if chosen is None or gate not in base:
+        return None
+    shift = moved[gate].reshape(n_t, n_e).double() - base[gate].reshape(n_t, n_e).double()
+    # routers that compute in float32 (DeepSeek-V3's) round the shift at ~1e-7 of the logits
+    if not torch.allclose(shift, d, rtol=1e-2, atol=1e-5 * (1 + base[gate].abs().max().item())):
+        return None
+    return chosen
 
 
 def routing_mask(name: str, replayed: Replayed, golden_outputs: dict[str, torch.Tensor],
