@@ -65,35 +65,53 @@ def compare(meta_model: torch.nn.Module, ckpt: Checkpoint) -> LayoutReport:
             rep.missing.append(name)
             continue
         used.update(st.keys)
-        info = ckpt.tensors[st.keys[0]]
-        want = tuple(t.shape)
-        where = f"{name} ({info.shard})"
-        if st.kind == "plain":
-            if info.shape != want:
-                rep.mismatched.append(f"{where}: shape {list(info.shape)}, the config implies {list(want)}")
-            elif info.dtype != _dtype_name(t):
-                line = f"{where}: dtype {info.dtype}, the config implies {_dtype_name(t)}"
-                # Norm weights, biases and router correction vectors are often kept in float32.
-                (rep.notes if t.dim() == 1 and info.dtype.startswith("float") else rep.mismatched).append(line)
-        elif st.kind == "fp8_block":
-            s = ckpt.tensors[st.keys[1]]
-            bo, bi = block or (128, 128)
-            tiles = (math.ceil(want[0] / bo), math.ceil(want[1] / bi)) if len(want) == 2 else None
-            if info.shape != want:
-                rep.mismatched.append(f"{where}: shape {list(info.shape)}, the config implies {list(want)}")
-            elif not info.dtype.startswith("float8"):
-                rep.mismatched.append(f"{where}: dtype {info.dtype} with a weight_scale_inv, expected float8")
-            elif s.shape != tiles:
-                rep.mismatched.append(f"{name}_scale_inv ({s.shard}): shape {list(s.shape)}, {bo}x{bi} blocks of "
-                                      f"{list(want)} need {list(tiles or ())}")
+        _check_tensor(rep, ckpt, name, t, st, block)
+    _leftovers(rep, meta_model, ckpt, used)
+    return rep
+
+
+def _check_tensor(rep: LayoutReport, ckpt: Checkpoint, name: str, t: torch.Tensor, st, block) -> None:
+    """One expected tensor against what the checkpoint stores for it, read as its kind of storage."""
+    info = ckpt.tensors[st.keys[0]]
+    want = tuple(t.shape)
+    where = f"{name} ({info.shard})"
+    if st.kind == "plain":
+        if info.shape != want:
+            rep.mismatched.append(f"{where}: shape {list(info.shape)}, the config implies {list(want)}")
+        elif info.dtype != _dtype_name(t):
+            line = f"{where}: dtype {info.dtype}, the config implies {_dtype_name(t)}"
+            # Norm weights, biases and router correction vectors are often kept in float32.
+            (rep.notes if t.dim() == 1 and info.dtype.startswith("float") else rep.mismatched).append(line)
+    elif st.kind == "fp8_block":
+        _check_fp8_block(rep, ckpt, name, st, info, want, block)
+    else:
+        shape = quant.logical_shape(ckpt, st)
+        if st.kind == "int4_pack":
+            ok = shape[0] == want[0] and math.ceil(want[1] / 8) * 8 == shape[1]
         else:
-            shape = quant.logical_shape(ckpt, st)
-            if st.kind == "int4_pack":
-                ok = shape[0] == want[0] and math.ceil(want[1] / 8) * 8 == shape[1]
-            else:
-                ok = tuple(shape) == want
-            if not ok:
-                rep.mismatched.append(f"{where}: {st.kind} holds {list(shape)}, the config implies {list(want)}")
+            ok = tuple(shape) == want
+        if not ok:
+            rep.mismatched.append(f"{where}: {st.kind} holds {list(shape)}, the config implies {list(want)}")
+
+
+def _check_fp8_block(rep: LayoutReport, ckpt: Checkpoint, name: str, st, info, want: tuple, block) -> None:
+    """An FP8 block weight: the expected shape, a float8 dtype, and a weight_scale_inv that tiles it."""
+    where = f"{name} ({info.shard})"
+    s = ckpt.tensors[st.keys[1]]
+    bo, bi = block or (128, 128)
+    tiles = (math.ceil(want[0] / bo), math.ceil(want[1] / bi)) if len(want) == 2 else None
+    if info.shape != want:
+        rep.mismatched.append(f"{where}: shape {list(info.shape)}, the config implies {list(want)}")
+    elif not info.dtype.startswith("float8"):
+        rep.mismatched.append(f"{where}: dtype {info.dtype} with a weight_scale_inv, expected float8")
+    elif s.shape != tiles:
+        rep.mismatched.append(f"{name}_scale_inv ({s.shard}): shape {list(s.shape)}, {bo}x{bi} blocks of "
+                              f"{list(want)} need {list(tiles or ())}")
+
+
+def _leftovers(rep: LayoutReport, meta_model: torch.nn.Module, ckpt: Checkpoint, used: set[str]) -> None:
+    """Checkpoint tensors nothing expected: unexpected, except the multi-token-prediction layers past
+    num_hidden_layers that transformers does not build (a note per layer, not a mismatch)."""
     n_layers = int(getattr(meta_model.config, "num_hidden_layers", 0) or 0)
     extra_layers: dict[int, int] = {}
     for name in sorted(set(ckpt.tensors) - used):
@@ -105,4 +123,3 @@ def compare(meta_model: torch.nn.Module, ckpt: Checkpoint) -> LayoutReport:
     for layer, n in sorted(extra_layers.items()):
         rep.notes.append(f"layer {layer}: {n} tensors of the multi-token-prediction layer (num_nextn_predict_layers), "
                          "not built by transformers")
-    return rep
