@@ -212,6 +212,23 @@ def what_changed(old: list[str], new: list[str], run_line: str) -> str:
     return "\n".join(lines)
 
 
+class _Planned:
+    """The actions of one plan, in the order they are to be applied."""
+
+    def __init__(self, run_key: str):
+        self.run_key = run_key
+        self.actions: list[Action] = []
+
+    def act(self, op: str, fp: str, title: str, labels: list[str], body: str = "", comment: str = "",
+            number: int | None = None, reason: str = "") -> None:
+        """An action on an existing issue; one with a comment carries its comment key in the body's
+        marker, so a later run can tell whether the comment was posted."""
+        key = comment_key(fp, f"{op}#{number}", self.run_key) if comment else ""
+        if key and op != "create":
+            body = with_pending(body, key)
+        self.actions.append(Action(op, fp, title, labels, body, comment, number, reason, key))
+
+
 def plan(groups: dict[str, Group], status: dict[str, bool | None], existing: list[IssueRef], render,
          run_line: str, known_closed: dict[str, int], clean_streaks: dict[str, int],
          close_after: int = 2, run_key: str = "", leave_alone: frozenset[str] = frozenset()) -> list[Action]:
@@ -221,25 +238,32 @@ def plan(groups: dict[str, Group], status: dict[str, bool | None], existing: lis
     counts this run; ``leave_alone``: fingerprints of issues a person detached from harness.
     ``status[fp]`` is True (bad), False (clean, every regressed item of its issue ran) or None
     (not known this run: a shard is missing)."""
+    p = _Planned(run_key)
+    open_by_fp = _close_duplicates(existing, p)
+    _file_groups(groups, open_by_fp, render, run_line, known_closed, leave_alone, p)
+    _close_clean(groups, status, open_by_fp, run_line, clean_streaks, close_after, leave_alone, p)
+    return p.actions
+
+
+def _close_duplicates(existing: list[IssueRef], p: _Planned) -> dict[str, IssueRef]:
+    """The open issue of each group (the oldest); a younger open one of the same group is closed as
+    its duplicate unless a person muted it."""
     open_by_fp: dict[str, IssueRef] = {}
-    actions: list[Action] = []
-
-    def act(op: str, fp: str, title: str, labels: list[str], body: str = "", comment: str = "",
-            number: int | None = None, reason: str = "") -> None:
-        key = comment_key(fp, f"{op}#{number}", run_key) if comment else ""
-        if key and op != "create":
-            body = with_pending(body, key)
-        actions.append(Action(op, fp, title, labels, body, comment, number, reason, key))
-
     for issue in sorted(existing, key=lambda i: i.number):
         fp = issue.fingerprint
         if not fp or issue.state != "open":
             continue
         first = open_by_fp.setdefault(fp, issue)  # the oldest is the issue of the group
         if first is not issue and MUTED_LABEL not in issue.labels:
-            act("close", fp, issue.title, issue.labels, issue.body, number=issue.number,
-                comment=f"Duplicate of #{first.number}, which tracks the same problem group. Closing.",
-                reason=f"duplicate of #{first.number}")
+            p.act("close", fp, issue.title, issue.labels, issue.body, number=issue.number,
+                  comment=f"Duplicate of #{first.number}, which tracks the same problem group. Closing.",
+                  reason=f"duplicate of #{first.number}")
+    return open_by_fp
+
+
+def _file_groups(groups: dict[str, Group], open_by_fp: dict[str, IssueRef], render, run_line: str,
+                 known_closed: dict[str, int], leave_alone: frozenset[str], p: _Planned) -> None:
+    """Each bad group's issue: updated when its items changed, reopened when it was closed, else created."""
     for fp, g in sorted(groups.items(), key=lambda kv: kv[1].title):
         issue = open_by_fp.get(fp)
         if fp in leave_alone or (issue is not None and MUTED_LABEL in issue.labels):
@@ -248,22 +272,27 @@ def plan(groups: dict[str, Group], status: dict[str, bool | None], existing: lis
             old = read_state(issue.body)
             if old.get("digest") == items_digest(g.items()):
                 continue
-            act("update", fp, g.title, g.labels, render(g, False), number=issue.number,
-                comment=what_changed(old.get("items", []), g.items(), run_line),
-                reason="the set of regressed items changed")
+            p.act("update", fp, g.title, g.labels, render(g, False), number=issue.number,
+                  comment=what_changed(old.get("items", []), g.items(), run_line),
+                  reason="the set of regressed items changed")
         elif fp in known_closed:
-            act("reopen", fp, g.title, g.labels, render(g, True), number=known_closed[fp],
-                comment=f"Regressed again in {scrub(run_line)}: {len(g.items())} item(s). Reopening.",
-                reason="regressed again")
+            p.act("reopen", fp, g.title, g.labels, render(g, True), number=known_closed[fp],
+                  comment=f"Regressed again in {scrub(run_line)}: {len(g.items())} item(s). Reopening.",
+                  reason="regressed again")
         else:
-            actions.append(Action("create", fp, g.title, g.labels, render(g, False),
-                                  reason=f"{len(g.findings)} regressed items"))
+            p.actions.append(Action("create", fp, g.title, g.labels, render(g, False),
+                                    reason=f"{len(g.findings)} regressed items"))
+
+
+def _close_clean(groups: dict[str, Group], status: dict[str, bool | None], open_by_fp: dict[str, IssueRef],
+                 run_line: str, clean_streaks: dict[str, int], close_after: int, leave_alone: frozenset[str],
+                 p: _Planned) -> None:
+    """An open issue whose group was known clean in the last ``close_after`` runs is closed."""
     for fp, issue in sorted(open_by_fp.items()):
         if fp in groups or fp in leave_alone or MUTED_LABEL in issue.labels or status.get(fp) is not False:
             continue  # still bad, muted, or not known to be clean this time (a missing shard proves nothing)
         if clean_streaks.get(fp, 0) >= close_after:
-            act("close", fp, issue.title, issue.labels, issue.body, number=issue.number,
-                comment=f"No longer regressed: clean in the last {clean_streaks[fp]} runs "
-                        f"(latest: {scrub(run_line)}). Closing; harness reopens it if it comes back.",
-                reason=f"{clean_streaks[fp]} clean runs")
-    return actions
+            p.act("close", fp, issue.title, issue.labels, issue.body, number=issue.number,
+                  comment=f"No longer regressed: clean in the last {clean_streaks[fp]} runs "
+                          f"(latest: {scrub(run_line)}). Closing; harness reopens it if it comes back.",
+                  reason=f"{clean_streaks[fp]} clean runs")

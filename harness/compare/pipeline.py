@@ -183,21 +183,9 @@ def _open_history(opts: Options, problems: list[str]) -> History | None:
 
 def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
              history: History | None) -> Outcome:
-    key, cached, child = _start_baseline(opts, history)
-    try:
-        current = read_results(opts.results, opts.expect_shards)  # meanwhile the child parses the baseline
-    except BaseException:
-        prefetch.stop(child)
-        raise
-    problems[:0] = current.problems
-    baseline = _finish_baseline(opts, history, key, cached, child)
-    problems += [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
+    current, baseline = _read(opts, history, problems)
     t["read"] = time.perf_counter()
-    run_key = opts.run_key or default_run_key()
-    inputs = digest(opts.results) if history is not None else ""
-    latest = history.latest() if history is not None else None
-    if latest and inputs and latest[1] == inputs:
-        run_key = latest[0]  # these very files were compared before: the same run, not a new one
+    run_key, inputs = _run_identity(opts, history)
     cls = classify(current, baseline, history, opts.config, run_key)
     warnings = current.warnings + [f"baseline: {w}" for w in (baseline.warnings if baseline else [])] \
         + cls.warnings
@@ -208,15 +196,58 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
                                   opts.group_by)
     ctx = body.RunContext.from_env(opts.commit, opts.baseline_commit, opts.run_url)
     t["classify"] = time.perf_counter()
-    existing: list[IssueRef] = []
-    usable = False
+    sink, existing, usable = _open_sink(opts, sink, out, problems)
+    _coverage(status, existing, current)
+    record = _record_run(opts, history, current, status, ctx, run_key, inputs, problems)
+    t["history"] = time.perf_counter()
+    actions: list[Action] = []
+    log: list[dict] = []
+    if usable:
+        actions, log = _act_on_issues(opts, history, sink, out, existing, groups, status, ctx, record, run_key)
+    t["issues"] = time.perf_counter()
+    timings = {k: t[k] - t["start"] for k in t if k != "start"}
+    return Outcome(current, baseline, cls, groups, status, actions, log,
+                   getattr(sink, "calls", 0) if sink is not None else 0,
+                   [scrub(p) for p in problems], muted, ctx, timings, run_key, [scrub(w) for w in warnings])
+
+
+def _read(opts: Options, history: History | None, problems: list[str]) -> tuple[Results, Results | None]:
+    """(current, baseline) results; their problems go to ``problems`` (the current run's first)."""
+    key, cached, child = _start_baseline(opts, history)
+    try:
+        current = read_results(opts.results, opts.expect_shards)  # meanwhile the child parses the baseline
+    except BaseException:
+        prefetch.stop(child)
+        raise
+    problems[:0] = current.problems
+    baseline = _finish_baseline(opts, history, key, cached, child)
+    problems += [f"baseline: {p}" for p in (baseline.problems if baseline else [])]
+    return current, baseline
+
+
+def _run_identity(opts: Options, history: History | None) -> tuple[str, str]:
+    """(run key, digest of the results' files): the same files compared again are the same run."""
+    run_key = opts.run_key or default_run_key()
+    inputs = digest(opts.results) if history is not None else ""
+    latest = history.latest() if history is not None else None
+    if latest and inputs and latest[1] == inputs:
+        run_key = latest[0]  # these very files were compared before: the same run, not a new one
+    return run_key, inputs
+
+
+def _open_sink(opts: Options, sink, out: TextIO, problems: list[str]) -> tuple[object, list[IssueRef], bool]:
+    """(sink, its open harness issues, whether it answered): no sink means no issues, never no report."""
     try:
         sink = sink if sink is not None else make_sink(opts, out)
-        existing = sink.list_issues(LABEL, "open")
-        usable = True
-    except (SinkError, OSError) as e:  # no sink means no issues, never no report
+        return sink, sink.list_issues(LABEL, "open"), True
+    except (SinkError, OSError) as e:
         problems.append(f"issue sink unavailable, no issue actions this run: {type(e).__name__}: {e}")
-    _coverage(status, existing, current)
+        return sink, [], False
+
+
+def _record_run(opts: Options, history: History | None, current: Results, status: dict, ctx: body.RunContext,
+                run_key: str, inputs: str, problems: list[str]) -> bool:
+    """Record this run in the history (not on a dry run, nor an empty one); whether it was recorded."""
     record = history is not None and not opts.dry_run and bool(current.cases)
     if record:
         try:
@@ -225,36 +256,35 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
         except sqlite3.Error as e:  # a full disk must not cost the report
             problems.append(f"could not record this run in the history: {e}")
             record = False
-    t["history"] = time.perf_counter()
-    actions: list[Action] = []
-    log: list[dict] = []
-    if usable:
-        known = history.issues() if history else {}
-        open_fps = {i.fingerprint for i in existing if i.fingerprint}
-        if record:
-            for i in existing:
-                if i.fingerprint:
-                    history.set_issue(i.fingerprint, i.number, "open")
-        # "detached": a person removed the harness label; it is neither fetched nor patched again
-        # (an open issue with the label back is listed, and so managed again). A closed issue
-        # labelled harness:muted is looked at when its group is bad (unmuting it hands it back).
-        leave_alone = frozenset(fp for fp, (_n, s) in known.items()
-                                if s == "detached" and fp not in open_fps)
-        known_closed = {fp: n for fp, (n, s) in known.items()
-                        if fp not in open_fps and s in ("open", "closed", "muted")}
-        streaks = {}
-        for fp in open_fps:  # only an open issue can be closed
-            if status.get(fp) is False and history is not None:
-                # the current run is in the table unless it was not recorded (dry run)
-                streaks[fp] = history.clean_streak(fp) + (0 if record else 1)
-        actions = plan(groups, status, existing,
-                       lambda g, reopened: body.full(g, ctx, reopened),
-                       ctx.run_line(), known_closed, streaks, opts.close_after, run_key, leave_alone)
-        keep_numbers = record and getattr(sink, "persistent", True)
-        on_issue = (lambda fp, n, s: history.set_issue(fp, n, s)) if keep_numbers else None
-        log = execute(actions, sink, opts.dry_run, out, on_issue, history if keep_numbers else None)
-    t["issues"] = time.perf_counter()
-    timings = {k: t[k] - t["start"] for k in t if k != "start"}
-    return Outcome(current, baseline, cls, groups, status, actions, log,
-                   getattr(sink, "calls", 0) if sink is not None else 0,
-                   [scrub(p) for p in problems], muted, ctx, timings, run_key, [scrub(w) for w in warnings])
+    return record
+
+
+def _act_on_issues(opts: Options, history: History | None, sink, out: TextIO, existing: list[IssueRef],
+                   groups: dict, status: dict, ctx: body.RunContext, record: bool,
+                   run_key: str) -> tuple[list[Action], list[dict]]:
+    """(actions, log): the issue plan against the open issues and what the history remembers, applied."""
+    known = history.issues() if history else {}
+    open_fps = {i.fingerprint for i in existing if i.fingerprint}
+    if record:
+        for i in existing:
+            if i.fingerprint:
+                history.set_issue(i.fingerprint, i.number, "open")
+    # "detached": a person removed the harness label; it is neither fetched nor patched again
+    # (an open issue with the label back is listed, and so managed again). A closed issue
+    # labelled harness:muted is looked at when its group is bad (unmuting it hands it back).
+    leave_alone = frozenset(fp for fp, (_n, s) in known.items()
+                            if s == "detached" and fp not in open_fps)
+    known_closed = {fp: n for fp, (n, s) in known.items()
+                    if fp not in open_fps and s in ("open", "closed", "muted")}
+    streaks = {}
+    for fp in open_fps:  # only an open issue can be closed
+        if status.get(fp) is False and history is not None:
+            # the current run is in the table unless it was not recorded (dry run)
+            streaks[fp] = history.clean_streak(fp) + (0 if record else 1)
+    actions = plan(groups, status, existing,
+                   lambda g, reopened: body.full(g, ctx, reopened),
+                   ctx.run_line(), known_closed, streaks, opts.close_after, run_key, leave_alone)
+    keep_numbers = record and getattr(sink, "persistent", True)
+    on_issue = (lambda fp, n, s: history.set_issue(fp, n, s)) if keep_numbers else None
+    log = execute(actions, sink, opts.dry_run, out, on_issue, history if keep_numbers else None)
+    return actions, log
