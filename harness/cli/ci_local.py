@@ -83,8 +83,6 @@ def _last_line(log: Path) -> str:
 
 
 def main(args) -> int:
-    from harness.cli import main as cli_main
-
     if args.shards < 1 or args.parallel < 1:
         print("harness ci-local: --shards and --parallel must be at least 1", file=sys.stderr)
         return 2
@@ -95,10 +93,25 @@ def main(args) -> int:
     shutil.rmtree(results_root, ignore_errors=True)
     results_root.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
+    n = args.shards
+    failed = _run_shards(args, n, results_root, logs)
+    code = _compare(args, n, out, results_root)
+    # ci.yml keeps main's last successful results as the baseline of the next comparison
+    if not failed:
+        baseline = out / "baseline"
+        shutil.rmtree(baseline, ignore_errors=True)
+        shutil.copytree(results_root, baseline)
+    print(f"\nci-local: {n - len(failed)}/{n} shard(s) passed"
+          + (f" (failed: {', '.join(map(str, failed))})" if failed else "")
+          + f"; issues in {out / 'issues'}, summary in {out / 'summary.md'}")
+    return 1 if failed else code
+
+
+def _run_shards(args, n: int, results_root: Path, logs: Path) -> list[int]:
+    """Every shard, at most ``--parallel`` at once, a table line each; the shards that failed."""
     env = os.environ.copy()
     env.setdefault("HF_HUB_OFFLINE", "1")  # as ci.yml's workflow env
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    n = args.shards
 
     def shard(k: int) -> tuple[int, int, float]:
         argv = shard_command(k, n, results_root / f"shard-{k}", backend=args.backend, workers=args.workers,
@@ -113,11 +126,16 @@ def main(args) -> int:
 
     with ThreadPoolExecutor(max_workers=min(args.parallel, n)) as pool:
         done = list(pool.map(shard, range(1, n + 1)))
-    failed = [k for k, rc, _ in done if rc != 0]
     for k, rc, took in done:
         status = "passed" if rc == 0 else f"FAILED (exit {rc})"
         print(f"shard {k}/{n}: {status} in {took:.0f} s  {_last_line(logs / f'shard-{k}.log')}  "
               f"[log: {logs / f'shard-{k}.log'}]", flush=True)
+    return [k for k, rc, _ in done if rc != 0]
+
+
+def _compare(args, n: int, out: Path, results_root: Path) -> int:
+    """One `harness compare` over every shard, as ci.yml's compare job (issues through the file sink)."""
+    from harness.cli import main as cli_main
 
     baseline, history = out / "baseline", out / "history.sqlite"
     run_id = f"ci-local-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S.%fZ}"
@@ -126,12 +144,4 @@ def main(args) -> int:
                            extra=["--out-dir", str(out / "issues"), "--run-id", run_id,
                                   "--close-after", str(args.close_after), "--commit", _git_head()])
     print(f"\ncompare: harness {' '.join(argv)}\n", flush=True)
-    code = cli_main(argv)
-    # ci.yml keeps main's last successful results as the baseline of the next comparison
-    if not failed:
-        shutil.rmtree(baseline, ignore_errors=True)
-        shutil.copytree(results_root, baseline)
-    print(f"\nci-local: {n - len(failed)}/{n} shard(s) passed"
-          + (f" (failed: {', '.join(map(str, failed))})" if failed else "")
-          + f"; issues in {out / 'issues'}, summary in {out / 'summary.md'}")
-    return 1 if failed else code
+    return cli_main(argv)

@@ -69,28 +69,57 @@ def _command(args, version: str) -> str:
 
 
 def run_update(args) -> int:
-    import torch
-
-    from harness.oplists.generate import (
-        BACKENDS,
-        OpListSourceError,
-        default_output,
-        extract,
-        packaged_native_functions,
-        render,
-    )
+    from harness.oplists.generate import BACKENDS, default_output, render
 
     d = BACKENDS.get(args.backend)
     key = args.dispatch_key or (d.dispatch_key if d else None)
     if key is None:
         return _fail(f"backend {args.backend!r} has no default dispatch key; pass --dispatch-key")
-    version = args.version
+    version = _version(args)
     if version is None:
-        if "torch" not in args.sources:
-            return _fail("--version is required (the plugin version the list is for)")
-        version = torch.__version__.split("+", 1)[0]
+        return _fail("--version is required (the plugin version the list is for)")
     if args.provenance and len(args.provenance) != len(args.sources):
         return _fail(f"{len(args.sources)} --from but {len(args.provenance)} --source; give one each, in order")
+    extracted = _extract_all(args, key, version)
+    if isinstance(extracted, int):
+        return extracted
+    unlisted = args.unlisted or (d.unlisted if d else "missing")
+    m = re.search(r"\+torch([0-9][0-9.]*[0-9])", version)
+    torch_version = args.torch_version or (m.group(1) if m else version.split("+", 1)[0])
+    text = render(args.backend, version, extracted, dispatch_key=key, unlisted=unlisted, torch_version=torch_version,
+                  exclude=d.exclude if d else None, exclude_why=d.exclude_why if d else "",
+                  notes=d.notes if d else (), command=_command(args, version))
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output) if args.output else default_output(args.backend, version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from harness.files import atomic
+
+    atomic.write_text(out, text)
+    counts = next(line for line in text.splitlines() if line.startswith("# counts:"))[2:]
+    print(f"wrote {out}: {args.backend} {version}, {counts}")
+    return 0
+
+
+def _version(args) -> str | None:
+    """The plugin version the list is for: --version, else the installed torch's for --from torch."""
+    import torch
+
+    if args.version is not None:
+        return args.version
+    if "torch" not in args.sources:
+        return None
+    return torch.__version__.split("+", 1)[0]
+
+
+def _extract_all(args, key: str, version: str) -> list[tuple[str, object]] | int:
+    """(provenance, extracted registrations) of each --from, in order; or the exit status of the
+    first source that cannot be read (its message printed)."""
+    import torch
+
+    from harness.oplists.generate import OpListSourceError, extract, packaged_native_functions
+
     select = args.select or "v" + ".".join(version.split("+", 1)[0].split(".")[:2])
     extracted = []
     for i, src in enumerate(args.sources):
@@ -112,23 +141,7 @@ def run_update(args) -> int:
             return _fail(f"{src}: {e}")
         except (OSError, UnicodeError) as e:
             return _fail(f"{src}: cannot read: {e}")
-    unlisted = args.unlisted or (d.unlisted if d else "missing")
-    m = re.search(r"\+torch([0-9][0-9.]*[0-9])", version)
-    torch_version = args.torch_version or (m.group(1) if m else version.split("+", 1)[0])
-    text = render(args.backend, version, extracted, dispatch_key=key, unlisted=unlisted, torch_version=torch_version,
-                  exclude=d.exclude if d else None, exclude_why=d.exclude_why if d else "",
-                  notes=d.notes if d else (), command=_command(args, version))
-    if args.output == "-":
-        sys.stdout.write(text)
-        return 0
-    out = Path(args.output) if args.output else default_output(args.backend, version)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from harness.files import atomic
-
-    atomic.write_text(out, text)
-    counts = next(line for line in text.splitlines() if line.startswith("# counts:"))[2:]
-    print(f"wrote {out}: {args.backend} {version}, {counts}")
-    return 0
+    return extracted
 
 
 def run_show(args) -> int:
