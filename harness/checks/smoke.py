@@ -247,47 +247,17 @@ class SmokeCheck(Check):
         """A second seeded image must change the logits after the image; if not, name the first
         vision/projector module (in the order they finish) whose input changed but output did not."""
         from harness.anatomy.moe import module_part
-        from harness.models.wrapper import image_batch
 
-        cfg = st.cfg
-        other = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1, image_seed=cfg.seed + 1000)
-        dt = torch_dtype(ctx.dtype)
-        alt = {**st.inputs, **{k: v.to(ctx.device, dt) if v.is_floating_point() else v.to(ctx.device)
-                               for k, v in other.inputs.items() if k != "input_ids"}}
+        alt = _other_image_inputs(ctx, st)
         after = slice(1 + st.batch.image_tokens, None)  # text positions after the image
         seen: dict[str, list] = {}
-        names = {m: n for n, m in st.model.named_modules()}
-        # Modules with parameters only: a rotary or position module's output legitimately ignores the
-        # pixels it is handed (positions only); its parent then answers for a broken child.
-        watch = [m for n, m in st.model.named_modules() if n and module_part(n) != "text"
-                 and any(True for _ in m.parameters(recurse=False))
-                 or n and module_part(n) != "text" and any(r == n for rs in st.roots.values() for r in rs)]
-
-        def hook(mod, args, kwargs, out):
-            seen.setdefault(names[mod], []).append((
-                [t.detach().clone() for t in _tensors((args, kwargs)) if t.is_floating_point()],
-                [t.detach().clone() for t in _tensors(out) if t.is_floating_point()]))
-
-        logits = []
-        for inputs in (st.inputs, alt):
-            handles = [m.register_forward_hook(hook, with_kwargs=True) for m in watch]
-            try:
-                with torch.no_grad():
-                    logits.append(st.model(**inputs).logits[:, after].float())
-            finally:
-                for h in handles:
-                    h.remove()
+        hook = _io_recorder(st.model, seen)
+        watch = _watched(st)
+        logits = [_hooked_logits(st.model, inputs, after, watch, hook) for inputs in (st.inputs, alt)]
         change = ctx.metric("image_logit_change", (logits[0] - logits[1]).abs().max().item())
         if change > 0:
             return
-        culprit = None
-        for name, calls in seen.items():  # insertion order = the order modules first finished
-            if len(calls) < 2:
-                continue
-            (ia, oa), (ib, ob) = calls[0], calls[len(calls) // 2]
-            if not _same(ia, ib) and _same(oa, ob):
-                culprit = name
-                break
+        culprit = _ignores_its_input(seen)
         part = module_part(culprit) if culprit else None
         where = (f"the {part} module {culprit} ignores its input (same output for both images)" if culprit else
                  "every vision/projector module's output follows the image, so the merge of image features into "
@@ -405,6 +375,65 @@ class SmokeCheck(Check):
                 metric="generation_tie_gap", expected=f"<= {margin} (near tie)", observed=f"{gap:.6g}",
                 tolerance=margin)
         ctx.notes.append(f"cached/uncached generation differ at a near tie (gap {gap:.3g} <= {margin})")
+
+
+def _other_image_inputs(ctx: CheckContext, st) -> dict:
+    """The wrapper's inputs with a second seeded image (same text), in the run's dtype and device."""
+    from harness.models.wrapper import image_batch
+
+    cfg = st.cfg
+    other = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1, image_seed=cfg.seed + 1000)
+    dt = torch_dtype(ctx.dtype)
+    return {**st.inputs, **{k: v.to(ctx.device, dt) if v.is_floating_point() else v.to(ctx.device)
+                            for k, v in other.inputs.items() if k != "input_ids"}}
+
+
+def _watched(st) -> list[torch.nn.Module]:
+    """The vision/projector modules whose input and output are recorded: those with parameters of
+    their own, and each part's root."""
+    from harness.anatomy.moe import module_part
+
+    # Modules with parameters only: a rotary or position module's output legitimately ignores the
+    # pixels it is handed (positions only); its parent then answers for a broken child.
+    return [m for n, m in st.model.named_modules() if n and module_part(n) != "text"
+            and any(True for _ in m.parameters(recurse=False))
+            or n and module_part(n) != "text" and any(r == n for rs in st.roots.values() for r in rs)]
+
+
+def _io_recorder(model: torch.nn.Module, seen: dict[str, list]):
+    """A forward hook appending a module's floating (inputs, outputs) to ``seen`` under its name."""
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(mod, args, kwargs, out):
+        seen.setdefault(names[mod], []).append((
+            [t.detach().clone() for t in _tensors((args, kwargs)) if t.is_floating_point()],
+            [t.detach().clone() for t in _tensors(out) if t.is_floating_point()]))
+    return hook
+
+
+def _hooked_logits(model: torch.nn.Module, inputs: dict, after: slice, watch: list[torch.nn.Module],
+                   hook) -> torch.Tensor:
+    """The float logits at the positions ``after`` for ``inputs``, with ``hook`` on every watched module."""
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in watch]
+    try:
+        with torch.no_grad():
+            return model(**inputs).logits[:, after].float()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _ignores_its_input(seen: dict[str, list]) -> str | None:
+    """The first module (insertion order = the order modules first finished) whose input differed
+    between the two images and whose output did not; the second image's first call is halfway
+    through its calls."""
+    for name, calls in seen.items():
+        if len(calls) < 2:
+            continue
+        (ia, oa), (ib, ob) = calls[0], calls[len(calls) // 2]
+        if not _same(ia, ib) and _same(oa, ob):
+            return name
+    return None
 
 
 def _same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
