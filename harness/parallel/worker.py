@@ -19,6 +19,8 @@ otherwise wait in a collective until the time limit); the launcher relaunches th
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -203,7 +205,10 @@ class RankRun:
     def _build(self, lay: Layout, ids: torch.Tensor) -> _Step:
         """The seeded model (identical on every rank), the mesh and its groups, this rank's tokens."""
         self.status.step("build")
-        model, _ = self.build_model(self.ls, self.spec["dtype"], "cpu", seed=self.spec["seed"], mc=self.mc)
+        # A config of its own per layout: apply_cp switches the attention implementation on the model's
+        # config (and on every module's, the same object), which would stay on for the next layout.
+        mc = dataclasses.replace(self.mc, config=copy.deepcopy(self.mc.config))
+        model, _ = self.build_model(self.ls, self.spec["dtype"], "cpu", seed=self.spec["seed"], mc=mc)
         model.train()
         res: dict = {"layout": lay.to_dict(), "rank": self.rank, "coords": lay.coords(self.rank),
                      "data_index": lay.data_index(self.rank), "notes": []}

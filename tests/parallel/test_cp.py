@@ -46,11 +46,15 @@ def _assert_matches(out, ctx, label):
 @pytest.mark.slow
 def test_cp2_matches_and_broken_mask_and_gather_are_caught():
     ls = suite_with("llama-3.1-8b", memory_seq_len=64, configs=[
-        {"cp": 2}, {"cp": 2, "recompute": True}, {"cp": 2, "name": "cp2-mask"}, {"cp": 2, "name": "cp2-gather"}])
+        {"cp": 2}, {"cp": 2, "recompute": True}, {"cp": 2, "name": "cp2-mask"}, {"cp": 2, "name": "cp2-gather"},
+        {"tp": 2}])
     res = {v: run_variant(ls, v, fault="tests.parallel.faults:cp_faults")
-           for v in ("cp2", "cp2-ac", "cp2-mask", "cp2-gather")}
+           for v in ("cp2", "cp2-ac", "cp2-mask", "cp2-gather", "tp2")}
     assert [run.result().launches for run, _ in par._LAUNCHES.values()] == [1]
     _assert_matches(*res["cp2"], "cp2")  # healthy beside the broken ones, in the same launch
+    # A layout after the cp ones in the same launch builds its model with a config of its own: cp's
+    # attention switch stayed on a shared config and every later layout failed ("not set up by apply_cp").
+    _assert_matches(*res["tp2"], "tp2")
     # Recomputation re-runs the K/V gathers inside backward: same gradients, lower peak.
     m = _assert_matches(*res["cp2-ac"], "cp2-ac")
     assert m["recompute_peak_ratio"] < 1 and m["recompute_grad_error"] <= F32["grads"]
