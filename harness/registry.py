@@ -42,6 +42,7 @@ def _dist_name(ep: EntryPoint) -> str:
 class NamedRegistry(Generic[T]):
     kind = "item"  # used in messages: "unknown backend 'x' (registered: ...)"
     group = ""  # its entry-point group
+    item_type: type | None = None  # what may be added (the one interface its users rely on)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -53,6 +54,10 @@ class NamedRegistry(Generic[T]):
         self.errors: list[str] = []  # broken entry points of this registry's group
 
     def add(self, item: T, *, replace: bool = False) -> T:
+        t = self.item_type
+        if t is not None and not isinstance(item, t):
+            raise ValueError(f"a {self.kind} must be an instance of {t.__module__}.{t.__qualname__}, got "
+                             f"{type(item).__module__}.{type(item).__qualname__}")
         name = item.name
         if name in self._items and not replace:
             raise ValueError(f"{self.kind} {name!r} registered twice "

@@ -154,12 +154,7 @@ class SinkType:
 class SinkRegistry(NamedRegistry[SinkType]):
     kind = "issue sink"
     group = "harness.sinks"
-
-    def add(self, item: SinkType, *, replace: bool = False) -> SinkType:
-        if not isinstance(item, SinkType):
-            raise ValueError(f"an issue sink must be registered as a harness.compare.sinks.SinkType, got "
-                             f"{type(item).__module__}.{type(item).__qualname__}")
-        return super().add(item, replace=replace)
+    item_type = SinkType
 
 
 def _github(opts, out):

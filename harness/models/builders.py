@@ -61,12 +61,10 @@ class HFBuilder(Builder):
 class BuilderRegistry(NamedRegistry[Builder]):
     kind = "model builder"
     group = "harness.models"
+    item_type = Builder
 
     def add(self, item: Builder, *, replace: bool = False) -> Builder:
-        if not isinstance(item, Builder):
-            raise ValueError(f"a model builder must be a harness.models.builders.Builder, got "
-                             f"{type(item).__module__}.{type(item).__qualname__}")
-        if not item.name or ":" in item.name:
+        if isinstance(item, Builder) and (not item.name or ":" in item.name):
             raise ValueError(f"a model builder's name must be non-empty and without ':' (that is an import "
                              f"string), got {item.name!r}")
         return super().add(item, replace=replace)

@@ -27,7 +27,7 @@ def test_import_strings_still_name_a_builder_and_unknown_names_list_the_register
 
 def test_the_registry_refuses_what_is_not_a_builder():
     reg = BuilderRegistry()
-    with pytest.raises(ValueError, match="must be a harness.models.builders.Builder"):
+    with pytest.raises(ValueError, match="must be an instance of harness.models.builders.Builder"):
         reg.add(lambda config, **kw: None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="without ':'"):
         reg.add(Builder("pkg:thing", print))
