@@ -52,18 +52,26 @@ def _guard(fn):
 
 @_guard
 def generate(args) -> int:
+    from harness.files import atomic
+    from harness.golden import store
     from harness.golden.store import GoldenError
     from harness.precision.generate import generate as gen
 
+    suites = _suites(args)
+    try:  # before the first reference is built: a read-only root would cost every suite's run
+        atomic.check_writable(store.golden_root(args.golden_dir), "golden directory")
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bad = 0
-    for ls in _suites(args):
+    for ls in suites:
         try:
             path = gen(ls, args.golden_dir, args.reference, update=args.update)
         except GoldenError as e:
             print(f"error: {e}", file=sys.stderr)
             bad += 1
             continue
-        size = sum(f.stat().st_size for f in path.iterdir())
+        size = sum(f.stat().st_size for f in store.current_dir(path).iterdir())
         print(f"wrote {path} ({size / 1024:.0f} KiB)")
     return 1 if bad else 0
 

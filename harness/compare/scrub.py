@@ -41,7 +41,7 @@ _LABELLED = re.compile(
     r"(?i)(\b(?:bearer|basic|token)\s+)(?!\*\*\*)(?:(?=[A-Za-z._~+/=-]*[0-9])[A-Za-z0-9._~+/=-]{8,}"
     r"|[A-Za-z0-9._~+/=-]{20,})"
     r"|(\b(?:authorization|proxy-authorization|x-api-key|api-key|x-auth-token|private-token)\b\s*[:=]\s*"
-    r"[\"']?(?:(?:bearer|basic|token)\s+)?)(?!\*\*\*)[^\s\"',;&]{4,}"
+    r"[\"']?(?:(?:bearer|basic|token)\s+)?)(?!(?:(?:bearer|basic|token)\s+)?\*\*\*)[^\s\"',;&]{4,}"
     r"|(\b[\w.-]*(?:token|secret|password|passwd|api_?key|access_?key|credential)s?[\"']?\s*[:=]\s*[\"']?)"
     r"(?!\*\*\*)(?=[^\s\"',;&)}\]]*[A-Za-z])[^\s\"',;&)}\]]{4,}")
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE_KEY|CREDENTIAL", re.I)

@@ -10,6 +10,7 @@ import torch
 
 from harness.anatomy.capture import capture_forward, greedy
 from harness.golden import store
+from harness.messages import display
 from harness.suite.loader import LoadedSuite
 from harness.weights import weights_provenance
 
@@ -142,14 +143,27 @@ def _quantization(ls: LoadedSuite, model, dev, ids, draws, runs, numerics_entry)
     return {"quantization": measure(ls, draws, ref, acts, numerics_entry)}
 
 
+def check_writable(path: Path) -> None:
+    """Before the reference is built (minutes for a large suite): the folder the golden goes into
+    takes files, else one line now instead of a traceback at the end."""
+    from harness.files import atomic
+
+    target = path if path.is_dir() else path.parent
+    try:
+        atomic.check_writable(target, "golden directory")
+    except OSError as e:
+        raise store.GoldenError(str(e)) from None
+
+
 def generate(ls: LoadedSuite, root: str | Path | None = None, reference: str | None = None,
              update: bool = False, transform=None) -> Path:
     path = store.golden_dir(ls.name, root)
-    if path.exists() and not update:  # refuse before spending time on the reference
-        raise store.GoldenError(f"{store._display(path)}: a golden already exists; pass --update to replace it "
+    if store.exists(path) and not update:  # refuse before spending time on the reference
+        raise store.GoldenError(f"{display(path)}: a golden already exists; pass --update to replace it "
                                 "(see `harness golden diff` for what would change)")
+    check_writable(path)
     ids = None
-    if update and path.exists():
+    if update and store.exists(path):
         try:  # keep the stored inputs when they still fit the spec
             old = store.load_golden_dir(path)
             if old.manifest.get("input_spec") == store.input_spec(ls):

@@ -186,23 +186,7 @@ def test_unwritable_results_directory_fails_before_any_model_is_built(project, c
     assert time.monotonic() - t0 < 5  # nothing was built
 
 
-def test_a_full_disk_never_leaves_a_truncated_summary(tmp_path, monkeypatch):
-    """Writes go to a temp file and are renamed: a failure leaves the old file whole (or none)."""
-    from harness.run import results
-
-    target = tmp_path / "summary.json"
-    target.write_text('{"complete": true}')
-    real_fsync = os.fsync
-
-    def full(fd):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError):
-        results.atomic_write(target, '{"new": ' + "1" * 100000 + "}")
-    monkeypatch.setattr(os, "fsync", real_fsync)
-    assert json.loads(target.read_text()) == {"complete": True}
-    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+# (the full-disk atomic-write test moved to tests/files/test_atomic.py with the helper)
 
 
 def test_bad_harness_config_is_one_line_in_every_command(project, tmp_path):
