@@ -28,12 +28,15 @@ def register(sub) -> None:
 
 
 def update(args) -> int:
-    from harness.perf.baseline import BaselineError
+    from harness.files.atomic import check_writable
+    from harness.perf.baseline import BaselineError, perf_golden_root
     from harness.perf.baseline import update as do_update
 
     try:
+        # before reading anything: a read-only golden folder is one line now, not a traceback later
+        check_writable(perf_golden_root(args.golden_dir), "perf baseline directory")
         written = do_update(args.results, args.golden_dir, args.suite or None, append=args.append)
-    except BaselineError as e:
+    except (BaselineError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not written:

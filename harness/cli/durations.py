@@ -9,6 +9,7 @@ keep their old record.
 from __future__ import annotations
 
 import json
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -57,6 +58,13 @@ def main(args) -> int:
     if not args.results:
         print("harness durations update: name at least one results directory or JUnit XML file")
         return 2
+    from harness.files.atomic import check_writable
+
+    try:  # before reading the results: the file's folder must take the new record
+        check_writable(target.parent if str(target.parent) else Path("."), "durations file's folder")
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     new: dict[str, float] = {}
     for p in args.results:
         try:
@@ -65,6 +73,10 @@ def main(args) -> int:
             print(f"{p}: cannot read results: {e}")
             return 2
     known.update(new)
-    durations.save(target, known)
+    try:
+        durations.save(target, known)
+    except OSError as e:
+        print(f"error: cannot write {target}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"recorded {len(new)} item durations in {target} ({len(known)} in all)")
     return 0
