@@ -27,11 +27,14 @@ _MENTION = re.compile(r"@(?=[A-Za-z0-9])")
 # The shapes vendors give their tokens: GitHub (ghp_/gho_/ghu_/ghs_/ghr_, github_pat_), Hugging Face
 # (hf_, and the older api_ org tokens), GitLab (glpat-), OpenAI-style (sk-), Slack (xox?-), AWS
 # access keys, PyPI upload tokens (pypi-), npm (npm_) and JWTs (three base64url parts, eyJ...).
+# The distinctive prefixes match anywhere, glued to other text too (a log line "...xxxghp_..." leaks
+# otherwise); the short, word-like ones (hf_, api_org_, sk-) only where no letter or digit precedes
+# them, so "task-", "mask-" and "self_" names stay as they are.
 _TOKEN_SHAPES = re.compile(
-    r"(?<![A-Za-z0-9])(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|hf_[A-Za-z0-9]{20,}|"
-    r"api_org_[A-Za-z0-9]{20,}|glpat-[A-Za-z0-9_-]{20,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|"
+    r"(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|"
     r"xox[abpr]-[A-Za-z0-9-]{10,}|pypi-[A-Za-z0-9_-]{32,}|npm_[A-Za-z0-9]{30,}|"
-    r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})")
+    r"eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}|"
+    r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|api_org_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}))")
 # A credential by where it stands, whatever its shape: the value after "Bearer"/"token"/"Basic"
 # (one with a digit, or a long one: "the token embedding" is prose),
 # after an Authorization/X-Api-Key/... header, or after token=/password=/secret=/api_key= (query
