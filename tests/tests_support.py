@@ -1,5 +1,8 @@
 """Constants shared by tests (importable because pytest puts tests/ on sys.path in rootdir mode)."""
 
+import contextlib
+import os
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,3 +18,28 @@ num_attention_heads = 4
 num_key_value_heads = 2
 vocab_size = 128
 """
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """A folder nobody can write to, root included: root writes through mode bits, so as root it is
+    a read-only tmpfs mounted there (skips the test where mounting is not allowed)."""
+    import pytest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = False
+    if os.geteuid() == 0:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                                 capture_output=True).returncode == 0
+        if not mounted:
+            pytest.skip("root without mount: mode bits do not stop root")
+    else:
+        folder.chmod(0o555)
+    try:
+        yield folder
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+        else:
+            folder.chmod(0o755)
+

@@ -4,36 +4,10 @@ traceback at write time)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-
-import pytest
 
 from harness.cli import main
-
-
-@contextlib.contextmanager
-def read_only(folder):
-    """A folder nobody can write to, root included (root writes through mode bits: a read-only
-    mount is what refuses it)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    mounted = False
-    if os.geteuid() == 0:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                                 capture_output=True).returncode == 0
-        if not mounted:
-            pytest.skip("root without mount: mode bits do not stop root")
-    else:
-        folder.chmod(0o555)
-    try:
-        yield folder
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-        else:
-            folder.chmod(0o755)
+from tests_support import read_only
 
 
 def _one_error_line(capsys, start: str) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests_support import read_only
+
 REPO = Path(__file__).resolve().parents[2]
 SUITE = "llama-3.1-8b"
 HARNESS = str(Path(sys.executable).with_name("harness"))
@@ -109,25 +111,10 @@ def test_every_kill_between_two_writes_reads_back(golden_root, tmp_path):
 
 
 def test_a_read_only_golden_folder_is_refused_before_anything_is_built(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    mounted = False
-    if os.geteuid() == 0:  # root writes through mode bits: a read-only mount is what refuses it
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
-                                 capture_output=True).returncode == 0
-        if not mounted:
-            pytest.skip("root without mount: mode bits do not stop root")
-    else:
-        ro.chmod(0o555)
-    try:
+    with read_only(tmp_path / "ro") as ro:
         t0 = time.monotonic()
         r = _cli("golden", "generate", SUITE, "--golden-dir", str(ro))
         elapsed = time.monotonic() - t0
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
-        else:
-            ro.chmod(0o755)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(err) == 1 and err[0].startswith(f"error: golden directory {ro} is not writable: "), r.stderr
