@@ -23,6 +23,8 @@ import os
 import re
 from pathlib import Path
 
+from harness.messages import display
+
 # The one definition of a plain name (it was golden/store.py's NAME_RX: goldens use it too).
 NAME_RX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 MAX_NAME = 200  # under every file system's 255-byte component limit, with room for suffixes
@@ -34,12 +36,10 @@ class PathRefused(ValueError):
 
 
 def _where(source, field: str) -> str:
-    src = str(source) if source is not None else "(unknown file)"
-    try:
-        src = os.path.relpath(src) if os.path.isabs(src) else src
-    except ValueError:
-        pass
-    return f"{src}: {field}"
+    if source is None:
+        return f"(unknown file): {field}"
+    src = str(source)
+    return f"{display(src) if os.path.isabs(src) else src}: {field}"
 
 
 def problem(value) -> str | None:
