@@ -123,10 +123,41 @@ def diff(args) -> int:
             if k in old.generation and not torch_equal(old.generation[k], v):
                 print(f"  ~ generation.{k} differs")
                 n_changed += 1
+        n_changed += _diff_sections(old, manifest, files)
         _print_budgets(old.manifest.get("budgets") or {}, manifest.get("budgets") or {})
         print(f"  {n_changed} tensor(s) would change" if n_changed else "  no change")
         changed += bool(n_changed)
     return 1 if changed else 0
+
+
+def _diff_sections(old, manifest: dict, files: dict) -> int:
+    """Per section (training, decode): added or removed, its spec, and each tensor that moves.
+    Returns how many tensors (or whole sections) would change."""
+    from harness.precision.compare import tensor_metrics
+
+    a, b = old.manifest.get("sections") or {}, manifest.get("sections") or {}
+    n = 0
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            print(f"  {'+' if name in b else '-'} section {name} ({'new' if name in b else 'removed'})")
+            n += 1
+            continue
+        if a[name].get("spec") != b[name].get("spec"):
+            print(f"  section {name}: spec {a[name].get('spec')} -> {b[name].get('spec')}")
+        was, now = old.section_tensors.get(name, {}), files.get(name, {})
+        for key in list(dict.fromkeys([*was, *now])):
+            x, y = was.get(key), now.get(key)
+            if x is None or y is None or x.shape != y.shape:
+                print(f"  ~ {name}.{key}: {'added' if x is None else 'removed' if y is None else 'shape changed'}")
+                n += 1
+            elif not torch_equal(x, y):
+                n += 1
+                if x.is_floating_point():
+                    m = tensor_metrics(y, x)
+                    print(f"  ~ {name}.{key}: max_abs {m['max_abs_err']:.3g} rel_rmse {m['rel_rmse']:.3g}")
+                else:
+                    print(f"  ~ {name}.{key}: {(x != y).double().mean().item():.1%} of entries differ")
+    return n
 
 
 def _print_budgets(old: dict, new: dict) -> None:
@@ -171,7 +202,9 @@ def verify(args) -> int:
     for ls in _suites(args):
         try:
             g = load_golden(ls, args.golden_dir)
-            print(f"ok    {g.path} ({len(g.order)} tensors, torch {g.manifest['versions']['torch']})")
+            secs = ", ".join(f"{k}: {len(v)}" for k, v in g.section_tensors.items())
+            print(f"ok    {g.path} ({len(g.order)} tensors, torch {g.manifest['versions']['torch']}"
+                  + (f"; sections {secs}" if secs else "") + ")")
         except GoldenError as e:
             print(f"error: {e}", file=sys.stderr)
             bad += 1

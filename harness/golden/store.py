@@ -14,6 +14,14 @@ Format 2 also stores, for the isolated comparison, what each captured module was
 ``budgets`` measured per low-precision dtype (``harness.precision.budgets``), and the realistic
 ``numerics`` gains (``harness.models.numerics``).
 
+Format 3 adds *sections*: what a check beyond the forward pass compares against (``training``:
+gradients, optimizer steps, loss trajectory; ``decode``: the cached decode step by step). Each is
+``manifest["sections"][name]`` - a dict owned by its producer (``harness.precision.generate.SECTIONS``)
+with at least ``spec`` (the suite knobs it was made with) and ``tensors`` (shape and storage dtype of
+each tensor) - and the file ``<name>.safetensors``. A check reads its section with
+:meth:`Golden.section`, which refuses a section made with other knobs, so changing a training knob
+never invalidates the forward golden's use by the precision check.
+
 Everything loaded is validated as data: names are plain identifiers, every tensor matches the
 manifest's shape and storage dtype and is finite, every entry the check needs is present.
 
@@ -49,7 +57,7 @@ import torch
 from harness.messages import display
 from harness.settings import golden_root
 
-FORMAT = 2
+FORMAT = 3
 FILES = ("inputs", "modules", "generation")
 IDX = "::idx"
 IN = "::in"
@@ -140,6 +148,20 @@ class Golden:
     indices: dict[str, torch.Tensor] = field(default_factory=dict)  # sampled mode: flat indices
     generation: dict[str, torch.Tensor] = field(default_factory=dict)
     module_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # <key> -> stored input tensor
+    section_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # section -> its file
+
+    def section(self, name: str, spec: dict | None = None) -> Section:
+        """The section a check compares against; a missing one, or one made with other knobs than
+        ``spec`` (the suite's now), is the golden's problem: one line naming the command that fixes it."""
+        entry = (self.manifest.get("sections") or {}).get(name)
+        fix = f"regenerate with `harness golden generate {self.path.name} --update`"
+        if entry is None:
+            raise GoldenError(f"{display(self.path / 'manifest.json')}: golden has no {name} section (made before "
+                              f"the {name} check, or with it disabled); {fix}")
+        if spec is not None and jsonable(spec) != entry.get("spec"):
+            raise GoldenError(f"{display(self.path / 'manifest.json')}: the golden's {name} section was made with "
+                              f"{entry.get('spec')}, the suite asks for {jsonable(spec)}; {fix}")
+        return Section(entry, self.section_tensors.get(name, {}))
 
     @property
     def structures(self) -> dict[str, dict]:
@@ -156,6 +178,38 @@ class Golden:
     @property
     def sampled(self) -> bool:
         return self.manifest["input_spec"].get("mode") == "sampled"
+
+
+@dataclass
+class Section:
+    """One section of a golden: its manifest entry (``spec``, ``tensors`` and whatever its producer
+    stores: budgets, orders) and its tensors."""
+
+    entry: dict
+    tensors: dict[str, torch.Tensor]
+
+
+def jsonable(obj):
+    """``obj`` as it reads back from the manifest (tuples become lists), for comparing specs."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def pack_section(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """A section's tensors -> (tensors to store, the entry's ``tensors`` table): floating tensors as
+    float32, booleans as bool, other integers as int64 (as :func:`pack` stores module outputs)."""
+    store, meta = {}, {}
+    for key, t in tensors.items():
+        if not SECTION_KEY.fullmatch(key):
+            raise GoldenError(f"section tensor name {key[:80]!r} is not printable data (letters, digits, ._:@[],/-)")
+        t = t.detach().cpu()
+        v = t.float() if t.is_floating_point() else (t if t.dtype == torch.bool else t.to(torch.int64))
+        store[key] = v.contiguous()
+        meta[key] = {"shape": list(t.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+    return store, meta
+
+
+# a section's tensor keys are data the producer makes from module names: printable, no path meaning
+SECTION_KEY = re.compile(r"[A-Za-z0-9_.:@\[\],/-]{1,300}")
 
 
 def pack(outputs: dict[str, torch.Tensor], mode: str = "full", sample_size: int = 4096,
@@ -368,7 +422,15 @@ def load_golden_dir(path: Path) -> Golden:
     values = {k: v for k, v in mods.items() if not k.endswith((IDX, IN))}
     idx = {k[: -len(IDX)]: v for k, v in mods.items() if k.endswith(IDX)}
     mins = {k[: -len(IN)]: v for k, v in mods.items() if k.endswith(IN)}
-    g = Golden(path, manifest, inputs.get("input_ids"), values, idx, gen, mins)
+    sections = manifest.get("sections") or {}
+    if not isinstance(sections, dict) or not all(isinstance(e, dict) for e in sections.values()):
+        raise GoldenError(f"{display(path / 'manifest.json')}: sections is not a table of tables; regenerate with "
+                          f"`harness golden generate {path.name} --update`")
+    tensors = {}
+    for name in sections:
+        check_name(name, source="golden manifest section")
+        tensors[name] = _load_file(path, f"{name}.safetensors", manifest)
+    g = Golden(path, manifest, inputs.get("input_ids"), values, idx, gen, mins, tensors)
     validate(g)
     return g
 
@@ -453,11 +515,30 @@ def validate(g: Golden) -> None:
                 t = t.float()  # generation logprobs are stored in float64
             _check_tensor(g, "generation.safetensors", key, t, shape, kind)
     _check_ranges(g)
+    _check_sections(g)
     for dtype, b in (mf.get("budgets") or {}).items():
         for mod, e in (b.get("modules") or {}).items() if isinstance(b, dict) else ():
             v = e.get("budget") if isinstance(e, dict) else None
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise _bad(g, "manifest.json", f"budget of {mod} in {dtype} is {v!r}, not a positive number")
+
+
+def _check_sections(g: Golden) -> None:
+    """Every tensor a section's entry lists is in its file with that shape and storage dtype, and
+    finite: the section's check reads them without further checks."""
+    for name, entry in (g.manifest.get("sections") or {}).items():
+        fname = f"{name}.safetensors"
+        meta = entry.get("tensors")
+        if not isinstance(meta, dict) or "spec" not in entry:
+            raise _bad(g, "manifest.json", f"section {name} lacks its spec or tensors table")
+        have = g.section_tensors.get(name, {})
+        for key, m in meta.items():
+            if not isinstance(m, dict):
+                raise _bad(g, "manifest.json", f"section {name}: tensor entry {key!r} is not a table")
+            _check_tensor(g, fname, key, have.get(key), m.get("shape"), _kind(str(m.get("dtype", ""))))
+        extra = sorted(set(have) - set(meta))
+        if extra:
+            raise _bad(g, fname, f"holds {len(extra)} tensor(s) the manifest does not list, e.g. {extra[0]}")
 
 
 def _check_ranges(g: Golden) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import platform
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,6 +71,59 @@ def budget_draws(ls: LoadedSuite, ids: torch.Tensor) -> list[torch.Tensor]:
                     for d in range(1, p.budget_draws)]
 
 
+# The golden's sections beyond the forward pass (harness.golden.store, format 3): name -> the module
+# that produces it, with ``spec(ls) -> dict | None`` (the suite's knobs for it; None: the suite does
+# not want it) and ``build(ref: ReferenceRun) -> (entry, tensors)``.
+SECTIONS = {"training": "harness.precision.backward", "decode": "harness.precision.decode"}
+
+
+@dataclass
+class ReferenceRun:
+    """What a section producer gets: the float64 reference and what the forward golden already made
+    with it. ``model`` is shared: a producer that trains must train a copy."""
+
+    ls: LoadedSuite
+    model: torch.nn.Module  # the reference, eval(), realistic-numerics gains applied
+    device: object
+    ids: torch.Tensor  # [B, S] the golden's input ids (CPU, int64)
+    draws: list[torch.Tensor]  # input draws of the budget measurement; draws[0] is ids
+    dtypes: list[str]  # low-precision dtypes of the suite to measure budgets for
+    numerics: dict | None  # the manifest's numerics entry (harness.models.numerics.apply)
+    generation: dict[str, torch.Tensor]  # the reference's greedy generation (uncached)
+    outputs: dict[str, torch.Tensor]  # the forward golden's module outputs (incl. logits)
+    capture: object = None  # the forward Capture (recorded module inputs), full mode only
+    notes: list[str] = field(default_factory=list)
+
+
+def section_modules(ls: LoadedSuite) -> dict[str, tuple[object, dict]]:
+    """name -> (producer module, the suite's spec) of the sections this suite wants."""
+    out = {}
+    for name, modname in SECTIONS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name != modname:  # the producer exists but something it imports does not
+                raise
+            continue  # a harness without that check
+        spec = mod.spec(ls)
+        if spec is not None:
+            out[name] = (mod, spec)
+    return out
+
+
+def build_sections(ref: ReferenceRun) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """({name: manifest entry}, {name: tensors to store}) of every section the suite wants."""
+    entries, files = {}, {}
+    for name, (mod, spec) in section_modules(ref.ls).items():
+        t = time.perf_counter()
+        entry, tensors = mod.build(ref)
+        packed, meta = store.pack_section(tensors)
+        entries[name] = {**entry, "spec": store.jsonable(spec), "tensors": meta,
+                         "seconds": round(time.perf_counter() - t, 3)}
+        files[name] = packed
+    return entries, files
+
+
 def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tensor | None = None,
                  transform=None, budgets: bool = True) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """(manifest without files, {file stem: tensors}) for the suite: reference outputs, each captured
@@ -118,9 +173,14 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
         manifest["budgets"] = bud.measure(ls, draws, model, dtypes, runs, manifest.get("numerics"))
     if budgets and info["dtype"] == "float64":
         manifest.update(_quantization(ls, model, dev, ids, draws, runs, manifest.get("numerics")))
-    manifest["reference_seconds"] = round(time.perf_counter() - t, 3)
     files = {"inputs": {"input_ids": ids.cpu().to(torch.int64).contiguous()}, "modules": packed,
              "generation": {k: v.contiguous() for k, v in gen.items()}}
+    if budgets and info["dtype"] == "float64" and section_modules(ls):
+        ref = ReferenceRun(ls, model, dev, ids.cpu(), draws or budget_draws(ls, ids.cpu()), dtypes,
+                           manifest.get("numerics"), gen, outs, cap if record else None)
+        manifest["sections"], more = build_sections(ref)
+        files.update(more)
+    manifest["reference_seconds"] = round(time.perf_counter() - t, 3)
     return manifest, files
 
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from precision.helpers import GOLDEN, REPO, SUITES, cli, run_check, suite
+from precision.helpers import GOLDEN, REPO, SUITES, cli, copy_golden, run_check, suite
 
 from harness.checks import CouldNotRun
 from harness.golden import store
@@ -29,10 +29,10 @@ def test_committed_goldens_verify(name):
         assert any(n.endswith(".gate") for n in g.order) and any(n.endswith("chosen_experts") for n in g.order)
     assert g.generation["tokens"].shape == (2, 4)
     for f, meta in mf["files"].items():
-        assert len((g.path / f).read_bytes()) == meta["bytes"]
+        assert len((store.current_dir(g.path) / f).read_bytes()) == meta["bytes"]
     assert sum(m["bytes"] for m in mf["files"].values()) < 400_000  # the repo stays small
     # format 2: every captured module's inputs are recorded (isolated comparison) ...
-    assert mf["format"] == 2 and {n for n in g.order if not n.endswith("chosen_experts")} <= set(g.structures)
+    assert mf["format"] == store.FORMAT == 3 and {n for n in g.order if not n.endswith("chosen_experts")} <= set(g.structures)
     # ... budgets measured per low-precision dtype the suite lists, over several draws ...
     for dtype in ("bfloat16", "float32"):
         b = mf["budgets"][dtype]
@@ -59,7 +59,7 @@ def test_sample_indices_fixed_and_unique():
 def one_golden(tmp_path):
     ls = suite("qwen3-8b")
     root = tmp_path / "golden"
-    shutil.copytree(GOLDEN / ls.name, root / ls.name)
+    copy_golden(ls.name, root / ls.name)
     return ls, root
 
 
@@ -123,7 +123,7 @@ def test_golden_from_another_config(tmp_path, one_golden):
     ls, root = one_golden
     # Another suite's golden under this suite's name: the manifest's config hash differs.
     shutil.rmtree(root / ls.name)
-    shutil.copytree(GOLDEN / "llama-3.1-8b", root / ls.name)
+    copy_golden("llama-3.1-8b", root / ls.name)
     with pytest.raises(store.GoldenError, match="made by another config"):
         store.load_golden(ls, root)
     ctx, failure = run_check(ls, "float32", tmp_path, golden_root=root)
@@ -178,8 +178,8 @@ def test_sampled_mode(write_suite, tmp_path):
     ls = load_suite(write_suite("llama-3.1-8b", body))
     root = tmp_path / "g"
     path = generate(ls, root)
-    full = sum(f.stat().st_size for f in (GOLDEN / "llama-3.1-8b").iterdir())
-    assert sum(f.stat().st_size for f in path.iterdir()) < full / 3
+    full = sum(f.stat().st_size for f in store.current_dir(GOLDEN / "llama-3.1-8b").iterdir())
+    assert sum(f.stat().st_size for f in store.current_dir(path).iterdir()) < full / 3
     g = store.load_golden(ls, root)
     assert g.sampled and g.modules["logits"].numel() == 256 and "logits" in g.indices
     st = g.manifest["tensors"]["logits"]
@@ -193,11 +193,12 @@ def test_sampled_mode(write_suite, tmp_path):
 
 
 def test_manifest_records_shapes_dtypes_hashes():
-    mf = json.loads((GOLDEN / "mixtral-8x7b" / "manifest.json").read_text())
+    mf = json.loads((store.current_dir(GOLDEN / "mixtral-8x7b") / "manifest.json").read_text())
     t = mf["tensors"]["model.layers.1.mlp.gate.chosen_experts"]
     assert t["dtype"] == "int64" and t["shape"] == [32, 2]
     assert mf["tensors"]["logits"]["dtype"] == "float64"
-    assert set(mf["files"]) == {"inputs.safetensors", "modules.safetensors", "generation.safetensors"}
+    sections = {f"{name}.safetensors" for name in mf.get("sections", {})}
+    assert set(mf["files"]) == {"inputs.safetensors", "modules.safetensors", "generation.safetensors"} | sections
     assert len(mf["config_hash"]) == 64 and mf["input_spec"]["seq_len"] == 16
 
 
@@ -327,3 +328,70 @@ def test_nan_target_generation_logprobs_fail():
     compare_generation(g, {"tokens": gen["tokens"], "logprobs": g.generation["logprobs"].clone()},
                        DEFAULTS["bfloat16"], ok)
     assert ok.generation_failure is None
+
+
+def _with_section(one_golden, tensors: dict, spec: dict) -> tuple:
+    """The qwen3-8b golden rewritten (format 3) with a section ``extra`` holding ``tensors``."""
+    ls, root = one_golden
+    g = store.load_golden_dir(root / ls.name)
+    files = {"inputs": {"input_ids": g.inputs}, "generation": g.generation,
+             "modules": {**g.modules, **{k + store.IN: v for k, v in g.module_inputs.items()}}}
+    packed, meta = store.pack_section(tensors)
+    manifest = dict(g.manifest, sections={"extra": {"spec": store.jsonable(spec), "tensors": meta, "order": ["a"]}})
+    files["extra"] = packed
+    store.write_golden(root / ls.name, manifest, files, update=True)
+    return ls, root
+
+
+def test_sections_round_trip_and_refuse_other_knobs(one_golden):
+    """A section's tensors come back as stored (floats as float32); a section made with other knobs,
+    or one the golden lacks, is refused in one line naming the fix."""
+    spec = {"steps": 3, "lr": 0.01, "caches": ("dynamic", "static")}
+    ls, root = _with_section(one_golden, {"a": torch.arange(6, dtype=torch.float64).reshape(2, 3),
+                                          "a::idx": torch.tensor([0, 5])}, spec)
+    g = store.load_golden(ls, root)
+    sec = g.section("extra", spec)
+    assert sec.entry["order"] == ["a"] and sec.tensors["a"].dtype == torch.float32
+    assert torch.equal(sec.tensors["a::idx"], torch.tensor([0, 5]))
+    with pytest.raises(store.GoldenError, match=r"extra section was made with .*'steps': 3.*asks for .*'steps': 4"):
+        g.section("extra", {**spec, "steps": 4})
+    with pytest.raises(store.GoldenError, match=r"no training section .*golden generate qwen3-8b --update"):
+        g.section("training", {})
+    ctx, failure = run_check(ls, "float32", ls.path.parent, golden_root=root)  # the forward check is unaffected
+    assert failure is None
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("nan", "a has 1 non-finite value"),
+    ("shape", "a has shape"),
+    ("extra", r"holds 1 tensor\(s\) the manifest does not list, e.g. b"),
+])
+def test_damaged_section_is_the_goldens_fault(one_golden, damage, message):
+    from safetensors.torch import load, save
+
+    ls, root = _with_section(one_golden, {"a": torch.ones(2, 3)}, {})
+    d = store.current_dir(root / ls.name)
+    t = load((d / "extra.safetensors").read_bytes())
+    if damage == "nan":
+        t["a"][0, 0] = float("nan")
+    elif damage == "shape":
+        t["a"] = torch.ones(3, 2)
+    else:
+        t["b"] = torch.ones(1)
+    data = save(t)
+    (d / "extra.safetensors").write_bytes(data)
+    mf = json.loads((d / "manifest.json").read_text())
+    mf["files"]["extra.safetensors"] = {"sha256": store.sha256_bytes(data), "bytes": len(data)}  # re-hashed
+    (d / "manifest.json").write_text(json.dumps(mf))
+    with pytest.raises(store.GoldenError, match=message):
+        store.load_golden(ls, root)
+
+
+def test_format_2_golden_refused_in_one_line(one_golden):
+    ls, root = one_golden
+    mf = json.loads((root / ls.name / "manifest.json").read_text())
+    (root / ls.name / "manifest.json").write_text(json.dumps(dict(mf, format=2)))
+    with pytest.raises(store.GoldenError) as e:
+        store.load_golden(ls, root)
+    assert "golden format 2, this harness reads format 3" in str(e.value) and "--update" in str(e.value)
+    assert "\n" not in str(e.value)

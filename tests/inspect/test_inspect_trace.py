@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from harness.golden.store import current_dir
 from harness.inspect.params import load_target, meta_model
 from harness.inspect.trace import Inventory, general_module, signature, trace_model
 from harness.models.build import build_model
@@ -91,7 +92,7 @@ def test_real_trace_has_the_goldens_realistic_scale(monkeypatch):
 
     monkeypatch.setenv("HARNESS_GOLDEN_DIR", str(REPO / "golden"))
     ls = load_suite(REPO_SUITES / "llama-3.1-8b.toml")
-    manifest = json.loads((REPO / "golden" / "llama-3.1-8b" / "manifest.json").read_text())
+    manifest = json.loads((current_dir(REPO / "golden" / "llama-3.1-8b") / "manifest.json").read_text())
     want = [v["logit_std"] for v in manifest["numerics"]["stats"]["realistic"]["attention"].values()]
     num = trace_numerics(ls)
     assert num.source == "golden" and "golden/llama-3.1-8b" in num.detail
@@ -116,7 +117,7 @@ def test_trace_cache_key_follows_the_numerics(tmp_path, monkeypatch):
     ls = load_suite(REPO_SUITES / "qwen3-8b.toml")
     root = tmp_path / "golden"
     (root / "qwen3-8b").mkdir(parents=True)
-    manifest = json.loads((REPO / "golden" / "qwen3-8b" / "manifest.json").read_text())
+    manifest = json.loads((current_dir(REPO / "golden" / "qwen3-8b") / "manifest.json").read_text())
     monkeypatch.setenv("HARNESS_GOLDEN_DIR", str(root))
 
     def key_with(m):

@@ -15,6 +15,18 @@ GOLDEN = REPO / "golden"
 SUITES = ["deepseek-v3", "kimi-k2", "llama-3.1-8b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-8b"]
 
 
+def copy_golden(name: str, dest: Path) -> Path:
+    """The committed golden of suite ``name`` copied to ``dest`` in the flat layout (its current
+    version's files directly in ``dest``), whatever layout the repository holds: tests damage and
+    read those files by name."""
+    import shutil
+
+    from harness.golden.store import current_dir
+
+    shutil.copytree(current_dir(GOLDEN / name), dest)
+    return dest
+
+
 def suite(name: str):
     return load_suite(REPO / "suites" / f"{name}.toml")
 
