@@ -59,6 +59,10 @@ metrics.declare("router_expert_agreement", "share", "higher", "min share of rout
 metrics.declare("isolated_worst_rel_rmse", "", "lower", "largest rel_rmse of a module run on the golden's inputs")
 metrics.declare("isolated_worst_budget_use", "", "lower", "largest isolated rel_rmse / the module's budget (fails > 1)")
 metrics.declare("isolated_modules_over_budget", "", "lower", "modules whose isolated error exceeds their budget")
+metrics.declare("isolated_signed_min_p", "", "higher", "smallest sign-test p of a module's signed error against the "
+                "clean dtype run's (harness.precision.signed; fails below 1e-4 / modules with an effect above the floor)")
+metrics.declare("isolated_signed_max_effect", "", "lower", "largest |mean signed error - clean| of a module, relative "
+                "to its RMS")
 metrics.declare("routing_flips_near_tie", "", "lower", "tokens left out of isolated MoE comparisons after a "
                 "legitimate near-tie routing flip")
 
@@ -249,6 +253,12 @@ class PrecisionCheck(Check):
                                                         for r in res.isolated))
             ctx.metric("isolated_modules_over_budget", sum(not r.ok for r in res.isolated))
             ctx.metric("routing_flips_near_tie", res.routing_flips)
+            tested = [r.signed for r in res.isolated if r.signed is not None]
+            if tested:
+                ctx.metric("isolated_signed_min_p", min(t.p for t in tested))
+                ctx.metric("isolated_signed_max_effect", max(abs(t.effect) for t in tested))
+            elif st.budgets.signed == {}:
+                ctx.notes.append("no signed-error test: the golden has no signed_error section for this dtype")
         if res.problems:
             raise CheckFailure(f"target outputs do not line up with the golden: {res.problems[0]}",
                                metric="captured_modules", expected="same modules and shapes as the golden",

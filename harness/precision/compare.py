@@ -62,6 +62,7 @@ class ModuleResult:
     enforced: bool = True  # propagated rows of modules that have an isolated row are reported only
     excluded_tokens: int = 0  # tokens left out after a legitimate routing flip
     scale_budget: float | None = None  # the |scale_err| it was held to (isolated rows)
+    signed: object = None  # harness.precision.signed.Signed of isolated rows with a clean measurement
 
 
 @dataclass
@@ -142,12 +143,19 @@ def compare_modules(golden, outputs: dict[str, torch.Tensor], tol: dict, enforce
 
 
 def compare_isolated(golden, replayed, tol: dict, budgets: dict[str, float], router_limits: dict[str, float],
-                     res: Comparison, scale_budgets: dict[str, float] | None = None, judge=None) -> None:
+                     res: Comparison, scale_budgets: dict[str, float] | None = None, judge=None,
+                     signed: dict[str, torch.Tensor] | None = None, dtype: str = "") -> None:
     """Each module's isolated output (``replayed``: the target module on the golden's inputs) against
     the golden, held to its own budget; tokens whose routing flipped at a margin within the router
-    noise (``router_limits``) are left out and counted, flips at wider margins fail the module."""
+    noise (``router_limits``) are left out and counted, flips at wider margins fail the module.
+    ``signed``: the clean row errors per module (the golden's ``signed_error`` section in this dtype):
+    a module whose signed error departs from them beyond chance and the effect floor is biased
+    (harness.precision.signed), whatever its size."""
+    from harness.precision import signed as sg
     from harness.precision.isolate import keep_tokens, routing_mask
 
+    signed = signed or {}
+    p_lim, floor = sg.limit(dtype, len(signed))
     for name in golden.order:
         got = replayed.outputs.get(name)
         ref = golden.modules.get(name)
@@ -171,8 +179,13 @@ def compare_isolated(golden, replayed, tol: dict, budgets: dict[str, float], rou
             reasons.append(f"isolated cosine {m['cosine']:.6g} < {tol['min_cosine']:.6g}")
         reasons.extend(wide)
         excluded = int((~keep).sum()) if keep is not None else 0
+        # the sign test needs every row: with tokens left out after a routing flip it is not made
+        bias = sg.signed_test(got, ref, signed[name]) if name in signed and not excluded else None
+        if bias is not None and bias.p < p_lim and abs(bias.effect) > floor:
+            reasons.append(f"isolated signed error {bias.effect:+.3g} of its RMS, one sign in {bias.same_sign} "
+                           f"of {bias.rows} rows (sign test p {bias.p:.2g} < {p_lim:.2g}): a biased kernel")
         res.isolated.append(ModuleResult(name, m, not reasons, "; ".join(reasons), budget=b,
-                                         excluded_tokens=excluded, scale_budget=sb))
+                                         excluded_tokens=excluded, scale_budget=sb, signed=bias))
 
 
 def compare_generation(golden, gen: dict[str, torch.Tensor], tol: dict, res: Comparison) -> None:

@@ -74,7 +74,8 @@ def budget_draws(ls: LoadedSuite, ids: torch.Tensor) -> list[torch.Tensor]:
 # The golden's sections beyond the forward pass (harness.golden.store, format 3): name -> the module
 # that produces it, with ``spec(ls) -> dict | None`` (the suite's knobs for it; None: the suite does
 # not want it) and ``build(ref: ReferenceRun) -> (entry, tensors)``.
-SECTIONS = {"training": "harness.precision.backward", "decode": "harness.precision.decode"}
+SECTIONS = {"signed_error": "harness.precision.signed", "training": "harness.precision.backward",
+            "decode": "harness.precision.decode"}
 
 
 @dataclass

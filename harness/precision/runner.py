@@ -78,6 +78,8 @@ class Budgets:
     router_limits: dict[str, float] = field(default_factory=dict)  # widest legitimate flip margin per router
     logprob_atol: float | None = None  # greedy-token logprob budget
     tie_margin: float | None = None  # widest legitimate greedy flip (reference logprob gap), measured
+    signed: dict[str, torch.Tensor] = field(default_factory=dict)  # clean row errors per module (signed test)
+    dtype: str = ""
 
 
 # A measured flip gap widens the tie margin up to this factor of the dtype's tie_margin (bfloat16:
@@ -99,12 +101,14 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, source: dict | 
 
     b = golden.budgets(dtype)
     ceiling = tol["rel_rmse"]
+    signed = signed_rows(golden, dtype)
     mods = b.get("modules") or {}
     out = Budgets({n: budget(st, dtype, ceiling, k) for n, st in mods.items()},
                   {n: scale_budget(st["scale"], dtype, k) for n, st in mods.items() if "scale" in st})
     lg = (b.get("propagated") or {}).get("logits")
     out.logits = budget(lg, dtype, ceiling, k) if lg else None
     out.router_limits = {g: 2 * k * v for g, v in (b.get("router_noise") or {}).items()}
+    out.signed, out.dtype = signed, dtype
     gen = (b.get("generation") or {}).get("logprob_diff")
     if gen and gen.get("n"):
         out.logprob_atol = min(tol["logprob_atol"], k * gen["max"] + 0.01)
@@ -113,6 +117,18 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, source: dict | 
     if gaps and not explicit_tie and tol.get("tie_margin") is not None:
         out.tie_margin = max(tol["tie_margin"], min(k * max(gaps), TIE_CEILING_FACTOR * tol["tie_margin"]))
     return out
+
+
+def signed_rows(golden: Golden, dtype: str) -> dict[str, torch.Tensor]:
+    """module -> the clean row errors in ``dtype`` from the golden's ``signed_error`` section ({} when
+    the golden has none: sampled mode, a reference not in float64)."""
+    from harness.precision import signed
+
+    sec = (golden.manifest.get("sections") or {}).get(signed.SECTION)
+    if sec is None:
+        return {}
+    rows = golden.section(signed.SECTION).tensors
+    return {k.split("/", 1)[1]: v for k, v in rows.items() if k.startswith(dtype + "/")}
 
 
 def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | None = None,
@@ -129,7 +145,7 @@ def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | No
     if run.replayed is not None:
         lim = dict.fromkeys([n for n in golden.order if n.endswith(ROUTER_SUFFIXES)], tol["tie_margin"])
         lim.update(bud.router_limits)
-        compare_isolated(golden, run.replayed, tol, bud.modules, lim, res, bud.scales, judge)
+        compare_isolated(golden, run.replayed, tol, bud.modules, lim, res, bud.scales, judge, bud.signed, bud.dtype)
     if run.generation:
         gtol = dict(tol)
         if bud.logprob_atol is not None:

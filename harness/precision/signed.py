@@ -1,0 +1,131 @@
+"""Systematic error: a test of the *signed* error against the reference, beside its size.
+
+A biased low-precision kernel (one that rounds up instead of to nearest, a slope a little too
+large in one direction) can keep a module's rel_rmse inside its budget - the budget is k x the
+clean rounding spread - while it shifts every output, and so every training step, the same way.
+Its error does not grow with the comparison's size, it *averages up*: the mean of the signed
+error stays put while rounding noise averages out.
+
+The statistic, per compared module (a tensor viewed as rows [R, last dim]):
+
+* ``row error``  the mean over the row of ``(target - reference) / rms(reference)`` [R];
+* the target's row errors minus the *clean* row errors (the same weights in the same dtype on the
+  reference backend, measured when the golden is made, draw 0 = the golden's own input): what is
+  left is what this backend does differently. On the reference backend itself it is exactly 0.
+* an exact two-sided **sign test** on those differences (zeros dropped): under "no bias" each
+  difference is as likely positive as negative, independently per row, so the chance that k or
+  more of n share one sign is a binomial tail (no distribution is assumed beyond symmetry).
+* an **effect floor**: the mean difference must also exceed ``EFFECT_FLOORS[dtype]`` (1/16 of the
+  dtype's unit roundoff, relative to the module's RMS), so a correct kernel on another backend
+  whose rounding differs consistently but negligibly is not failed.
+
+A module fails when ``p < ALPHA / modules compared`` (Bonferroni: the whole item's false-alarm
+rate under no bias is at most ``ALPHA``) and the effect is above the floor. With R rows the
+smallest p is 2^(1-R): at R < 20 (few tokens) the test cannot reach ALPHA / M and says so.
+
+The golden's section ``signed_error`` holds the clean row errors, ``<dtype>/<module>`` [R] float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ALPHA = 1e-4  # false-alarm rate of one check item under no bias (all its modules together)
+# 1/16 of each dtype's unit roundoff (bf16 2^-8, fp16 2^-11, fp32 2^-24): a bias worth failing is
+# a sizeable fraction of an ulp on every element; the measured bias of a round-up bf16 kernel is
+# ~2^-10 (tests/precision/test_signed.py).
+EFFECT_FLOORS = {"bfloat16": 2.0 ** -12, "float16": 2.0 ** -15, "float32": 2.0 ** -28}
+SECTION = "signed_error"
+
+
+def row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor | None:
+    """[R] mean over each row (last dim) of (got - ref) / rms(ref); None for tensors without rows."""
+    if got.dim() < 2 or got.shape != ref.shape or not ref.is_floating_point():
+        return None
+    r = ref.double()
+    rms = r.pow(2).mean().sqrt()
+    if not torch.isfinite(rms) or rms == 0:
+        return None
+    return ((got.double() - r) / rms).reshape(-1, r.shape[-1]).mean(-1)
+
+
+def sign_p(n_pos: int, n: int) -> float:
+    """Exact two-sided sign-test p: P(at least max(k, n-k) of n fair coins land one way) x 2."""
+    if n == 0:
+        return 1.0
+    k = max(n_pos, n - n_pos)
+    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2.0 ** n
+    return min(1.0, 2 * tail)
+
+
+@dataclass
+class Signed:
+    p: float  # sign-test p of the target's row errors against the clean ones
+    effect: float  # mean (target - clean) row error: the bias relative to the module's RMS
+    rows: int  # rows with a nonzero difference
+    same_sign: int  # of those, how many share the majority sign
+
+
+def signed_test(got: torch.Tensor, ref: torch.Tensor, clean: torch.Tensor) -> Signed | None:
+    """The target's signed error against the clean one (``clean``: the golden's row errors)."""
+    rows = row_errors(got, ref)
+    if rows is None or clean is None or rows.numel() != clean.numel():
+        return None
+    if not bool(torch.isfinite(rows).all()):
+        return None  # a non-finite output fails on its size; its sign says nothing more
+    diff = rows - clean.double().reshape(-1)
+    nz = diff[diff != 0]
+    pos = int((nz > 0).sum())
+    return Signed(sign_p(pos, nz.numel()), diff.mean().item(), nz.numel(), max(pos, nz.numel() - pos))
+
+
+def limit(dtype: str, modules: int) -> tuple[float, float]:
+    """(p below which a module is biased, effect floor) for one item comparing ``modules`` modules."""
+    return ALPHA / max(modules, 1), EFFECT_FLOORS.get(dtype, 0.0)
+
+
+def reachable(rows: int, modules: int) -> bool:
+    """Can ``rows`` rows reach the item's p limit at all (all signs equal gives 2^(1-rows))?"""
+    return rows > 0 and 2.0 ** (1 - rows) < ALPHA / max(modules, 1)
+
+
+# --- the golden's section (harness.precision.generate.SECTIONS) ---------------------------------------
+def spec(ls) -> dict | None:
+    """Made with every full-mode golden that measures budgets (it needs the recorded module inputs)."""
+    p = ls.suite.checks.precision
+    if not p.enabled or p.golden_mode != "full":
+        return None
+    return {"statistic": "sign test of per-row mean signed error vs the clean dtype run", "alpha": ALPHA}
+
+
+def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Clean row errors per dtype and module on draw 0 (the golden's input): the same weights in the
+    dtype run each module on the recorded float64 inputs, against the float32-rounded reference
+    (what the check compares with: the golden stores float32), so the reference backend itself
+    differs from them by exactly 0."""
+    from harness.models import numerics
+    from harness.models.build import build_model, torch_dtype
+    from harness.precision.isolate import replay
+
+    cap, tensors = ref.capture, {}
+    if cap is None:
+        return {"dtypes": []}, {}
+    names = [n for n in ref.outputs if n in cap.inputs]
+    # the inputs as the golden stores them (float32), so a check on this backend replays the same bits
+    outs = {k: v.float() if v.is_floating_point() else v for k, v in ref.outputs.items()}
+    ins = {k: v.float() if v.is_floating_point() else v for k, v in cap.input_tensors.items()}
+    for dtype in ref.dtypes:
+        model, _ = build_model(ref.ls, dtype, "cpu", seed=ref.ls.suite.checks.precision.seed)
+        numerics.apply(model, ref.numerics)
+        model.eval()
+        rp = replay(model, cap.inputs, outs, ins, torch_dtype(dtype), "cpu", names)
+        for n in names:
+            got, r = rp.outputs.get(n), outs.get(n)
+            rows = row_errors(got, r) if got is not None and r is not None else None
+            if rows is not None and bool(torch.isfinite(rows).all()):
+                tensors[f"{dtype}/{n}"] = rows
+        del model
+    return {"dtypes": list(ref.dtypes), "alpha": ALPHA, "effect_floors": EFFECT_FLOORS}, tensors

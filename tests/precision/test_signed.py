@@ -1,0 +1,94 @@
+"""#25 item 3: a biased low-precision kernel is caught by the signed-error test while every magnitude
+budget passes, and a correct kernel that merely rounds differently is not.
+
+The biased kernel: aten::mm in bf16 computed in float32 and rounded to bf16 with a biased threshold
+(up once the remainder exceeds a quarter of an ulp, not half): each element is off by less than one
+bf16 ulp, as a correct kernel's is, with about the same spread, but a quarter ulp upward on average.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from harness.precision import runner, signed
+from precision.helpers import props, run_check
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def _mm(rounding: str):
+    def mm(a, b):
+        if a.dtype not in LOW:
+            return torch.ops.aten.bmm(a[None], b[None])[0]
+        acc = torch.float32 if rounding == "up" else torch.float64  # "other": another accumulator, unbiased
+        y = torch.ops.aten.bmm(a.to(acc)[None], b.to(acc)[None])[0]
+        r = y.to(a.dtype)
+        if rounding == "up":  # the two bf16 neighbours of y, and the upper one from a quarter ulp on
+            lo = torch.where(r.to(acc) > y, torch.nextafter(r, torch.full_like(r, -math.inf)), r)
+            hi = torch.nextafter(lo, torch.full_like(lo, math.inf))
+            frac = (y - lo.to(acc)) / (hi.to(acc) - lo.to(acc))
+            r = torch.where(frac > 0.25, hi, lo)
+        return r
+    return mm
+
+
+class MatmulKernel:
+    """``with MatmulKernel("up"):`` aten::mm on the CPU key replaced (torch.library) for the duration."""
+
+    def __init__(self, rounding: str):
+        self.rounding = rounding
+
+    def __enter__(self):
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # overriding the real kernel: on purpose
+            self.lib.impl("mm", _mm(self.rounding), "CPU")
+        return self
+
+    def __exit__(self, *exc):
+        self.lib._destroy()
+
+
+def test_sign_test_p_values():
+    assert signed.sign_p(0, 0) == 1.0
+    assert signed.sign_p(32, 32) == pytest.approx(2 * 0.5 ** 32)
+    assert signed.sign_p(16, 32) == 1.0
+    assert signed.sign_p(3, 10) == pytest.approx(2 * sum(math.comb(10, i) for i in range(7, 11)) / 1024)
+    assert not signed.reachable(10, 30) and signed.reachable(32, 30)
+
+
+def test_signed_test_on_tensors():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(32, 64, generator=g)
+    noise = torch.randn(32, 64, generator=g) * 1e-3
+    clean = signed.row_errors(ref + noise, ref)
+    assert signed.signed_test(ref + noise, ref, clean).rows == 0  # the reference backend itself: exactly 0
+    other = signed.signed_test(ref + torch.randn(32, 64, generator=g) * 1e-3, ref, clean)
+    assert other.p > 1e-3  # unbiased noise
+    biased = signed.signed_test(ref + noise + 2e-3 * ref.abs(), ref, clean)
+    assert biased.p < 1e-8 and biased.effect > 1e-3 and biased.same_sign == 32
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "mixtral-8x7b"])
+def test_biased_bf16_matmul_caught_by_the_signed_test_only(name, tmp_path, monkeypatch):
+    ctx, failure = run_check(name, "bfloat16", tmp_path, context=lambda: MatmulKernel("up"))
+    assert failure is not None
+    first = props(ctx)["harness.detail.first_divergent_module"]
+    assert failure.message.startswith(f"{first} diverges") and "a biased kernel" in failure.message
+    assert "isolated rel_rmse" not in failure.message.split("; propagated")[0]  # its size is within budget
+    # without the signed test every magnitude budget passes: the bias is invisible to them
+    monkeypatch.setattr(runner, "signed_rows", lambda golden, dtype: {})
+    _, failure = run_check(name, "bfloat16", tmp_path, context=lambda: MatmulKernel("up"))
+    assert failure is None, failure.message
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "mixtral-8x7b"])
+def test_unbiased_other_rounding_is_no_false_alarm(name, tmp_path):
+    """A correct kernel of another backend (float64 accumulation, round to nearest) differs from the
+    CPU's in many elements, without a direction: the signed test stays quiet."""
+    ctx, failure = run_check(name, "bfloat16", tmp_path, context=lambda: MatmulKernel("other"))
+    assert failure is None, failure.message
