@@ -8,7 +8,8 @@ as named steps (``SmokeCheck.steps``):
 ``backward``     a finite gradient on every trainable parameter (``no_grad_ok`` globs excepted);
 ``train``        ``steps`` AdamW steps on the same batch lower the loss;
 ``determinism``  a second build + forward gives bit-identical logits (enforced on CPU, recorded elsewhere);
-``generate``     greedy generation with the KV cache equals generation without it, except at near ties.
+``generate``     greedy generation with the KV cache equals generation without it, except at near ties,
+                 and each step's logits agree under the dtype's precision tolerance (rel_rmse).
 
 Variant ``wrapper`` (``[checks.smoke] wrapper = true``, which ``harness init`` writes for multimodal
 wrapper configs): the same steps on the wrapper end to end (harness/models/wrapper.py): the suite's
@@ -44,6 +45,8 @@ metrics.declare("grad_norm", "", "none", "global L2 norm of the first backward's
 metrics.declare("parameters", "", "none", "parameters of the pruned model")
 metrics.declare("logits_bitwise_equal", "bool", "higher", "1 if two identical runs gave identical logits")
 metrics.declare("generation_match", "bool", "higher", "1 if cached and uncached greedy tokens agree")
+metrics.declare("generation_cache_logits_rel_rmse", "", "lower", "largest rel_rmse of a step's logits with the KV "
+                "cache against recomputation without it (steps up to the first token mismatch)")
 metrics.declare("image_tokens", "", "none", "image tokens per sequence in the wrapper variant's synthetic input")
 metrics.declare("image_logit_change", "", "higher", "max |logits(image A) - logits(image B)| at text positions "
                 "after the image (wrapper variant): 0 means the image does not reach the output")
@@ -356,12 +359,17 @@ class SmokeCheck(Check):
         model.eval()
         model.generation_config.eos_token_id = None  # generate exactly n tokens
         with torch.no_grad():
-            cached, _ = _greedy(model, ids, cfg.generate_tokens, True)
+            cached, cached_scores = _greedy(model, ids, cfg.generate_tokens, True)
             plain, scores = _greedy(model, ids, cfg.generate_tokens, False)
         if torch.equal(cached, plain):
             ctx.metric("generation_match", 1.0)
-            return
-        # First mismatch: acceptable only if the uncached logits were near-tied there.
+        else:
+            self._token_mismatch(ctx, cached, plain, scores)
+        self._cache_logits(ctx, cached, plain, cached_scores, scores)
+
+    def _token_mismatch(self, ctx: CheckContext, cached, plain, scores) -> None:
+        """A token that differs is acceptable only where the uncached logits were near-tied."""
+        cfg = ctx.config
         b, t = (cached != plain).nonzero()[0].tolist()
         step = scores[t][b].float()
         gap = (step[plain[b, t]] - step[cached[b, t]]).item()
@@ -375,6 +383,31 @@ class SmokeCheck(Check):
                 metric="generation_tie_gap", expected=f"<= {margin} (near tie)", observed=f"{gap:.6g}",
                 tolerance=margin)
         ctx.notes.append(f"cached/uncached generation differ at a near tie (gap {gap:.3g} <= {margin})")
+
+    def _cache_logits(self, ctx: CheckContext, cached, plain, cached_scores, scores) -> None:
+        """Each step's logits [B, vocab] with the cache against recomputation, under the dtype's
+        precision tolerance: a wrong cache shows in every decoded step's logits even where the
+        greedy tokens happen to agree. Steps after the first token mismatch condition on other
+        tokens and are not compared (the mismatch step itself still shares its prefix)."""
+        from harness.precision.compare import tensor_metrics
+        from harness.precision.tolerance import resolve
+
+        diff = (cached != plain).any(0).nonzero()
+        last = int(diff[0]) if len(diff) else len(scores) - 1
+        errs = [tensor_metrics(cached_scores[t].float(), scores[t].float())["rel_rmse"] for t in range(last + 1)]
+        if not errs:
+            return
+        tol = resolve(ctx.suite.suite.checks.precision, ctx.backend.name, ctx.backend.device_name(), ctx.dtype)[0]
+        budget = tol["rel_rmse"]
+        worst = ctx.metric("generation_cache_logits_rel_rmse", max(errs))
+        ctx.tolerance("generation_cache_logits_rel_rmse", budget)
+        bad = next((t for t, e in enumerate(errs) if not e <= budget), None)
+        if bad is not None:
+            raise CheckFailure(
+                f"decode logits with the KV cache differ from recomputation without it at new token {bad} "
+                f"(rel_rmse {errs[bad]:.3g} > the {ctx.dtype} tolerance {budget:.3g})",
+                metric="generation_cache_logits_rel_rmse", expected=f"<= {budget:.3g}", observed=f"{worst:.4g}",
+                tolerance=budget)
 
 
 def _other_image_inputs(ctx: CheckContext, st) -> dict:

@@ -44,6 +44,20 @@ def cache_breaks_generation(config, dtype, device):
 
     model.register_forward_hook(hook, with_kwargs=True)
     return model
+
+
+def decode_logits_scaled(config, dtype, device):
+    # the decode path (one new position) scales the final hidden state, the prefill is right: the
+    # greedy tokens cannot change (argmax is scale-free), every decoded step's logits do - by 1e-3 in
+    # float32, 0.1 in bf16 (tolerances 1e-5 and 4e-2)
+    model = _real(config)  # built in float32, cast to the run dtype afterwards: the hook reads it
+
+    def hook(m, args, out):
+        f = 1e-3 if out.dtype == torch.float32 else 0.1
+        return out * (1 + f) if out.shape[1] == 1 else out
+
+    model.model.norm.register_forward_hook(hook)
+    return model
 '''
 
 
@@ -101,6 +115,20 @@ def test_kv_cache_generation_mismatch_is_caught(write_suite, faults):
     with pytest.raises(CheckFailure, match="generation with KV cache differs") as e:
         run_one(ls, "smoke", "cpu", "float32")
     assert e.value.metric == "generation_tie_gap"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_cache_logits_compared_not_only_tokens(write_suite, faults, dtype):
+    """#26 item 4: a decode path whose logits are off fails on them although the greedy tokens agree;
+    the clean model records the cached/uncached logits error under the dtype's tolerance."""
+    ctx = run_one(tiny(write_suite, "clean"), "smoke", "cpu", dtype)
+    p = props(ctx)
+    err = float(p["metric.generation_cache_logits_rel_rmse"])
+    assert err <= float(p["tolerance.generation_cache_logits_rel_rmse"]) / 4
+    ls = tiny(write_suite, "kvdec", "harness_faults:decode_logits_scaled")
+    with pytest.raises(CheckFailure, match=r"decode logits with the KV cache differ .* at new token \d") as e:
+        run_one(ls, "smoke", "cpu", dtype)
+    assert e.value.metric == "generation_cache_logits_rel_rmse"
 
 
 def test_loss_that_does_not_fall_fails(write_suite):
