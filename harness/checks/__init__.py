@@ -10,8 +10,9 @@ The contract (``base.py``, ``outcomes.py``; walkthrough in docs/adding-a-check.m
   pyproject.toml). Items are generated in the checks' ``order`` (cheap smoke items first).
 
 The built-ins, one module each: ``smoke`` (load, forward, backward, a few optimizer steps),
-``precision`` (against the float64 golden, module by module), ``quantization`` (quantized weights'
-error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
+``precision`` (against the float64 golden, module by module), ``decode`` (the KV-cache decode step
+by step against the golden's), ``training`` (gradients module by module, optimizer steps and the
+loss trajectory against the golden's), ``quantization`` (quantized weights' error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
 ``perf`` (throughput, latency, memory against baselines), ``weights`` (real checkpoints).
 ``collection`` is what the plugin and ``harness validate`` both refuse when items are generated
 (unknown backends, variants).

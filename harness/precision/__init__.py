@@ -2,6 +2,9 @@
 
 * ``generate``      ``harness golden generate``: the reference run, its budgets, the golden written;
 * ``compare``       per-module metrics of a target against a golden; ``tolerance`` the defaults per dtype;
+* ``signed``        the signed-error (bias) test and the golden's ``signed_error`` section;
+* ``backward``      the golden's ``training`` section: gradients, optimizer, loss trajectory (training check);
+* ``decode``        the golden's ``decode`` section: the float64 reference's cached decode (decode check);
 * ``budgets``       budgets measured at golden generation (noise of a correct run in each dtype);
 * ``align``         localize and plot errors layer by layer;
 * ``isolate``       replay one module on the golden's inputs (is it this module, or its inputs?);
