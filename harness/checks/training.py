@@ -166,7 +166,7 @@ class TrainingCheck(Check):
         if st.run.unforced:
             st.notes.append(f"routers not forced to the golden's choices: {', '.join(st.run.unforced)}")
         gin = {m: st.t[f"gin/{m}"] for m, e in st.entry["modules"].items() if e["grad_in"]}
-        gout = {m: st.t[f"gout/{m}"] for m in st.entry["modules"]}
+        gout = {m: st.t[f"gout/{m}"] for m, e in st.entry["modules"].items() if e["grad_out"]}
         errs = bw.module_errors(st.run, gin, gout)
         errs["param"] = bw.param_errors(st.run.grads, st.idx, {n: st.t[f"pgrad/{n}"] for n in st.idx})
         for kind, by in errs.items():
@@ -201,7 +201,8 @@ class TrainingCheck(Check):
         tied = {a for p in st.entry["params"].values() for a in p["tied"]}
         tied |= {n for n, p in st.entry["params"].items() if p["tied"]}
         rp = bw.replay_all(st.model, st.g.structures, st.g.modules, st.g.module_inputs, st.gout,
-                           torch_dtype(ctx.dtype), ctx.device, st.routes, st.context, tied)
+                           torch_dtype(ctx.dtype), ctx.device, st.routes, st.context, tied,
+                           {m: e["out_index"] for m, e in st.entry["modules"].items()})
         gin = {m: st.t[f"gin/{m}"] for m, e in st.entry["modules"].items() if e["grad_in"]}
         errs = bw.replay_errors(rp, gin, st.idx, {n: st.t[f"pgrad/{n}"] for n in st.idx})
         for kind, vals in errs.items():

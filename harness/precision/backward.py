@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.anatomy.capture import decode, first_tensor, module_path, selected_modules
+from harness.anatomy.capture import decode, module_path, selected_modules
 from harness.models.build import seeded_tokens
 
 SECTION = "training"
@@ -86,32 +86,47 @@ def _main_input(args, kwargs) -> tuple[str, int | str] | None:
     return None
 
 
-def _replace_output(out, fn):
-    """``out`` with its first floating tensor replaced by ``fn(t)`` (tensors and tuples; else as is)."""
+def _floats(out) -> list[torch.Tensor]:
+    """The floating tensors of a module's output (a tensor or a plain tuple), in order."""
+    items = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, tuple) else []
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _tap_outputs(out, fn):
+    """``out`` with its i-th floating tensor t replaced by ``fn(i, t)`` (tensors and plain tuples)."""
     if isinstance(out, torch.Tensor):
-        return fn(out) if out.is_floating_point() else out
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        for i, t in enumerate(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                return out[:i] + (fn(t),) + out[i + 1:]
-    return out
+        return fn(0, out) if out.is_floating_point() else out
+    if not isinstance(out, tuple) or hasattr(out, "_fields"):
+        return out
+    res, i = [], 0
+    for t in out:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t, i = fn(i, t), i + 1
+        res.append(t)
+    return tuple(res)
 
 
 class GradTaps:
     """``with GradTaps(model, patterns) as taps:`` forward + backward; then ``taps.gin[m]`` /
     ``taps.gout[m]`` (CPU, the run dtype) and ``taps.order`` (modules by when their backward finished:
-    the input gradient, or for a module without a floating input the output gradient). First call only."""
+    the input gradient, or for a module without a floating input the output gradient). First call only.
+    The output gradient is that of the first floating output that gets one (``taps.gout_index``): a
+    router's logits feed only its own weights, the gradient arrives at its routing weights."""
 
     def __init__(self, model, patterns=None):
         self.mods = selected_modules(model, patterns)
         self.gin: dict[str, torch.Tensor] = {}
-        self.gout: dict[str, torch.Tensor] = {}
+        self._gout: dict[str, dict[int, torch.Tensor]] = {}
         self.events: dict[str, dict[str, int]] = {}
         self._n, self._handles, self._called, self._out_called = 0, [], set(), set()
 
-    def _record(self, name: str, kind: str):
+    def _record(self, name: str, kind: str, i: int = 0):
         def rec(g):
-            (self.gin if kind == "in" else self.gout).setdefault(name, g.detach().to("cpu", copy=True))
+            g = g.detach().to("cpu", copy=True)
+            if kind == "in":
+                self.gin.setdefault(name, g)
+            else:
+                self._gout.setdefault(name, {}).setdefault(i, g)
             self.events.setdefault(name, {}).setdefault(kind, self._n)
             self._n += 1
         return rec
@@ -139,9 +154,17 @@ class GradTaps:
             if name in self._out_called or not torch.is_grad_enabled():
                 return None
             self._out_called.add(name)
-            tap = lambda t: _Tap.apply(t, self._record(name, "out")) if t.requires_grad else t  # noqa: E731
-            return _replace_output(out, tap)
+            tap = lambda i, t: _Tap.apply(t, self._record(name, "out", i)) if t.requires_grad else t  # noqa: E731
+            return _tap_outputs(out, tap)
         return post
+
+    @property
+    def gout(self) -> dict[str, torch.Tensor]:
+        return {n: by[min(by)] for n, by in self._gout.items()}
+
+    @property
+    def gout_index(self) -> dict[str, int]:
+        return {n: min(by) for n, by in self._gout.items()}
 
     @property
     def order(self) -> list[str]:
@@ -218,6 +241,7 @@ class GradRun:
     order: list[str]
     grads: dict[str, torch.Tensor]  # parameter name -> full gradient (zeros where unused)
     routes: dict[str, torch.Tensor] = field(default_factory=dict)  # router -> chosen experts [T, k]
+    gout_index: dict[str, int] = field(default_factory=dict)  # which floating output gout is of
     unforced: list[str] = field(default_factory=list)  # routers whose choice could not be forced
 
 
@@ -251,7 +275,8 @@ def grad_run(model, ids: torch.Tensor, patterns=None, routes: dict | None = None
     full = {n: (g if g is not None else torch.zeros_like(p)).detach().to("cpu")
             for (n, p, _), g in zip(params, grads, strict=True)}
     own = {r: calls[0][0] for r, calls in rc.calls["step"].items()}
-    return GradRun(loss.item(), taps.gin, taps.gout, taps.order, full, own, sorted(set(forced.unforced)) if forced else [])
+    return GradRun(loss.item(), taps.gin, taps.gout, taps.order, full, own, taps.gout_index,
+                   sorted(set(forced.unforced)) if forced else [])
 
 
 # --- isolated backward replay ----------------------------------------------------------------------
@@ -262,11 +287,11 @@ def _resolver(outputs: dict, tensors: dict, dtype: torch.dtype, device):
     return resolve
 
 
-def replay_backward(model, name: str, st: dict, resolve, grad_out: torch.Tensor, dtype: torch.dtype,
+def replay_backward(model, name: str, st: dict, resolve, grad_out: torch.Tensor, out_index: int = 0,
                     skip_params: set[str] = frozenset()) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(input gradient, {parameter name: gradient}) of one module called on its recorded inputs
-    ``st`` (the golden's forward call) with ``grad_out`` as the gradient of its first floating
-    output: its own backward, nothing upstream or downstream of it."""
+    ``st`` (the golden's forward call) with ``grad_out`` as the gradient of its ``out_index``-th
+    floating output: its own backward, nothing upstream or downstream of it."""
     mod = dict(model.named_modules())[module_path(name)]
     args = [decode(a, resolve) for a in st["args"]]
     kwargs = {k: decode(v, resolve) for k, v in st["kwargs"].items()}
@@ -282,7 +307,8 @@ def replay_backward(model, name: str, st: dict, resolve, grad_out: torch.Tensor,
     prefix = module_path(name) + "."
     params = [(n, p) for n, p in model.named_parameters() if n.startswith(prefix) and n not in skip_params]
     with torch.enable_grad():
-        y = first_tensor(_replace_output(mod(*args, **kwargs), lambda t: t))
+        outs = _floats(mod(*args, **kwargs))
+        y = outs[out_index] if out_index < len(outs) else None
         inputs = ([x] if x is not None else []) + [p for _, p in params]
         if y is None or not y.requires_grad or not inputs:
             return None, {}
@@ -294,9 +320,10 @@ def replay_backward(model, name: str, st: dict, resolve, grad_out: torch.Tensor,
 
 
 def replay_all(model, structures: dict, outputs: dict, tensors: dict, gout: dict, dtype, device,
-               routes: dict | None = None, context=None, skip_params: set[str] = frozenset()) -> dict:
+               routes: dict | None = None, context=None, skip_params: set[str] = frozenset(),
+               gout_index: dict | None = None) -> dict:
     """{module: (input grad, param grads)} of every module with recorded inputs and a golden output
-    gradient, routers forced to ``routes``."""
+    gradient (of its ``gout_index[m]``-th floating output), routers forced to ``routes``."""
     import contextlib
 
     from harness.precision.routing import ForcedRouting
@@ -311,7 +338,8 @@ def replay_all(model, structures: dict, outputs: dict, tensors: dict, gout: dict
             for name, g in gout.items():
                 st = structures.get("logits" if name == "lm_head" else name)
                 if st is not None and module_path(name) in dict(model.named_modules()):
-                    res[name] = replay_backward(model, name, st, resolve, g, dtype, skip_params)
+                    res[name] = replay_backward(model, name, st, resolve, g, (gout_index or {}).get(name, 0),
+                                                skip_params)
     finally:
         for h in handles:
             h.remove()
@@ -511,7 +539,7 @@ def _measure_backward(ref, model, dtype: str, draws: list[dict], tied: set[str])
         _max_into(acc, module_errors(got, rr.gin, rr.gout))
         _max_into(acc, {"param": param_errors(got.grads, dr["idx"], dr["pref"])})
         rp = replay_all(model, dr["structures"], dr["outputs"], dr["tensors"], rr.gout, torch_dtype(dtype), "cpu",
-                        routes=rr.routes, skip_params=tied)
+                        routes=rr.routes, skip_params=tied, gout_index=rr.gout_index)
         _max_into(acc, {f"replay_{k}": v for k, v in replay_errors(rp, rr.gin, dr["idx"], dr["pref"]).items()})
     return acc
 
@@ -581,7 +609,8 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
         budgets[dtype] = _rounded(acc)
     t0 = refs[0]
     entry = {"loss": rr.loss, "labels": "input_ids", "backward_order": rr.order,
-             "modules": {m: {"grad_in": m in rr.gin} for m in rr.gout},
+             "modules": {m: {"grad_in": m in rr.gin, "grad_out": m in rr.gout, "out_index": rr.gout_index.get(m, 0)}
+                         for m in rr.order},
              "params": _params_entry(model, rr, idx), "routers": sorted(rr.routes),
              "trajectory": {"loss": t0.loss, "grad_norm": t0.grad_norm, "update_norm": t0.update_norm},
              "draws": len(draws), "budgets": budgets}
