@@ -45,6 +45,10 @@ metrics.declare("parallel_logits_after_error", "", "lower", "logits after the op
 metrics.declare("parallel_activation_error", "", "lower", "worst module output vs the reference (localization)")
 metrics.declare("parallel_router_error", "", "lower", "worst router logits vs the reference (both forwards)")
 # routing_flips_near_tie is declared by the precision check (same meaning: near-tie routing flips).
+metrics.declare("parallel_grad_error_f64", "", "lower", "worst scale-relative error of a full-shape gradient against "
+                "the float64 reference")
+metrics.declare("parallel_f64_budget_use", "", "lower", "worst error against the float64 reference / its budget "
+                "(k x the single-process run's own float64 error + floor), gradients and weights; fails above 1")
 metrics.declare("parallel_world_size", "", "none", "ranks of the layout")
 metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout on its slowest rank")
 metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout, from its start "
@@ -310,6 +314,9 @@ class ParallelCheck(Check):
         ctx.detail("layout", json.dumps(st.layout.to_dict(), sort_keys=True))
 
     def reference(self, ctx: CheckContext, st) -> None:
+        """The single-process step in the run dtype on the CPU, and the same step in float64 (its
+        routers following the dtype run's choices), with the dtype run's own error against it: the
+        budget of the float64 comparison (``compare``)."""
         from harness.models.build import build_model
         from harness.parallel.reference import batch, run_reference
 
@@ -320,8 +327,8 @@ class ParallelCheck(Check):
                 model, _ = build_model(ctx.suite, ctx.dtype, "cpu", seed=cfg.seed, mc=st.mc)
                 ids = batch(st.mc.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
                 ref, order = run_reference(model, ids, cfg.lr)
-            _REFS[key] = (ref, order, ids)
-        st.ref, st.order, st.ids = _REFS[key]
+            _REFS[key] = (ref, order, ids, _float64_reference(ctx, st, ref, ids))
+        st.ref, st.order, st.ids, st.ref64 = _REFS[key]
 
     def launch(self, ctx: CheckContext, st) -> None:
         from harness.parallel.launcher import BackgroundLaunch
@@ -365,6 +372,7 @@ class ParallelCheck(Check):
             ref, routing = _routed_reference(ctx, st, lay, ranks, tol)
             v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
             _apply_routing(v, routing, st.order)
+            _compare_float64(v, st.ref64 if ref is st.ref else None, ranks, ctx.dtype)
             st.verdicts[lay.label] = (v, [rd.meta for rd in ranks], routing)
         v, metas, routing = st.verdicts[lay.label]
         st.verdict, st.metas = v, metas
@@ -373,6 +381,9 @@ class ParallelCheck(Check):
             if routing.detail:
                 ctx.detail("routing", routing.detail)
             ctx.notes.extend(routing.notes)
+        for name in ("parallel_grad_error_f64", "parallel_f64_budget_use"):
+            if name in v.metrics:
+                ctx.metric(name, v.metrics[name])
         for q, name in (("logits", "parallel_logits_error"), ("loss", "parallel_loss_error"),
                         ("grads", "parallel_grad_error"), ("weights", "parallel_weight_error"),
                         ("logits_after", "parallel_logits_after_error"),
@@ -435,6 +446,71 @@ class ParallelCheck(Check):
                 raise CheckFailure(f"ZeRO-{lay.zero} keeps {of:.3f} of the whole model's optimizer-state bytes per "
                                    f"rank; expected about 1/{lay.dp}", metric="zero_optimizer_fraction",
                                    expected=f"<= {limit:.3f}", observed=f"{of:.3f}")
+
+
+# The float64 comparison (#25): a layout's gradients and weights after the step against the float64
+# reference, each held to F64_K x the single-process dtype run's own error against float64 + a floor.
+# The single-process run is on the CPU (the reference backend), so a backend whose kernels are wrong
+# everywhere cannot pass by agreeing with itself: the same-dtype comparison's tolerances (8x the worst
+# clean layout error, bf16 grads 2^-2) are wide enough to hide a 5% backward fault, this one is
+# per parameter and measured. F64_K and the floors: docs/parallel.md, "Against float64".
+F64_K = 2.0
+F64_FLOORS = {"float32": 2.0 ** -20, "bfloat16": 2.0 ** -6, "float16": 2.0 ** -9, "float64": 1e-12}
+
+
+def _float64_reference(ctx: CheckContext, st, ref: dict, ids: torch.Tensor) -> dict | None:
+    """{"grad/<p>", "weight/<p>": (float64 value, the dtype run's error against it)}; None in float64.
+    The float64 model's routers are forced to the dtype run's choices: a near-tie flip between the two
+    would send gradient to other experts and say nothing about the layout."""
+    from harness.models.build import build_model
+    from harness.parallel.compare import rel_err
+    from harness.parallel.reference import run_reference
+    from harness.precision.routing import PHASES, ForcedRouting
+
+    if ctx.dtype == "float64":
+        return None
+    force = {ph: {k.split("/", 2)[2]: v for k, v in ref.items() if k.startswith(f"route/{ph}/")} for ph in PHASES}
+    forced = ForcedRouting(force) if any(force.values()) else None
+    with torch.random.fork_rng(devices=[]):
+        model, _ = build_model(ctx.suite, "float64", "cpu", seed=st.cfg.seed, mc=st.mc)
+        ref64, _ = run_reference(model, ids, st.cfg.lr, forced)
+    del model
+    if forced is not None and forced.unforced:
+        ctx.notes.append("float64 comparison off: router(s) " + ", ".join(sorted(set(forced.unforced)))
+                         + " could not follow the dtype run's choices")
+        return None
+    return {k: (ref64[k], rel_err(ref[k], ref64[k])) for k in ref64 if k.startswith(("grad/", "weight/")) and k in ref}
+
+
+def _compare_float64(v, ref64: dict | None, ranks, dtype: str) -> None:
+    """Every rank's full-shape gradient and weight against the float64 reference, under F64_K x the
+    single-process run's own error + the floor; the worst is named. Skipped (with a note) where the
+    reference was rerun with the layout's near-tie routing (its float64 twin was not)."""
+    from harness.parallel.compare import rel_err
+
+    if ref64 is None:
+        v.notes.append("float64 comparison not made: " + ("float64 run" if dtype == "float64" else
+                                                          "the layout routed near ties otherwise"))
+        return
+    floor = F64_FLOORS.get(dtype, F64_FLOORS["float32"])
+    worst, worst_grad = ("", 0.0, 0.0, 0.0, []), 0.0
+    for key, (r64, clean) in ref64.items():
+        errs = {rd.rank: rel_err(rd.tensors[key], r64) for rd in ranks if key in rd.tensors}
+        if not errs:
+            continue
+        e, budget = max(errs.values()), F64_K * clean + floor
+        if key.startswith("grad/"):
+            worst_grad = max(worst_grad, e)
+        if e / budget > worst[1] or not worst[0]:
+            worst = (key, e / budget, e, budget, sorted(r for r, x in errs.items() if x > budget))
+    v.metrics["parallel_grad_error_f64"] = worst_grad
+    v.metrics["parallel_f64_budget_use"] = worst[1]
+    if worst[1] > 1:
+        kind, _, name = worst[0].partition("/")
+        clean = ref64[worst[0]][1]
+        v.failed.append(f"{kind}s differ from the float64 reference: worst {name} (error {worst[2]:.3g} > budget "
+                        f"{worst[3]:.3g} = {F64_K:g} x the single-process {dtype} run's own {clean:.3g} + {floor:.3g}) "
+                        f"on rank(s) {worst[4]}: the layout's kernels, not its reduction order")
 
 
 class _Routing:
