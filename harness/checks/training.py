@@ -71,6 +71,9 @@ class TrainingConfig(CheckConfig):
     optimizer: Literal["fused", "foreach", "loop"] = Field(
         "fused", description="The target's AdamW implementation: 'fused' (the backend's fused kernel, what "
         "vendors train with), 'foreach' or 'loop'. The float64 reference always runs the plain loop.")
+    master_fp32: bool = Field(False, description="Also train with float32 master weights (bf16/fp16 parameters, "
+                              "gradients cast to float32, the AdamW step on the masters), as vendors train: variant "
+                              "'master_fp32' (the default item trains plain in the run dtype).")
     sketch_size: int = Field(256, ge=16, description="Gradient elements per parameter kept in the golden "
                              "(seeded, among the gradient's nonzero entries).")
     trajectory_draws: int = Field(3, ge=1, description="Batch streams over which `golden generate` measures "
@@ -84,6 +87,9 @@ class TrainingConfig(CheckConfig):
         if len(v) != 2 or not all(0 <= b < 1 for b in v):
             raise ValueError(f"must be two numbers in [0, 1), got {v}")
         return v
+
+
+MASTER_VARIANT = "master_fp32"  # item training[<backend>-<dtype>-master_fp32]
 
 
 @dataclass
@@ -126,12 +132,18 @@ class TrainingCheck(Check):
     steps = ("golden", "budgets", "backward", "localize", "replay", "optimizer", "trajectory", "record", "verdict")
     setup_steps = ("golden", "budgets")
 
+    def variants(self, suite, backend) -> list[str | None]:
+        return [None, MASTER_VARIANT] if self.config(suite).master_fp32 else [None]
+
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, results_dir=None)
 
     def golden(self, ctx: CheckContext, st) -> None:
         if ctx.dtype == "float64":
             raise NotApplicable("float64 is the reference's dtype: nothing to compare against")
+        st.master = ctx.variant == MASTER_VARIANT
+        if st.master and ctx.dtype not in bw.MASTER_DTYPES:
+            raise NotApplicable(f"float32 master weights of {ctx.dtype} parameters are the plain run")
         st.g = load_golden_for(ctx, st.golden_root)
         st.spec = bw.spec(ctx.suite)
         try:
@@ -148,6 +160,11 @@ class TrainingCheck(Check):
             raise CouldNotRun(f"the golden's training section has no budgets for {ctx.dtype} (measured for "
                               f"{sorted(st.entry.get('budgets') or {})}); add {ctx.dtype} to the suite's dtypes and "
                               f"regenerate with `harness golden generate {ctx.suite.name} --update`", step="budgets")
+        if st.master:  # the optimizer's and the trajectory's budgets of the mixed-precision run
+            st.clean = {**st.clean, **(st.entry["budgets"].get(ctx.dtype + bw.MASTER) or {})}
+            if ctx.dtype + bw.MASTER not in st.entry["budgets"]:
+                raise CouldNotRun(f"the golden's training section has no {ctx.dtype} master-weight budgets; regenerate "
+                                  f"with `harness golden generate {ctx.suite.name} --update`", step="budgets")
         k = ctx.config.budget_k
         st.budget = lambda kind, name: bw.budget(st.clean.get(kind, {}).get(name, math.inf), ctx.dtype, k)
         st.routes = {r: st.t[f"route/{r}"] for r in st.entry.get("routers", [])}
@@ -211,7 +228,7 @@ class TrainingCheck(Check):
 
     def optimizer(self, ctx: CheckContext, st) -> None:
         """AdamW alone: the target's optimizer on seeded synthetic gradients, per parameter."""
-        alone = bw.optimizer_alone(copy.deepcopy(st.model), st.spec, st.spec["optimizer"], st.context)
+        alone = bw.optimizer_alone(copy.deepcopy(st.model), st.spec, st.spec["optimizer"], st.context, st.master)
         st.rows += [Row("opt", n, bw.rel_rmse(bw.at(alone[n], i), st.t[f"opt/{n}"]), st.budget("opt", n))
                     for n, i in st.idx.items() if n in alone]
 
@@ -222,7 +239,7 @@ class TrainingCheck(Check):
         vocab = st.model.config.get_text_config().vocab_size
         batches = [b.to(ctx.device) for b in bw.batch_stream(vocab, p.batch_size, p.seq_len, sp["seed"], 0, sp["steps"])]
         routes = [{r: st.t[f"troute/{s}/{r}"] for r in st.entry.get("routers", [])} for s in range(sp["steps"])]
-        tr = bw.trajectory(st.model, batches, sp, sp["optimizer"], routes if st.routes else None, st.context)
+        tr = bw.trajectory(st.model, batches, sp, sp["optimizer"], routes if st.routes else None, st.context, st.master)
         st.model = None
         st.rows += [Row("upd", n, bw.rel_rmse(bw.at(tr.delta[n], i), st.t[f"upd/{n}"]), st.budget("upd", n))
                     for n, i in st.idx.items() if n in tr.delta]
@@ -307,7 +324,8 @@ def _optimizer_verdict(ctx: CheckContext, st, table: str) -> None:
     if bad:
         g, rows = next(iter(sorted(bad.items())))
         r = max(rows, key=lambda r: r.use)
-        raise CheckFailure(f"optimizer: AdamW ({st.spec['optimizer']}) diverges from the float64 reference in the "
+        impl = st.spec["optimizer"] + (", float32 master weights" if st.master else "")
+        raise CheckFailure(f"optimizer: AdamW ({impl}) diverges from the float64 reference in the "
                            f"{g} group on seeded gradients ({len(rows)} parameter(s); worst {r.name}: {r.text()})",
                            metric=f"{r.name}.opt_rel_rmse", expected=f"<= {r.budget:.3g}", observed=f"{r.err:.4g}",
                            tolerance=r.budget, details=table)

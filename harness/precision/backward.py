@@ -43,6 +43,7 @@ FLOORS = {"bfloat16": 2.0 ** -10, "float16": 2.0 ** -13, "float32": 2.0 ** -21}
 # rel_rmse 1. 0.3 in bf16: the measured clean gradient errors of the bundled suites stay below 0.1
 # (docs/training.md); 1e-3 in float32, 100x the forward's ceiling (gradients sum over tokens).
 CEILINGS = {"bfloat16": 0.3, "float16": 0.1, "float32": 1e-3}
+MASTER, MASTER_DTYPES = "+master_fp32", ("bfloat16", "float16")  # budgets key of the mixed-precision variant
 STREAM_SEED = 7919  # batch stream: seeded_tokens(..., seed + STREAM_SEED * (draw + 1) + step)
 
 
@@ -54,7 +55,7 @@ def spec(ls) -> dict | None:
         return None
     p = ls.suite.checks.precision
     return {"steps": cfg.steps, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "eps": cfg.eps,
-            "betas": list(cfg.betas), "optimizer": cfg.optimizer, "sketch_size": cfg.sketch_size, "trajectory_draws": cfg.trajectory_draws,
+            "betas": list(cfg.betas), "optimizer": cfg.optimizer, "master_fp32": cfg.master_fp32, "sketch_size": cfg.sketch_size, "trajectory_draws": cfg.trajectory_draws,
             "seed": p.seed, "capture": p.capture}
 
 
@@ -359,6 +360,31 @@ def make_optimizer(params: list, sp: dict, impl: str = "loop") -> torch.optim.Op
     return torch.optim.AdamW(pg, lr=sp["lr"], betas=tuple(sp["betas"]), eps=sp["eps"], **kw)
 
 
+class Stepper:
+    """AdamW over a model's parameters; with ``master``, mixed precision as vendors train: float32
+    master copies of the (bf16/fp16) parameters, the gradients cast to float32 (single process: the
+    fp32 gradient reduction is that cast), the step on the masters and the parameters set from them."""
+
+    def __init__(self, params: list, sp: dict, impl: str = "loop", master: bool = False):
+        self.params, self.master = params, master
+        self.masters = [(n, p.detach().float().clone(), t) for n, p, t in params] if master else params
+        self.opt = make_optimizer(self.masters, sp, impl)
+
+    def zero_grad(self) -> None:
+        for _, p, _ in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        if self.master:
+            for (_, p, _), (_, m, _) in zip(self.params, self.masters, strict=True):
+                m.grad = None if p.grad is None else p.grad.detach().float()
+        self.opt.step()
+        if self.master:
+            with torch.no_grad():
+                for (_, p, _), (_, m, _) in zip(self.params, self.masters, strict=True):
+                    p.copy_(m)
+
+
 def batch_stream(vocab: int, batch: int, seq: int, seed: int, draw: int, steps: int) -> list[torch.Tensor]:
     """The training stream of one draw: ``steps`` seeded batches [B, S] (draw 0 is the golden's)."""
     return [seeded_tokens(vocab, batch, seq, seed + STREAM_SEED * (draw + 1) + t) for t in range(steps)]
@@ -378,16 +404,16 @@ def _global_norm(ts) -> float:
 
 
 def trajectory(model, batches: list[torch.Tensor], sp: dict, impl: str = "loop", routes: list | None = None,
-               context=None) -> Trajectory:
+               context=None, master: bool = False) -> Trajectory:
     """``len(batches)`` AdamW steps of ``model`` (trained in place: pass a copy), routers forced to
-    ``routes[t]`` at step t when given (else recorded)."""
+    ``routes[t]`` at step t when given (else recorded); ``master``: float32 master weights (Stepper)."""
     import contextlib
 
     from harness.precision.routing import ForcedRouting, RouterCapture
 
     params = unique_params(model)
     w0 = {n: p.detach().double().clone() for n, p, _ in params}
-    opt = make_optimizer(params, sp, impl)
+    opt = Stepper(params, sp, impl, master)
     tr = Trajectory()
     forced = ForcedRouting({}, phase="step") if routes else None
     handles = forced.attach(model) if forced else []
@@ -399,7 +425,7 @@ def trajectory(model, batches: list[torch.Tensor], sp: dict, impl: str = "loop",
                 rc.phase = "step"
                 if forced:
                     forced.force = {"step": routes[t]}
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
                 loss = lm_loss(model, ids)
                 loss.backward()
                 rc.remove()
@@ -425,14 +451,14 @@ def synthetic_grad(p: torch.Tensor, key: str, step: int) -> torch.Tensor:
     return torch.randn(p.shape, dtype=torch.float64, generator=gen) * mag
 
 
-def optimizer_alone(model, sp: dict, impl: str = "loop", context=None) -> dict[str, torch.Tensor]:
+def optimizer_alone(model, sp: dict, impl: str = "loop", context=None, master: bool = False) -> dict[str, torch.Tensor]:
     """{parameter: w_N - w_0 (float64)} after ``steps`` AdamW steps on seeded synthetic gradients
     (cast to each parameter's dtype): the optimizer and nothing else. Trains ``model`` in place."""
     import contextlib
 
     params = unique_params(model)
     w0 = {n: p.detach().double().clone() for n, p, _ in params}
-    opt = make_optimizer(params, sp, impl)
+    opt = Stepper(params, sp, impl, master)
     ctx = context() if context is not None else contextlib.nullcontext()
     with ctx:
         for t in range(sp["steps"]):
@@ -544,18 +570,21 @@ def _measure_backward(ref, model, dtype: str, draws: list[dict], tied: set[str])
     return acc
 
 
-def _measure_training(ref, model, dtype: str, sp: dict, refs: list[Trajectory], opt_ref: dict, idx: dict) -> dict:
+def _measure_training(ref, model, dtype: str, sp: dict, refs: list[Trajectory], opt_ref: dict, idx: dict,
+                      master: bool = False) -> dict:
     """Max over the stream draws of the trajectory's per-step deviations and of the weight changes'
-    errors, and the optimizer alone's error (one run: it is deterministic)."""
+    errors, and the optimizer alone's error (one run: it is deterministic); ``master``: float32
+    master weights."""
     acc: dict = {}
     for d, rt in enumerate(refs):
-        got = trajectory(copy.deepcopy(model), _stream(ref, d, sp), sp, sp["optimizer"], routes=rt.routes)
+        got = trajectory(copy.deepcopy(model), _stream(ref, d, sp), sp, sp["optimizer"], routes=rt.routes,
+                         master=master)
         devs = trajectory_devs(got, vars(rt))
         for k, vs in devs.items():
             acc.setdefault("traj", {})[k] = [max(a, b) for a, b in zip(acc.get("traj", {}).get(k, [0.0] * len(vs)), vs, strict=True)]
         if d == 0:
             _max_into(acc, {"upd": {n: rel_rmse(at(got.delta[n], i), at(rt.delta[n], i)) for n, i in idx.items()}})
-    alone = optimizer_alone(copy.deepcopy(model), sp, sp["optimizer"])
+    alone = optimizer_alone(copy.deepcopy(model), sp, sp["optimizer"], master=master)
     _max_into(acc, {"opt": {n: rel_rmse(at(alone[n], i), at(opt_ref[n], i)) for n, i in idx.items()}})
     return acc
 
@@ -607,6 +636,8 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
         acc = _measure_backward(ref, m, dtype, draws, tied)
         acc.update(_measure_training(ref, m, dtype, sp, refs, alone, idx))
         budgets[dtype] = _rounded(acc)
+        if sp.get("master_fp32") and dtype in MASTER_DTYPES:
+            budgets[dtype + MASTER] = _rounded(_measure_training(ref, m, dtype, sp, refs, alone, idx, master=True))
     t0 = refs[0]
     entry = {"loss": rr.loss, "labels": "input_ids", "backward_order": rr.order,
              "modules": {m: {"grad_in": m in rr.gin, "grad_out": m in rr.gout, "out_index": rr.gout_index.get(m, 0)}

@@ -8,7 +8,6 @@ suite per fault; every bundled suite with ``HARNESS_TRAINING_FULL=1``."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -23,11 +22,12 @@ FULL = os.environ.get("HARNESS_TRAINING_FULL") == "1"
 CLEAN = SUITES if FULL else ["llama-3.1-8b", "qwen3-30b-a3b"]
 
 
-def _run(name_or_ls, dtype, **kw):
+def _run(name_or_ls, dtype, variant=None, knobs=None, **kw):
     ls = suite(name_or_ls) if isinstance(name_or_ls, str) else name_or_ls
-    ctx = CheckContext(ls, get("cpu"), dtype)
+    ls = bf.training_suite(ls.name, **knobs) if knobs else ls
+    ctx = CheckContext(ls, get("cpu"), dtype, variant)
     try:
-        run_training(ctx, golden_root=bf.golden_root(ls.name), **kw)
+        run_training(ctx, golden_root=bf.golden_root(ls.name, **(knobs or {})), **kw)
     except (CheckFailure, CouldNotRun) as f:
         return ctx, f
     return ctx, None
@@ -72,10 +72,25 @@ def test_fault_fails_training_at_the_module_and_passes_precision(fault, tmp_path
     assert pf is None, f"the forward precision check should not see a backward fault: {pf}"
 
 
+def test_master_fp32_variant():
+    """bf16 parameters with float32 master weights: its own item and budgets; clean it passes, and the
+    bf16-parameter epsilon bug of the fused kernel, which fails the plain item, cannot reach it (the
+    kernel steps the float32 masters)."""
+    knobs = {"master_fp32": True}
+    ls = bf.training_suite("llama-3.1-8b", **knobs)
+    assert registry().get("training").variants(ls, get("cpu")) == [None, "master_fp32"]
+    ctx, f = _run("llama-3.1-8b", "bfloat16", "master_fp32", knobs)
+    assert f is None, str(f)
+    _, f = _run("llama-3.1-8b", "bfloat16", "master_fp32", knobs, context=bf.FusedAdamWEps)
+    assert f is None, str(f)
+    _, f = _run("llama-3.1-8b", "bfloat16", None, knobs, context=bf.FusedAdamWEps)
+    assert isinstance(f, CheckFailure) and str(f).startswith("optimizer: AdamW (fused)"), f
+    with pytest.raises(NotApplicable):
+        _run("llama-3.1-8b", "float32", "master_fp32", knobs)
+
+
 def test_section_made_with_other_knobs_could_not_run():
-    ls = suite("llama-3.1-8b")
-    checks = ls.suite.checks.model_copy(update={"training": ls.suite.checks.training.model_copy(update={"steps": 5})})
-    ls2 = dataclasses.replace(ls, suite=ls.suite.model_copy(update={"checks": checks}))
+    ls2 = bf.training_suite("llama-3.1-8b", steps=5)  # the golden was made with the default 3 steps
     _, f = _run(ls2, "float32")
     assert isinstance(f, CouldNotRun) and "golden generate llama-3.1-8b --update" in str(f), f
 

@@ -181,15 +181,32 @@ def experts_backward(layer: int):
 _ROOT: list[Path] = []
 
 
-@functools.cache
-def golden_root(name: str) -> Path:
-    """A golden of suite ``name`` (forward + training section) generated once per test process into
-    a temporary folder (never the repository's golden/)."""
-    from harness.precision.generate import generate
+def training_suite(name: str, **knobs):
+    """The bundled suite ``name`` with other ``[checks.training]`` values (no file written)."""
+    import dataclasses
+
     from precision.helpers import suite
+
+    ls = suite(name)
+    if not knobs:
+        return ls
+    checks = ls.suite.checks.model_copy(update={"training": ls.suite.checks.training.model_copy(update=knobs)})
+    return dataclasses.replace(ls, suite=ls.suite.model_copy(update={"checks": checks}))
+
+
+@functools.cache
+def _golden(name: str, knobs: tuple) -> Path:
+    from harness.precision.generate import generate
 
     if not _ROOT:
         _ROOT.append(Path(tempfile.mkdtemp(prefix="harness-training-golden-")))
         atexit.register(shutil.rmtree, _ROOT[0], True)
-    generate(suite(name), root=_ROOT[0])
-    return _ROOT[0]
+    root = _ROOT[0] / "-".join(f"{k}={v}" for k, v in knobs) if knobs else _ROOT[0]
+    generate(training_suite(name, **dict(knobs)), root=root)
+    return root
+
+
+def golden_root(name: str, **knobs) -> Path:
+    """A golden of suite ``name`` (forward + training section; ``knobs``: other [checks.training]
+    values) generated once per test process into a temporary folder (never the repository's golden/)."""
+    return _golden(name, tuple(sorted(knobs.items())))
