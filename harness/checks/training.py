@@ -200,12 +200,15 @@ class TrainingCheck(Check):
             bad = [r for r in [by.get(("gin", m)), *own] if r is not None and not r.ok]
             got = by.get(("gout", m))
             if bad and (got is None or got.ok):
-                st.first = (m, bad[0], "")
+                st.first = (m, bad[0], "while the gradient it received agrees")
                 return
         order = {m: i for i, m in enumerate(st.entry["backward_order"])}
-        bad = sorted((r for r in st.rows if not r.ok), key=lambda r: order.get(_owner(r.name, order), len(order)))
+        # the received (output) gradient first: it is where this module's error shows
+        bad = sorted((r for r in st.rows if not r.ok),
+                     key=lambda r: (order.get(_owner(r.name, order), len(order)), r.kind != "gout"))
         if bad:
-            st.first = (_owner(bad[0].name, order), bad[0], " (no module receives an agreeing gradient)")
+            st.first = (_owner(bad[0].name, order), bad[0], "and the gradient it receives already diverges: the "
+                        "loss's own backward, before every captured module")
 
     def replay(self, ctx: CheckContext, st) -> None:
         """Each module's isolated backward on the golden's forward inputs and output gradient."""
@@ -275,8 +278,8 @@ class TrainingCheck(Check):
         table = _table(st.rows)
         if st.first is not None:
             m, row, extra = st.first
-            raise CheckFailure(f"{m}: backward diverges from the golden ({row.name} {row.text()} while the gradient "
-                               f"it received agrees{extra}; {_replay_verdict(st, m)})", metric=f"{m}.{row.kind}_rel_rmse",
+            raise CheckFailure(f"{m}: backward diverges from the golden ({row.name} {row.text()} {extra}; "
+                               f"{_replay_verdict(st, m)})", metric=f"{m}.{row.kind}_rel_rmse",
                                expected=f"<= {row.budget:.3g}", observed=f"{row.err:.4g}", tolerance=row.budget,
                                details=table)
         for kinds, what in ((("replay_gin", "replay_param"), "isolated backward diverges from the golden"),):

@@ -54,6 +54,9 @@ FAULTS = {
                            "model.layers.1.self_attn: backward diverges"),
     "experts_backward": ("qwen3-30b-a3b", "bfloat16", {"transform": bf.experts_backward(0)},
                          "model.layers.0.mlp.experts: backward diverges"),
+    # before every captured module: no module receives an agreeing gradient, the head is named
+    "loss_backward": ("llama-3.1-8b", "float32", {"context": bf.LogSoftmaxBackward},
+                      "lm_head: backward diverges from the golden (lm_head gout"),
     "fused_adamw_eps": ("llama-3.1-8b", "bfloat16", {"context": bf.FusedAdamWEps},
                         "optimizer: AdamW (fused) diverges from the float64 reference in the decay group"),
 }
@@ -66,7 +69,9 @@ def test_fault_fails_training_at_the_module_and_passes_precision(fault, tmp_path
     assert isinstance(f, CheckFailure), f"{fault} not caught"
     line = str(f).splitlines()[0]
     assert line.startswith(first), line
-    if fault != "fused_adamw_eps":  # the isolated backward says the module itself is wrong
+    if fault == "loss_backward":
+        assert "the gradient it receives already diverges" in line and "it inherits the error" in line, line
+    elif fault != "fused_adamw_eps":  # the isolated backward says the module itself is wrong
         assert "the module's own backward is wrong" in line, line
     _, pf = run_check(name, dtype, tmp_path, golden_root=bf.golden_root(name), **opts)
     assert pf is None, f"the forward precision check should not see a backward fault: {pf}"

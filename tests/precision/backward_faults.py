@@ -53,6 +53,18 @@ class SiluBackward(_Lib):
         return {"silu_backward": silu_backward}
 
 
+class LogSoftmaxBackward(_Lib):
+    """aten::_log_softmax_backward_data 5 % off (not in float64): the cross-entropy's backward, before
+    every module, wrong."""
+
+    def kernels(self):
+        def backward(grad, out, dim, input_dtype):
+            ct = torch.float64 if out.dtype == torch.float64 else torch.float32
+            g = grad.to(ct) - out.to(ct).exp() * grad.to(ct).sum(dim, keepdim=True)
+            return (g if out.dtype == torch.float64 else g * (1 + REL)).to(input_dtype)
+        return {"_log_softmax_backward_data": backward}
+
+
 def _attention_grads(g, q, k, v, mask, causal, scale):
     """(dq, dk, dv) of softmax(q k^T scale + mask) v, in float32 (float64 stays float64); k/v with
     fewer heads than q (GQA) get their gradients summed over the group."""
