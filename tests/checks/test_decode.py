@@ -1,0 +1,189 @@
+"""Issue #26: the ``decode`` check - the target's cached decode against the golden's float64 cached
+decode, step by step and layer by layer, for every cache the model can be served with.
+
+Cache faults (tests/precision/cache_faults.py) leave the prefill exact and break what a decode step
+reads back; each must fail at step 0 and at the first layer where it can be born, saying the prefill
+agrees. The default run covers each fault once (dense, MoE, hybrid, both dtypes between them) and
+clean runs of the variants; ``HARNESS_DECODE_FULL=1`` runs the whole matrix: every fault x dense
+(llama-3.1-8b), MoE (mixtral-8x7b with an 8-token sliding window) and hybrid (gemma-4, sliding
+layers + one full layer, window 8) x float32/bfloat16, and clean runs of every variant on the six
+bundled suites and the three hybrid Day-0 configs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from precision import cache_faults
+from precision.helpers import SUITES, props
+from precision.test_decode import decode_only, ensure_decode_registered
+
+from harness.backends import get
+from harness.checks import CheckContext, CheckFailure, CouldNotRun, NotApplicable
+from harness.checks.decode import VARIANTS, run_decode
+from harness.golden.store import load_golden
+from harness.suite.loader import load_suite
+from tests_support import REPO
+
+FULL = os.environ.get("HARNESS_DECODE_FULL") == "1"
+DAY0 = {"gemma": "gemma-4-26B-A4B", "nemotron": "Nemotron-3-Nano-30B-A3B-BF16", "qwen35": "Qwen3.5-35B-A3B"}
+
+
+def _init(name: str, dest: Path, window: int | None = None) -> Path:
+    """A Day-0 suite through `harness init`; ``window``: the sliding window shortened so that the
+    golden's 16 + 8 positions slide (the published 1024 never would)."""
+    r = subprocess.run([sys.executable, "-m", "harness", "init", str(REPO / "tests/data/day0" / f"{DAY0[name]}.json"),
+                        "--suites-dir", str(dest), "--name", name], cwd=dest.parent, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    path = dest / f"{name}.toml"
+    if window:
+        text = path.read_text()
+        assert "[prune.overrides]\n" in text
+        path.write_text(text.replace("[prune.overrides]\n", f"[prune.overrides]\nsliding_window = {window}\n"))
+    return path
+
+
+def _windowed_mixtral(dest: Path) -> Path:
+    text = (REPO / "suites" / "mixtral-8x7b.toml").read_text()
+    path = dest / "mixtral-sw.toml"
+    path.write_text(text.replace('"configs/', f'"{REPO}/suites/configs/') + "\n[prune.overrides]\nsliding_window = 8\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """{name: (loaded suite, golden root)}, goldens generated into a temporary folder."""
+    from harness.precision.generate import generate
+
+    ensure_decode_registered()
+    base = tmp_path_factory.mktemp("decode")
+    sd, root = base / "suites", base / "golden"
+    sd.mkdir()
+    paths = {"llama-3.1-8b": REPO / "suites/llama-3.1-8b.toml", "mixtral-sw": _windowed_mixtral(sd),
+             "gemma": _init("gemma", sd, window=8)}
+    if FULL:
+        paths.update({n: REPO / f"suites/{n}.toml" for n in SUITES})
+        paths.update({"nemotron": _init("nemotron", sd), "qwen35": _init("qwen35", sd)})
+    out = {}
+    for name, path in paths.items():
+        ls = decode_only(load_suite(path))
+        generate(ls, root=root)
+        out[name] = (ls, root)
+    return out
+
+
+def _run(env, name: str, dtype: str, variant: str = "dynamic", **opts):
+    ls, root = env[name]
+    ctx = CheckContext(ls, get("cpu"), dtype, variant, check="decode")
+    try:
+        run_decode(ctx, golden_root=root, **opts)
+    except (CheckFailure, CouldNotRun, NotApplicable) as e:
+        return ctx, e
+    return ctx, None
+
+
+def _assert_caught(env, name: str, dtype: str, fault: str) -> None:
+    opts, born = cache_faults.FAULTS[fault]
+    ls, root = env[name]
+    want = cache_faults.first_layer(load_golden(ls, root).manifest["sections"]["decode"], born)
+    ctx, failure = _run(env, name, dtype, **opts(dtype))
+    assert isinstance(failure, CheckFailure), f"{fault} on {name} {dtype} not caught"
+    p = props(ctx)
+    assert failure.message.startswith("cached decode differs from the reference while the prefill agrees: step 0 "
+                                      "(position 16), "), failure.message
+    assert p["harness.detail.first_divergent_step"] == "0"
+    assert p["harness.detail.first_divergent_layer"].startswith(want), (want, failure.message)
+    assert float(p["metric.decode_prefill_logits_rel_rmse"]) <= float(p["tolerance.decode_prefill_logits_rel_rmse"])
+
+
+FAST_FAULTS = [("key_shift", "llama-3.1-8b", "float32"), ("value_dtype", "mixtral-sw", "bfloat16"),
+               ("sliding_short", "gemma", "bfloat16"), ("stale_position", "gemma", "float32")]
+
+
+@pytest.mark.parametrize("fault,name,dtype", FAST_FAULTS, ids=lambda x: x)
+def test_cache_fault_fails_at_its_step_and_layer(env, fault, name, dtype):
+    _assert_caught(env, name, dtype, fault)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_clean_variants_pass_and_unoffered_caches_say_why(env, dtype):
+    for variant in VARIANTS:
+        ctx, failure = _run(env, "llama-3.1-8b", dtype, variant)
+        if variant == "offloaded":
+            assert isinstance(failure, NotApplicable) and "CUDA" in str(failure)
+        elif variant in ("quantized-quanto", "quantized-hqq"):
+            assert isinstance(failure, NotApplicable) and "No module named" in str(failure), failure
+        else:
+            assert failure is None, failure.report(variant) if isinstance(failure, CheckFailure) else failure
+            assert 0 < float(props(ctx)["metric.decode_worst_budget_use"]) <= 1
+
+
+def test_hybrid_is_covered_layer_kind_by_layer_kind(env):
+    ctx, failure = _run(env, "gemma", "bfloat16")
+    assert failure is None, failure
+    p = props(ctx)
+    assert p["harness.detail.decode_layer_kinds"] == ("model.layers.0-4 sliding_attention (DynamicSlidingWindowLayer), "
+                                                      "model.layers.5 full_attention (DynamicLayer)")
+    assert set(dict(x.split(" ") for x in p["harness.detail.decode_kind_budget_use"].split(", "))) == {
+        "sliding_attention", "full_attention"}
+    # QuantizedCache serves full-attention-only models: skipped with transformers' reason
+    _, failure = _run(env, "gemma", "bfloat16", "quantized-fp8")
+    assert isinstance(failure, NotApplicable) and "full attention" in str(failure), failure
+
+
+def test_fp8_cache_is_held_to_its_own_budget(env):
+    """The fp8 cache passes its own measured budget, and fails the dynamic cache's: a target serving
+    from an fp8 cache where a bf16 one is declared is caught."""
+    from harness.precision.decode import make_cache
+
+    ctx, failure = _run(env, "llama-3.1-8b", "bfloat16", "quantized-fp8")
+    assert failure is None, failure
+    real = make_cache
+
+    def fp8_instead(kind, model, max_len, residual_length=8):
+        return real("quantized-fp8" if kind == "dynamic" else kind, model, max_len, residual_length)
+
+    import harness.precision.decode as dec
+
+    dec.make_cache = fp8_instead
+    try:
+        _, failure = _run(env, "llama-3.1-8b", "bfloat16")
+    finally:
+        dec.make_cache = real
+    assert isinstance(failure, CheckFailure) and "step 0" in failure.message, failure
+
+
+def test_golden_without_the_section_could_not_run(env, tmp_path):
+    ls, _ = env["llama-3.1-8b"]
+    s = ls.suite.model_copy(deep=True)
+    s.checks.decode.steps = 5  # the golden was made with 8: its section no longer fits the suite
+    other = type(ls)(ls.path, ls.name, s, ls.config_path, ls.raw_config)
+    ctx = CheckContext(other, get("cpu"), "float32", "dynamic", check="decode")
+    with pytest.raises(CouldNotRun, match=r"harness golden generate llama-3.1-8b --update"):
+        run_decode(ctx, golden_root=env["llama-3.1-8b"][1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="full decode matrix: HARNESS_DECODE_FULL=1")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "mixtral-sw", "gemma"])
+@pytest.mark.parametrize("fault", list(cache_faults.FAULTS))
+def test_fault_matrix(env, fault, name, dtype):
+    if fault == "sliding_short" and name == "llama-3.1-8b":
+        pytest.skip("llama has no sliding window")
+    _assert_caught(env, name, dtype, fault)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="full decode matrix: HARNESS_DECODE_FULL=1")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", [*SUITES, "nemotron", "qwen35", "gemma"])
+def test_clean_matrix(env, name, dtype):
+    for variant in VARIANTS:
+        _, failure = _run(env, name, dtype, variant)
+        assert failure is None or isinstance(failure, NotApplicable), (variant, failure)
