@@ -295,7 +295,8 @@ class DecodeCheck(Check):
         st.rows = rows_of(st.errs, st.budgets["reference"], "reference", at)
         st.rows += rows_of(errors(st.run, st.witness), st.budgets["uncached"], "uncached", at)
         st.rows.sort(key=lambda r: r.order)
-        st.prefill = None if pre else prefill_error(st.run, st.g.modules["logits"])
+        # the forward golden's logits: whole only in a full golden (a sampled one keeps a sample)
+        st.prefill = None if pre or st.g.sampled else prefill_error(st.run, st.g.modules["logits"])
         ctx.detail("decode_cache_layers", ", ".join(st.run.cache_layers))
 
     def record(self, ctx: CheckContext, st) -> None:
