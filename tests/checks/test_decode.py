@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from precision import cache_faults
 from precision.helpers import SUITES, props
-from precision.test_decode import decode_only, ensure_decode_registered
+from precision.test_decode import decode_only
 
 from harness.backends import get
 from harness.checks import CheckContext, CheckFailure, CouldNotRun, NotApplicable
@@ -60,7 +60,6 @@ def env(tmp_path_factory):
     """{name: (loaded suite, golden root)}, goldens generated into a temporary folder."""
     from harness.precision.generate import generate
 
-    ensure_decode_registered()
     base = tmp_path_factory.mktemp("decode")
     sd, root = base / "suites", base / "golden"
     sd.mkdir()

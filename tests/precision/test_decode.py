@@ -13,15 +13,6 @@ from harness.precision import decode as dec
 from precision.helpers import suite
 
 
-def ensure_decode_registered() -> None:
-    """The decode check through its entry point; registered by hand while pyproject lacks it."""
-    from harness.checks import registry
-    from harness.checks.decode import DecodeCheck
-
-    if "decode" not in registry()._items:
-        registry().add(DecodeCheck())
-
-
 def decode_only(ls):
     """The suite with the other checks' golden sections off (the training section alone costs more
     generate time than the decode section): these tests read only the decode section."""
@@ -36,7 +27,6 @@ def decode_only(ls):
 def llama(tmp_path_factory):
     from harness.precision.generate import generate
 
-    ensure_decode_registered()
     ls = decode_only(suite("llama-3.1-8b"))
     root = tmp_path_factory.mktemp("golden")
     generate(ls, root=root)
@@ -125,7 +115,6 @@ def test_layer_kinds_of_a_sliding_mixtral():
     """Mixtral's config has no layer_types: the kinds are what the cache infers (sliding_window set)."""
     from harness.models.build import build_model
 
-    ensure_decode_registered()
     ls = suite("mixtral-8x7b")
     s = ls.suite.model_copy(deep=True)
     s.prune.overrides["sliding_window"] = 8
