@@ -30,7 +30,8 @@ def test_committed_goldens_verify(name):
     assert g.generation["tokens"].shape == (2, 4)
     for f, meta in mf["files"].items():
         assert len((store.current_dir(g.path) / f).read_bytes()) == meta["bytes"]
-    assert sum(m["bytes"] for m in mf["files"].values()) < 400_000  # the repo stays small
+    # the repo stays small: forward 212-325 KiB, with the training and decode sections 742-1078 KiB
+    assert sum(m["bytes"] for m in mf["files"].values()) < 1_200_000
     # format 2: every captured module's inputs are recorded (isolated comparison) ...
     assert mf["format"] == store.FORMAT == 3 and {n for n in g.order if not n.endswith("chosen_experts")} <= set(g.structures)
     # ... budgets measured per low-precision dtype the suite lists, over several draws ...
