@@ -69,6 +69,19 @@ def make_cache(kind: str, model, max_len: int, residual_length: int = 8):
     """The cache a server would build for ``model``; transformers picks each layer's kind (full,
     sliding window, linear attention / Mamba, none) from the config itself. Raises ValueError or
     ImportError where this cache does not exist for this model or install."""
+    try:
+        return _make_cache(kind, model, max_len, residual_length)
+    except KeyError as e:
+        # transformers' cache classes map each layer type to a cache layer class; a layer type
+        # they do not know (DeepSeek-V4's compressed_sparse_attention in StaticCache) is a cache
+        # this install cannot build for the model, not a fault of the model
+        import transformers
+
+        raise ValueError(f"transformers {transformers.__version__} has no {kind} cache layer for layer type "
+                         f"{e}") from None
+
+
+def _make_cache(kind: str, model, max_len: int, residual_length: int):
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     cfg = model.config

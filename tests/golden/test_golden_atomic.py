@@ -32,7 +32,7 @@ from harness.golden import store
 path = store.golden_dir(sys.argv[2], sys.argv[1])
 g = store.load_golden_dir(path)
 files = {"inputs": {"input_ids": g.inputs}, "modules": {**g.modules, **{k + store.IN: v for k, v in g.module_inputs.items()}},
-         "generation": g.generation}
+         "generation": g.generation, **g.section_tensors}
 manifest = {k: v for k, v in g.manifest.items() if k != "files"}
 print("ready", flush=True)
 n = 0
