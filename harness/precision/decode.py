@@ -154,7 +154,9 @@ class _Watch:
         self.layers: list[torch.Tensor] = []
         self.attn: list[torch.Tensor] = []
         _, layers = decoder_layers(model)
-        keep = lambda into: lambda _m, _a, out: into.append(first_tensor(out)[:, positions].detach())  # noqa: E731
+        # [B, P, H]; a layer carrying several residual streams (DeepSeek-V4's hyper-connections,
+        # [B, S, hc, H]) is flattened to [B, P, hc x H], so every comparison sees one row per position
+        keep = lambda into: lambda _m, _a, out: into.append(first_tensor(out)[:, positions].flatten(2).detach())  # noqa: E731
         self.hooks = [m.register_forward_hook(keep(self.layers)) for m in layers]
         self.hooks += [m.register_forward_hook(keep(self.attn)) for _, _, m in attention_modules(model)]
 
