@@ -54,6 +54,11 @@ metrics.declare("training_trajectory_first_step_out", "", "none", "first step wh
 metrics.declare("training_loss_abs_err", "nats", "lower", "|loss - golden loss| of the first backward")
 metrics.declare("training_unresolved", "", "none", "compared quantities whose clean error in this dtype is above "
                 "the dtype's ceiling (not resolvable in it; reported, not judged)")
+metrics.declare("training_signed_min_p", "", "higher", "smallest sign-test p of an isolated backward's signed "
+                "error against the clean dtype run's (harness.precision.signed; fails below 1e-4 / quantities "
+                "with an effect above the floor)")
+metrics.declare("training_signed_max_effect", "", "lower", "largest |mean signed error - clean| of an isolated "
+                "backward's input gradient or parameter sketch, relative to its RMS")
 metrics.declare("grad_global_norm_rel_err", "", "lower", "|global gradient norm / the golden's - 1| of the "
                 "first backward")
 
@@ -228,6 +233,28 @@ class TrainingCheck(Check):
         for kind, vals in errs.items():
             st.rows += [Row(f"replay_{kind}", m, e, st.budget(f"replay_{kind}", m)) for m, e in vals.items()]
         st.replayed = rp
+        self._signed(ctx, st, rp, gin)
+
+    def _signed(self, ctx: CheckContext, st, rp: dict, gin: dict) -> None:
+        """The sign test of each replayed quantity against the clean dtype run's signed errors (the
+        section's ``signed/<dtype>/...``): a biased backward kernel inside the magnitude budgets."""
+        from harness.precision import signed
+
+        prefix = f"signed/{ctx.dtype}/"
+        clean = {k.removeprefix(prefix): v for k, v in st.t.items() if k.startswith(prefix)}
+        st.signed = {}
+        if not clean:
+            st.notes.append(f"no backward signed-error test: the golden's training section has no clean signed "
+                            f"errors for {ctx.dtype} (regenerate with `harness golden generate {ctx.suite.name} --update`)")
+            return
+        pref = {n: st.t[f"pgrad/{n}"] for n in st.idx}
+        quantities = bw.signed_quantities(rp, gin, st.idx, pref)
+        st.signed_limit = signed.limit(ctx.dtype, len(clean))
+        for q, (got, r) in quantities.items():
+            if q in clean:
+                res = signed.signed_test(got, r, clean[q])
+                if res is not None:
+                    st.signed[q] = res
 
     def optimizer(self, ctx: CheckContext, st) -> None:
         """AdamW alone: the target's optimizer on seeded synthetic gradients, per parameter."""
@@ -272,6 +299,9 @@ class TrainingCheck(Check):
         ref_gn = math.sqrt(sum(p["norm"] ** 2 for p in st.entry["params"].values()))
         ctx.metric("grad_global_norm_rel_err", abs(gn / ref_gn - 1) if ref_gn else gn)
         ctx.metric("training_unresolved", sum(r.budget is None for r in st.rows))
+        if getattr(st, "signed", None):
+            ctx.metric("training_signed_min_p", min(t.p for t in st.signed.values()))
+            ctx.metric("training_signed_max_effect", max(abs(t.effect) for t in st.signed.values()))
         ctx.notes.extend(st.notes)
 
     def verdict(self, ctx: CheckContext, st) -> None:
@@ -290,8 +320,30 @@ class TrainingCheck(Check):
                 raise CheckFailure(f"{r.name}: {what} ({r.text()}; the gradient it received agrees propagated)",
                                    metric=f"{r.name}.{r.kind}_rel_rmse", expected=f"<= {r.budget:.3g}",
                                    observed=f"{r.err:.4g}", tolerance=r.budget, details=table)
+        _signed_verdict(ctx, st, table)
         _optimizer_verdict(ctx, st, table)
         _trajectory_verdict(ctx, st, table)
+
+
+def _signed_verdict(ctx: CheckContext, st, table: str) -> None:
+    """The first quantity, in backward order, whose isolated backward is biased: its signed error departs
+    from the clean dtype run's beyond chance (p below the item's limit) and beyond the effect floor."""
+    if not getattr(st, "signed", None):
+        return
+    p_lim, floor = st.signed_limit
+    biased = {q: t for q, t in st.signed.items() if t.p < p_lim and abs(t.effect) > floor}
+    if not biased:
+        return
+    order = {n: i for i, n in enumerate(st.entry["backward_order"])}
+    q = min(biased, key=lambda q: (order.get(_owner(q.split("/", 1)[1], order), len(order)), q))
+    t, (kind, name) = biased[q], q.split("/", 1)
+    what = "input gradient" if kind == "gin" else "gradient (sketch entries)"
+    m = _owner(name, order)
+    raise CheckFailure(f"{m}: isolated backward is biased: its {what} {name} has a signed error of {t.effect:+.3g} "
+                       f"of its RMS against the clean {ctx.dtype} run, one sign in {t.same_sign} of {t.rows} rows "
+                       f"(sign test p {t.p:.2g} < {p_lim:.2g}) while its size is within budget: a biased kernel",
+                       metric=f"{name}.training_signed_p", expected=f">= {p_lim:.2g} or |effect| <= {floor:.2g}",
+                       observed=f"p {t.p:.3g}, effect {t.effect:+.3g}", details=table)
 
 
 def _owner(param_or_module: str, order: dict) -> str:

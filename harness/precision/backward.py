@@ -19,7 +19,10 @@ What ``golden generate`` stores (``harness.golden.store`` format 3, section ``tr
 * budgets per low-precision dtype, measured like the forward's (``harness.precision.budgets``): the
   same weights in the dtype run the same backward, replay and optimizer on every draw, and the
   trajectory on several batch streams; per quantity the max clean error (the check uses
-  ``budget_k x max + floor``; above the dtype's ceiling a quantity is not resolvable in that dtype).
+  ``budget_k x max + floor``; above the dtype's ceiling a quantity is not resolvable in that dtype);
+* per dtype, the clean *signed* row errors of the isolated backward on draw 0 (``signed/<dtype>/gin/<m>``,
+  ``signed/<dtype>/param/<p>``): the check's sign test (``harness.precision.signed``) of a biased
+  backward kernel whose error stays inside the magnitude budgets.
 """
 
 from __future__ import annotations
@@ -589,6 +592,44 @@ def _measure_training(ref, model, dtype: str, sp: dict, refs: list[Trajectory], 
     return acc
 
 
+def _f32(d: dict) -> dict:
+    return {k: v.float() if v.is_floating_point() else v for k, v in d.items()}
+
+
+def signed_quantities(rp: dict, gin: dict, idx: dict, pref: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What the signed-error test compares of an isolated backward replay: ``gin/<m>`` (the module's
+    input gradient [.., H], rows over H) and ``param/<p>`` (a parameter's gradient at its sketch
+    indices [n] as n rows of one element) -> (target, reference)."""
+    out = {}
+    for m, (g, pgrads) in rp.items():
+        if g is not None and m in gin:
+            out[f"gin/{m}"] = (g, gin[m])
+        for n, pg in pgrads.items():
+            if n in idx and len(idx[n]):
+                out[f"param/{n}"] = (at(pg, idx[n]).reshape(-1, 1), pref[n].reshape(-1, 1))
+    return out
+
+
+def _signed_clean(ref, model, dtype: str, dr: dict, tied: set[str]) -> dict[str, torch.Tensor]:
+    """``signed/<dtype>/<quantity>``: the clean row errors (harness.precision.signed) of this dtype's
+    isolated backward on draw 0, replayed on exactly what the check replays on - the golden's float32
+    forward inputs and output gradients - against the float32-rounded reference, so that the
+    reference backend itself differs from them by exactly 0."""
+    from harness.models.build import torch_dtype
+    from harness.precision import signed
+
+    rr = dr["run"]
+    gin, gout = _f32(rr.gin), _f32(rr.gout)
+    rp = replay_all(model, dr["structures"], _f32(dr["outputs"]), _f32(dr["tensors"]), gout, torch_dtype(dtype),
+                    "cpu", routes=rr.routes, skip_params=tied, gout_index=rr.gout_index)
+    out = {}
+    for q, (got, r) in signed_quantities(rp, gin, dr["idx"], _f32(dr["pref"])).items():
+        rows = signed.row_errors(got, r)
+        if rows is not None and bool(torch.isfinite(rows).all()):
+            out[f"signed/{dtype}/{q}"] = rows
+    return out
+
+
 def _stream(ref, d: int, sp: dict) -> list[torch.Tensor]:
     p = ref.ls.suite.checks.precision
     vocab = ref.model.config.get_text_config().vocab_size
@@ -630,9 +671,10 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
     refs = [trajectory(copy.deepcopy(model), _stream(ref, d, sp), sp, "loop") for d in range(sp["trajectory_draws"])]
     alone = optimizer_alone(copy.deepcopy(model), sp, "loop")
     tied = {a for _, _, al in unique_params(model) for a in al} | {n for n, _, al in unique_params(model) if al}
-    budgets = {}
+    budgets, clean_signed = {}, {}
     for dtype in ref.dtypes:
         m = _dtype_model(ref, dtype)
+        clean_signed.update(_signed_clean(ref, m, dtype, draws[0], tied))
         acc = _measure_backward(ref, m, dtype, draws, tied)
         acc.update(_measure_training(ref, m, dtype, sp, refs, alone, idx))
         budgets[dtype] = _rounded(acc)
@@ -647,4 +689,7 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
              "draws": len(draws), "budgets": budgets}
     tensors = _tensors(rr, idx, draws[0]["pref"], t0, alone)
     tensors["labels"] = ref.ids.to(torch.int64)
+    tensors.update(clean_signed)
+    entry["signed"] = {"statistic": "sign test of the isolated backward's per-row mean signed error vs the clean "
+                       "dtype run (harness.precision.signed)", "quantities": "gin rows, parameter sketch entries"}
     return entry, tensors

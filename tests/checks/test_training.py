@@ -44,6 +44,8 @@ def test_clean_run_passes(name, dtype):
               "training_optimizer_worst_budget_use", "training_trajectory_worst_envelope_use"):
         assert 0 < float(m[f"metric.{k}"]) <= 1 / 1.5 + 0.01, (k, m[f"metric.{k}"])
     assert float(m["metric.training_trajectory_first_step_out"]) == -1
+    # the sign test's clean rows are this very replay: the reference backend differs by exactly 0
+    assert float(m["metric.training_signed_max_effect"]) == 0.0 and float(m["metric.training_signed_min_p"]) == 1.0
 
 
 FAULTS = {
@@ -75,6 +77,32 @@ def test_fault_fails_training_at_the_module_and_passes_precision(fault, tmp_path
         assert "the module's own backward is wrong" in line, line
     _, pf = run_check(name, dtype, tmp_path, golden_root=bf.golden_root(name), **opts)
     assert pf is None, f"the forward precision check should not see a backward fault: {pf}"
+
+
+def test_biased_bf16_backward_matmul_caught_by_the_signed_test_only(monkeypatch):
+    """A backward matmul that rounds a quarter ulp upward (forward exact): every gradient within its
+    magnitude budget, the isolated backward's signed error one-sided - named at the first module."""
+    from precision.faults import MatmulKernel
+
+    _, f = _run("llama-3.1-8b", "bfloat16", context=lambda: MatmulKernel("up", backward_only=True))
+    assert isinstance(f, CheckFailure), "biased backward matmul not caught"
+    line = str(f).splitlines()[0]
+    assert "isolated backward is biased" in line and "a biased kernel" in line, line
+    assert line.startswith("lm_head:") or line.startswith("model.layers.1."), line  # walking backward: the last first
+    # without the sign test every magnitude budget passes: the bias is invisible to them
+    from harness.checks.training import TrainingCheck
+
+    monkeypatch.setattr(TrainingCheck, "_signed", lambda self, ctx, st, rp, gin: setattr(st, "signed", {}))
+    _, f = _run("llama-3.1-8b", "bfloat16", context=lambda: MatmulKernel("up", backward_only=True))
+    assert f is None, str(f)
+
+
+def test_unbiased_other_backward_rounding_is_no_false_alarm():
+    from precision.faults import MatmulKernel
+
+    ctx, f = _run("llama-3.1-8b", "bfloat16", context=lambda: MatmulKernel("other", backward_only=True))
+    assert f is None, str(f)
+    assert float(props(ctx)["metric.training_signed_min_p"]) > 0
 
 
 def test_master_fp32_variant():

@@ -30,7 +30,8 @@ def test_committed_goldens_verify(name):
     assert g.generation["tokens"].shape == (2, 4)
     for f, meta in mf["files"].items():
         assert len((store.current_dir(g.path) / f).read_bytes()) == meta["bytes"]
-    # the repo stays small: forward 212-325 KiB, with the training and decode sections 742-1078 KiB
+    # the repo stays small: forward 212-325 KiB, with the training (sign-test rows included) and decode
+    # sections 0.72-1.07 MB
     assert sum(m["bytes"] for m in mf["files"].values()) < 1_200_000
     # format 2: every captured module's inputs are recorded (isolated comparison) ...
     assert mf["format"] == store.FORMAT == 3 and {n for n in g.order if not n.endswith("chosen_experts")} <= set(g.structures)

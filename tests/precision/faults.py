@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -321,6 +322,50 @@ class WrongTopK:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.lib.impl("topk", topk, "CPU")
+        return self
+
+    def __exit__(self, *exc):
+        self.lib._destroy()
+
+
+# --- biased rounding (the signed-error test, issue #25 item 3) -------------------------------------
+LOW = (torch.bfloat16, torch.float16)
+
+
+def _mm(rounding: str, backward_only: bool):
+    """aten::mm for the CPU key. In bf16/fp16: ``"up"`` computes in float32 and rounds with a biased
+    threshold (up once the remainder exceeds a quarter of an ulp, not half): each element is off by
+    less than one ulp, as a correct kernel's is, but a quarter ulp upward on average; ``"other"`` is
+    another correct kernel (float64 accumulation, round to nearest: differs, without a direction).
+    ``backward_only``: the forward's matmuls stay exact, only those autograd runs in a backward pass
+    (the input and weight gradients of every linear layer) are biased."""
+    def mm(a, b):
+        if a.dtype not in LOW or (backward_only and torch._C._current_graph_task_id() == -1):
+            return torch.ops.aten.bmm(a[None], b[None])[0]
+        acc = torch.float32 if rounding == "up" else torch.float64
+        y = torch.ops.aten.bmm(a.to(acc)[None], b.to(acc)[None])[0]
+        r = y.to(a.dtype)
+        if rounding == "up":  # the two bf16 neighbours of y, and the upper one from a quarter ulp on
+            lo = torch.where(r.to(acc) > y, torch.nextafter(r, torch.full_like(r, -math.inf)), r)
+            hi = torch.nextafter(lo, torch.full_like(lo, math.inf))
+            frac = (y - lo.to(acc)) / (hi.to(acc) - lo.to(acc))
+            r = torch.where(frac > 0.25, hi, lo)
+        return r
+    return mm
+
+
+class MatmulKernel:
+    """``with MatmulKernel("up"):`` aten::mm on the CPU key replaced (torch.library) for the duration;
+    ``backward_only=True``: only the matmuls of a backward pass."""
+
+    def __init__(self, rounding: str, backward_only: bool = False):
+        self.rounding, self.backward_only = rounding, backward_only
+
+    def __enter__(self):
+        self.lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # overriding the real kernel: on purpose
+            self.lib.impl("mm", _mm(self.rounding, self.backward_only), "CPU")
         return self
 
     def __exit__(self, *exc):

@@ -9,48 +9,13 @@ bf16 ulp, as a correct kernel's is, with about the same spread, but a quarter ul
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 
 from harness.precision import runner, signed
+from precision.faults import MatmulKernel
 from precision.helpers import props, run_check
-
-LOW = (torch.bfloat16, torch.float16)
-
-
-def _mm(rounding: str):
-    def mm(a, b):
-        if a.dtype not in LOW:
-            return torch.ops.aten.bmm(a[None], b[None])[0]
-        acc = torch.float32 if rounding == "up" else torch.float64  # "other": another accumulator, unbiased
-        y = torch.ops.aten.bmm(a.to(acc)[None], b.to(acc)[None])[0]
-        r = y.to(a.dtype)
-        if rounding == "up":  # the two bf16 neighbours of y, and the upper one from a quarter ulp on
-            lo = torch.where(r.to(acc) > y, torch.nextafter(r, torch.full_like(r, -math.inf)), r)
-            hi = torch.nextafter(lo, torch.full_like(lo, math.inf))
-            frac = (y - lo.to(acc)) / (hi.to(acc) - lo.to(acc))
-            r = torch.where(frac > 0.25, hi, lo)
-        return r
-    return mm
-
-
-class MatmulKernel:
-    """``with MatmulKernel("up"):`` aten::mm on the CPU key replaced (torch.library) for the duration."""
-
-    def __init__(self, rounding: str):
-        self.rounding = rounding
-
-    def __enter__(self):
-        self.lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # overriding the real kernel: on purpose
-            self.lib.impl("mm", _mm(self.rounding), "CPU")
-        return self
-
-    def __exit__(self, *exc):
-        self.lib._destroy()
 
 
 def test_sign_test_p_values():
