@@ -42,6 +42,9 @@ class CustomBackend(BaseModel):
     op_list: str | None = Field(
         None, description="Declared operator list (one aten overload per line, see docs/inspect.md), relative "
         "to this file; used by `harness inspect` and the ops check when the backend is not installed.")
+    compile_backend: str | None = Field(
+        None, description="torch.compile backend of its compiled path (a registered dynamo backend name; unset: "
+        "inductor; 'none': no compiler, the compile check is not applicable). docs/compile.md.")
 
 
 class Settings(BaseModel):

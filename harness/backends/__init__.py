@@ -26,7 +26,8 @@ def _build() -> Registry:
         elif cb.name in reg:  # a redeclared built-in keeps the lists it shipped
             lists = reg.get(cb.name).op_lists
         reg.add(Backend(cb.name, cb.device_type, cb.collective, cb.module, cb.dispatch_key,
-                        cb.description, source="harness.toml", op_lists=lists), replace=True)
+                        cb.description, source="harness.toml", op_lists=lists,
+                        compile_backend=cb.compile_backend), replace=True)
     return reg
 
 

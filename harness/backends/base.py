@@ -34,6 +34,10 @@ class Backend:
     source: str = "builtin"  # where it was registered from
     # Declared operator lists (docs/inspect.md format), one per plugin version: a path, or several.
     op_lists: tuple[Path, ...] = ()
+    # The torch.compile backend its compiled path uses (a registered dynamo backend name, e.g. a
+    # vendor's graph-mode backend); None: inductor; "none": it has no compiler (the compile check
+    # is not applicable). docs/compile.md.
+    compile_backend: str | None = None
     _avail: tuple[bool, str] | None = field(default=None, repr=False)
 
     def __post_init__(self):

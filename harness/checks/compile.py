@@ -1,0 +1,378 @@
+"""Check ``compile``: the suite's model through ``torch.compile`` with the backend's compiler, its
+numerics against the golden and against eager, its graph breaks and recompiles against the counts
+the suite commits, and its compile time (docs/compile.md).
+
+Steps: ``golden`` (load it; a bad one is "could not run") -> ``setup`` (the compiler: the suite's
+``backend``, else the harness backend's ``compile_backend``, else inductor; none usable: not
+applicable; tolerances and the logits budget as the precision check resolves them) -> ``build``
+(the seeded model with the golden's numerics gains) -> ``compile`` (the first compiled forward on
+the golden's ids: compile time, graph breaks) -> ``eager`` (the same model uncompiled) ->
+``numerics`` (compiled logits and loss against the golden under the eager comparison's budget, and
+against eager) -> ``breaks`` (against ``expected_graph_breaks``; over: each break's reason and user
+frame from ``torch._dynamo.explain``) -> ``recompiles`` (prompt lengths and a decode-like step of
+length 1, against ``expected_recompiles``) -> ``speed`` (nightly ``speed`` items only: compiled /
+eager forward time through the perf check's timing and statistics, peak memory) -> ``bisect``
+(diverging numerics: the smallest region whose compiled version alone diverges) -> ``record`` ->
+``verdict``.
+
+Whole-model outputs only: hooks on modules would force graph breaks (and change what is compiled),
+so per-module comparisons are the bisection's, one compiled region at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from types import SimpleNamespace
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from harness import metrics
+from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+from harness.checks.precision import load_golden_for
+from harness.compiler import bisect as bis
+from harness.compiler import dynamo as dyn
+from harness.suite.schema import DTYPES
+
+SPEED = "speed"  # the nightly variant: compiled / eager speed and memory
+DECODE = "decode step (length 1)"
+
+metrics.declare("compile_time_s", "s", "lower", "compile: wall time of the first compiled forward on the golden's "
+                "ids (dynamo + the compiler + one run)")
+metrics.declare("compile_graph_breaks", "", "lower", "compile: graph breaks of the compiled forward (dynamo's counter)")
+metrics.declare("compile_graphs", "", "none", "compile: graphs dynamo handed to the compiler for one forward")
+metrics.declare("compile_recompiles", "", "lower", "compile: frame recompiles over the prompt lengths and the "
+                "decode step after the first compile")
+metrics.declare("compile_logits_rel_rmse", "", "lower", "compile: ||compiled - golden|| / ||golden|| of the logits")
+metrics.declare("compile_logits_budget_use", "", "lower", "compile: compiled logits rel_rmse / the golden's "
+                "propagated logits budget (fails > 1)")
+metrics.declare("compile_vs_eager_rel_rmse", "", "lower", "compile: ||compiled - eager|| / ||eager|| of the logits, "
+                "same backend and dtype")
+metrics.declare("compile_loss_abs_err", "nats", "lower", "compile: |LM loss of the compiled logits - the golden's|")
+metrics.declare("compile_forward_s", "s", "lower", "compile (nightly): median compiled forward time")
+metrics.declare("compile_eager_forward_s", "s", "lower", "compile (nightly): median eager forward time, "
+                "interleaved with the compiled one")
+metrics.declare("compile_speedup", "", "higher", "compile (nightly): eager / compiled median forward time")
+metrics.declare("compile_peak_memory_bytes", "bytes", "lower", "compile (nightly): peak memory of a compiled forward")
+metrics.declare("compile_eager_peak_memory_bytes", "bytes", "lower", "compile (nightly): peak memory of an eager forward")
+
+
+def _per_dtype(v: int | dict[str, int], dtype: str) -> int:
+    return v if isinstance(v, int) else v.get(dtype, 0)
+
+
+class CompileConfig(CheckConfig):
+    """torch.compile: compiled numerics against the golden and eager, graph breaks, recompiles, compile time."""
+
+    backend: str | None = Field(None, description="torch.compile backend (a registered dynamo backend name); unset: "
+                                "the harness backend's compile_backend, else 'inductor'.")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="torch.compile mode (unset: the compiler's default).")
+    dynamic: bool | None = Field(None, description="torch.compile dynamic: unset = dynamo's automatic dynamic shapes "
+                                 "(static first, dynamic after a size changes), true = dynamic from the start, "
+                                 "false = a specialised graph per shape.")
+    prompt_lens: list[int] = Field(default_factory=lambda: [8, 12], description="Prompt lengths run after the "
+                                   "golden's (its seq_len) to count recompiles.")
+    decode_step: bool = Field(True, description="Also run a decode-like step (a length-1 input) in the recompile sweep.")
+    sweep_backend: str = Field("aot_eager", description="dynamo backend of the recompile sweep; '' = the check's "
+                               "compiler. aot_eager by default: guards and recompiles are dynamo's (and AOTAutograd's), "
+                               "and each recompile with inductor costs a C++ build (~10 s on a CPU).")
+    expected_graph_breaks: int | dict[str, int] = Field(
+        0, description="Graph breaks committed for this suite (or per dtype: {float32 = 0, bfloat16 = 1}); more "
+        "fail naming the reason and source line, fewer pass with a note to lower it.")
+    expected_recompiles: int | dict[str, int] = Field(
+        0, description="Recompiles the sweep is allowed (or per dtype); more fail naming the shape and dynamo's "
+        "guard-failure reason, fewer pass with a note.")
+    eager_k: float = Field(1.0, gt=0, description="Compiled vs eager logits are held to eager_k x the golden's "
+                           "propagated logits budget in this dtype.")
+    loss: bool = Field(True, description="Compare the LM loss of the compiled logits with the golden's (held to the "
+                       "bound the logits budget implies: sqrt(2 / tokens) x budget x ||golden logits||).")
+    bisect: bool = Field(True, description="On diverging numerics, compile one region at a time to name the smallest "
+                         "one responsible.")
+    bisect_depth: int = Field(3, ge=1, description="Levels the bisection descends (decoder layer -> submodule -> ...).")
+    speed_repeats: int = Field(10, ge=3, description="Nightly 'speed' item: interleaved eager/compiled forward samples.")
+
+    @field_validator("prompt_lens")
+    @classmethod
+    def _lens(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError(f"prompt lengths must be >= 1, got {v}")
+        return v
+
+    @field_validator("expected_graph_breaks", "expected_recompiles")
+    @classmethod
+    def _counts(cls, v):
+        vals = v.values() if isinstance(v, dict) else [v]
+        if any(x < 0 for x in vals):
+            raise ValueError(f"counts must be >= 0, got {v}")
+        if isinstance(v, dict) and (bad := [k for k in v if k not in DTYPES]):
+            raise ValueError(f"keys must be dtypes {DTYPES}, got {bad}")
+        return v
+
+
+def run_compile(ctx: CheckContext, **options):
+    """The check with options (``transform``: model -> model after the build; ``context``: () -> a
+    context manager around every compile and forward, e.g. a compiler fault; ``golden_root``).
+    Returns the state."""
+    check = CompileCheck()
+    ctx.check = ctx.check or check.name
+    st = check.new_state(ctx)
+    for k, v in options.items():
+        setattr(st, k, v)
+    check.run_steps(ctx, st)
+    return st
+
+
+class CompileCheck(Check):
+    name = "compile"
+    order = 25
+    config_model = CompileConfig
+    description = "torch.compile: numerics against the golden and eager, graph breaks, recompiles, compile time."
+    headline = ("compile_logits_budget_use", "compile_graph_breaks", "compile_time_s")
+    steps = ("golden", "setup", "build", "compile", "eager", "numerics", "breaks", "recompiles", "speed", "bisect",
+             "record", "verdict")
+    setup_steps = ("golden", "setup", "build")
+
+    def variants(self, suite, backend) -> list[str | None]:
+        return [None, SPEED]
+
+    def scope(self, suite, variant) -> str:
+        return "nightly" if variant == SPEED else super().scope(suite, variant)
+
+    def new_state(self, ctx: CheckContext):
+        return SimpleNamespace(transform=None, context=None, golden_root=None, problems=[], bisection=None,
+                               diverged=None, recompiled=[], speed={}, bisect_text=None)
+
+    def run_steps(self, ctx: CheckContext, st) -> None:
+        ctx_mgr = st.context() if st.context is not None else contextlib.nullcontext()
+        with ctx_mgr, torch.no_grad(), dyn.fresh():
+            super().run_steps(ctx, st)
+
+    # --- steps -------------------------------------------------------------------------------
+    def golden(self, ctx: CheckContext, st) -> None:
+        st.g = load_golden_for(ctx, st.golden_root)
+
+    def setup(self, ctx: CheckContext, st) -> None:
+        from harness.precision.runner import budgets_for, tolerances_for
+
+        cfg = st.cfg = ctx.config
+        st.compiler = cfg.backend or ctx.backend.compile_backend or dyn.DEFAULT
+        ok, why = dyn.usable(st.compiler, ctx.backend.device_type)
+        ctx.detail("compile_backend", f"{st.compiler}: {why}")
+        if not ok:
+            raise NotApplicable(f"no usable compiler on {ctx.backend.name}: {why}")
+        tol, src = tolerances_for(ctx.suite, ctx.backend, ctx.dtype)
+        bud = budgets_for(st.g, ctx.dtype, tol, ctx.suite.suite.checks.precision.budget_k, src)
+        st.budget = bud.logits if bud.logits is not None else tol["rel_rmse"]
+        st.eager_budget = cfg.eager_k * st.budget
+        ctx.tolerance("compile_logits_rel_rmse", st.budget)
+        ctx.tolerance("compile_vs_eager_rel_rmse", st.eager_budget)
+        ctx.detail("compile_budget_source", "the golden's propagated logits budget in this dtype" if bud.logits
+                   is not None else f"no logits measurement in the golden: tolerance {src['rel_rmse']}")
+        st.compile_kw = {"backend": st.compiler, "mode": cfg.mode, "dynamic": cfg.dynamic}
+
+    def build(self, ctx: CheckContext, st) -> None:
+        from harness.precision.runner import build_target
+
+        st.model, mc = build_target(ctx.suite, ctx.backend, ctx.dtype, st.transform, st.g)
+        ctx.notes.extend(mc.notes)
+        st.ids = st.g.inputs.to(ctx.device)
+
+    def _logits(self, model, ids) -> torch.Tensor:
+        from harness.anatomy.capture import forward_logits
+
+        return forward_logits(model, ids).to("cpu")
+
+    def compile(self, ctx: CheckContext, st) -> None:
+        before, graphs = dyn.break_counter(), dyn.unique_graphs()
+        st.compiled = dyn.compile_module(st.model, **st.compile_kw)
+        t = time.perf_counter()
+        st.logits = self._logits(st.compiled, st.ids)
+        ctx.backend.synchronize()
+        st.compile_s = time.perf_counter() - t
+        st.breaks = dyn.break_counter() - before
+        st.n_breaks, st.n_graphs = sum(st.breaks.values()), dyn.unique_graphs() - graphs
+
+    def eager(self, ctx: CheckContext, st) -> None:
+        st.eager_logits = self._logits(st.model, st.ids)
+
+    def numerics(self, ctx: CheckContext, st) -> None:
+        from harness.precision.compare import tensor_metrics
+
+        if ctx.variant == SPEED:
+            return
+        ref = st.g.modules["logits"]
+        idx = st.g.indices.get("logits")  # sampled golden: its stored sample of the logits
+        view = (lambda t: t.reshape(-1)[idx]) if idx is not None else (lambda t: t)
+        st.vs_golden = tensor_metrics(view(st.logits), ref)
+        st.vs_eager = tensor_metrics(st.logits, st.eager_logits)
+        st.eager_vs_golden = tensor_metrics(view(st.eager_logits), ref)
+        st.diverged = None
+        if not st.vs_golden["rel_rmse"] <= st.budget:
+            st.diverged = (f"compiled logits diverge from the golden (rel_rmse {st.vs_golden['rel_rmse']:.3g} > budget "
+                           f"{st.budget:.3g}; eager {st.eager_vs_golden['rel_rmse']:.3g})")
+        elif not st.vs_eager["rel_rmse"] <= st.eager_budget:
+            st.diverged = (f"compiled logits diverge from eager on {ctx.backend.name} (rel_rmse "
+                           f"{st.vs_eager['rel_rmse']:.3g} > {st.eager_budget:.3g})")
+        st.loss_err = None
+        if st.cfg.loss and idx is None and st.ids.shape[1] > 1:
+            st.loss_err, bound = self._loss(st, ref)
+            ctx.tolerance("compile_loss_abs_err", bound)
+            if st.diverged is None and not st.loss_err <= bound:
+                st.diverged = f"compiled LM loss differs from the golden's by {st.loss_err:.3g} nats (bound {bound:.3g})"
+
+    def _loss(self, st, ref: torch.Tensor) -> tuple[float, float]:
+        """|loss(compiled) - loss(golden)| and its bound from the logits budget: the mean cross-entropy's
+        gradient in the logits has norm <= sqrt(2 / tokens), so |d loss| <= that x ||d logits||."""
+        ids = st.ids.to("cpu")
+        labels = ids[:, 1:].reshape(-1)
+
+        def loss(lg):
+            lg = lg[:, :-1].double()
+            return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels).item()
+
+        n = labels.numel()
+        bound = math.sqrt(2 / n) * st.budget * ref[:, :-1].double().norm().item()
+        return abs(loss(st.logits) - loss(ref)), bound
+
+    def breaks(self, ctx: CheckContext, st) -> None:
+        if ctx.variant == SPEED:
+            return
+        st.expected_breaks = want = _per_dtype(st.cfg.expected_graph_breaks, ctx.dtype)
+        reasons = "; ".join(f"{n} x {r}" for r, n in st.breaks.most_common())
+        if reasons:
+            ctx.detail("compile_graph_break_reasons", reasons)
+        if st.n_breaks < want:
+            ctx.notes.append(f"compile: {st.n_breaks} graph break(s), fewer than the {want} expected: lower "
+                             f"[checks.compile] expected_graph_breaks for {ctx.dtype} to {st.n_breaks}")
+            ctx.detail("compile_graph_breaks_expectation", f"can be lowered to {st.n_breaks} (expected {want})")
+        if st.n_breaks <= want:
+            return
+        # where: explain traces the forward again and gives each break's user frame (it resets dynamo)
+        located = dyn.explain_breaks(st.model, {"input_ids": st.ids, "use_cache": False})
+        lines = [str(b) for b in located] or [f"{n} x {r}" for r, n in st.breaks.most_common()]
+        ctx.detail("compile_graph_break_frames", "\n".join(lines))
+        new = located[0] if located else dyn.Break(next(iter(st.breaks)))
+        st.problems.append(CheckFailure(
+            f"{st.n_breaks} graph break(s), {want} expected: {new}", metric="compile_graph_breaks",
+            expected=f"<= {want}", observed=st.n_breaks, details="graph breaks (torch._dynamo.explain):\n"
+            + "\n".join(f"  {x}" for x in lines)))
+
+    def recompiles(self, ctx: CheckContext, st) -> None:
+        if ctx.variant == SPEED:
+            return
+        cfg = st.cfg
+        kw = dict(st.compile_kw, backend=cfg.sweep_backend or st.compiler)
+        if cfg.sweep_backend:
+            kw["mode"] = None
+        seq = st.ids.shape[1]
+        gen = torch.Generator().manual_seed(0)
+        vocab = int(st.g.inputs.max().item()) + 1
+
+        def ids_of(n: int) -> torch.Tensor:
+            if n <= seq:
+                return st.ids[:, :n]
+            return torch.randint(0, vocab, (st.ids.shape[0], n), generator=gen).to(st.ids.device)
+
+        shapes = [(f"golden prompt (length {seq})", seq)] + [(f"prompt length {n}", n) for n in cfg.prompt_lens]
+        if cfg.decode_step:
+            shapes.append((DECODE, 1))
+        with dyn.fresh():
+            model = dyn.compile_module(st.model, **kw)
+            calls = [(label, lambda n=n: self._logits(model, ids_of(n))) for label, n in shapes]
+            st.recompiled, st.sweep_s = dyn.sweep(calls)
+        ctx.detail("compile_sweep", f"{kw['backend']} (dynamic={cfg.dynamic}): " + ", ".join(
+            f"{label} {s:.2f} s" for label, s in st.sweep_s.items()))
+        if st.recompiled:
+            ctx.detail("compile_recompile_reasons", "\n".join(str(r) for r in st.recompiled))
+        want, n = _per_dtype(cfg.expected_recompiles, ctx.dtype), len(st.recompiled)
+        if n < want:
+            ctx.notes.append(f"compile: {n} recompile(s), fewer than the {want} expected: lower [checks.compile] "
+                             f"expected_recompiles for {ctx.dtype} to {n}")
+        elif n > want:
+            # the new one: the first guard of the model's own, else the first over the expectation
+            new = next(iter(dyn.unexplained(st.recompiled, cfg.dynamic, DECODE)), st.recompiled[want])
+            st.problems.append(CheckFailure(
+                f"{n} recompile(s), {want} expected: the {new.shape} recompiled {new.frame}: {new.reason}",
+                metric="compile_recompiles", expected=f"<= {want}", observed=n,
+                details="recompiles (dynamo's guard failures):\n" + "\n".join(f"  {r}" for r in st.recompiled)))
+
+    def speed(self, ctx: CheckContext, st) -> None:
+        """Nightly: compiled and eager forwards interleaved (perf's timing), medians (perf's statistics)."""
+        from harness.perf import stats
+        from harness.perf.timing import interleaved, memory_support, timed, timer_safety
+
+        if ctx.variant != SPEED:
+            return
+        ok, why = timer_safety(ctx.backend)
+        if not ok:
+            raise NotApplicable(f"no compile speed figures: {why}")
+        sync = ctx.backend.synchronize
+
+        def sampler(key, model):
+            return lambda: {key: timed(lambda: self._logits(model, st.ids), sync)}
+
+        eager, compiled = interleaved([sampler("eager", st.model), sampler("compiled", st.compiled)],
+                                      st.cfg.speed_repeats)
+        e, c = stats.summarize(eager["eager"]).median, stats.summarize(compiled["compiled"]).median
+        st.speed = {"compile_eager_forward_s": e, "compile_forward_s": c, "compile_speedup": e / c if c else math.nan}
+        if memory_support(ctx.backend)[0]:
+            for key, model in (("compile_eager_peak_memory_bytes", st.model), ("compile_peak_memory_bytes", st.compiled)):
+                ctx.backend.reset_peak_memory()
+                self._logits(model, st.ids)
+                peak = ctx.backend.peak_memory()
+                if peak is not None:
+                    st.speed[key] = peak
+
+    def bisect(self, ctx: CheckContext, st) -> None:
+        if ctx.variant == SPEED or st.diverged is None or not st.cfg.bisect:
+            return
+        st.bisection = bis.localize(st.model, lambda m: self._logits(m, st.ids), st.eager_logits, st.eager_budget,
+                                    st.compile_kw, st.cfg.bisect_depth)
+        st.bisect_text = "bisection, one region compiled at a time, logits against eager:\n" + "\n".join(
+            f"  {r.name}: rel_rmse {r.rel_rmse:.3g}" + (" (diverges)" if r.diverges else "") for r in st.bisection.tried)
+        ctx.detail("compile_bisection", st.bisect_text)
+
+    def record(self, ctx: CheckContext, st) -> None:
+        ctx.metric("compile_time_s", st.compile_s)
+        ctx.metric("compile_graph_breaks", st.n_breaks)
+        ctx.metric("compile_graphs", st.n_graphs)
+        if ctx.variant == SPEED:
+            for k, v in st.speed.items():
+                ctx.metric(k, v)
+            return
+        ctx.metric("compile_recompiles", len(st.recompiled))
+        ctx.metric("compile_logits_rel_rmse", st.vs_golden["rel_rmse"])
+        ctx.metric("compile_logits_budget_use", st.vs_golden["rel_rmse"] / st.budget if st.budget else math.inf)
+        ctx.metric("compile_vs_eager_rel_rmse", st.vs_eager["rel_rmse"])
+        if st.loss_err is not None:
+            ctx.metric("compile_loss_abs_err", st.loss_err)
+
+    def verdict(self, ctx: CheckContext, st) -> None:
+        if ctx.variant != SPEED and st.diverged is not None:
+            b = st.bisection
+            if b is None:
+                where = "not bisected ([checks.compile] bisect = false)"
+            elif b.region:
+                where = (f"{b.region} compiled alone diverges from eager (rel_rmse {b.path[-1].rel_rmse:.3g} > "
+                         f"{st.eager_budget:.3g})")
+            else:
+                where = ("no single region compiled alone diverges (a fusion across region boundaries, or the "
+                         "whole graph)")
+            raise CheckFailure(
+                f"{where}: {st.diverged}", metric="compile_logits_rel_rmse", expected=f"<= {st.budget:.3g}",
+                observed=f"{st.vs_golden['rel_rmse']:.4g} (vs eager {st.vs_eager['rel_rmse']:.4g})",
+                tolerance=st.budget, details=st.bisect_text)
+        if st.problems:
+            first = st.problems[0]
+            also = [f"also: {p.message}" for p in st.problems[1:]]
+            if also:
+                first.details = "\n".join([first.details or "", "", *also])
+            raise first
+
+
+def register(registry: CheckRegistry) -> None:
+    registry.add(CompileCheck())

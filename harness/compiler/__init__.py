@@ -1,0 +1,8 @@
+"""The compiled path: ``torch.compile`` of a model with a backend's compiler, and what dynamo says
+about it (the ``compile`` check's library; docs/compile.md).
+
+* ``dynamo``  which compiler a backend has (or why none is usable), compiling, graph breaks with
+  their reasons and user frames, recompiles across shapes with dynamo's guard-failure reasons;
+* ``bisect``  the smallest region whose compiled version alone diverges from eager: decoder layers,
+  then their submodules, each compiled on its own while the rest of the model runs eagerly.
+"""

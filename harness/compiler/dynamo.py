@@ -1,0 +1,183 @@
+"""``torch.compile`` of a model and what dynamo reports about it: graph breaks and recompiles.
+
+Everything here reads dynamo's own records, nothing is inferred:
+
+* graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` (reason -> count, filled by every
+  compile, whatever the backend) counts them; ``torch._dynamo.explain`` gives each break's reason
+  with the user stack where it happened (:func:`explain_breaks`, used when a count is over its
+  expectation: it traces the model once more, ~1-5 s);
+* recompiles: ``torch._dynamo.utils.get_compilation_metrics()``, one record per frame compile,
+  whose ``recompile_reason`` is dynamo's guard-failure reason (the text ``TORCH_LOGS=recompiles``
+  prints) for every compile of a frame that already had a cache entry.
+
+Dynamo's caches are process-wide: :func:`fresh` resets them around one item, so that guards on a
+previous item's model are never counted as this one's recompiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT = "inductor"
+NONE = "none"  # a harness backend's declaration that it has no torch.compile backend
+
+
+def usable(name: str, device_type: str) -> tuple[bool, str]:
+    """(usable, why) for the torch.compile backend ``name`` on ``device_type``."""
+    import torch._dynamo
+
+    if name == NONE:
+        return False, "the backend declares no compiler (compile_backend = 'none')"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        return False, f"no torch.compile backend {name!r} is registered (registered: {', '.join(sorted(known))})"
+    if name != "inductor":
+        return True, f"torch.compile backend {name!r}"
+    if device_type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cxx = cpp_builder.get_cpp_compiler()
+        except Exception as e:  # no compiler on PATH, or one inductor cannot use
+            return False, f"inductor's C++ code generation needs a C++ compiler: {type(e).__name__}: {e}"
+        return True, f"inductor (C++ code generation, {cxx})"
+    from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+
+    init_backend_registration()
+    if get_scheduling_for_device(device_type) is None:
+        return False, f"inductor has no code generator registered for device type {device_type!r}"
+    if device_type in ("cuda", "xpu"):
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return False, f"inductor on {device_type} generates Triton kernels, and triton is not installed"
+    return True, f"inductor ({device_type})"
+
+
+def compile_module(module: torch.nn.Module, backend: str, mode: str | None, dynamic: bool | None):
+    """``torch.compile(module, ...)``; ``mode`` only when set (a backend other than inductor may not take one)."""
+    kw = {"mode": mode} if mode else {}
+    return torch.compile(module, backend=backend, dynamic=dynamic, **kw)
+
+
+@contextlib.contextmanager
+def fresh() -> Iterator[None]:
+    """Dynamo's caches and compilation records empty before the block, and again after it."""
+    import torch._dynamo
+    from torch._dynamo.utils import clear_compilation_metrics
+
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+        clear_compilation_metrics()
+
+
+# --- graph breaks ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Break:
+    reason: str  # dynamo's first line ("Unsupported Tensor.item() call with capture_scalar_outputs=False")
+    where: str = ""  # the innermost user frame: "file:line in function"
+
+    def __str__(self) -> str:
+        return f"{self.reason} at {self.where}" if self.where else self.reason
+
+
+def first(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0].strip()
+
+
+def break_counter() -> Counter:
+    """Dynamo's graph-break counter now, by first line of the reason."""
+    from torch._dynamo.utils import counters
+
+    out: Counter = Counter()
+    for reason, n in counters["graph_break"].items():
+        out[first(reason)] += n
+    return out
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def user_frame(stack) -> str:
+    """The innermost frame of a break's user stack that is not torch's own (module call plumbing)."""
+    frames = [f for f in stack or [] if not f.filename.startswith(_TORCH_DIR)] or list(stack or [])
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def explain_breaks(module: torch.nn.Module, kwargs: dict) -> list[Break]:
+    """Every graph break of one call of ``module(**kwargs)`` with its reason and user frame, from
+    ``torch._dynamo.explain`` (which resets dynamo's caches first)."""
+    import torch._dynamo
+
+    out = torch._dynamo.explain(module)(**kwargs)
+    return [Break(first(r.reason), user_frame(r.user_stack)) for r in out.break_reasons]
+
+
+# --- recompiles --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recompile:
+    shape: str  # the call that recompiled ("prompt length 8", "decode step (length 1)")
+    frame: str  # "function (file:line)" of the recompiled frame
+    reason: str  # dynamo's guard-failure reason
+
+    def __str__(self) -> str:
+        return f"{self.shape}: {self.frame} recompiled: {self.reason}"
+
+
+
+def unexplained(recompiles: list[Recompile], dynamic: bool | None, decode: str) -> list[Recompile]:
+    """The recompiles that dynamo's own shape handling does not explain: with ``dynamic=False`` every
+    new shape recompiles; with automatic dynamic shapes (None) a frame's first recompile makes the
+    changed size dynamic; a dynamic size seen as 1 (the ``decode`` call) recompiles for the 0/1
+    specialisation. What is left is a guard of the model's own (a Python branch on a size, ...)."""
+    if dynamic is False:
+        return []
+    out, seen = [], set()
+    for r in recompiles:
+        first_of_frame = r.frame not in seen
+        seen.add(r.frame)
+        if r.shape == decode or (dynamic is None and first_of_frame):
+            continue
+        out.append(r)
+    return out
+
+
+def sweep(calls: list[tuple[str, Callable[[], object]]]) -> tuple[list[Recompile], dict[str, float]]:
+    """Run each ``(label, call)`` in order (the first compiles); the recompiles each call caused, and
+    the wall seconds of each call (its compile included)."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    seen = {id(r) for r in get_compilation_metrics()}
+    out, seconds = [], {}
+    for label, call in calls:
+        t = time.perf_counter()
+        call()
+        seconds[label] = time.perf_counter() - t
+        for r in get_compilation_metrics():
+            if id(r) in seen:
+                continue
+            seen.add(id(r))
+            if r.recompile_reason:
+                where = f"{r.co_name} ({os.path.basename(r.co_filename or '')}:{r.co_firstlineno})"
+                out.append(Recompile(label, where, first(r.recompile_reason)))
+    return out, seconds
