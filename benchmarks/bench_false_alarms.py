@@ -89,7 +89,9 @@ def main() -> int:
     ap.add_argument("--day0-only", action="store_true", help="only the Day-0 corpus, not the bundled suites")
     ap.add_argument("-k", default="", help="only suites whose name contains this")
     ap.add_argument("--checks", default=",".join(CHECKS), help="comma-separated checks")
+    ap.add_argument("--shard", default="1/1", help="K/N: only every N-th suite from the K-th (run N processes)")
     args = ap.parse_args()
+    k_shard, n_shard = (int(x) for x in args.shard.split("/"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     checks = tuple(c for c in args.checks.split(",") if c)
     scratch = Path(tempfile.mkdtemp(prefix="bench_false_alarms_"))
@@ -99,6 +101,7 @@ def main() -> int:
     if args.day0:
         (scratch / "day0").mkdir()
         suites += day0_suites(scratch / "day0", args.k)
+    suites = suites[k_shard - 1 :: n_shard]
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {len(suites)} suites, "
           f"seeds 1..{args.seeds}, checks {', '.join(checks)}")
     totals: Counter = Counter()

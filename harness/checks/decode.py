@@ -57,6 +57,8 @@ metrics.declare("decode_prefill_logits_rel_rmse", "", "lower", "rel_rmse of the 
                 "the forward golden's")
 metrics.declare("decode_rows_over_budget", "", "lower", "(step, layer or logits) rows over their budget")
 metrics.declare("decode_steps", "", "none", "decode steps compared after the prefill")
+metrics.declare("decode_router_flips", "", "lower", "tokens of the cached decode (prefill and steps) whose router chose other "
+                "experts than the golden's (forced to the golden's: a near-tie flip is not a cache fault)")
 
 
 class DecodeConfig(CheckConfig):
@@ -263,9 +265,11 @@ class DecodeCheck(Check):
         its own uncached forward of the same sequence (the witness)."""
         import contextlib
 
-        from harness.precision.decode import decode_run, uncached_view
+        from harness.precision.decode import decode_run, routes_of, uncached_view
 
         t = st.section.tensors
+        # routers forced to the golden's choices (not in the padded layout: see precision.decode)
+        routes = None if st.variant == "padded" else routes_of(t, t["tokens"].shape[1] + 1)
         dev = ctx.backend.device()
         ids, mask = (t["padded.ids"], t["padded.mask"]) if st.variant == "padded" else (st.g.inputs, None)
         ids, mask = ids.to(dev), None if mask is None else mask.to(dev)
@@ -275,14 +279,29 @@ class DecodeCheck(Check):
             except (ValueError, ImportError) as e:
                 raise NotApplicable(f"{st.variant} cache not offered here: {type(e).__name__}: {e}") from None
             try:
-                st.run = decode_run(st.model, ids, t["tokens"].shape[1], cache, mask=mask, tokens=t["tokens"])
+                st.run = decode_run(st.model, ids, t["tokens"].shape[1], cache, mask=mask, tokens=t["tokens"],
+                                    routes=routes)
             except (RuntimeError, AssertionError) as e:
                 if st.variant == "offloaded" and ctx.backend.device().type == "cpu":
                     # transformers' offloading prefetches on torch.cuda streams
                     raise NotApplicable(f"offloaded cache needs a CUDA device: {type(e).__name__}: {e}") from None
                 raise
-            st.witness = uncached_view(st.model, ids, t["tokens"], mask)
+            st.witness = uncached_view(st.model, ids, t["tokens"], mask, routes)
         st.model = None  # free the target before comparing
+        routers = st.section.entry.get("routers") or []
+        if routes is not None:
+            flips = sum(st.run.flips.values())
+            ctx.metric("decode_router_flips", flips)
+            if flips:
+                ctx.notes.append(f"{flips} token(s) of the prefill or the steps whose own expert choice differs from the golden's, forced to "
+                                 f"the golden's: " + ", ".join(f"{r} {n}" for r, n in sorted(st.run.flips.items()) if n))
+            if st.run.unforced:
+                ctx.notes.append(f"routers not forced to the golden's choices: {', '.join(st.run.unforced)}")
+        elif routers and st.variant == "padded":
+            ctx.notes.append("routers not forced in the padded layout (its reference is each row decoded alone)")
+        elif routers:
+            ctx.notes.append("the golden stores no decode routes (made before they were): routers not forced; "
+                             f"regenerate with `harness golden generate {ctx.suite.name} --update`")
 
     def compare(self, ctx: CheckContext, st) -> None:
         from harness.precision.decode import errors, prefill_error

@@ -63,6 +63,71 @@ class Decoded:
     logits: torch.Tensor  # [B, N, V]: the step's next-token logits
     tokens: torch.Tensor  # [B, N] int64: the token each step fed
     cache_layers: list[str] = field(default_factory=list)  # the cache's layer class per decoder layer
+    # per forward call (0: the prefill, 1 + s: step s), each router's chosen experts [T, k] int64: what
+    # it chose itself (nothing forced) or was forced to
+    routes: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    flips: dict[str, int] = field(default_factory=dict)  # router -> tokens whose own choice was another
+    unforced: list[str] = field(default_factory=list)  # routers whose choice could not be forced
+
+
+class _Routing:
+    """Every router of ``model`` over the forward calls of one decode: with ``force`` (one
+    {router: [T, k]} per call, the reference's choices) each router's top-k returns those experts
+    (``harness.precision.routing.ForcedRouting``: the experts' weights and outputs are still the
+    target's own arithmetic), and the tokens whose own choice differed are counted; without, each
+    router's choice is recorded. Forcing is what makes a correct backend comparable at all at a
+    near-tie: a flip sends one token through other experts and moves its hidden state by far more
+    than rounding, though nothing is wrong - the routers themselves are judged by the precision
+    check, on the forward, with its routing-aware judgement."""
+
+    def __init__(self, model, calls: int, force: list[dict[str, torch.Tensor]] | None):
+        from harness.precision.routing import ForcedRouting, RouterCapture
+
+        phases = [f"c{i}" for i in range(calls)]
+        self.force = force
+        if force:
+            self.trace = ForcedRouting({p: f for p, f in zip(phases, force, strict=False)},
+                                       calls={p: {} for p in phases})
+            self.handles = self.trace.attach(model)
+        else:
+            self.trace = RouterCapture(model)
+            self.trace.calls = {p: {} for p in phases}
+            self.handles = [self.trace]
+
+    def call(self, i: int) -> None:
+        self.trace.phase = f"c{i}"
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def result(self, dec: Decoded) -> None:
+        from harness.precision.routing import same_sets
+
+        if not self.force:
+            dec.routes = [{r: cs[0][0] for r, cs in self.trace.calls[f"c{i}"].items()}
+                          for i in range(len(self.trace.calls))]
+            return
+        dec.routes = self.force
+        dec.unforced = sorted(set(self.trace.unforced))
+        for i, forced in enumerate(self.force):
+            for r, call in self.trace.calls.get(f"c{i}", {}).items():
+                want = forced[r].to(call.natural.device)
+                n = sum(not same_sets(a[None], b[None]) for a, b in zip(call.natural, want, strict=True))
+                dec.flips[r] = dec.flips.get(r, 0) + n
+
+
+def stacked_routes(routes: list[dict[str, torch.Tensor]], b: int) -> dict[str, torch.Tensor]:
+    """The per-call routes of a decode (prefill [B x S, k], then each step [B x 1, k]) in the token
+    order of one forward of the whole sequence [B, S + N]; a router whose calls do not split by row
+    (another token layout) is left out (not forced)."""
+    out = {}
+    for r in routes[0] if routes else {}:
+        parts = [c.get(r) for c in routes]
+        if any(p is None or p.shape[0] % b for p in parts):
+            continue
+        out[r] = torch.cat([p.reshape(b, -1, p.shape[-1]) for p in parts], 1).reshape(-1, parts[0].shape[-1])
+    return out
 
 
 def make_cache(kind: str, model, max_len: int, residual_length: int = 8):
@@ -170,16 +235,20 @@ class _Watch:
 
 
 def decode_run(model, ids: torch.Tensor, steps: int, cache, mask: torch.Tensor | None = None,
-               tokens: torch.Tensor | None = None) -> Decoded:
+               tokens: torch.Tensor | None = None, routes: list[dict[str, torch.Tensor]] | None = None) -> Decoded:
     """Prefill ``ids`` [B, S] into ``cache``, then ``steps`` decode steps of one token each, as a
     server runs them: attention mask grown by one per step, positions from the mask (so a left-padded
-    row continues where its own tokens end). Each step feeds ``tokens[:, s]`` (teacher forcing)."""
+    row continues where its own tokens end). Each step feeds ``tokens[:, s]`` (teacher forcing).
+    ``routes`` (one {router: [T, k]} per forward call, a reference's ``Decoded.routes``): every router
+    forced to them; without, each router's choices are recorded in the result."""
     mask = torch.ones_like(ids) if mask is None else mask.to(ids.device)
     w = _Watch(model, slice(-1, None))
+    rt = _Routing(model, steps + 1, routes)
     hidden, attn, logits, fed = [], [], [], []
     cpu = lambda xs: torch.cat(xs, 1).to("cpu", torch.float64) if xs else None  # noqa: E731 - [B, L|A, H]
     try:
         with torch.no_grad():
+            rt.call(0)
             out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), cache=cache, use_cache=True)
             prefill = out.logits.detach()
             last, pos = prefill[:, -1], _positions(mask)[:, -1:]
@@ -187,6 +256,7 @@ def decode_run(model, ids: torch.Tensor, steps: int, cache, mask: torch.Tensor |
                 tok = _step_input(tokens, s, last)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 w.clear()
+                rt.call(1 + s)
                 out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos + 1 + s,
                             cache=cache, use_cache=True)
                 last = out.logits[:, -1].detach()
@@ -196,11 +266,14 @@ def decode_run(model, ids: torch.Tensor, steps: int, cache, mask: torch.Tensor |
                 fed.append(tok.to("cpu", torch.int64))
     finally:
         w.close()
+        rt.close()
     kinds = [type(x).__name__ for x in getattr(cache, "layers", [])]
     b = ids.shape[0]
-    return Decoded(prefill.to("cpu", torch.float64), torch.stack(hidden, 1),
-                   torch.stack(attn, 1) if attn[0] is not None else torch.zeros(b, steps, 0, 1, dtype=torch.float64),
-                   torch.stack(logits, 1), torch.stack(fed, 1), kinds)
+    dec = Decoded(prefill.to("cpu", torch.float64), torch.stack(hidden, 1),
+                  torch.stack(attn, 1) if attn[0] is not None else torch.zeros(b, steps, 0, 1, dtype=torch.float64),
+                  torch.stack(logits, 1), torch.stack(fed, 1), kinds)
+    rt.result(dec)
+    return dec
 
 
 def reference_view(dec: Decoded, topk: int | None) -> dict[str, torch.Tensor]:
@@ -290,22 +363,27 @@ def _topk(sp: dict, vocab: int) -> int | None:
     return None if vocab <= sp["full_vocab_max"] else sp["topk"]
 
 
-def uncached_view(model, ids: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None
-                  ) -> dict[str, torch.Tensor]:
+def uncached_view(model, ids: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None,
+                  routes: list[dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """The witness without a cache: one forward of the whole teacher-forced sequence [ids, tokens]
     [B, S + N] in the model's own dtype; its outputs at positions S..S+N-1 are what each cached step
-    must reproduce (causal: position p sees only positions <= p). Same keys as :func:`reference_view`."""
+    must reproduce (causal: position p sees only positions <= p). Same keys as :func:`reference_view`.
+    ``routes``: the cached decode's per-call routes, forced here in the whole sequence's token order."""
     dev = ids.device
     mask = torch.ones_like(ids) if mask is None else mask.to(dev)
     seq = torch.cat([ids, tokens.to(dev)], 1)
     full = torch.cat([mask, torch.ones_like(tokens).to(dev)], 1)
     s, n = ids.shape[1], tokens.shape[1]
     w = _Watch(model, slice(s, None))
+    whole = stacked_routes(routes, ids.shape[0]) if routes else None
+    rt = _Routing(model, 1, [whole] if whole else None)
     try:
         with torch.no_grad():
+            rt.call(0)
             out = model(input_ids=seq, attention_mask=full, position_ids=_positions(full), use_cache=False)
     finally:
         w.close()
+        rt.close()
     logits = out.logits[:, s : s + n].to("cpu", torch.float64)
     stack = lambda xs: torch.stack(xs, 2).to("cpu", torch.float64) if xs else torch.zeros(  # noqa: E731
         ids.shape[0], n, 0, 1, dtype=torch.float64)
@@ -327,12 +405,35 @@ def _variant_errors(model, kind: str, r: _RefDraw, ids, sp: dict, dev, witness: 
         return None
     layout = "padded" if kind == "padded" else "plain"
     pids, pmask = r.padded if layout == "padded" else (ids, None)
-    dec = decode_run(model, pids.to(dev), n, cache, mask=pmask, tokens=r.dec.tokens)
+    # routers forced to the reference's choices as the check forces them (not in the padded layout:
+    # its reference is each row alone, whose token layout the padded batch does not have)
+    routes = None if layout == "padded" else forced_routes(r.dec)
+    dec = decode_run(model, pids.to(dev), n, cache, mask=pmask, tokens=r.dec.tokens, routes=routes)
     if layout not in witness:
-        witness[layout] = uncached_view(model, pids.to(dev), r.dec.tokens, pmask)
+        witness[layout] = uncached_view(model, pids.to(dev), r.dec.tokens, pmask, routes)
     ref = _reduce(errors(dec, r.padded_view if layout == "padded" else r.view))
     ref["prefill"] = None if layout == "padded" else prefill_error(dec, r.dec.prefill_logits)
     return {"reference": ref, "uncached": _reduce(errors(dec, witness[layout]))}
+
+
+def forced_routes(dec: Decoded) -> list[dict[str, torch.Tensor]] | None:
+    """A reference decode's per-call routes, or None for a model without routers."""
+    return dec.routes if dec.routes and any(dec.routes) else None
+
+
+def routes_tensors(dec: Decoded) -> dict[str, torch.Tensor]:
+    """``route/<call>/<router>`` of the section (call 0 the prefill, 1 + s step s)."""
+    return {f"route/{i}/{r}": t for i, c in enumerate(dec.routes) for r, t in c.items()}
+
+
+def routes_of(tensors: dict[str, torch.Tensor], calls: int) -> list[dict[str, torch.Tensor]] | None:
+    """The per-call routes back from a section's tensors; None where it stores none."""
+    out = [{} for _ in range(calls)]
+    for k, t in tensors.items():
+        if k.startswith("route/"):
+            _, i, r = k.split("/", 2)
+            out[int(i)][r] = t
+    return out if any(out) else None
 
 
 def _fold(acc: dict | None, e: dict) -> dict:
@@ -379,7 +480,7 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
     refs = [_reference_draw(model, dev, ids, sp, ref.generation["tokens"] if d == 0 else None, topk)
             for d, ids in enumerate(ref.draws)]
     r0 = refs[0]
-    tensors = {"tokens": r0.dec.tokens, **r0.view}
+    tensors = {"tokens": r0.dec.tokens, **r0.view, **routes_tensors(r0.dec)}
     if r0.padded is not None:
         tensors.update({"padded.ids": r0.padded[0], "padded.mask": r0.padded[1]})
         tensors.update({f"padded.{k}": v for k, v in r0.padded_view.items()})
@@ -390,5 +491,6 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
              "attention": [name for _, name, _ in attn], "attention_layers": [i for i, _, _ in attn],
              "layer_types": layer_types(model), "cache_layers": r0.dec.cache_layers,
              "vocab": "full" if topk is None else f"top{topk}", "draws": len(ref.draws),
+             "routers": sorted(r0.dec.routes[0]) if r0.dec.routes else [],
              "budgets": {dt: _measure_dtype(ref, dt, refs, sp) for dt in ref.dtypes}}
     return entry, tensors

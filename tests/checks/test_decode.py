@@ -157,6 +157,26 @@ def test_fp8_cache_is_held_to_its_own_budget(env):
     assert isinstance(failure, CheckFailure) and "step 0" in failure.message, failure
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_near_tie_flip_in_a_decode_step_is_forced_and_counted_not_failed(env, monkeypatch, dtype):
+    """Token 0 of every decode step routed to its next-best expert (what a near tie does on a correct
+    backend): the routers are forced to the golden's choices, the flips counted, the item passes;
+    without the forcing the same correct backend would fail at step 0."""
+    import harness.precision.decode as pdecode
+
+    ls, root = env["mixtral-sw"]
+    rows = load_golden(ls, root).inputs.shape[0]
+    flip = lambda: cache_faults.DecodeStepFlip(rows)  # noqa: E731
+    ctx, failure = _run(env, "mixtral-sw", dtype, context=flip)
+    assert failure is None, failure
+    layers = len(load_golden(ls, root).manifest["sections"]["decode"]["layers"])
+    assert float(props(ctx)["metric.decode_router_flips"]) == ls.suite.checks.decode.steps * layers
+    assert any("forced to the golden's" in n for n in ctx.notes), ctx.notes
+    monkeypatch.setattr(pdecode, "routes_of", lambda tensors, calls: None)
+    _, failure = _run(env, "mixtral-sw", dtype, context=flip)
+    assert isinstance(failure, CheckFailure) and "step 0" in failure.message, failure
+
+
 def test_golden_without_the_section_could_not_run(env, tmp_path):
     ls, _ = env["llama-3.1-8b"]
     s = ls.suite.model_copy(deep=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import cache_utils
 
 
@@ -118,3 +119,27 @@ def first_layer(entry: dict, born: str) -> str | None:
     kinds = ("sliding_attention",) if born == "sliding" else ("full_attention", "sliding_attention",
                                                                "chunked_attention")
     return next((n for n, t in zip(entry["layers"], entry["layer_types"], strict=True) if t in kinds), None)
+
+
+class DecodeStepFlip(TorchFunctionMode):
+    """What a near-tie does to a correct backend: in every decode step (a router call over B tokens,
+    ``[B, E]`` scores), token 0's k-th chosen expert is replaced by the (k+1)-th best - the choice a
+    rounding-level change of two nearly equal scores flips. Not a cache fault: the decode check forces
+    the routers to the golden's choices and counts the flip, instead of failing the token for it."""
+
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.tokens, self.flipped = tokens, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.topk, torch.Tensor.topk):
+            x, k = args[0], args[1] if len(args) > 1 else kwargs.get("k")
+            if x.dim() == 2 and x.shape[0] == self.tokens and x.is_floating_point() and k < x.shape[1]:
+                nxt = torch.topk(x, k + 1, dim=-1)
+                idx, vals = out[1].clone(), out[0].clone()
+                idx[0, -1], vals[0, -1] = nxt[1][0, -1], nxt[0][0, -1]
+                self.flipped += 1
+                out = torch.return_types.topk((vals, idx))
+        return out
