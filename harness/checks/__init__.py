@@ -10,7 +10,8 @@ The contract (``base.py``, ``outcomes.py``; walkthrough in docs/adding-a-check.m
   pyproject.toml). Items are generated in the checks' ``order`` (cheap smoke items first).
 
 The built-ins, one module each: ``smoke`` (load, forward, backward, a few optimizer steps),
-``precision`` (against the float64 golden, module by module), ``decode`` (the KV-cache decode step
+``precision`` (against the float64 golden, module by module), ``compile`` (torch.compile: numerics
+against the golden, graph breaks, recompiles, compile time), ``decode`` (the KV-cache decode step
 by step against the golden's), ``training`` (gradients module by module, optimizer steps and the
 loss trajectory against the golden's), ``quantization`` (quantized weights' error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
 ``perf`` (throughput, latency, memory against baselines), ``weights`` (real checkpoints).

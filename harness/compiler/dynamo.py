@@ -120,8 +120,10 @@ def user_frame(stack) -> str:
     frames = [f for f in stack or [] if not f.filename.startswith(_TORCH_DIR)] or list(stack or [])
     if not frames:
         return ""
+    from harness.messages import display
+
     f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}"
+    return f"{display(f.filename)}:{f.lineno} in {f.name}"
 
 
 def explain_breaks(module: torch.nn.Module, kwargs: dict) -> list[Break]:
