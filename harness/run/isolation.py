@@ -261,6 +261,13 @@ class _Status:
         self._write()
 
     def enter(self, module, _args) -> None:
+        import torch
+
+        if torch.compiler.is_compiling():
+            # inside a graph torch.compile is tracing: a file write there is a graph break per module
+            # (the compile check counted 23 on llama-3.1-8b); the module entered before the compiled
+            # region stays the one reported
+            return
         name = getattr(module, "_harness_qualname", None)
         if name is None:
             # The first module entered is the root (the CausalLM): name every submodule once.

@@ -201,3 +201,16 @@ def test_table_is_strict():
         CompileConfig(expected_graph_breaks={"float33": 1})
     with pytest.raises(ValueError, match="valid integer"):
         CompileConfig(expected_recompiles="2")
+
+
+def test_a_suite_without_committed_counts_records_them_and_passes_with_a_note():
+    """A suite `harness init` just wrote has no [checks.compile] counts: the breaks and recompiles are
+    measured and said, not judged against a 0 nobody chose (the Day-0 pipeline stays green)."""
+    ls = compile_suite(expected_graph_breaks=None, expected_recompiles=None, prompt_lens=[], decode_step=False,
+                       bisect=False, **EAGER)
+    ctx, _, f = run(ls)
+    assert f is None, str(f)
+    notes = " ".join(ctx.notes)
+    assert "0 graph break(s) measured, no expectation committed: add `expected_graph_breaks = 0`" in notes, notes
+    assert "0 recompile(s) measured, no expectation committed: add `expected_recompiles = 0`" in notes, notes
+    assert metric(ctx, "compile_graph_breaks") == 0
