@@ -60,6 +60,13 @@ metrics.declare("compile_peak_memory_bytes", "bytes", "lower", "compile (nightly
 metrics.declare("compile_eager_peak_memory_bytes", "bytes", "lower", "compile (nightly): peak memory of an eager forward")
 
 
+metrics.declare("compile_grad_worst_budget_use", "", "lower", "compile: largest parameter-gradient error of the "
+                "compiled backward against the golden / the training check's budget (fails > 1)")
+metrics.declare("compile_grad_vs_eager_worst_budget_use", "", "none", "compile: the same of the eager backward, "
+                "beside it")
+metrics.declare("compile_backward_time_s", "s", "lower", "compile: first compiled forward + backward (its compile)")
+
+
 def _per_dtype(v: int | dict[str, int] | None, dtype: str) -> int | None:
     """The committed count for ``dtype``; None where the suite commits none (for that dtype)."""
     return v if v is None or isinstance(v, int) else v.get(dtype)
@@ -100,6 +107,9 @@ class CompileConfig(CheckConfig):
                            "propagated logits budget in this dtype.")
     loss: bool = Field(True, description="Compare the LM loss of the compiled logits with the golden's (held to the "
                        "bound the logits budget implies: sqrt(2 / tokens) x budget x ||golden logits||).")
+    gradients: bool = Field(True, description="Also compile the backward: the LM loss's parameter gradients of the "
+                            "compiled model against the golden's training section (its sketches, under the training "
+                            "check's measured budgets; routers forced to the golden's choices).")
     bisect: bool = Field(True, description="On diverging numerics, compile one region at a time to name the smallest "
                          "one responsible.")
     bisect_depth: int = Field(3, ge=1, description="Levels the bisection descends (decoder layer -> submodule -> ...).")
@@ -144,8 +154,8 @@ class CompileCheck(Check):
     config_model = CompileConfig
     description = "torch.compile: numerics against the golden and eager, graph breaks, recompiles, compile time."
     headline = ("compile_logits_budget_use", "compile_graph_breaks", "compile_time_s")
-    steps = ("golden", "setup", "build", "compile", "eager", "numerics", "breaks", "recompiles", "speed", "bisect",
-             "record", "verdict")
+    steps = ("golden", "setup", "build", "compile", "eager", "numerics", "breaks", "recompiles", "gradients", "speed",
+             "bisect", "record", "verdict")
     setup_steps = ("golden", "setup", "build")
 
     def variants(self, suite, backend) -> list[str | None]:
@@ -156,7 +166,7 @@ class CompileCheck(Check):
 
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, problems=[], bisection=None,
-                               diverged=None, recompiled=[], speed={}, bisect_text=None)
+                               diverged=None, recompiled=[], speed={}, bisect_text=None, grad_rows=[])
 
     def run_steps(self, ctx: CheckContext, st) -> None:
         ctx_mgr = st.context() if st.context is not None else contextlib.nullcontext()
@@ -317,6 +327,82 @@ class CompileCheck(Check):
                 metric="compile_recompiles", expected=f"<= {want}", observed=n,
                 details="recompiles (dynamo's guard failures):\n" + "\n".join(f"  {r}" for r in st.recompiled)))
 
+    def gradients(self, ctx: CheckContext, st) -> None:
+        """The compiled backward: one forward + backward of the LM loss (the training check's, on the
+        golden's ids) through a fresh compile of the model, every parameter's gradient at the golden's
+        sketch indices against the float64 reference under the training check's measured budgets, and
+        the eager backward beside it (so a compiled-only divergence says so). MoE routers are forced to
+        the golden's choices and left out of the graph (a near-tie flip is no compiler fault)."""
+        st.grad_rows = []
+        if ctx.variant == SPEED or not st.cfg.gradients:
+            return
+        from harness.golden.store import GoldenError
+        from harness.precision import backward as bw
+        from harness.precision.routing import ForcedRouting
+
+        spec = bw.spec(ctx.suite)
+        try:
+            sec = st.g.section(bw.SECTION, spec) if spec is not None else None
+        except GoldenError as e:
+            sec = None
+            ctx.notes.append(f"compile: no compiled-backward comparison: {e}")
+        clean = (sec.entry.get("budgets") or {}).get(ctx.dtype) if sec is not None else None
+        if not clean:
+            if sec is not None:
+                ctx.notes.append(f"compile: the golden's training section has no {ctx.dtype} budgets: no compiled backward")
+            return
+        t, k = sec.tensors, ctx.suite.suite.checks.training.budget_k
+        idx = {n: t[f"pidx/{n}"] for n in sec.entry["params"]}
+        routes = {r: t[f"route/{r}"] for r in sec.entry.get("routers", [])}
+        ids = t["labels"].to(ctx.device)
+        params = dict(st.model.named_parameters())
+        names = [n for n in idx if n in params and params[n].requires_grad]
+
+        def grads(model) -> dict[str, torch.Tensor]:
+            with torch.enable_grad():
+                loss = bw.lm_loss(model, ids)
+                gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+            return {n: (g if g is not None else torch.zeros_like(params[n])).detach().cpu() for n, g in zip(names, gs, strict=True)}
+
+        forced = ForcedRouting({"step": routes}, phase="step") if routes else None
+        handles = forced.attach(st.model) if forced else []
+        for mod in st.model.modules() if forced is not None else ():  # wrapped routers run eagerly: not traced
+            if "forward" in mod.__dict__:
+                mod.forward = torch._dynamo.disable(mod.forward, recursive=False)
+        try:
+            eager = grads(st.model)
+            with dyn.fresh():
+                t0 = time.perf_counter()
+                compiled = grads(dyn.compile_module(st.model, **st.compile_kw))
+                st.grad_compile_s = time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.remove()
+        for n in names:
+            ref = t[f"pgrad/{n}"]
+            b = bw.budget(clean.get("param", {}).get(n, math.inf), ctx.dtype, k)
+            st.grad_rows.append((n, bw.rel_rmse(bw.at(compiled[n], idx[n]), ref), bw.rel_rmse(bw.at(eager[n], idx[n]), ref), b))
+        bad = [r for r in st.grad_rows if r[3] is not None and not r[1] <= r[3]]
+        # walking backward (the golden's backward order): where a wrong backward kernel is met first;
+        # parameters upstream of it inherit its error (the embedding last)
+        order = sec.entry.get("backward_order") or []
+
+        def first_met(row) -> int:
+            owners = [i for i, m in enumerate(order) if row[0].startswith(m + ".")]
+            return max(owners, key=lambda i: len(order[i])) if owners else len(order)
+
+        bad.sort(key=first_met)
+        if bad:
+            n, err, e_err, b = bad[0]
+            table = "\n".join(f"  {r[0]}: compiled {r[1]:.3g}, eager {r[2]:.3g}, budget "
+                              + ("not resolvable" if r[3] is None else f"{r[3]:.3g}") for r in bad[:40])
+            who = "while eager's agrees" if e_err <= b else f"and eager's too ({e_err:.3g})"
+            st.problems.append(CheckFailure(
+                f"compiled backward diverges from the golden: gradient of {n} rel_rmse {err:.3g} > budget {b:.3g} "
+                f"{who}; first of {len(bad)} parameter(s)", metric="compile_grad_worst_budget_use",
+                expected=f"<= {b:.3g}", observed=f"{err:.4g}", tolerance=b,
+                details="parameter gradients over budget (rel_rmse at the golden's sketch indices):\n" + table))
+
     def speed(self, ctx: CheckContext, st) -> None:
         """Nightly: compiled and eager forwards interleaved (perf's timing), medians (perf's statistics);
         on a CPU with one intra-op thread and on the process CPU clock, as the perf check decides."""
@@ -374,6 +460,11 @@ class CompileCheck(Check):
         ctx.metric("compile_vs_eager_rel_rmse", st.vs_eager["rel_rmse"])
         if st.loss_err is not None:
             ctx.metric("compile_loss_abs_err", st.loss_err)
+        judged = [r for r in st.grad_rows if r[3]]
+        if judged:
+            ctx.metric("compile_grad_worst_budget_use", max(r[1] / r[3] for r in judged))
+            ctx.metric("compile_grad_vs_eager_worst_budget_use", max(r[2] / r[3] for r in judged))
+            ctx.metric("compile_backward_time_s", st.grad_compile_s)
 
     def verdict(self, ctx: CheckContext, st) -> None:
         if ctx.variant != SPEED and st.diverged is not None:

@@ -87,6 +87,8 @@ def test_clean_suite_passes_with_inductor(clean):
     assert metric(ctx, "compile_recompiles") == cfg.expected_recompiles
     assert metric(ctx, "compile_graphs") == 1 and metric(ctx, "compile_time_s") > 0
     assert "decode step (length 1)" in props["harness.detail.compile_recompile_reasons"]
+    # the compiled backward's parameter gradients within the training check's budgets
+    assert 0 < metric(ctx, "compile_grad_worst_budget_use") < 1 and metric(ctx, "compile_backward_time_s") > 0
 
 
 def test_fewer_than_expected_passes_with_a_note():
@@ -177,6 +179,46 @@ def test_lowering_fault_fails_compiled_localized_while_eager_passes(tmp_path):
     # the same fault leaves the eager path alone: the precision check passes with it
     _, pf = run_check(NAME, "float32", tmp_path, context=wrong_silu_decomposition)
     assert pf is None, str(pf)
+
+
+@contextlib.contextmanager
+def wrong_silu_backward_decomposition():
+    """A lowering fault in the compiled backward only: the decomposition of aten.silu_backward 5% high
+    (the forward and eager untouched)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor import decomposition as d
+
+    op = torch.ops.aten.silu_backward.default
+    tables = [d.decompositions, d.fast_random_decomps()]
+    saved = [t.get(op) for t in tables]
+
+    def silu_backward(grad, x):
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s)) * 1.05
+
+    for t in tables:
+        t[op] = silu_backward
+    try:
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            yield
+    finally:
+        for t, sv in zip(tables, saved, strict=True):
+            if sv is None:
+                t.pop(op, None)
+            else:
+                t[op] = sv
+
+
+def test_compiled_backward_fault_fails_naming_the_parameter_while_forward_and_eager_pass():
+    ctx, _, f = run(compile_suite(backend="aot_eager_decomp_partition", prompt_lens=[], decode_step=False),
+                    context=wrong_silu_backward_decomposition)
+    assert isinstance(f, CheckFailure), f
+    line = str(f).splitlines()[0]
+    assert line.startswith("compiled backward diverges from the golden: gradient of model.layers.1.mlp."), line  # where met first
+    assert "while eager's agrees" in line, line
+    assert metric(ctx, "compile_logits_budget_use") < 1  # the compiled forward is right
+    assert metric(ctx, "compile_grad_worst_budget_use") > 1 > metric(ctx, "compile_grad_vs_eager_worst_budget_use")
 
 
 def test_backend_without_compiler_is_not_applicable(tmp_path, monkeypatch):
