@@ -145,28 +145,31 @@ def test_shape_that_recompiles_is_named():
 
 
 @contextlib.contextmanager
-def wrong_silu_decomposition():
-    """A lowering fault in the compiled path only: inductor's decomposition of aten.silu 0.1% high
-    (eager never reads the table). The compile caches are off, so no clean artifact is served."""
+def wrong_decomposition(op, fn):
+    """A lowering fault in the compiled path only: inductor's decomposition of ``op`` replaced by
+    ``fn`` (eager never reads the table). The compile caches are off, so no clean artifact is served."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor import decomposition as d
 
-    op = torch.ops.aten.silu.default
     tables = [d.decompositions, d.fast_random_decomps()]
-    saved = [t[op] for t in tables]
-
-    def silu(x):
-        return x / (1 + x.neg().exp()) * (1 + 2.0**-10)
-
+    saved = [t.get(op) for t in tables]
     for t in tables:
-        t[op] = silu
+        t[op] = fn
     try:
         with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
             yield
     finally:
-        for t, s in zip(tables, saved, strict=True):
-            t[op] = s
+        for t, sv in zip(tables, saved, strict=True):
+            if sv is None:
+                t.pop(op, None)
+            else:
+                t[op] = sv
+
+
+def wrong_silu_decomposition():
+    """aten.silu's decomposition 0.1% high."""
+    return wrong_decomposition(torch.ops.aten.silu.default, lambda x: x / (1 + x.neg().exp()) * (1 + 2.0**-10))
 
 
 def test_lowering_fault_fails_compiled_localized_while_eager_passes(tmp_path):
@@ -181,33 +184,13 @@ def test_lowering_fault_fails_compiled_localized_while_eager_passes(tmp_path):
     assert pf is None, str(pf)
 
 
-@contextlib.contextmanager
 def wrong_silu_backward_decomposition():
-    """A lowering fault in the compiled backward only: the decomposition of aten.silu_backward 5% high
-    (the forward and eager untouched)."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-    from torch._inductor import decomposition as d
-
-    op = torch.ops.aten.silu_backward.default
-    tables = [d.decompositions, d.fast_random_decomps()]
-    saved = [t.get(op) for t in tables]
-
+    """The compiled backward only: aten.silu_backward's decomposition 5% high (forward and eager untouched)."""
     def silu_backward(grad, x):
         s = torch.sigmoid(x)
         return grad * s * (1 + x * (1 - s)) * 1.05
 
-    for t in tables:
-        t[op] = silu_backward
-    try:
-        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-            yield
-    finally:
-        for t, sv in zip(tables, saved, strict=True):
-            if sv is None:
-                t.pop(op, None)
-            else:
-                t[op] = sv
+    return wrong_decomposition(torch.ops.aten.silu_backward.default, silu_backward)
 
 
 def test_compiled_backward_fault_fails_naming_the_parameter_while_forward_and_eager_pass():
