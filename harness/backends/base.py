@@ -39,6 +39,7 @@ class Backend:
     # is not applicable). docs/compile.md.
     compile_backend: str | None = None
     _avail: tuple[bool, str] | None = field(default=None, repr=False)
+    _imported: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         self.op_lists = _paths(self.op_lists)
@@ -53,10 +54,18 @@ class Backend:
     def available(self) -> bool:
         return self.availability()[0]
 
+    def _import_module(self) -> None:
+        """Import the vendor module (once): it renames PrivateUse1 to ``device_type`` and registers
+        ``torch.<device_type>``, so every device probe needs it first, in every process (an isolated
+        item's worker has not run the availability probe)."""
+        if self.module and not self._imported:
+            importlib.import_module(self.module)
+            self._imported = True
+
     def _probe_availability(self) -> tuple[bool, str]:
         if self.module:
             try:
-                importlib.import_module(self.module)
+                self._import_module()
             except Exception as e:  # ImportError, or a vendor module failing on a machine without its driver
                 return False, f"backend {self.name}: module {self.module!r} not importable ({type(e).__name__}: {e})"
         if self.device_type == "cpu":
@@ -74,6 +83,11 @@ class Backend:
 
     # --- devices ------------------------------------------------------------------------------
     def _mod(self):
+        if self.device_type != "cpu":
+            try:
+                self._import_module()
+            except Exception:  # unavailable: availability() says why
+                return None
         return getattr(torch, self.device_type, None)
 
     def device_count(self) -> int:
@@ -87,6 +101,7 @@ class Backend:
         multi-device machine runs one shard per device."""
         if self.device_type == "cpu":
             return torch.device("cpu")
+        self._import_module()  # torch parses a renamed PrivateUse1 type only after the vendor's import
         worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
         idx = int(worker[2:]) if worker[2:].isdigit() else 0
         return torch.device(self.device_type, idx % max(self.device_count(), 1))

@@ -1,0 +1,218 @@
+"""Issue #28: harness's device path on a PrivateUse1 test device (testdev/, docs/backends.md
+"Testing your backend before hardware arrives").
+
+The device is built (C++, JIT, cached under ``~/.cache/harness-testdev``) and used only in
+subprocesses: importing it renames PrivateUse1 for the whole process and registers kernels that
+cannot be unregistered, which the rest of the suite's process must not inherit (an xdist worker
+runs other tests after these). It is declared to harness the way a vendor package is, through its
+``harness.backends`` entry point: the fixture puts the source folder on PYTHONPATH (a stable path,
+so the build cache holds across sessions; pip would copy the sources and force a rebuild) beside a
+``.dist-info`` whose ``entry_points.txt`` is generated from testdev/pyproject.toml itself, so the
+shared venv is not changed. ``pip install -e testdev --no-deps --no-build-isolation`` declares it
+the same way.
+
+Skipped, with the reason, where there is no C++ compiler or the build fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.toml import loads as toml_loads
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTDEV = ROOT / "testdev"
+BUILD_TIMEOUT_S = 600
+
+
+def _declare(meta: Path) -> None:
+    """The package's dist-info, from its own pyproject.toml (name, version, entry points)."""
+    project = toml_loads((TESTDEV / "pyproject.toml").read_text())["project"]
+    info = meta / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    lines = []
+    for group, entries in project["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{k} = {v}" for k, v in entries.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+def _env(meta: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTDEV), str(meta)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the venv's harness, ninja
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", COLUMNS="250")
+    env.pop("HARNESS_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def _py(env, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _harness(env, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "harness"), *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory) -> Path:
+    m = tmp_path_factory.mktemp("testdev-declared")
+    _declare(m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def env(meta):
+    """The environment whose Python sees the built test device (built here on first use)."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler (c++ or g++) on PATH: the test device cannot be built")
+    e = _env(meta)
+    t0 = time.monotonic()
+    r = _py(e, "import harness_testdev, torch; assert torch.hdev.device_count() >= 1", timeout=BUILD_TIMEOUT_S)
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"the test device did not build: {last[:300]}")
+    print(f"test device build/load {time.monotonic() - t0:.1f} s")
+    return e
+
+
+PROBE = """
+    import json, torch, harness_testdev
+    h = torch.hdev
+    out = {}
+    a0, p0 = h.memory_allocated(), h.max_memory_allocated()
+    t = torch.empty(1024, dtype=torch.float32, device="hdev")      # 4096 bytes
+    out["grew"] = h.memory_allocated() - a0
+    out["peak_grew"] = h.max_memory_allocated() - p0
+    del t
+    out["freed"] = h.memory_allocated() - a0
+    big = torch.empty(4096, device="hdev"); del big
+    out["peak_kept"] = h.max_memory_allocated() - h.memory_allocated()
+    h.reset_peak_memory_stats()
+    out["peak_reset"] = h.max_memory_allocated() - h.memory_allocated()
+    u = torch.empty(10, dtype=torch.uint8, device="hdev:1")
+    out["dev1"] = h.memory_allocated(1)
+    out["count"] = h.device_count()
+    s0 = h.synchronize_count(); h.synchronize(); out["synced"] = h.synchronize_count() - s0
+    harness_testdev.reset_fallback_counts()
+    x = torch.randn(8, 8)
+    y = torch.nn.functional.silu(x.to("hdev"))
+    out["silu_right"] = bool(torch.equal(y.cpu(), torch.nn.functional.silu(x)))
+    out["counts"] = harness_testdev.fallback_counts()
+    h.manual_seed(7); r1 = torch.randn(4, device="hdev").cpu()
+    h.manual_seed(7); r2 = torch.randn(4, device="hdev").cpu()
+    g = torch.Generator(device="hdev"); g.manual_seed(7); r3 = torch.randn(4, device="hdev", generator=g).cpu()
+    out["seeded"] = bool(torch.equal(r1, r2)) and bool(torch.equal(r1, r3))
+    out["seed_differs"] = not torch.equal(r1, torch.randn(4, device="hdev").cpu())
+    print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(env):
+    r = _py(env, PROBE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_memory_statistics_are_the_allocators(probe):
+    assert probe["grew"] == 4096 and probe["peak_grew"] >= 4096
+    assert probe["freed"] == 0
+    assert probe["peak_kept"] >= 4 * 4096 and probe["peak_reset"] == 0
+    assert probe["dev1"] == 10 and probe["count"] == 2  # per device
+
+
+def test_device_module_synchronizes_and_seeds(probe):
+    assert probe["synced"] == 1
+    assert probe["seeded"] and probe["seed_differs"]  # manual_seed and a Generator on the device, same stream
+
+
+def test_ops_without_a_native_kernel_are_counted(probe):
+    assert probe["silu_right"]
+    assert probe["counts"].get("aten::silu.out", 0) >= 1, probe["counts"]
+    assert not any(op.startswith(("aten::empty", "aten::_copy_from")) for op in probe["counts"]), probe["counts"]
+
+
+def test_harness_backends_lists_it(env):
+    r = _harness(env, "backends", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {b["name"]: b for b in json.loads(r.stdout)}
+    t = rows["testdev"]
+    assert t["available"] is True, t
+    assert t["device_type"] == "hdev" and t["dispatch_key"] == "PrivateUse1" and t["collective"] == "gloo", t
+
+
+def test_without_a_compiler_it_is_unavailable_in_one_line(meta, tmp_path):
+    e = _env(meta, CXX="no-such-c++", TESTDEV_BUILD_DIR=str(tmp_path / "build"))
+    r = _py(e, """
+        from harness.backends import get
+        print(get("testdev").availability()[1])
+    """)
+    assert r.returncode == 0, r.stderr
+    why = r.stdout.strip()
+    assert len(why.splitlines()) == 1 and "no C++ compiler ('no-such-c++' not on PATH)" in why, why
+
+
+def _run(env, tmp_path, *args: str) -> dict:
+    res = tmp_path / "results"
+    r = _harness(env, "run", "llama-3.1-8b", "--results", str(res), *args, timeout=600)
+    summary = json.loads((res / "summary.json").read_text()) if (res / "summary.json").exists() else None
+    assert summary is not None, r.stdout[-3000:] + r.stderr[-3000:]
+    return {(i["props"].get("harness.backend"), i["props"].get("harness.check")): i for i in summary["items"]}
+
+
+def test_smoke_and_precision_pass_on_it(env, tmp_path):
+    log = tmp_path / "fallbacks.jsonl"
+    env = dict(env, TESTDEV_FALLBACK_LOG=str(log))
+    items = _run(env, tmp_path, "--backend", "testdev", "--check", "smoke", "--check", "precision", "--dtype", "float32")
+    for check in ("smoke", "precision"):
+        it = items[("testdev", check)]
+        assert it["outcome"] == "passed", it["message"]
+        assert it["props"]["harness.device"].startswith("hdev"), it["props"]
+    # the memory figure is the device allocator's (not the host's RSS, which is far larger)
+    assert 0 < float(items[("testdev", "smoke")]["props"]["metric.peak_memory_bytes"]) < 64 << 20
+    counts: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        for op, n in json.loads(line)["counts"].items():
+            counts[op] = counts.get(op, 0) + n
+    assert counts.get("aten::mm.out", 0) > 0 and counts.get("aten::_softmax.out", 0) > 0, counts  # it ran there
+
+
+FAULT = """
+    # a wrong kernel for one op, registered for the test device's own dispatch key only
+    import torch
+
+    _lib = torch.library.Library("aten", "IMPL")
+
+    def _silu(x):
+        return x * torch.sigmoid(x) * 1.05
+
+    _lib.impl("silu", _silu, "PrivateUse1")
+"""
+
+
+def test_a_fault_on_its_dispatch_key_is_caught_at_the_module(env, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(FAULT))  # in every process, isolated workers too
+    env = dict(env, PYTHONPATH=f"{hook}{os.pathsep}{env['PYTHONPATH']}")
+    items = _run(env, tmp_path, "--backend", "testdev", "--backend", "cpu", "--check", "precision", "--dtype", "float32")
+    assert items[("cpu", "precision")]["outcome"] == "passed", items[("cpu", "precision")]["message"]
+    dev = items[("testdev", "precision")]
+    assert dev["outcome"] == "failed"
+    named = dev["props"]["harness.detail.first_divergent_module"]
+    assert named.startswith("model.layers.0.mlp"), dev["message"]
+    assert dev["message"].startswith(named + " diverges"), dev["message"]
