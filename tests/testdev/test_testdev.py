@@ -216,3 +216,11 @@ def test_a_fault_on_its_dispatch_key_is_caught_at_the_module(env, tmp_path):
     named = dev["props"]["harness.detail.first_divergent_module"]
     assert named.startswith("model.layers.0.mlp"), dev["message"]
     assert dev["message"].startswith(named + " diverges"), dev["message"]
+
+
+def test_offloaded_decode_skips_with_the_reason_off_cuda(env, tmp_path):
+    """transformers' offloaded cache waits on ``torch.cuda`` streams: on a PrivateUse1 device the
+    decode check crashed ("Torch not compiled with CUDA enabled") where it now skips saying why."""
+    items = _run(env, tmp_path, "--backend", "testdev", "--check", "decode", "--dtype", "float32", "-k", "offloaded")
+    it = items[("testdev", "decode")]
+    assert it["outcome"] == "skipped" and "offloaded cache needs a CUDA device" in it["message"], it

@@ -15,6 +15,7 @@
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/set_native.h>
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -118,6 +119,13 @@ struct GuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
   c10::Stream exchangeStream(c10::Stream s) const override { return c10::Stream(c10::Stream::DEFAULT, s.device()); }
+  // streams exist (work is synchronous on the host, so every stream is always idle)
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    static std::atomic<c10::StreamId> next{1};
+    return c10::Stream(c10::Stream::UNSAFE, d, next++);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
+  bool queryStream(const c10::Stream&) const override { return true; }
   c10::DeviceIndex deviceCount() const noexcept override { return device_count_(); }
   void synchronizeDevice(const c10::DeviceIndex) const override { g_syncs++; }
   void synchronizeStream(const c10::Stream&) const override { g_syncs++; }
@@ -227,6 +235,14 @@ at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::Int
   return at::native::_reshape_alias(self, size, stride);
 }
 
+// set_ rebinds a tensor to a storage: it must see the device tensor, never a host copy
+at::Tensor& set_storage(at::Tensor& self, at::Storage source) { return at::native::set_(self, source); }
+
+at::Tensor& set_storage_offset(at::Tensor& self, at::Storage source, int64_t offset, c10::IntArrayRef size,
+                               c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, source, offset, size, stride);
+}
+
 at::Tensor unfold(const at::Tensor& self, int64_t dim, int64_t size, int64_t step) {
   return at::native::unfold(self, dim, size, step);
 }
@@ -297,6 +313,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", view);
   m.impl("_reshape_alias", reshape_alias);
   m.impl("unfold", unfold);
+  m.impl("set_.source_Storage", set_storage);
+  m.impl("set_.source_Storage_storage_offset", set_storage_offset);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
