@@ -2,9 +2,10 @@
 "Testing your backend before hardware arrives").
 
 Importing this module builds the C++ extension (``csrc/testdev.cpp``) with
-``torch.utils.cpp_extension.load`` into a cache folder (``$TESTDEV_BUILD_DIR``, else
-``$XDG_CACHE_HOME/harness-testdev/torch-<version>/<hash of its folder>``, else ``~/.cache/...``; an unchanged source is
-not rebuilt), renames PrivateUse1 to ``hdev`` and registers ``torch.hdev``, a device module with
+``torch.utils.cpp_extension.load`` into a build folder (``$TESTDEV_BUILD_DIR``, else the checkout's
+``testdev/.build/torch-<version>``, else for an installed copy
+``$XDG_CACHE_HOME/harness-testdev/torch-<version>/<hash of its folder>`` or ``~/.cache/...``; an
+unchanged source is not rebuilt), renames PrivateUse1 to ``hdev`` and registers ``torch.hdev``, a device module with
 what a vendor's has: device count and selection, ``synchronize``, seeding and a Generator per device,
 the allocator's statistics, plus the per-op counts of the CPU fallback every op without a native
 kernel goes through. A build that cannot happen (no C++ compiler, a failed compile) raises
@@ -31,6 +32,11 @@ def build_directory() -> Path:
     explicit = os.environ.get("TESTDEV_BUILD_DIR")
     if explicit:
         return Path(explicit)
+    # the repository's copy builds inside the repository (testdev/.build, ignored by git): nothing is
+    # written outside the checkout; an installed copy (site-packages may be read-only) uses the user's cache
+    checkout = HERE.parent
+    if (checkout / "pyproject.toml").is_file() and os.access(checkout, os.W_OK):
+        return checkout / ".build" / f"torch-{torch.__version__}"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     # one folder per installed copy: ninja's build file names the sources' paths, so two copies
     # (the repository's and an installed one) sharing a folder would rebuild each other's
