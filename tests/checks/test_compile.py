@@ -25,7 +25,8 @@ from harness.checks.compile import CompileConfig, run_compile
 
 NAME = "llama-3.1-8b"
 # graph breaks and recompiles are dynamo's: its "eager" backend shows them without a compiler's cost
-EAGER = {"backend": "eager", "sweep_backend": "eager"}
+# (the compiled backward is off where the test is about the forward: it has its own test)
+EAGER = {"backend": "eager", "sweep_backend": "eager", "gradients": False}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,7 +174,7 @@ def wrong_silu_decomposition():
 
 
 def test_lowering_fault_fails_compiled_localized_while_eager_passes(tmp_path):
-    ctx, _, f = run(compile_suite(backend="aot_eager_decomp_partition"), context=wrong_silu_decomposition)
+    ctx, _, f = run(compile_suite(backend="aot_eager_decomp_partition", gradients=False), context=wrong_silu_decomposition)
     assert isinstance(f, CheckFailure), f
     line = str(f).splitlines()[0]
     assert line.startswith("model.layers.0.mlp.act_fn compiled alone diverges from eager"), line
