@@ -139,14 +139,15 @@ class Check:
     def new_state(self, ctx: CheckContext) -> Any:
         return SimpleNamespace()
 
-    def run(self, ctx: CheckContext, **options: Any) -> None:
-        """Run the steps in order. ``options`` (e.g. a fault ``transform`` in tests, a
-        ``golden_root``) are set on the state before the first step."""
+    def run(self, ctx: CheckContext, **options: Any) -> Any:
+        """Run the steps in order and return the state. ``options`` (e.g. a fault ``transform`` in
+        tests, a ``golden_root``) are set on the state before the first step."""
         ctx.check = ctx.check or self.name
         state = self.new_state(ctx)
         for k, v in options.items():
             setattr(state, k, v)
         self.run_steps(ctx, state)
+        return state
 
     def run_steps(self, ctx: CheckContext, state: Any) -> None:
         for name in self.steps:

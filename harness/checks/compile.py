@@ -139,13 +139,7 @@ def run_compile(ctx: CheckContext, **options):
     """The check with options (``transform``: model -> model after the build; ``context``: () -> a
     context manager around every compile and forward, e.g. a compiler fault; ``golden_root``).
     Returns the state."""
-    check = CompileCheck()
-    ctx.check = ctx.check or check.name
-    st = check.new_state(ctx)
-    for k, v in options.items():
-        setattr(st, k, v)
-    check.run_steps(ctx, st)
-    return st
+    return CompileCheck().run(ctx, **options)
 
 
 class CompileCheck(Check):

@@ -109,11 +109,8 @@ def run_decode(ctx: CheckContext, *, transform=None, context=None, golden_root=N
     """The check with options: ``transform`` (model -> model) / ``context`` (() -> context manager
     around the decode) inject faults (tests); ``golden_root``/``results_dir`` redirect files.
     Returns the compared rows when it passes."""
-    st = SimpleNamespace(transform=transform, context=context, golden_root=golden_root, results_dir=results_dir)
-    check = DecodeCheck()
-    ctx.check = ctx.check or check.name
-    check.run_steps(ctx, st)
-    return st.rows
+    return DecodeCheck().run(ctx, transform=transform, context=context, golden_root=golden_root,
+                             results_dir=results_dir).rows
 
 
 def _budget(k: float, measured: float, floor: float, ceiling: float | None) -> float:

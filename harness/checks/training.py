@@ -121,11 +121,8 @@ def run_training(ctx: CheckContext, *, transform=None, context=None, golden_root
     """The check with options: ``transform`` (model -> model) / ``context`` (() -> context manager
     around every forward, backward and optimizer step of the target) inject faults; ``golden_root`` /
     ``results_dir`` redirect files. Returns the state (rows, trajectory) when it passes."""
-    st = SimpleNamespace(transform=transform, context=context, golden_root=golden_root, results_dir=results_dir)
-    check = TrainingCheck()
-    ctx.check = ctx.check or check.name
-    check.run_steps(ctx, st)
-    return st
+    return TrainingCheck().run(ctx, transform=transform, context=context, golden_root=golden_root,
+                               results_dir=results_dir)
 
 
 class TrainingCheck(Check):
