@@ -1,93 +1,14 @@
 """Issue #28: harness's device path on a PrivateUse1 test device (testdev/, docs/backends.md
-"Testing your backend before hardware arrives").
-
-The device is built (C++, JIT, cached under ``~/.cache/harness-testdev``) and used only in
-subprocesses: importing it renames PrivateUse1 for the whole process and registers kernels that
-cannot be unregistered, which the rest of the suite's process must not inherit (an xdist worker
-runs other tests after these). It is declared to harness the way a vendor package is, through its
-``harness.backends`` entry point: the fixture puts the source folder on PYTHONPATH (a stable path,
-so the build cache holds across sessions; pip would copy the sources and force a rebuild) beside a
-``.dist-info`` whose ``entry_points.txt`` is generated from testdev/pyproject.toml itself, so the
-shared venv is not changed. ``pip install -e testdev --no-deps --no-build-isolation`` declares it
-the same way.
-
-Skipped, with the reason, where there is no C++ compiler or the build fails.
-"""
+"Testing your backend before hardware arrives"); the fixtures are in conftest.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
-
-from harness.toml import loads as toml_loads
-
-ROOT = Path(__file__).resolve().parents[2]
-TESTDEV = ROOT / "testdev"
-BUILD_TIMEOUT_S = 600
-
-
-def _declare(meta: Path) -> None:
-    """The package's dist-info, from its own pyproject.toml (name, version, entry points)."""
-    project = toml_loads((TESTDEV / "pyproject.toml").read_text())["project"]
-    info = meta / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    lines = []
-    for group, entries in project["entry-points"].items():
-        lines.append(f"[{group}]")
-        lines += [f"{k} = {v}" for k, v in entries.items()]
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-
-
-def _env(meta: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTDEV), str(meta)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the venv's harness, ninja
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", COLUMNS="250")
-    env.pop("HARNESS_CONFIG", None)
-    env.update(extra)
-    return env
-
-
-def _py(env, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _harness(env, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "harness"), *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def meta(tmp_path_factory) -> Path:
-    m = tmp_path_factory.mktemp("testdev-declared")
-    _declare(m)
-    return m
-
-
-@pytest.fixture(scope="module")
-def env(meta):
-    """The environment whose Python sees the built test device (built here on first use)."""
-    if not (shutil.which("c++") or shutil.which("g++")):
-        pytest.skip("no C++ compiler (c++ or g++) on PATH: the test device cannot be built")
-    e = _env(meta)
-    t0 = time.monotonic()
-    r = _py(e, "import harness_testdev, torch; assert torch.hdev.device_count() >= 1", timeout=BUILD_TIMEOUT_S)
-    if r.returncode:
-        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        pytest.skip(f"the test device did not build: {last[:300]}")
-    print(f"test device build/load {time.monotonic() - t0:.1f} s")
-    return e
-
+from testdev_support import device_env, fallback_totals, harness_cli, py, run_items
 
 PROBE = """
     import json, torch, harness_testdev
@@ -123,7 +44,7 @@ PROBE = """
 
 @pytest.fixture(scope="module")
 def probe(env):
-    r = _py(env, PROBE)
+    r = py(env, PROBE)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -147,7 +68,7 @@ def test_ops_without_a_native_kernel_are_counted(probe):
 
 
 def test_harness_backends_lists_it(env):
-    r = _harness(env, "backends", "--json")
+    r = harness_cli(env, "backends", "--json")
     assert r.returncode == 0, r.stderr
     rows = {b["name"]: b for b in json.loads(r.stdout)}
     t = rows["testdev"]
@@ -156,8 +77,8 @@ def test_harness_backends_lists_it(env):
 
 
 def test_without_a_compiler_it_is_unavailable_in_one_line(meta, tmp_path):
-    e = _env(meta, CXX="no-such-c++", TESTDEV_BUILD_DIR=str(tmp_path / "build"))
-    r = _py(e, """
+    e = device_env(meta, CXX="no-such-c++", TESTDEV_BUILD_DIR=str(tmp_path / "build"))
+    r = py(e, """
         from harness.backends import get
         print(get("testdev").availability()[1])
     """)
@@ -167,11 +88,8 @@ def test_without_a_compiler_it_is_unavailable_in_one_line(meta, tmp_path):
 
 
 def _run(env, tmp_path, *args: str) -> dict:
-    res = tmp_path / "results"
-    r = _harness(env, "run", "llama-3.1-8b", "--results", str(res), *args, timeout=600)
-    summary = json.loads((res / "summary.json").read_text()) if (res / "summary.json").exists() else None
-    assert summary is not None, r.stdout[-3000:] + r.stderr[-3000:]
-    return {(i["props"].get("harness.backend"), i["props"].get("harness.check")): i for i in summary["items"]}
+    items = run_items(env, tmp_path / "results", "llama-3.1-8b", *args)
+    return {(b, c): i for (b, c, _), i in items.items()}
 
 
 def test_smoke_and_precision_pass_on_it(env, tmp_path):
@@ -184,10 +102,7 @@ def test_smoke_and_precision_pass_on_it(env, tmp_path):
         assert it["props"]["harness.device"].startswith("hdev"), it["props"]
     # the memory figure is the device allocator's (not the host's RSS, which is far larger)
     assert 0 < float(items[("testdev", "smoke")]["props"]["metric.peak_memory_bytes"]) < 64 << 20
-    counts: dict[str, int] = {}
-    for line in log.read_text().splitlines():
-        for op, n in json.loads(line)["counts"].items():
-            counts[op] = counts.get(op, 0) + n
+    counts = fallback_totals(log)
     assert counts.get("aten::mm.out", 0) > 0 and counts.get("aten::_softmax.out", 0) > 0, counts  # it ran there
 
 
