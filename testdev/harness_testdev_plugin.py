@@ -9,10 +9,11 @@ from __future__ import annotations
 
 BACKEND_NAME = "testdev"
 DEVICE_TYPE = "hdev"  # PrivateUse1 renamed by harness_testdev (different from the backend name on purpose)
+COLLECTIVE = "hdccl"  # its torch.distributed backend (harness_testdev.distributed), registered at import
 
 
 def register(registry) -> None:
     from harness.backends import Backend
 
-    registry.add(Backend(BACKEND_NAME, DEVICE_TYPE, "gloo", module="harness_testdev", dispatch_key="PrivateUse1",
+    registry.add(Backend(BACKEND_NAME, DEVICE_TYPE, COLLECTIVE, module="harness_testdev", dispatch_key="PrivateUse1",
                          description="harness test device: PrivateUse1 on host memory, other ops through a counted CPU fallback"))

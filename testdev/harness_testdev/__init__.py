@@ -83,15 +83,24 @@ if not hasattr(torch, DEVICE_TYPE):
 fallback_counts = _device.fallback_counts
 reset_fallback_counts = _device.reset_fallback_counts
 
+# the device's torch.distributed backend, "hdccl" (collectives on host copies through gloo)
+from harness_testdev import distributed as _distributed  # noqa: E402
+
+COLLECTIVE = _distributed.NAME
+collective_counts = _distributed.collective_counts
+reset_collective_counts = _distributed.reset_collective_counts
+
 
 def _log_fallbacks(path: str) -> None:
-    """At exit, one JSON line {pid, argv, counts} appended to ``$TESTDEV_FALLBACK_LOG``: the ops each
-    process (harness's isolated item workers included) ran through the CPU fallback."""
+    """At exit, one JSON line {pid, argv, counts, collectives} appended to ``$TESTDEV_FALLBACK_LOG``:
+    the ops each process (harness's isolated item workers and parallel ranks included) ran through the
+    CPU fallback, and the hdccl collectives it issued per kind."""
     import json
 
-    counts = fallback_counts()
-    if counts:
-        line = json.dumps({"pid": os.getpid(), "argv": sys.argv[:3], "counts": counts}, sort_keys=True)
+    counts, colls = fallback_counts(), collective_counts()
+    if counts or colls:
+        line = json.dumps({"pid": os.getpid(), "argv": sys.argv[:3], "counts": counts, "collectives": colls},
+                          sort_keys=True)
         with open(path, "a") as f:
             f.write(line + "\n")
 
@@ -102,4 +111,5 @@ if os.environ.get("TESTDEV_FALLBACK_LOG"):
     atexit.register(_log_fallbacks, os.environ["TESTDEV_FALLBACK_LOG"])
 
 
-__all__ = ["DEVICE_TYPE", "BACKEND_NAME", "build_directory", "fallback_counts", "reset_fallback_counts"]
+__all__ = ["DEVICE_TYPE", "BACKEND_NAME", "COLLECTIVE", "build_directory", "fallback_counts", "reset_fallback_counts",
+           "collective_counts", "reset_collective_counts"]
