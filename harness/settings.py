@@ -120,6 +120,13 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
            "launches, replacing `--standalone --nnodes 1` (shell-split; docs/parallel.md)."),
     EnvVar("HARNESS_LEAK_BYTES", "int", None, "Host memory an isolated worker may keep growing by per item "
            "before it is replaced (default: harness.run.isolation.Limits.leak_bytes)."),
+    EnvVar("HARNESS_CERTIFY_FAULT", "str", None, "A known kernel fault (`harness certify --list`) that every "
+           "process running an item installs on the dispatch key of the backend HARNESS_CERTIFY_BACKEND names, "
+           "before the item: what `harness certify` sets; set by hand to reproduce one of its rows."),
+    EnvVar("HARNESS_CERTIFY_BACKEND", "str", None, "The backend whose items get HARNESS_CERTIFY_FAULT "
+           "(required with it)."),
+    EnvVar("HARNESS_CERTIFY_LOG", "path", None, "A file where each process appends one line the first time a "
+           "fault's kernel runs (and one per exception its own code raised): `harness certify` reads it."),
     EnvVar("HARNESS_NUM_THREADS", "int", None, "torch threads of an isolated worker: the launching "
            "process's count, passed down by the pytest plugin.", internal=True),
     EnvVar("HARNESS_ISOLATION_FDS", "str", None, "'command_fd,result_fd' of an isolated worker's pipes.",

@@ -2,7 +2,8 @@
 group (each with the op lists it declares), plus custom backends declared in ``harness.toml``.
 
 * ``base``     the ``Backend`` (device type, collective, dispatch key, module, op lists) and its probes;
-* ``builtin``  harness's own: cpu, cuda, rocm, xpu, mps and the PrivateUse1 npu, musa, mlu."""
+* ``builtin``  harness's own: cpu, cuda, rocm, xpu, mps and the PrivateUse1 npu, musa, mlu;
+* ``faults``   known wrong kernels installed on a backend's dispatch key (``harness certify``)."""
 
 from __future__ import annotations
 

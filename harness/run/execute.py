@@ -13,8 +13,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 from harness import metrics
+from harness.backends.faults import FaultError, install_from_env
 from harness.checks import CheckContext, CheckFailure, CouldNotRun, KnownGap, NotApplicable, registry
 from harness.messages import first_line
+from harness.settings import SettingsError
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 
@@ -48,6 +50,12 @@ def execute(suite, check_name: str, backend, dtype: str, variant: str | None) ->
     check = registry().get(check_name)
     ctx = CheckContext(suite, backend, dtype, variant, check=check_name)
     where = (suite.name, check_name, backend.name, dtype)
+    try:  # `harness certify`: a known wrong kernel on this backend's dispatch key, before anything runs
+        fault = install_from_env(backend)
+    except (FaultError, SettingsError) as e:
+        return ItemResult("error", f"could not install the certify fault: {e}", f"could not install the certify fault: {e}")
+    if fault:
+        ctx.detail("certify_fault", fault)  # a result produced under a fault says so
     backend.reset_peak_memory()
     t = time.perf_counter()
     result: ItemResult
