@@ -305,6 +305,7 @@ class TrainingCheck(Check):
         table = _table(st.rows)
         if st.first is not None:
             m, row, extra = st.first
+            ctx.detail("first_divergent_backward_module", m)
             raise CheckFailure(f"{m}: backward diverges from the golden ({row.name} {row.text()} {extra}; "
                                f"{_replay_verdict(st, m)})", metric=f"{m}.{row.kind}_rel_rmse",
                                expected=f"<= {row.budget:.3g}", observed=f"{row.err:.4g}", tolerance=row.budget,
@@ -314,6 +315,7 @@ class TrainingCheck(Check):
             if bad:
                 order = {n: i for i, n in enumerate(st.entry["backward_order"])}
                 r = min(bad, key=lambda r: order.get(r.name, len(order)))
+                ctx.detail("first_divergent_backward_module", r.name)
                 raise CheckFailure(f"{r.name}: {what} ({r.text()}; the gradient it received agrees propagated)",
                                    metric=f"{r.name}.{r.kind}_rel_rmse", expected=f"<= {r.budget:.3g}",
                                    observed=f"{r.err:.4g}", tolerance=r.budget, details=table)
@@ -336,6 +338,7 @@ def _signed_verdict(ctx: CheckContext, st, table: str) -> None:
     t, (kind, name) = biased[q], q.split("/", 1)
     what = "input gradient" if kind == "gin" else "gradient (sketch entries)"
     m = _owner(name, order)
+    ctx.detail("first_divergent_backward_module", m)
     raise CheckFailure(f"{m}: isolated backward is biased: its {what} {name} has a signed error of {t.effect:+.3g} "
                        f"of its RMS against the clean {ctx.dtype} run, one sign in {t.same_sign} of {t.rows} rows "
                        f"(sign test p {t.p:.2g} < {p_lim:.2g}) while its size is within budget: a biased kernel",
