@@ -9,5 +9,6 @@
 * ``rows``       one finished item as the results keep it, outcome counts;
 * ``results``    the journal and ``results/`` (junit.xml, summary.json/.txt, run.json);
 * ``table``      the summary table;
-* ``driver``     ``harness run``: pytest in-process with a progress bar and the table.
+* ``driver``     ``harness run``: pytest in-process with a progress bar and the table;
+* ``certify``    ``harness certify``: known kernel faults on a backend's dispatch key, one ``harness run`` each.
 """
