@@ -128,3 +128,99 @@ def fallback_counts() -> dict[str, int]:
 
 def reset_fallback_counts() -> None:
     _C.reset_fallback_counts()
+
+
+# --- streams and events (what FSDP2 and other stream-aware code take from ``torch.<device>``) ------
+# Work on the device is synchronous on the host: every stream is idle when asked, a wait has nothing
+# to wait for, an event is complete once recorded. Timing events read the host clock.
+class Stream:
+    def __init__(self, device=None, priority: int = 0, **_kwargs):
+        self.device = torch.device(DEVICE_TYPE, _index(device))
+        self.priority = priority
+
+    def wait_stream(self, stream: Stream) -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        pass
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self._t: float | None = None
+
+    def record(self, stream: Stream | None = None) -> Event:
+        import time
+
+        self._t = time.perf_counter()
+        return self
+
+    def wait(self, stream: Stream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds between this event's record and ``end``'s."""
+        return (end._t - self._t) * 1e3
+
+
+DEVICE_TYPE = "hdev"
+_default_streams: dict[int, Stream] = {}
+_current: dict[int, Stream] = {}
+
+
+def default_stream(device=None) -> Stream:
+    i = _index(device)
+    if i not in _default_streams:
+        _default_streams[i] = Stream(i)
+    return _default_streams[i]
+
+
+def current_stream(device=None) -> Stream:
+    i = _index(device)
+    return _current.get(i) or default_stream(i)
+
+
+def set_stream(stream: Stream) -> None:
+    _current[stream.device.index] = stream
+
+
+class stream:  # noqa: N801  (torch.cuda.stream's name)
+    """``with torch.hdev.stream(s):`` makes ``s`` current on its device for the block."""
+
+    def __init__(self, s: Stream | None):
+        self.s, self.prev = s, None
+
+    def __enter__(self):
+        if self.s is not None:
+            self.prev = current_stream(self.s.device)
+            set_stream(self.s)
+        return self.s
+
+    def __exit__(self, *exc):
+        if self.s is not None:
+            set_stream(self.prev)
+        return False

@@ -110,11 +110,18 @@ class HdcclProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{NAME}-gloo/", store), rank, size, timeout)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{NAME}-gloo/", store), rank, size, timeout)
+        # The host copies go through a C++ ProcessGroup over gloo: its methods dispatch the c10d ops
+        # (c10d::allreduce_, ...), so dispatch modes - harness's CommCounter, MemTracker - see every
+        # collective as they do under gloo (this Python group's own methods are reached by the pybind
+        # trampoline, past the dispatcher).
+        self._gloo = dist.ProcessGroup(store, rank, size)
+        self._gloo._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._gloo._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         # A Python ProcessGroup has no C++ backend of its own, and the group's name (which the
-        # functional collectives resolve it by) is kept on its backends: the inner gloo group is
-        # registered as the CPU one. Every collective still reaches the methods below first.
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        # functional collectives resolve it by) is kept on its backends: gloo is registered as the CPU
+        # one. Every collective still reaches the methods below first.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
 
     def getBackendName(self) -> str:
         return NAME

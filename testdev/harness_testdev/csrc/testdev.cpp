@@ -178,6 +178,18 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     auto it = g_blocks.find(p);
     return c10::Device(kDev, it == g_blocks.end() ? g_current : it->second.second);
   }
+  // UntypedStorage.resize_ on the device (FSDP2 frees and re-allocates its unsharded parameters so),
+  // as the CPU's resize_bytes: a new block on the storage's device, the common prefix copied.
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    auto* impl = storage.unsafeGetStorageImpl();
+    TORCH_CHECK(impl->resizable(), "hdev: trying to resize a storage that is not resizable");
+    const c10::DeviceGuard guard(impl->device());
+    c10::DataPtr fresh = g_alloc.allocate(newsize);
+    const size_t keep = std::min(newsize, impl->nbytes());
+    if (keep && impl->data()) std::memcpy(fresh.get(), impl->data(), keep);
+    impl->set_data_ptr_noswap(std::move(fresh));
+    impl->set_nbytes(newsize);
+  }
 };
 const bool g_hooks_registered = [] {
   at::RegisterPrivateUse1HooksInterface(new Hooks());
