@@ -334,7 +334,10 @@ class ParallelCheck(Check):
         from harness.parallel.launcher import BackgroundLaunch
 
         cfg = st.cfg
+        # The backend's device type and vendor module travel to the ranks (each imports the module,
+        # takes device rank % count of that type and inits its mesh on it), with its collective.
         spec = {"suite": str(ctx.suite.path), "collective": ctx.backend.collective, "dtype": ctx.dtype,
+                "device_type": ctx.backend.device_type, "module": ctx.backend.module,
                 "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
                 "memory_seq_len": cfg.memory_seq_len,
                 "pg_timeout_s": max(600.0, 2 * cfg.timeout_s), "capacity_factor": cfg.capacity_factor,
@@ -392,6 +395,8 @@ class ParallelCheck(Check):
                 ctx.metric(name, v.errors[q])
                 ctx.tolerance(name, tol[q])
         ctx.metric("parallel_layout_time_s", max(m.get("wall_s", 0.0) for m in metas))
+        # where each rank ran, in rank order (cpu for every rank on the CPU backend; hdev:0,hdev:1 ...)
+        ctx.detail("rank_devices", ",".join(m.get("device", "?") for m in sorted(metas, key=lambda m: m["rank"])))
         for kind in sorted({k for m in metas for k in (m.get("comm") or {})}):
             ctx.metric(f"comm_{kind}_count", sum(m["comm"].get(kind, {}).get("count", 0) for m in metas))
             ctx.metric(f"comm_{kind}_bytes", sum(m["comm"].get(kind, {}).get("bytes", 0) for m in metas))

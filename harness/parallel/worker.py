@@ -112,9 +112,35 @@ class _Step:
     out: dict[str, torch.Tensor] = field(default_factory=dict)  # what rank<r>.safetensors gets
 
 
+def rank_device(spec: dict, rank: int) -> torch.device:
+    """This rank's device: the backend's vendor module imported first (it renames PrivateUse1 and
+    registers ``torch.<device_type>``, as ``Backend`` does before any device probe), then device index
+    ``rank % device_count`` of ``spec["device_type"]`` (the local rank under a multi-node launch),
+    made current, its generator seeded with the spec's seed (the same on every rank). The spec's
+    device *type* (``hdev``), never the backend's name (``testdev``): ``torch.device`` knows only
+    the former."""
+    module, device_type = spec.get("module"), spec.get("device_type", "cpu")
+    if module:
+        importlib.import_module(module)
+    if device_type == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, device_type, None)
+    if mod is None or not hasattr(mod, "device_count"):
+        raise RuntimeError(f"torch has no '{device_type}' device module" + (f" after importing {module}" if module
+                                                                             else " (no vendor module in the spec)"))
+    index = rank % max(int(mod.device_count()), 1)
+    if hasattr(mod, "set_device"):
+        mod.set_device(index)
+    if hasattr(mod, "manual_seed"):
+        mod.manual_seed(int(spec["seed"]))
+    return torch.device(device_type, index)
+
+
 class RankRun:
-    def __init__(self, spec: dict, rank: int, world: int, status: StatusWriter):
+    def __init__(self, spec: dict, rank: int, world: int, status: StatusWriter,
+                 device: torch.device | None = None):
         self.spec, self.rank, self.world, self.status = spec, rank, world, status
+        self.device = device or torch.device("cpu")
         from harness.models.build import build_model, model_config
         from harness.suite.loader import load_suite
 
@@ -208,18 +234,20 @@ class RankRun:
         # A config of its own per layout: apply_cp switches the attention implementation on the model's
         # config (and on every module's, the same object), which would stay on for the next layout.
         mc = dataclasses.replace(self.mc, config=copy.deepcopy(self.mc.config))
-        model, _ = self.build_model(self.ls, self.spec["dtype"], "cpu", seed=self.spec["seed"], mc=mc)
+        # Built from the seed on the host (identical on every rank and to the reference), then moved.
+        model, _ = self.build_model(self.ls, self.spec["dtype"], self.device, seed=self.spec["seed"], mc=mc)
         model.train()
-        res: dict = {"layout": lay.to_dict(), "rank": self.rank, "coords": lay.coords(self.rank),
+        res: dict = {"layout": lay.to_dict(), "rank": self.rank, "device": str(self.device), "coords": lay.coords(self.rank),
                      "data_index": lay.data_index(self.rank), "notes": []}
         names, sizes = lay.mesh_shape()
-        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
+        ids = ids.to(self.device)
         d, ci = lay.data_degree, lay.coords(self.rank)["cp"]
         ids = ids.chunk(d)[lay.data_index(self.rank)] if d > 1 else ids  # [B, S] -> [B / d, S]
         full_ids, fwd = ids, {}
         if lay.cp > 1:
             # Context parallelism: this rank's chunk of every sequence [b, S / cp], at global positions.
-            fwd = {"position_ids": cp_mod.positions(ids.shape[1], lay.cp, ci)}
+            fwd = {"position_ids": cp_mod.positions(ids.shape[1], lay.cp, ci, device=self.device)}
             ids = cp_mod.chunk(ids, lay.cp, ci)
         return _Step(lay, model, mesh, _subgroups(mesh, lay), CommCounter(on_collective=self.status.collective),
                      res, ids, full_ids, fwd, ci, sum(p.numel() * p.element_size() for p in model.parameters()))
@@ -286,7 +314,7 @@ def _apply_dp_or_pipeline(s: _Step) -> None:
     if lay.pp > 1:
         s.wrapped, s.stage, s.sched = pipeline_stage(s.part, s.groups["pp"], lay.microbatches, lay.schedule,
                                                      dp_group=s.groups["dp"] if lay.dp > 1 else None,
-                                                     counter=s.counter)
+                                                     counter=s.counter, device=s.ids.device)
 
 
 def _name_modules(wrapped: torch.nn.Module) -> None:
@@ -532,8 +560,9 @@ def main(spec_path: str) -> int:
     torch.set_num_threads(1)
     status = StatusWriter(os.path.join(run_dir, f"status-{rank}"), rank)
     status.step("init_process_group")
+    device = rank_device(spec, int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(spec["collective"], timeout=timedelta(seconds=spec["pg_timeout_s"]))
-    runner = RankRun(spec, rank, world, status)
+    runner = RankRun(spec, rank, world, status, device)
     for i, ld in enumerate(spec["layouts"]):
         lay = Layout(**ld)
         out_dir = os.path.join(run_dir, lay.label)
