@@ -202,7 +202,7 @@ def zero1_optimizer(params, lr: float, group) -> torch.optim.Optimizer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, process_group=group, lr=lr,
-                                   momentum=0.9)
+                                   momentum=0.9, foreach=False)  # the reference's loop (make_optimizer)
 
 
 def sync_grads(model: torch.nn.Module, group, skip: set[str] = frozenset(), only: set[str] | None = None) -> None:
@@ -270,7 +270,8 @@ def split_stage(lm: torch.nn.Module, pp_group) -> StageModule:
     return StageModule(lm, dist.get_rank(pp_group), dist.get_world_size(pp_group))
 
 
-def pipeline_stage(mod: StageModule, pp_group, microbatches: int, schedule: str, dp_group=None, counter=None):
+def pipeline_stage(mod: StageModule, pp_group, microbatches: int, schedule: str, dp_group=None, counter=None,
+                   device: torch.device | str = "cpu"):
     """(stage module, PipelineStage, schedule) for the stage ``mod`` of :func:`split_stage` (already
     tensor-parallel or fully sharded where the layout says so); the loss is the reference's (averaged
     per microbatch, gradients scaled by the schedule).
@@ -292,7 +293,9 @@ def pipeline_stage(mod: StageModule, pp_group, microbatches: int, schedule: str,
         # find_unused_parameters turns off DDP's bucket rebuild after the first step, which asserts
         # under the pipeline (the reducer records every microbatch's backward, 2 x the parameters).
         mod = apply_dp(mod, dp_group, counter, find_unused_parameters=True)
-    stage = PipelineStage(mod, stage_idx, n, torch.device("cpu"), group=pp_group)
+    # The stage's send/receive buffers are made on ``device``: the rank's own (a CPU stage on a
+    # device backend would hand host tensors to its collective and host activations to its layers).
+    stage = PipelineStage(mod, stage_idx, n, torch.device(device), group=pp_group)
     cls = get_schedule_class(schedule)
     sched = cls(stage, microbatches, loss_fn=lm_loss)
     return mod, stage, sched

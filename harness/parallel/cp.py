@@ -117,11 +117,12 @@ def chunk(t: torch.Tensor, size: int, index: int, dim: int = 1) -> torch.Tensor:
     return t.narrow(dim, index * n, n)
 
 
-def positions(seq_len: int, size: int, index: int) -> torch.Tensor:
+def positions(seq_len: int, size: int, index: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Global position ids [1, seq_len / size] of chunk ``index`` (one row, as the model makes its
-    own: the rotary embedding's output keeps the reference's shape [1, S, D], chunked)."""
+    own: the rotary embedding's output keeps the reference's shape [1, S, D], chunked), on the rank's
+    ``device`` (the model's: host position ids meet device weights in the rotary embedding)."""
     n = seq_len // size
-    return torch.arange(index * n, (index + 1) * n).unsqueeze(0)
+    return torch.arange(index * n, (index + 1) * n, device=device).unsqueeze(0)
 
 
 def gather_tokens(t: torch.Tensor, batch: int, group, size: int) -> torch.Tensor:

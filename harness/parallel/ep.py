@@ -51,7 +51,7 @@ def plan_dispatch(flat_e: torch.Tensor, num_experts: int, ep: int, capacity: int
     if capacity is not None:
         # Position of each pair within its expert's queue (pairs arrive sorted by expert).
         first = torch.searchsorted(e_sorted, e_sorted, right=False)
-        keep = (torch.arange(len(e_sorted)) - first) < capacity
+        keep = (torch.arange(len(e_sorted), device=flat_e.device) - first) < capacity
     owner = e_sorted // (num_experts // ep)
     counts = torch.bincount(owner[keep], minlength=ep)
     return order, keep, counts

@@ -43,7 +43,12 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    """SGD with momentum 0.9, its per-parameter (for-loop) implementation on every device: torch picks
+    the foreach kernels on an accelerator (cuda, a PrivateUse1 backend) and the loop on the CPU, and
+    foreach over a tensor-parallel model's parameters - DTensors beside plain replicated tensors of
+    the same device and dtype - raises ("got mixed torch.Tensor and DTensor"). The loop is also the
+    CPU reference's own arithmetic."""
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
 
 
 class ModuleCapture:
