@@ -118,10 +118,16 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.d
     model = model.to(device=device, dtype=dtype)
     for mod, name, t in kept:
         mod._buffers[name] = t.to(device=device)
+    moved: dict[int, torch.nn.Parameter] = {}
     for mod, name, t in fp32:
         if isinstance(t, torch.nn.Parameter):
-            t.data = t.data.to(device=device, dtype=torch.float32)  # the same Parameter (ties, optimizers)
-            mod._parameters[name] = t
+            # A new Parameter, one per original (a tied one stays tied). Not ``t.data = ...``: moving a
+            # CPU Parameter's data to a PrivateUse1 device fails ("variable and tensor have incompatible
+            # tensor type": a vendor TensorImpl is not shallow-copy compatible with the CPU's).
+            if id(t) not in moved:
+                moved[id(t)] = torch.nn.Parameter(t.data.to(device=device, dtype=torch.float32),
+                                                  requires_grad=t.requires_grad)
+            mod._parameters[name] = moved[id(t)]
         else:
             mod._buffers[name] = t.to(device=device, dtype=torch.float32)
     return model

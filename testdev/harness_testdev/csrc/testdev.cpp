@@ -259,6 +259,18 @@ at::Tensor unfold(const at::Tensor& self, int64_t dim, int64_t size, int64_t ste
   return at::native::unfold(self, dim, size, step);
 }
 
+// histc with integer input, as CUDA's: transformers' MoE counts the tokens per expert with an int
+// histc on every accelerator but CPU and MPS (integrations/moe.py), and the CPU kernel (which the
+// fallback would run) rejects integers. Output in the input's dtype, like CUDA's.
+at::Tensor histc(const at::Tensor& self, int64_t bins, const at::Scalar& min, const at::Scalar& max) {
+  const c10::DeviceGuard guard(self.device());
+  auto in = host_alias(self);
+  auto h = at::histc(in.is_floating_point() ? in : in.to(at::kFloat), bins, min, max);
+  auto out = at::empty(h.sizes(), self.options());
+  host_alias(out).copy_(h);
+  return out;
+}
+
 // ---- the boxed fallback: CPU kernels on host copies, counted per op --------------------------
 std::mutex g_count_mutex;
 std::map<std::string, int64_t> g_fallback_counts;
@@ -325,6 +337,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", view);
   m.impl("_reshape_alias", reshape_alias);
   m.impl("unfold", unfold);
+  m.impl("histc", histc);
   m.impl("set_.source_Storage", set_storage);
   m.impl("set_.source_Storage_storage_offset", set_storage_offset);
 }
