@@ -261,12 +261,28 @@ class OpsCheck(Check):
 
     def coverage(self, ctx: CheckContext, st) -> None:
         """Does the backend have a kernel? Missing fails (or is a declared known gap)."""
-        from harness.inspect.coverage import MISSING, backend_source, backend_version, classify_op, known_gap
+        from harness.inspect.coverage import (
+            MISSING,
+            backend_source,
+            backend_version,
+            classify_op,
+            known_gap,
+            shipped_op_list,
+        )
 
         op, be = st.op, ctx.backend
         key, oplist, source = backend_source(be.name)
         status, how = classify_op(op, dispatch_key=key, op_list=oplist)
         ctx.detail("coverage", f"{status} ({how}; {source})")
+        shipped = shipped_op_list(be.name) if key is not None else None
+        if shipped is not None:
+            # real dispatch against the op list the backend ships (what machines without it read)
+            listed, _ = classify_op(op, op_list=shipped)
+            ctx.detail("coverage_op_list", f"{listed} ({shipped.describe()})")
+            if listed != status:
+                ctx.notes.append(f"the shipped op list {shipped.path.name if shipped.path else ''} says {listed}, the "
+                                 f"dispatcher {status}: regenerate it (harness oplist update --backend {be.name} "
+                                 "--from dispatcher)")
         if status == MISSING:
             msg = (f"{op} is missing on backend {be.name}: {how} [{source}]; "
                    f"needed by {len(st.modules)} module(s): {', '.join(st.modules)}")

@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--from", dest="sources", action="append", required=True, metavar="PATH_OR_YAML",
                    help="a registration file (native_functions.yaml, npu_native_functions.yaml, "
                    "op_plugin_functions.yaml, musa_functions.yaml, mlu_functions.yaml, a C++ fallback_list, an op "
-                   "list), or 'torch' for the installed torch's packaged native_functions.yaml; repeatable")
+                   "list), 'torch' for the installed torch's packaged native_functions.yaml, or 'dispatcher' for "
+                   "what the installed backend really registers (its module imported, its dispatch key's kernel "
+                   "table read; a boxed fallback makes unlisted ops fallback); repeatable")
     u.add_argument("--version", help="the plugin version the list is for (default: torch's for --from torch)")
     u.add_argument("--source", dest="provenance", action="append", default=[], metavar="TEXT",
                    help="provenance of each --from, in order: repository, path, tag or commit, date")
@@ -73,6 +75,11 @@ def run_update(args) -> int:
 
     d = BACKENDS.get(args.backend)
     key = args.dispatch_key or (d.dispatch_key if d else None)
+    if key is None:  # a vendor's backend: the dispatch key its registration declares
+        from harness.backends import registry
+
+        reg = registry()
+        key = reg.get(args.backend).dispatch_key if args.backend in reg else None
     if key is None:
         return _fail(f"backend {args.backend!r} has no default dispatch key; pass --dispatch-key")
     version = _version(args)
@@ -83,9 +90,17 @@ def run_update(args) -> int:
     extracted = _extract_all(args, key, version)
     if isinstance(extracted, int):
         return extracted
-    unlisted = args.unlisted or (d.unlisted if d else "missing")
+    unlisted = args.unlisted or (d.unlisted if d else None)
+    if unlisted is None:
+        from harness.oplists.generate import has_backend_fallback
+
+        unlisted = "fallback" if "dispatcher" in args.sources and has_backend_fallback(key) else "missing"
     m = re.search(r"\+torch([0-9][0-9.]*[0-9])", version)
     torch_version = args.torch_version or (m.group(1) if m else version.split("+", 1)[0])
+    if not args.torch_version and "dispatcher" in args.sources:  # read from this very torch
+        import torch
+
+        torch_version = torch.__version__.split("+", 1)[0]
     text = render(args.backend, version, extracted, dispatch_key=key, unlisted=unlisted, torch_version=torch_version,
                   exclude=d.exclude if d else None, exclude_why=d.exclude_why if d else "",
                   notes=d.notes if d else (), command=_command(args, version))
@@ -108,9 +123,33 @@ def _version(args) -> str | None:
 
     if args.version is not None:
         return args.version
+    if "dispatcher" in args.sources:  # the installed plugin's own version
+        from harness.inspect.coverage import installed_version
+
+        return installed_version(args.backend)
     if "torch" not in args.sources:
         return None
     return torch.__version__.split("+", 1)[0]
+
+
+def _from_dispatcher(backend: str, key: str, version: str) -> tuple[str, object] | int:
+    """(provenance, registrations) read from the dispatcher with the backend's module imported, or
+    the exit status when the backend is not installed here."""
+    import torch
+
+    from harness.backends import registry
+    from harness.oplists.generate import from_dispatcher
+
+    reg = registry()
+    if backend not in reg:
+        return _fail(f"--from dispatcher: backend {backend!r} is not registered here (harness backends)")
+    be = reg.get(backend)
+    ok, why = be.availability()
+    if not ok:
+        return _fail(f"--from dispatcher: backend {backend} is not available here: {why}")
+    what = f"{be.module} {version}" if be.module else f"torch {torch.__version__}"
+    return (f"the dispatcher's {key} kernel table with {what} loaded (torch {torch.__version__}), "
+            f"read by harness oplist update --from dispatcher", from_dispatcher(key))
 
 
 def _extract_all(args, key: str, version: str) -> list[tuple[str, object]] | int:
@@ -123,6 +162,12 @@ def _extract_all(args, key: str, version: str) -> list[tuple[str, object]] | int
     select = args.select or "v" + ".".join(version.split("+", 1)[0].split(".")[:2])
     extracted = []
     for i, src in enumerate(args.sources):
+        if src == "dispatcher":
+            got = _from_dispatcher(args.backend, key, version)
+            if isinstance(got, int):
+                return got
+            extracted.append((args.provenance[i] if args.provenance else got[0], got[1]))
+            continue
         if src == "torch":
             path = packaged_native_functions()
             prov = (f"pytorch/pytorch aten/src/ATen/native/native_functions.yaml @ v{version} "

@@ -161,6 +161,19 @@ def composite_kind(op: str) -> str | None:
     return None
 
 
+def structured_out(op: str) -> str | None:
+    """``aten.mm.default`` -> ``aten.mm.out``: the out= overload a structured kernel's functional or
+    inplace overload computes through (the installed torch's native_functions.yaml), else None."""
+    from harness.oplists.generate import torch_structured_delegates
+
+    ns, _, rest = op.partition(".")
+    if ns != "aten":
+        return None
+    name, _, overload = rest.rpartition(".")
+    delegate = torch_structured_delegates().get(name if overload == "default" else f"{name}.{overload}")
+    return canonical(f"aten::{delegate}") if delegate else None
+
+
 def _backend_fallback(key: str) -> bool:
     try:
         return torch._C._dispatch_has_backend_fallback(getattr(torch._C.DispatchKey, key))
@@ -213,8 +226,15 @@ def classify_op(op: str, *, dispatch_key: str | None = None, op_list: dict[str, 
         comp = composite_kind(op)
         if comp:
             return COMPOSITE, comp
+        # A structured op's functional / inplace overload without a kernel of its own runs torch's
+        # CompositeExplicitAutogradNonFunctional kernel, which calls the out= overload: the dispatcher
+        # prefers it to a boxed fallback, so the out= kernel decides (as op lists tag it: generate.complete_structured)
+        out = structured_out(op)
+        if out is not None and _has(dispatcher_name(out), dispatch_key):
+            return COMPOSITE, f"CompositeExplicitAutogradNonFunctional over its {dispatch_key} out= kernel {out}"
         if _backend_fallback(dispatch_key):
-            return FALLBACK, f"{dispatch_key} boxed fallback"
+            via = f", reached through its out= overload {out}" if out is not None else ""
+            return FALLBACK, f"{dispatch_key} boxed fallback{via}"
         return MISSING, f"no {dispatch_key} kernel, not composite"
     if op_list is not None:
         ns, name, _ = op.split(".", 2) if op.count(".") >= 2 else (op, "", "")
@@ -249,6 +269,14 @@ def backend_source(backend_name: str) -> tuple[str | None, dict[str, str] | None
         return None, ol, ol.describe()
     why = "not registered" if be is None else (be.availability()[1] if not be.available() else "no dispatch_key")
     return None, None, f"none ({why}; declare an op list: see docs/inspect.md)"
+
+
+def shipped_op_list(backend_name: str) -> OpList | None:
+    """The backend's declared op list for its installed version (else its newest), when it declares
+    one: what a machine without the backend classifies with, compared by the ``ops`` check with the
+    dispatcher's answer where the backend is installed."""
+    path = op_list_path(backend_name, installed_version(backend_name))
+    return parse_op_list(path) if path is not None and path.is_file() else None
 
 
 def _gap_op(entry) -> str:

@@ -288,6 +288,35 @@ def from_fallback_source(text: str) -> Extracted:
     return out
 
 
+def from_dispatcher(key: str, namespace: str = "aten") -> Extracted:
+    """What the running process's dispatcher really has for ``key``: every ``namespace`` overload
+    with a kernel registered for it (native). Import the backend's module first: its registrations
+    are what is read. Whether unlisted ops fall back is :func:`has_backend_fallback`."""
+    import torch
+
+    out = Extracted(kind=f"dispatcher: {key} kernels registered in this process")
+    for n in torch._C._dispatch_get_all_op_names():
+        if not n.startswith(f"{namespace}::"):
+            continue
+        try:
+            has = torch._C._dispatch_has_kernel_for_dispatch_key(n, key)
+        except RuntimeError:
+            continue
+        if has:
+            out.add(canonical(n if "." in n.split("::", 1)[1] else n + ".default"), NATIVE)
+    return out
+
+
+def has_backend_fallback(key: str) -> bool:
+    """Does ``key`` have a boxed backend fallback (``TORCH_LIBRARY_IMPL(_, key, m)``) in this process?"""
+    import torch
+
+    try:
+        return bool(torch._C._dispatch_has_backend_fallback(getattr(torch._C.DispatchKey, key)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # --- dispatch on structure --------------------------------------------------------------------------
 def packaged_native_functions() -> Path:
     """The installed torch's own native_functions.yaml (torchgen ships it)."""
