@@ -265,8 +265,8 @@ class DecodeCheck(Check):
         from harness.precision.decode import decode_run, routes_of, uncached_view
 
         t = st.section.tensors
-        # routers forced to the golden's choices (not in the padded layout: see precision.decode)
-        routes = None if st.variant == "padded" else routes_of(t, t["tokens"].shape[1] + 1)
+        # routers forced to the golden's choices (the padded layout: each row's alone, in the batch's layout)
+        routes = routes_of(t, t["tokens"].shape[1] + 1, "padded." if st.variant == "padded" else "")
         dev = ctx.backend.device()
         ids, mask = (t["padded.ids"], t["padded.mask"]) if st.variant == "padded" else (st.g.inputs, None)
         ids, mask = ids.to(dev), None if mask is None else mask.to(dev)
@@ -295,8 +295,6 @@ class DecodeCheck(Check):
                                  f"the golden's: " + ", ".join(f"{r} {n}" for r, n in sorted(st.run.flips.items()) if n))
             if st.run.unforced:
                 ctx.notes.append(f"routers not forced to the golden's choices: {', '.join(st.run.unforced)}")
-        elif routers and st.variant == "padded":
-            ctx.notes.append("routers not forced in the padded layout (its reference is each row decoded alone)")
         elif routers:
             ctx.notes.append("the golden stores no decode routes (made before they were): routers not forced; "
                              f"regenerate with `harness golden generate {ctx.suite.name} --update`")

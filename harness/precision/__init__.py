@@ -6,6 +6,7 @@
 * ``backward``      the golden's ``training`` section: gradients, optimizer, loss trajectory (training check);
 * ``decode``        the golden's ``decode`` section: the float64 reference's cached decode (decode check);
 * ``budgets``       budgets measured at golden generation (noise of a correct run in each dtype);
+* ``kernels``       the kernel choices a correct backend may make, which clean measurements span (attention);
 * ``align``         localize and plot errors layer by layer;
 * ``isolate``       replay one module on the golden's inputs (is it this module, or its inputs?);
 * ``routing``       MoE routing: captured selections, forced routing, near-tie vs fault judgement;

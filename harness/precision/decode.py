@@ -80,11 +80,13 @@ class _Routing:
     than rounding, though nothing is wrong - the routers themselves are judged by the precision
     check, on the forward, with its routing-aware judgement."""
 
-    def __init__(self, model, calls: int, force: list[dict[str, torch.Tensor]] | None):
+    def __init__(self, model, calls: int, force: list[dict[str, torch.Tensor]] | None,
+                 real: list[torch.Tensor | None] | None = None):
         from harness.precision.routing import ForcedRouting, RouterCapture
 
         phases = [f"c{i}" for i in range(calls)]
         self.force = force
+        self.real = real or []  # per call, which tokens are real [T] bool (None: all): flips count those
         if force:
             self.trace = ForcedRouting({p: f for p, f in zip(phases, force, strict=False)},
                                        calls={p: {} for p in phases})
@@ -111,9 +113,11 @@ class _Routing:
         dec.routes = self.force
         dec.unforced = sorted(set(self.trace.unforced))
         for i, forced in enumerate(self.force):
+            real = self.real[i] if i < len(self.real) else None
             for r, call in self.trace.calls.get(f"c{i}", {}).items():
                 want = forced[r].to(call.natural.device)
-                n = sum(not same_sets(a[None], b[None]) for a, b in zip(call.natural, want, strict=True))
+                n = sum(not same_sets(a[None], b[None]) for j, (a, b) in enumerate(zip(call.natural, want, strict=True))
+                        if real is None or bool(real[j]))
                 dec.flips[r] = dec.flips.get(r, 0) + n
 
 
@@ -243,7 +247,7 @@ def decode_run(model, ids: torch.Tensor, steps: int, cache, mask: torch.Tensor |
     forced to them; without, each router's choices are recorded in the result."""
     mask = torch.ones_like(ids) if mask is None else mask.to(ids.device)
     w = _Watch(model, slice(-1, None))
-    rt = _Routing(model, steps + 1, routes)
+    rt = _Routing(model, steps + 1, routes, real=[mask.reshape(-1).bool().cpu()])  # prefill [B x S]: pads are not real
     hidden, attn, logits, fed = [], [], [], []
     cpu = lambda xs: torch.cat(xs, 1).to("cpu", torch.float64) if xs else None  # noqa: E731 - [B, L|A, H]
     try:
@@ -334,7 +338,36 @@ def decode_rows_alone(model, ids: torch.Tensor, mask: torch.Tensor, steps: int, 
     pre = [torch.cat([torch.zeros(1, s - r.prefill_logits.shape[1], r.prefill_logits.shape[2],
                                   dtype=torch.float64), r.prefill_logits], 1) for r in rows]
     return Decoded(torch.cat(pre), torch.cat([r.hidden for r in rows]), torch.cat([r.attn for r in rows]),
-                   torch.cat([r.logits for r in rows]), torch.cat([r.tokens for r in rows]), rows[0].cache_layers)
+                   torch.cat([r.logits for r in rows]), torch.cat([r.tokens for r in rows]), rows[0].cache_layers,
+                   routes=padded_routes([r.routes for r in rows], mask.to("cpu")))
+
+
+def padded_routes(rows: list[list[dict[str, torch.Tensor]]], mask: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Each row's own routes decoded alone (per call: prefill [S_b, k], step [1, k]) in the token
+    layout of the left-padded batch (prefill [B x S, k] with ``mask`` [B, S], steps [B, k]): what the
+    padded run is forced to, so that a near-tie flip in the batch does not make a correct backend
+    differ from the rows alone. A pad takes its row's first real token's experts: it is masked out of
+    every real token's attention and its own output is never compared (its flips are not counted).
+    Empty for a model without routers."""
+    if not rows or not rows[0] or not any(rows[0]):
+        return []
+    b, s = mask.shape
+    out = []
+    for call in range(len(rows[0])):
+        routers = {}
+        for r in rows[0][call]:
+            if call == 0:  # prefill: row b's real positions take its alone prefill's routes, in order
+                k = rows[0][0][r].shape[-1]
+                full = torch.empty(b, s, k, dtype=rows[0][0][r].dtype)
+                for i in range(b):
+                    own, real = rows[i][0][r], mask[i].bool()
+                    full[i, real] = own
+                    full[i, ~real] = own[:1]
+                routers[r] = full.reshape(b * s, k)
+            else:
+                routers[r] = torch.cat([rows[i][call][r] for i in range(b)])
+        out.append(routers)
+    return out
 
 
 @dataclass
@@ -345,6 +378,7 @@ class _RefDraw:
     view: dict[str, torch.Tensor]
     padded: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, mask)
     padded_view: dict[str, torch.Tensor] | None = None
+    padded_routes: list[dict[str, torch.Tensor]] | None = None  # the rows alone's, in the padded layout
 
 
 def _reference_draw(model, dev, ids, sp: dict, tokens, topk) -> _RefDraw:
@@ -356,6 +390,7 @@ def _reference_draw(model, dev, ids, sp: dict, tokens, topk) -> _RefDraw:
         pids, pmask = padded_layout(ids, sp["pad"])
         alone = decode_rows_alone(model, pids.to(dev), pmask.to(dev), n, dec.tokens, max_len)
         out.padded, out.padded_view = (pids, pmask), reference_view(alone, topk)
+        out.padded_routes = alone.routes or None
     return out
 
 
@@ -405,9 +440,9 @@ def _variant_errors(model, kind: str, r: _RefDraw, ids, sp: dict, dev, witness: 
         return None
     layout = "padded" if kind == "padded" else "plain"
     pids, pmask = r.padded if layout == "padded" else (ids, None)
-    # routers forced to the reference's choices as the check forces them (not in the padded layout:
-    # its reference is each row alone, whose token layout the padded batch does not have)
-    routes = None if layout == "padded" else forced_routes(r.dec)
+    # routers forced to the reference's choices as the check forces them (the padded layout: each
+    # row's own choices decoded alone, in the batch's token layout)
+    routes = r.padded_routes if layout == "padded" else forced_routes(r.dec)
     dec = decode_run(model, pids.to(dev), n, cache, mask=pmask, tokens=r.dec.tokens, routes=routes)
     if layout not in witness:
         witness[layout] = uncached_view(model, pids.to(dev), r.dec.tokens, pmask, routes)
@@ -421,16 +456,19 @@ def forced_routes(dec: Decoded) -> list[dict[str, torch.Tensor]] | None:
     return dec.routes if dec.routes and any(dec.routes) else None
 
 
-def routes_tensors(dec: Decoded) -> dict[str, torch.Tensor]:
-    """``route/<call>/<router>`` of the section (call 0 the prefill, 1 + s step s)."""
-    return {f"route/{i}/{r}": t for i, c in enumerate(dec.routes) for r, t in c.items()}
+def routes_tensors(routes: list[dict[str, torch.Tensor]], prefix: str = "") -> dict[str, torch.Tensor]:
+    """``<prefix>route/<call>/<router>`` of the section (call 0 the prefill, 1 + s step s); prefix
+    ``padded.`` for the left-padded layout's."""
+    return {f"{prefix}route/{i}/{r}": t for i, c in enumerate(routes or []) for r, t in c.items()}
 
 
-def routes_of(tensors: dict[str, torch.Tensor], calls: int) -> list[dict[str, torch.Tensor]] | None:
-    """The per-call routes back from a section's tensors; None where it stores none."""
+def routes_of(tensors: dict[str, torch.Tensor], calls: int, prefix: str = "") -> list[dict[str, torch.Tensor]] | None:
+    """The per-call routes back from a section's tensors (``prefix``: ``padded.`` for the padded
+    layout's); None where it stores none."""
     out = [{} for _ in range(calls)]
     for k, t in tensors.items():
-        if k.startswith("route/"):
+        if k.startswith(prefix + "route/"):
+            k = k[len(prefix):]
             _, i, r = k.split("/", 2)
             out[int(i)][r] = t
     return out if any(out) else None
@@ -480,10 +518,11 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
     refs = [_reference_draw(model, dev, ids, sp, ref.generation["tokens"] if d == 0 else None, topk)
             for d, ids in enumerate(ref.draws)]
     r0 = refs[0]
-    tensors = {"tokens": r0.dec.tokens, **r0.view, **routes_tensors(r0.dec)}
+    tensors = {"tokens": r0.dec.tokens, **r0.view, **routes_tensors(r0.dec.routes)}
     if r0.padded is not None:
         tensors.update({"padded.ids": r0.padded[0], "padded.mask": r0.padded[1]})
         tensors.update({f"padded.{k}": v for k, v in r0.padded_view.items()})
+        tensors.update(routes_tensors(r0.padded_routes, "padded."))
     prefix, layers = decoder_layers(model)
     s = ref.ids.shape[1]
     attn = attention_modules(model)

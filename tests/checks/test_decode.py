@@ -157,23 +157,28 @@ def test_fp8_cache_is_held_to_its_own_budget(env):
     assert isinstance(failure, CheckFailure) and "step 0" in failure.message, failure
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_near_tie_flip_in_a_decode_step_is_forced_and_counted_not_failed(env, monkeypatch, dtype):
+@pytest.mark.parametrize(("dtype", "variant"), [("float32", "dynamic"), ("bfloat16", "dynamic"), ("bfloat16", "padded")])
+def test_a_near_tie_flip_in_a_decode_step_is_forced_and_counted_not_failed(env, monkeypatch, dtype, variant):
     """Token 0 of every decode step routed to its next-best expert (what a near tie does on a correct
     backend): the routers are forced to the golden's choices, the flips counted, the item passes;
-    without the forcing the same correct backend would fail at step 0."""
+    without the forcing the same correct backend would fail at step 0. The left-padded batch too:
+    forced to each row's own choices decoded alone (before, it was not forced, and a backend without
+    a fused attention kernel, the test device, failed mixtral-8x7b's bfloat16 padded item so)."""
     import harness.precision.decode as pdecode
 
     ls, root = env["mixtral-sw"]
     rows = load_golden(ls, root).inputs.shape[0]
     flip = lambda: cache_faults.DecodeStepFlip(rows)  # noqa: E731
-    ctx, failure = _run(env, "mixtral-sw", dtype, context=flip)
+    ctx, failure = _run(env, "mixtral-sw", dtype, variant, context=flip)
     assert failure is None, failure
     layers = len(load_golden(ls, root).manifest["sections"]["decode"]["layers"])
-    assert float(props(ctx)["metric.decode_router_flips"]) == ls.suite.checks.decode.steps * layers
+    flips, injected = float(props(ctx)["metric.decode_router_flips"]), ls.suite.checks.decode.steps * layers
+    # the padded batch in bfloat16 also flips a few tokens of its own against the rows alone (measured:
+    # 2 in the prefill), which is exactly what its forcing is for
+    assert flips == injected if variant == "dynamic" else injected <= flips <= injected + 4, flips
     assert any("forced to the golden's" in n for n in ctx.notes), ctx.notes
-    monkeypatch.setattr(pdecode, "routes_of", lambda tensors, calls: None)
-    _, failure = _run(env, "mixtral-sw", dtype, context=flip)
+    monkeypatch.setattr(pdecode, "routes_of", lambda tensors, calls, prefix="": None)
+    _, failure = _run(env, "mixtral-sw", dtype, variant, context=flip)
     assert isinstance(failure, CheckFailure) and "step 0" in failure.message, failure
 
 
