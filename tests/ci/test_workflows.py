@@ -214,7 +214,9 @@ def check_harness(args: list[str], suites_dir: Path = REPO_SUITES) -> list[str]:
                 shard.parse(ns.shard)
             except ValueError as e:
                 problems.append(str(e))
-        problems += [f"unknown backend {b}" for b in ns.backend if b not in backends()]
+        # testdev: the repository's test device, declared by its own package (testdev/pyproject.toml)
+        # in the job that installs it (.ci/testdev), not in this venv
+        problems += [f"unknown backend {b}" for b in ns.backend if b not in backends() and b != "testdev"]
         problems += [f"unknown check {c}" for c in ns.check if c not in checks().names()]
     names = getattr(ns, "suites", None)
     if isinstance(names, list) and names:
@@ -258,7 +260,7 @@ def test_every_workflow_runs_harness_and_the_extraction_finds_it():
     assert any(c.program == "pytest" and ".ci/run" in c.where for c in ALL)
     # the matrix was expanded: one shard line per matrix value
     shards = sorted(c.args[c.args.index("--shard") + 1] for c in of("harness") if c.where.startswith("ci.yml")
-                    and c.args[0] == "run")
+                    and c.args[0] == "run" and "--shard" in c.args)  # not the testdev job's run
     assert shards == ["1/4", "2/4", "3/4", "4/4"]
 
 
@@ -282,7 +284,7 @@ def test_tox_command_lines_resolve():
 def test_shard_counts_agree():
     """The shard count is written in the matrix, in --shard I/N and in --expect-shards."""
     for name in ("ci.yml", "nightly.yml"):
-        runs = [c for c in of("harness") if c.where.startswith(name) and c.args[0] == "run"]
+        runs = [c for c in of("harness") if c.where.startswith(name) and c.args[0] == "run" and "--shard" in c.args]
         specs = {tuple(c.args[c.args.index("--shard") + 1].split("/")) for c in runs}
         n = {int(total) for _, total in specs}
         assert len(n) == 1, specs
@@ -312,7 +314,7 @@ def test_ci_local_runs_the_lines_of_ci_yml():
     ci.yml's, up to the folders and the sink."""
     from harness.cli.ci_local import compare_command, shard_command
 
-    runs = sorted((c for c in of("harness") if c.where.startswith("ci.yml") and c.args[0] == "run"),
+    runs = sorted((c for c in of("harness") if c.where.startswith("ci.yml") and c.args[0] == "run" and "--shard" in c.args),
                   key=lambda c: c.matrix["shard"])
     for k, c in enumerate(runs, 1):
         results = c.args[c.args.index("--results") + 1]
@@ -396,6 +398,8 @@ def test_harness_run_lines_collect(tmp_path):
     seen = set()
     for c in of("harness"):
         if c.args[0] != "run" or (c.where.split(":")[0], c.where.split(":")[-1]) in seen:
+            continue
+        if "testdev" in c.args:  # the test device is declared only in its job (.ci/testdev); tests/testdev runs such lines
             continue
         seen.add((c.where.split(":")[0], c.where.split(":")[-1]))  # one matrix value per line
         args = list(c.args)
