@@ -22,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("--check", "-c", default=None,
                    help="run this check for every fault instead of each fault's own (which checks see what)")
     p.add_argument("--list", action="store_true", help="the fault catalogue; runs nothing")
-    p.add_argument("--results", default=None, help="keep each run's results in DIR/baseline, DIR/<fault>")
+    p.add_argument("--results", default=None, help="where each run's results are kept: DIR/baseline, DIR/<fault> (default: the results directory's certify/)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="time limit of one item")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=main)

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.backends.faults import Fault
+from harness.files import atomic, paths
 from harness.messages import first_line
-from harness.settings import set_env, unset_env
+from harness.settings import results_root, set_env, unset_env
 
 DTYPE = "float32"  # the faults' own dtype, and the cheapest that resolves them all
 # Where a check names the module at fault (harness.detail.<key>), in order of preference.
@@ -170,40 +169,37 @@ def certify(backend, faults: list[Fault], suite: str, *, check: str | None = Non
             timeout: float | None = None, say: Callable[[str], None] = lambda _s: None) -> Report:
     """The clean run, then each fault in its own run; ``check`` replaces every fault's own check."""
     report = Report(backend.name, backend.dispatch_key or "", suite)
-    keep = results is not None
-    root = Path(results) if keep else Path(tempfile.mkdtemp(prefix="harness-certify-"))
-    root.mkdir(parents=True, exist_ok=True)
+    # under the results directory (never a temporary folder outside it: the house's write rule), kept
+    root = Path(results) if results is not None else results_root() / "certify"
+    atomic.make_dirs(root)
     base_env = dict(os.environ)
     unset_env("HARNESS_CERTIFY_FAULT", base_env)  # a clean baseline, whatever the caller's environment
     unset_env("HARNESS_CERTIFY_BACKEND", base_env)
     unset_env("HARNESS_CERTIFY_LOG", base_env)
-    try:
-        checks = list(dict.fromkeys(check or f.check for f in faults))
-        t0 = time.monotonic()
-        items, tail = run_checks(suite, backend.name, checks, root / "baseline", base_env, timeout)
-        report.baseline = [items.get(c) or Item(c, "absent", first_line(tail, 300)) for c in checks]
-        say(f"baseline ({', '.join(checks)}, no fault): "
-            + ", ".join(f"{i.check} {i.outcome}" for i in report.baseline) + f" ({time.monotonic() - t0:.0f} s)")
-        if not report.green:
-            return report
-        for f in faults:
-            c = check or f.check
-            log = root / f"{f.name}.log"
-            log.unlink(missing_ok=True)
-            e = base_env | fault_env(f.name, backend.name)
-            set_env("HARNESS_CERTIFY_LOG", log.resolve(), e)
-            t0 = time.monotonic()
-            items, tail = run_checks(suite, backend.name, [c], root / f.name, e, timeout)
-            ran, raised = _read_log(log)
-            item = items.get(c)
-            verdict, why = judge(item, ran, raised, tail)
-            row = Row(f.name, f.summary, list(f.ops), c, verdict, item.outcome if item else "absent",
-                      item.module if item and verdict == "caught" else "", ran, why,
-                      round(time.monotonic() - t0, 1), reproduce(f.name, backend.name, suite, c))
-            report.faults.append(row)
-            say(f"{f.name}: {verdict}" + (f" by {c} at {row.module}" if row.module else f" ({c} {row.outcome})")
-                + f" ({row.seconds:.0f} s)")
+    checks = list(dict.fromkeys(check or f.check for f in faults))
+    t0 = time.monotonic()
+    items, tail = run_checks(suite, backend.name, checks, root / "baseline", base_env, timeout)
+    report.baseline = [items.get(c) or Item(c, "absent", first_line(tail, 300)) for c in checks]
+    say(f"baseline ({', '.join(checks)}, no fault): "
+        + ", ".join(f"{i.check} {i.outcome}" for i in report.baseline) + f" ({time.monotonic() - t0:.0f} s)")
+    if not report.green:
         return report
-    finally:
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+    for f in faults:
+        c = check or f.check
+        log = paths.join(root, f"{f.name}.log", source="harness certify", field="fault")
+        log.unlink(missing_ok=True)
+        e = base_env | fault_env(f.name, backend.name)
+        set_env("HARNESS_CERTIFY_LOG", log.resolve(), e)
+        t0 = time.monotonic()
+        out = paths.join(root, f.name, source="harness certify", field="fault")
+        items, tail = run_checks(suite, backend.name, [c], out, e, timeout)
+        ran, raised = _read_log(log)
+        item = items.get(c)
+        verdict, why = judge(item, ran, raised, tail)
+        row = Row(f.name, f.summary, list(f.ops), c, verdict, item.outcome if item else "absent",
+                  item.module if item and verdict == "caught" else "", ran, why,
+                  round(time.monotonic() - t0, 1), reproduce(f.name, backend.name, suite, c))
+        report.faults.append(row)
+        say(f"{f.name}: {verdict}" + (f" by {c} at {row.module}" if row.module else f" ({c} {row.outcome})")
+            + f" ({row.seconds:.0f} s)")
+    return report
