@@ -1,7 +1,7 @@
 """`harness certify` on the CPU backend (dispatch key CPU): known faults caught at their module, a
 fault the chosen check cannot see reported as missed with exit 1, the catalogue, usage errors. The
 faults are registered only in subprocesses (a kernel registered here would stay for every later test
-in this process); the full table on the test device is tests/testdev/test_certify.py."""
+in this process); the full table on the test device is tests/testdev/test_certify_on_device.py."""
 
 from __future__ import annotations
 
