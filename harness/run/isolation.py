@@ -20,6 +20,13 @@ backward, ...) and the last ``nn.Module`` entered (a global forward pre-hook). W
 
 After any kill the next item gets a fresh child. Peak memory is each item's own: the child resets
 its high-water mark (VmHWM) before every item.
+
+A vendor module (the request's ``module``: torch_npu, the test device) is imported by a child before
+its first item, never after another item: torch's autograd engine sizes its per-device queues from
+the devices registered at the first backward, so a PrivateUse1 module imported after a CPU item's
+backward fails every later backward on that device (``device_ready_queues_`` internal assert; found
+with ``harness run --backend cpu --backend testdev``). A request whose module the child has not
+imported, after items without it, gets a fresh child.
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ class Worker:
         self.status_path: str | None = None
         self.started = 0.0
         self.busy = False  # an item is in flight (an interrupted parent must not wait for it)
+        self.items = 0  # items the current child has run
+        self.modules: set[str] = set()  # vendor modules the current child's items imported
+        self.restarts_for_module = 0
 
     # --- life cycle ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -96,6 +106,7 @@ class Worker:
         self.res_fd = res_r
         self.buf = b""
         self.started = time.monotonic()
+        self.items, self.modules = 0, set()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -155,6 +166,10 @@ class Worker:
 
     def run(self, request: dict, limits: Limits) -> tuple[ItemResult, dict]:
         """Run one item; returns its result and facts about the run (rss, restarted...)."""
+        module = request.get("module")
+        if module and module not in self.modules and self.items and self.alive():
+            self.close()  # its autograd engine started without this device (the module docstring)
+            self.restarts_for_module += 1
         if not self.alive():
             if self.proc is not None:
                 self._close()
@@ -167,6 +182,9 @@ class Worker:
         except (BrokenPipeError, OSError):
             pass  # the child died already: found out below
         self.busy = True
+        self.items += 1
+        if module:
+            self.modules.add(module)
         try:
             return self._wait(t0, deadline, limits)
         except BaseException:  # interrupted (SIGTERM, Ctrl-C): the item in flight dies with us

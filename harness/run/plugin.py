@@ -400,7 +400,7 @@ class HarnessItem(pytest.Item):
         worker.env = dict(os.environ)
         set_env("HARNESS_NUM_THREADS", torch.get_num_threads(), worker.env)
         request = {"suite": str(self.suite.path), "check": self.check.name, "backend": self.backend_name,
-                   "dtype": self.dtype, "variant": self.variant}
+                   "dtype": self.dtype, "variant": self.variant, "module": self.backend.module}
         result, _facts = worker.run(request, limits)
         return result
 

@@ -301,3 +301,28 @@ def test_the_status_hook_of_an_isolated_item_is_no_graph_break(tmp_path):
     finally:
         handle.remove()
         torch._dynamo.reset()
+
+
+def test_a_vendor_module_gets_a_child_that_ran_nothing_without_it(tmp_path):
+    """torch's autograd engine sizes its device queues at the first backward: a PrivateUse1 module
+    imported by a child after a CPU item's backward fails every backward on its device. A request
+    naming a module the child has not imported, after items without it, gets a fresh child; one
+    whose module it already imported, or none, keeps it. (The items here are setup errors: a missing
+    suite file, which the child answers without building a model.)"""
+    from harness.run.isolation import Limits, Worker
+
+    req = {"suite": str(tmp_path / "absent.toml"), "check": "smoke", "backend": "cpu", "dtype": "float32",
+           "variant": None}
+    w = Worker()
+    pids = []
+    try:
+        for module in (None, None, "vendor_a", "vendor_a", None, "vendor_b", "vendor_a"):
+            r, _ = w.run(dict(req, module=module), Limits(timeout_s=120))
+            assert r.outcome == "error" and "could not run in the isolated worker" in r.message, r.message
+            pids.append(w.proc.pid)
+    finally:
+        w.close()
+    # a new child for vendor_a (after two items without it), for vendor_b, and for vendor_a again
+    # (that child never imported it)
+    assert [pids[i] == pids[i - 1] for i in range(1, len(pids))] == [True, False, True, True, False, False]
+    assert w.restarts_for_module == 3

@@ -119,6 +119,16 @@ FAULT = """
 """
 
 
+def test_cpu_items_before_device_items_in_one_run_leave_its_backward_working(env, tmp_path):
+    """One isolated child ran the CPU item's backward, then imported the device for the next item:
+    torch's autograd engine had sized its device queues without it, and every backward on hdev failed
+    (``device_ready_queues_`` internal assert: all twelve testdev training items of ``harness run
+    --backend cpu --backend testdev --check training``). The worker now starts a fresh child for it."""
+    items = _run(env, tmp_path, "--backend", "cpu", "--backend", "testdev", "--check", "training", "--dtype", "float32")
+    for b in ("cpu", "testdev"):
+        assert items[(b, "training")]["outcome"] == "passed", items[(b, "training")]["message"]
+
+
 def test_a_fault_on_its_dispatch_key_is_caught_at_the_module(env, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
