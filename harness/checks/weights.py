@@ -179,12 +179,15 @@ class WeightsCheck(Check):
         if ctx.variant != "stream":
             return
         from harness.models.build import instantiate, model_config, torch_dtype
-        from harness.weights.place import device_budgets, plan_placement
+        from harness.weights.place import PlacementUnknown, device_budgets, plan_placement
 
         st.full_mc = model_config(ctx.suite, pruned=False)
         with torch.device("meta"):
             st.meta = instantiate(ctx.suite, st.full_mc, torch.float32)
-        budgets = device_budgets(ctx.backend, st.cfg.memory_fraction, st.cfg.devices, first=ctx.device)
+        try:
+            budgets = device_budgets(ctx.backend, st.cfg.memory_fraction, st.cfg.devices, first=ctx.device)
+        except PlacementUnknown as e:
+            raise NotApplicable(f"cannot place the full model on {ctx.backend.name}: {e}") from None
         pl = plan_placement(st.meta, torch_dtype(ctx.dtype), budgets)
         if isinstance(pl, str):
             raise NotApplicable(f"does not fit: {pl} (memory_fraction {st.cfg.memory_fraction} of each device's "

@@ -186,11 +186,20 @@ def device_budgets(backend, fraction: float, limit: int | None = None, first=Non
     if own in order:
         order.remove(own)
         order.insert(0, own)
+    if not callable(getattr(mod, "mem_get_info", None)):
+        # not "does not fit": the backend cannot say how much memory is free (torch.cuda, torch_npu,
+        # torch_musa and torch.xpu have it)
+        raise PlacementUnknown(f"torch.{t} has no mem_get_info(device) -> (free, total): the free memory of its "
+                               "devices is unknown, so the full model cannot be placed")
     out = []
     for i in order[:limit]:
         try:
             free = int(mod.mem_get_info(i)[0])
-        except Exception:  # noqa: BLE001 - a backend without the query: its devices are not counted
+        except Exception:  # noqa: BLE001 - this device cannot be queried (lost, busy): not counted
             continue
         out.append((f"{t}:{i}", int(fraction * free)))
     return out
+
+
+class PlacementUnknown(Exception):
+    """The backend's devices cannot be measured for a placement (the message says what is missing)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from harness_testdev import _C
@@ -75,6 +77,27 @@ def memory_stats(device=None) -> dict[str, int]:
     i = _index(device)
     return {"allocated_bytes.all.current": _C.memory_allocated(i), "allocated_bytes.all.peak": _C.max_memory_allocated(i),
             "allocation.all.allocated": _C.allocation_count(i)}
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of one device, as ``torch.cuda.mem_get_info`` (torch_npu, torch_musa and
+    torch_xpu have it too): harness places a full model by it (the weights check). Its memory is the
+    host's, so each device's capacity is ``TESTDEV_DEVICE_MEMORY`` bytes (default: the host's total)
+    and its free memory that capacity less what its allocator holds, at most what the host has
+    available."""
+    i = _index(device)
+    host_total, host_avail = _host_meminfo()
+    total = int(os.environ.get("TESTDEV_DEVICE_MEMORY") or host_total)
+    return max(0, min(total - _C.memory_allocated(i), host_avail)), total
+
+
+def _host_meminfo() -> tuple[int, int]:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            info[k] = int(v.split()[0]) * 1024
+    return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
 
 
 def empty_cache() -> None:

@@ -96,3 +96,19 @@ def test_a_model_too_big_for_all_devices_says_so(kimi_ckpt, tmp_path):
     assert isinstance(why, str) and why.startswith("the full model needs") and "2 device(s) have" in why, why
     why = plan_placement(meta, torch.bfloat16, [("cuda:0", 1000)])
     assert "the embeddings and head alone need" in why
+
+
+def test_a_device_module_without_mem_get_info_is_named_not_called_too_small(monkeypatch):
+    """Free memory is read with ``torch.<device_type>.mem_get_info``; a backend without it (the test
+    device had none) was told 'does not fit: no device to place the model on', which is false."""
+    import types
+
+    from harness.backends.base import Backend
+    from harness.weights.place import PlacementUnknown, device_budgets
+
+    monkeypatch.setattr(torch, "fakedev", types.SimpleNamespace(device_count=lambda: 2), raising=False)
+    with pytest.raises(PlacementUnknown, match=r"torch.fakedev has no mem_get_info"):
+        device_budgets(Backend("fake", "fakedev", "gloo"), 0.8)
+    # with it: each device's share of its free memory
+    monkeypatch.setattr(torch.fakedev, "mem_get_info", lambda i: (1000 * (i + 1), 4000), raising=False)
+    assert device_budgets(Backend("fake", "fakedev", "gloo"), 0.5) == [("fakedev:0", 500), ("fakedev:1", 1000)]
