@@ -38,7 +38,7 @@ def _weights(env, suite, results):
     return {v: i for (b, c, v), i in items.items() if c == "weights"}
 
 
-def test_weights_layout_and_stream_on_the_device_and_a_wrong_layer_named(env, tmp_path):
+def test_weights_stream_on_the_device_passes_and_names_a_wrong_kernels_layer(env, tmp_path):
     suite, ckpt = _checkpoint(tmp_path)
     got = _weights(env, suite, tmp_path / "clean")
     assert set(got) == {"layout", "stream"}, got
