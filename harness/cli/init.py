@@ -72,64 +72,14 @@ def unreduced_keys(raw: dict, text: dict, flat: dict, prefix: str = "") -> list[
 
 
 def _plan(raw: dict, config: str):
-    """(Plan, resolved class name) or InitRefused."""
-    from harness.models.config import (
-        ModelBuildError,
-        UnknownArchitectureError,
-        check_config_ranges,
-        registry_class,
-        remote_code_only,
-        resolve_architecture,
-    )
-    from harness.models.prune import plan_config
+    """(Plan, resolved class name) or InitRefused: the decision ``harness inspect`` shares
+    (harness.models.prune.plan_for)."""
+    from harness.models.prune import PlanRefused, plan_for
 
-    try:  # numbers and names first: one line naming the key, before anything is built from them
-        check_config_ranges(raw, config)
-        why_remote = remote_code_only(raw)
-        if why_remote:
-            raise InitRefused(f"{config}: {why_remote}")
-        arch, via, notes = resolve_architecture(raw)
-    except (UnknownArchitectureError, ModelBuildError) as e:
-        msg = str(e).removeprefix("config.json: ")
-        raise InitRefused(f"{config}: {msg}") from None
-    import transformers as tf
-
-    cls = getattr(tf, arch)
-    sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
-    part = next((k for k in ("text_config", "language_config", "llm_config") if isinstance(raw.get(k), dict)), None)
-    if part is None and "text_config" in sub:
-        # A flat (remote-code format) config for a registered wrapper (Step-3.7's step3p7): transformers'
-        # text config class reads other key names, so a suite would test its defaults, not this model.
-        text_cls = sub["text_config"]
-        known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set()
-        unread = sorted(k for k in raw if k not in known and k not in ("architectures", "model_type", "auto_map",
-                                                                        "torch_dtype", "quantization_config"))
-        raise InitRefused(
-            f"{config}: {notes[0] if notes else arch}, a multimodal wrapper whose text model "
-            f"({getattr(text_cls, '__name__', text_cls)}) does not read this flat, remote-code format config"
-            + (f" (keys it ignores: {', '.join(unread)})" if unread else "")
-            + ": set model.architecture to a transformers class that takes this config, or model.adapter = "
-            "'your_package.module:build'")
-    if part is None:
-        plan = plan_config(raw)
-        plan.notes += notes
-        return plan, arch
-    text_mt = raw[part].get("model_type") or ""
-    decoder, label = registry_class(text_mt)
-    text_arch = (raw[part].get("architectures") or [None])[0]
-    if not (decoder and label == "causal-LM mapping") and text_arch and getattr(tf, text_arch, None) is not None:
-        decoder, label = text_arch, "causal-LM mapping"  # text_config names its own class (Kimi-K2.5)
-    if decoder and label == "causal-LM mapping":
-        plan = plan_config(raw, decoder_only=True)
-        plan.architecture = decoder
-        plan.why.insert(1, f"wrapper {arch}: the suite builds its language decoder {decoder} from {part}")
-    else:
-        plan = plan_config(raw, decoder_only=False)
-        plan.architecture = arch if arch != (raw.get("architectures") or [None])[0] else None
-        plan.why.insert(1, f"wrapper {arch}: transformers has no causal LM for {part} model_type {text_mt!r}, so "
-                           "the whole wrapper runs on text-only input with a 1-layer vision tower")
-    plan.notes += notes
-    return plan, arch
+    try:
+        return plan_for(raw, config)
+    except PlanRefused as e:
+        raise InitRefused(str(e)) from None
 
 
 def _no_grad_globs(model) -> list[str]:

@@ -10,7 +10,7 @@ import torch
 from harness.inspect.coverage import COMPOSITE, FALLBACK, MISSING, NATIVE, UNKNOWN, Coverage, coverage
 from harness.inspect.flops import FlopsReport, compute_flops
 from harness.inspect.params import ParamReport, Target, count_parameters, inspect_params, meta_model
-from harness.inspect.trace import Inventory, trace_model
+from harness.inspect.trace import Inventory, TraceError, trace_model
 
 
 @dataclass
@@ -53,17 +53,86 @@ def inspect(target: Target, *, backends: list[str] | None = None, trace: str = "
                 raise ValueError("--trace pruned needs a suite (a bare config.json has no pruning); use --trace full")
             del model
             model, _ = meta_model(target, pruned=True, dtype=dtype)
-        inv = trace_model(model, model.config.vocab_size, batch=batch, seq=seq,
-                          meta={"model": target.name, "dtype": str(dtype).replace("torch.", ""),
-                                "pruned": trace == "pruned"})
+        inv, trace_notes = trace_target(target, model, trace == "pruned", dtype, batch=batch, seq=seq)
         timings["trace_s"] = time.perf_counter() - t
+    else:
+        trace_notes = []
     del model
     covs = []
     if inv is not None:
         covs = [coverage(inv, b, target.suite) for b in backends or []]
     timings = {k: round(v, 3) for k, v in timings.items()}
-    return InspectReport(target.name, mc.architecture, mc.model_type, params, flops, inv, covs, list(mc.notes),
-                         timings)
+    return InspectReport(target.name, mc.architecture, mc.model_type, params, flops, inv, covs,
+                         trace_notes + list(mc.notes), timings)
+
+
+def trace_target(target: Target, model: torch.nn.Module, pruned: bool, dtype: torch.dtype, *, batch: int = 1,
+                 seq: int = 16) -> tuple[Inventory, list[str]]:
+    """The op inventory of one forward + backward of ``model`` (on meta), and notes saying what was
+    not traced and why. Model code that branches on tensor values (``.item()``, ``nonzero()``,
+    a data-dependent expert loop) cannot run on meta: then the suite's pruned model is traced on the
+    CPU with seeded weights (the same modules and operators, small shapes); where that fails too, the
+    inventory is the ops recorded before the first failure, marked incomplete. Never raises for what
+    the model code does: the totals and FLOPs never depend on the trace."""
+    meta = {"model": target.name, "dtype": str(dtype).replace("torch.", ""), "pruned": pruned}
+    try:
+        return trace_model(model, model.config.vocab_size, batch=batch, seq=seq, meta=meta), []
+    except TraceError as e:
+        first = e
+    why = (f"the {'pruned' if pruned else 'full'} model's trace on meta stopped in {first.module} during its "
+           f"{first.phase} ({type(first.error).__name__}: {_short(first.error)})")
+    try:
+        small = _cpu_pruned_model(target, dtype)
+        inv = trace_model(small, small.config.vocab_size, batch=batch, seq=seq,
+                          meta=dict(meta, pruned=True, fallback=why))
+        return inv, [f"trace: {why}; the op inventory is the pruned model's, traced on cpu with seeded weights "
+                     "(the same operators, pruned shapes)"]
+    except Exception as e:  # noqa: BLE001 - the pruned build or its trace failed as well: keep what the first recorded
+        again = (f"{e.phase} in {e.module} ({type(e.error).__name__}: {_short(e.error)})" if isinstance(e, TraceError)
+                 else f"{type(e).__name__}: {_short(e)}")
+    inv = first.partial
+    inv.meta.update(incomplete=why, fallback_failed=again)
+    done = "its forward" if first.phase == "backward" else "the modules before it"
+    return inv, [f"trace: {why}; the pruned model on cpu failed too ({again}): the op inventory is incomplete, "
+                 f"{len(inv.ops)} ops from {done}"]
+
+
+def _short(e: BaseException) -> str:
+    from harness.messages import first_line
+
+    return first_line(e, 160)
+
+
+FALLBACK_MAX_PARAMS = 100_000_000  # pruned suites have 0.1-5M; the host trace of 100M in bf16 takes seconds
+
+
+def _cpu_pruned_model(target: Target, dtype: torch.dtype) -> torch.nn.Module:
+    """The suite's pruned model (a bare config.json: pruned as ``harness init`` would) on the CPU with
+    seeded random weights: values, so data-dependent model code runs."""
+    from harness.models.build import cast_model, instantiate
+    from harness.models.config import architecture_class, build_config
+    from harness.models.prune import plan_for
+    from harness.suite.schema import PruneSection
+
+    if target.suite is not None:
+        mc = target.model_config(pruned=True)
+    else:  # what `harness init` would write for it (a wrapper: its decoder, or a 1-layer vision tower)
+        plan, _ = plan_for(target.raw_config, target.path.name if target.path else target.name)
+        mc = build_config(target.raw_config, PruneSection.model_validate(plan.prune), architecture=plan.architecture)
+    # never a large model on the host: a wrapper's vision tower, or a part the pruning does not reach,
+    # can leave billions of parameters (a 26B wrapper was killed for memory here)
+    shape, _ = meta_model(target, pruned=True, dtype=dtype, mc=mc)
+    n = sum(p.numel() for p in shape.parameters())
+    del shape
+    if n > FALLBACK_MAX_PARAMS:
+        raise ValueError(f"its pruned model still has {n / 1e6:.0f}M parameters (over {FALLBACK_MAX_PARAMS / 1e6:.0f}M: "
+                         "not run on the host)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            model = (instantiate(target.suite, mc, dtype) if target.suite is not None
+                     else architecture_class(mc.architecture)(mc.config))
+    return cast_model(model, dtype, "cpu")
 
 
 def _wrapper_note(target: Target, mc, params) -> None:
@@ -169,7 +238,9 @@ def render_text(rep: InspectReport, show_inventory: bool = True) -> str:
     if rep.inventory is not None:
         m = rep.inventory.meta
         out += ["", f"Operator inventory: {len(rep.inventory.ops)} aten overloads, "
-                f"{sum(r.count for r in rep.inventory.ops.values())} calls; one forward + backward of the "
+                f"{sum(r.count for r in rep.inventory.ops.values())} calls; "
+                + ("INCOMPLETE (see the trace note); " if m.get("incomplete") else "")
+                + f"one forward + backward of the "
                 f"{'pruned' if m.get('pruned') else 'full'} model on {m.get('device')} in {m.get('dtype')}, "
                 f"batch {m.get('batch')} x {m.get('seq')} tokens"]
         if show_inventory:
@@ -335,10 +406,10 @@ def coverage_matrix(targets: list[Target], backends: list[str], *, dtype: torch.
     for target in targets:
         pruned = trace == "pruned" and target.suite is not None
         model, _ = meta_model(target, pruned=pruned, dtype=dtype)
-        inv = trace_model(model, model.config.vocab_size, seq=seq,
-                          meta={"model": target.name, "dtype": str(dtype).replace("torch.", ""), "pruned": pruned})
+        inv, notes = trace_target(target, model, pruned, dtype, seq=seq)
         del model
-        traces[target.name] = f"{'pruned' if pruned else 'full'} model on meta, {inv.meta['dtype']}, {len(inv.ops)} ops"
+        traces[target.name] = (f"{'pruned' if pruned else 'full'} model on meta, {inv.meta['dtype']}, {len(inv.ops)} ops"
+                               if not notes else f"{len(inv.ops)} ops; " + " ".join(notes))
         suite = target.suite if target.suite is not None else None
         cells[target.name] = {b: coverage(inv, b, suite) for b in backends}
     return CoverageMatrix([t.name for t in targets], list(backends), cells, traces,

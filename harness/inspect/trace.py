@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.module_tracker import ModuleTracker
 
-from harness.messages import display
+from harness.messages import display, first_line
 
 TRACE_FORMAT = 1
 MAX_SIGNATURES = 8  # distinct input signatures kept per op in the inventory
@@ -188,6 +188,7 @@ class _Recorder(TorchDispatchMode):
         # so the sequence number seen at forward dispatch names the node; in backward the node being
         # run (torch._C._current_autograd_node) leads back to the forward module that made it.
         self.seq_module: dict[int, str] = {}
+        self.last_module = "<root>"  # the module of the last op dispatched (where a backward failed)
 
     def current_module(self) -> tuple[str, bool]:
         bw = self.tracker.is_bw
@@ -219,6 +220,7 @@ class _Recorder(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         rec.dtypes.update(short_dtype(t.dtype) for t in flat if isinstance(t, torch.Tensor))
         rec.modules.add(self.tracker.label(mod))
+        self.last_module = mod
         if self.keep and len(self.samples[name]) < MAX_SAMPLES and all(s.signature != sig for s in self.samples[name]):
             a, k = tree_map(_clone_cpu, (args, kwargs))
             self.samples[name].append(Sample(a, k, sig, self.tracker.label(mod)))
@@ -303,15 +305,33 @@ def trace_model(model: torch.nn.Module, vocab_size: int, *, batch: int = 1, seq:
     rec = _Recorder(tracker, keep_samples)
     model.train()
     t = time.perf_counter()
+    phase, failed = "forward", None
     with emulate_device(target), tracker, rec:
-        out = model(input_ids=ids, labels=ids)
-        if backward:
-            out.loss.backward()
+        try:
+            out = model(input_ids=ids, labels=ids)
+            phase = "backward"
+            if backward:
+                out.loss.backward()
+        except Exception as e:  # noqa: BLE001 - model code: whatever it raises, the ops so far are kept
+            # the module it raised in is still among the tracker's parents (its post hook never ran)
+            failed = (e, tracker.innermost() if phase == "forward" else rec.last_module)
     info = dict(meta or {})
     info.update({"device": device.type, "batch": batch, "seq": seq, "backward": backward,
                  "emulated_target": target if device.type == "meta" else None,
                  "torch": torch.__version__, "trace_s": round(time.perf_counter() - t, 3)})
-    return Inventory(rec.ops, info, dict(rec.samples))
+    inv = Inventory(rec.ops, info, dict(rec.samples))
+    if failed is not None:
+        raise TraceError(failed[0], failed[1], phase, inv) from failed[0]
+    return inv
+
+
+class TraceError(Exception):
+    """The traced forward or backward raised: which module, in which phase, and the inventory of the
+    ops recorded before it (``partial``)."""
+
+    def __init__(self, error: BaseException, module: str, phase: str, partial: Inventory):
+        self.error, self.module, self.phase, self.partial = error, module, phase, partial
+        super().__init__(f"{phase} raised in {module}: {type(error).__name__}: {first_line(error, 160)}")
 
 
 # --- realistic numerics for the real trace ----------------------------------------------------------

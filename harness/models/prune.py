@@ -560,3 +560,69 @@ def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
     if unread:
         why.append(f"published vision keys {type(vc).__name__} does not read (left as published): {', '.join(unread)}")
     return out, why
+
+
+class PlanRefused(Exception):
+    """No suite can be planned for this config; ``str()`` is the one-line reason."""
+
+
+def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
+    """(what a suite for the published config ``raw`` builds and prunes, the class name it resolves
+    to), or PlanRefused with the one-line reason: the one decision ``harness init`` writes and
+    ``harness inspect`` traces by (issue #29: they disagreed on Step-3.7-Flash)."""
+    from harness.models.config import (
+        ModelBuildError,
+        UnknownArchitectureError,
+        check_config_ranges,
+        registry_class,
+        remote_code_only,
+        resolve_architecture,
+    )
+
+    try:  # numbers and names first: one line naming the key, before anything is built from them
+        check_config_ranges(raw, config)
+        why_remote = remote_code_only(raw)
+        if why_remote:
+            raise PlanRefused(f"{config}: {why_remote}")
+        arch, via, notes = resolve_architecture(raw)
+    except (UnknownArchitectureError, ModelBuildError) as e:
+        msg = str(e).removeprefix("config.json: ")
+        raise PlanRefused(f"{config}: {msg}") from None
+    import transformers as tf
+
+    cls = getattr(tf, arch)
+    sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
+    part = next((k for k in ("text_config", "language_config", "llm_config") if isinstance(raw.get(k), dict)), None)
+    if part is None and "text_config" in sub:
+        # A flat (remote-code format) config for a registered wrapper (Step-3.7's step3p7): transformers'
+        # text config class reads other key names, so a suite would test its defaults, not this model.
+        text_cls = sub["text_config"]
+        known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set()
+        unread = sorted(k for k in raw if k not in known and k not in ("architectures", "model_type", "auto_map",
+                                                                        "torch_dtype", "quantization_config"))
+        raise PlanRefused(
+            f"{config}: {notes[0] if notes else arch}, a multimodal wrapper whose text model "
+            f"({getattr(text_cls, '__name__', text_cls)}) does not read this flat, remote-code format config"
+            + (f" (keys it ignores: {', '.join(unread)})" if unread else "")
+            + ": set model.architecture to a transformers class that takes this config, or model.adapter = "
+            "'your_package.module:build'")
+    if part is None:
+        plan = plan_config(raw)
+        plan.notes += notes
+        return plan, arch
+    text_mt = raw[part].get("model_type") or ""
+    decoder, label = registry_class(text_mt)
+    text_arch = (raw[part].get("architectures") or [None])[0]
+    if not (decoder and label == "causal-LM mapping") and text_arch and getattr(tf, text_arch, None) is not None:
+        decoder, label = text_arch, "causal-LM mapping"  # text_config names its own class (Kimi-K2.5)
+    if decoder and label == "causal-LM mapping":
+        plan = plan_config(raw, decoder_only=True)
+        plan.architecture = decoder
+        plan.why.insert(1, f"wrapper {arch}: the suite builds its language decoder {decoder} from {part}")
+    else:
+        plan = plan_config(raw, decoder_only=False)
+        plan.architecture = arch if arch != (raw.get("architectures") or [None])[0] else None
+        plan.why.insert(1, f"wrapper {arch}: transformers has no causal LM for {part} model_type {text_mt!r}, so "
+                           "the whole wrapper runs on text-only input with a 1-layer vision tower")
+    plan.notes += notes
+    return plan, arch

@@ -1,0 +1,93 @@
+"""`harness inspect` on model code that cannot run on meta (issue #29, item 1): the totals, FLOPs and
+memory figures always come out; the trace falls back to the pruned model on the CPU, else keeps the
+ops recorded before the failure, and one line says what was not traced and why. Real published
+configs from tests/data/day0 (SOURCES.md there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.inspect.trace import TraceError, trace_model
+
+REPO = Path(__file__).resolve().parents[2]
+DAY0 = REPO / "tests" / "data" / "day0"
+
+
+def _inspect(config: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "report.json"
+    r = subprocess.run([str(Path(sys.executable).with_name("harness")), "inspect", str(DAY0 / config), "--no-table",
+                        "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    return r, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def test_a_value_branch_on_meta_falls_back_to_the_pruned_model_on_cpu(tmp_path):
+    """Gemma-4's mask code calls .item(): the meta trace stops in `model` (it crashed the command
+    with a traceback, exit 1, and lost the totals)."""
+    r, rep = _inspect("gemma-4-26B-A4B.json", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "25.806B" in r.stdout  # the total, which needs no trace
+    note = next(n for n in rep["notes"] if n.startswith("trace:"))
+    assert "stopped in model during its forward (RuntimeError: Tensor.item() cannot be called on meta tensors)" in note
+    assert "traced on cpu with seeded weights" in note
+    inv = rep["inventory"]
+    assert inv["meta"]["device"] == "cpu" and inv["meta"]["pruned"] and "fallback" in inv["meta"]
+    assert "aten.mm.default" in inv["ops"] and len(inv["ops"]) > 40
+
+
+def test_when_the_fallback_cannot_run_the_ops_before_the_stop_are_kept_and_marked(tmp_path):
+    """Step-3.7-Flash: an expert loop calling nonzero() on meta, and a config `harness init` refuses
+    (the same reason, shared): the inventory holds what traced, marked incomplete."""
+    r, rep = _inspect("Step-3.7-Flash.json", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "197.826B" in r.stdout and "INCOMPLETE" in r.stdout
+    note = next(n for n in rep["notes"] if n.startswith("trace:"))
+    assert "stopped in model.language_model.layers.3.mlp.experts during its forward (NotImplementedError" in note
+    assert "the pruned model on cpu failed too (PlanRefused: Step-3.7-Flash.json:" in note
+    inv = rep["inventory"]
+    assert inv["meta"]["incomplete"] and inv["meta"]["device"] == "meta" and len(inv["ops"]) > 10
+
+
+class _ValueBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.sum().item() > 0:  # data-dependent: impossible on meta
+            y = y * 2
+        return self.b(y)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = type("C", (), {"vocab_size": 8})()
+        self.emb, self.inner, self.head = torch.nn.Embedding(8, 4), _ValueBranch(), torch.nn.Linear(4, 8)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.inner(self.emb(input_ids)))
+        return type("O", (), {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())})()
+
+
+def test_trace_error_names_the_module_and_keeps_the_ops_before_it():
+    with torch.device("meta"):
+        model = _Tiny()
+    with pytest.raises(TraceError) as e:
+        trace_model(model, 8)
+    assert e.value.module == "inner" and e.value.phase == "forward"
+    assert "Tensor.item() cannot be called on meta tensors" in str(e.value)
+    ops = e.value.partial.ops
+    assert "aten.embedding.default" in ops and "aten.addmm.default" in ops  # emb and inner.a ran
+    assert not any("inner.b" in m or "head" in m for r in ops.values() for m in r.modules)
+    # the same model with values traces whole
+    inv = trace_model(_Tiny(), 8)
+    assert inv.ops["aten.addmm.default"].forward == 3
