@@ -85,6 +85,12 @@ def load_target(arg: str | Path, suites_dir: str | Path = "suites") -> Target:
             raise ValueError(f"{p}: cannot read config.json: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: top level is not a JSON object")
+        from harness.models.prune import PlanRefused, plan_for
+
+        try:  # the decision `harness init` makes (issue #29): a config it refuses is not counted either
+            plan_for(raw, p.name)
+        except PlanRefused as e:
+            raise ValueError(f"{e} (harness init refuses it for the same reason)") from None
         return Target(p.stem, raw, None, p)
     (path,) = resolve_names([str(arg)], suites_dir)
     ls = load_suite(path)

@@ -1,7 +1,8 @@
 """`harness inspect` on model code that cannot run on meta (issue #29, item 1): the totals, FLOPs and
 memory figures always come out; the trace falls back to the pruned model on the CPU, else keeps the
-ops recorded before the failure, and one line says what was not traced and why. Real published
-configs from tests/data/day0 (SOURCES.md there)."""
+ops recorded before the failure, and one line says what was not traced and why; a config init
+refuses is refused with init's line (item 5). Real published configs from tests/data/day0 (SOURCES.md
+there)."""
 
 from __future__ import annotations
 
@@ -42,17 +43,40 @@ def test_a_value_branch_on_meta_falls_back_to_the_pruned_model_on_cpu(tmp_path):
     assert "aten.mm.default" in inv["ops"] and len(inv["ops"]) > 40
 
 
-def test_when_the_fallback_cannot_run_the_ops_before_the_stop_are_kept_and_marked(tmp_path):
-    """Step-3.7-Flash: an expert loop calling nonzero() on meta, and a config `harness init` refuses
-    (the same reason, shared): the inventory holds what traced, marked incomplete."""
+def test_inspect_refuses_what_init_refuses_with_the_same_line(tmp_path):
+    """One decision for both (issue #29, item 5): Step-3.7-Flash's flat remote-code config was
+    refused by init while inspect counted a wrapper built with defaults for the keys it ignores
+    (then crashed on meta). Now both say init's line and exit 2."""
+    from harness.models.prune import PlanRefused, plan_for
+
+    raw = json.loads((DAY0 / "Step-3.7-Flash.json").read_text())
+    with pytest.raises(PlanRefused) as e:
+        plan_for(raw, "Step-3.7-Flash.json")
     r, rep = _inspect("Step-3.7-Flash.json", tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "197.826B" in r.stdout and "INCOMPLETE" in r.stdout
-    note = next(n for n in rep["notes"] if n.startswith("trace:"))
-    assert "stopped in model.language_model.layers.3.mlp.experts during its forward (NotImplementedError" in note
-    assert "the pruned model on cpu failed too (PlanRefused: Step-3.7-Flash.json:" in note
-    inv = rep["inventory"]
-    assert inv["meta"]["incomplete"] and inv["meta"]["device"] == "meta" and len(inv["ops"]) > 10
+    assert r.returncode == 2 and not rep and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"harness inspect: {e.value} (harness init refuses it for the same reason)"
+    assert "does not read this flat, remote-code format config" in r.stderr
+
+
+def test_when_the_fallback_cannot_run_the_ops_before_the_stop_are_kept_and_marked(monkeypatch):
+    """The pruned model on the CPU cannot run either (here: too large to build on the host): the
+    inventory is what traced before the stop, marked incomplete, and the note says both reasons."""
+    from harness.inspect import report
+    from harness.inspect.params import Target
+
+    def too_big(target, dtype):
+        raise ValueError("its pruned model still has 1960M parameters (over 100M: not run on the host)")
+
+    monkeypatch.setattr(report, "_cpu_pruned_model", too_big)
+    with torch.device("meta"):
+        model = _Tiny()
+    inv, notes = report.trace_target(Target("tiny", {}), model, False, torch.float32)
+    assert inv.meta["incomplete"] and inv.meta["device"] == "meta"
+    assert "aten.embedding.default" in inv.ops
+    (note,) = notes
+    assert note.startswith("trace: the full model's trace on meta stopped in inner during its forward (RuntimeError:")
+    assert "the pruned model on cpu failed too (ValueError: its pruned model still has 1960M" in note
+    assert "the op inventory is incomplete" in note
 
 
 class _ValueBranch(torch.nn.Module):
