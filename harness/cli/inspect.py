@@ -115,10 +115,16 @@ def _run_matrix(args) -> int:
     if args.trace == "none":
         print("harness inspect: --backends needs a trace (--trace pruned or full)", file=sys.stderr)
         return 2
+    targets, refused = [], {}
+    for n in names:  # one bad suite or config is its own line; the others keep their rows
+        try:
+            targets.append(load_target(n, suites_dir))
+        except (SuiteError, UnknownArchitectureError, ValueError, KeyError) as e:
+            refused[n] = str(e)
+            print(f"harness inspect: {e}", file=sys.stderr)
     try:
-        targets = [load_target(n, suites_dir) for n in names]
         mat = coverage_matrix(targets, backends, dtype=getattr(torch, args.dtype), seq=args.seq,
-                              trace=args.trace or "pruned")
+                              trace=args.trace or "pruned", refused=refused)
     except (SuiteError, UnknownArchitectureError, ValueError, KeyError) as e:
         print(f"harness inspect: {e}", file=sys.stderr)
         return 2
@@ -135,4 +141,6 @@ def _run_matrix(args) -> int:
     if summary:
         with open(summary, "a", encoding="utf-8") as f:
             f.write(md)
+    if mat.refused:  # every other model's row is out; the run still says that these are not
+        return 2
     return 1 if args.fail_on_missing and mat.missing() else 0

@@ -279,6 +279,9 @@ class CoverageMatrix:
     cells: dict[str, dict[str, Coverage]]
     traces: dict[str, str] = field(default_factory=dict)  # model -> what was traced
     timings: dict[str, float] = field(default_factory=dict)
+    # model -> why it has no row (a config init refuses, a suite that does not load, a model that
+    # cannot be built): one bad model never costs the others their rows
+    refused: dict[str, str] = field(default_factory=dict)
 
     def sources(self) -> dict[str, Coverage]:
         """backend -> one of its coverages (source, versions, warnings are per backend)."""
@@ -326,7 +329,7 @@ class CoverageMatrix:
                      "warnings": c.warnings} for b, c in srcs.items()],
                 "counts": {m: {b: self.cells[m][b].counts() for b in self.backends} for m in self.models},
                 "needs": self.needs(), "decomposed_where_cuda_has_a_kernel": self.decomposed(),
-                "traces": self.traces, "timings": self.timings}
+                "traces": self.traces, "timings": self.timings, "refused": self.refused}
 
     def _cell(self, cov: Coverage) -> str:
         c = cov.counts()
@@ -358,6 +361,7 @@ class CoverageMatrix:
         for b, c in self.sources().items():
             out.append(f"{b}: {c.source}" + (f"; version {c.version}" if c.version else ""))
             out += [f"  {w}" for w in c.warnings]
+        out += [f"not in the matrix: {m}: {why}" for m, why in self.refused.items()]
         if self.timings:
             out.append("timings: " + ", ".join(f"{k} {v}" for k, v in self.timings.items()))
         return "\n".join(out)
@@ -385,6 +389,7 @@ class CoverageMatrix:
         out += ["", "Sources: " + "; ".join(f"{b}: {esc(c.source)}" for b, c in self.sources().items())]
         warns = [w for c in self.sources().values() for w in c.warnings]
         out += [f"> {esc(w)}" for w in warns]
+        out += [f"> not in the matrix: {esc(m)}: {esc(why)}" for m, why in self.refused.items()]
         return "\n".join(out) + "\n"
 
     def missing(self) -> list[str]:
@@ -398,19 +403,23 @@ def _md_escape(s: str) -> str:
 
 
 def coverage_matrix(targets: list[Target], backends: list[str], *, dtype: torch.dtype = torch.bfloat16,
-                    seq: int = 16, trace: str = "pruned") -> CoverageMatrix:
+                    seq: int = 16, trace: str = "pruned", refused: dict[str, str] | None = None) -> CoverageMatrix:
     """Trace each model once on the meta device (the suite's pruned model by default: same
     architecture, same operators, milliseconds to build) and classify its ops for every backend."""
     t0 = time.perf_counter()
-    cells, traces = {}, {}
+    cells, traces, refused = {}, {}, dict(refused or {})
     for target in targets:
         pruned = trace == "pruned" and target.suite is not None
-        model, _ = meta_model(target, pruned=pruned, dtype=dtype)
+        try:
+            model, _ = meta_model(target, pruned=pruned, dtype=dtype)
+        except Exception as e:  # noqa: BLE001 - a model transformers cannot build: its own line, the rest go on
+            refused[target.name] = f"cannot build it ({type(e).__name__}: {_short(e)})"
+            continue
         inv, notes = trace_target(target, model, pruned, dtype, seq=seq)
         del model
         traces[target.name] = (f"{'pruned' if pruned else 'full'} model on meta, {inv.meta['dtype']}, {len(inv.ops)} ops"
                                if not notes else f"{len(inv.ops)} ops; " + " ".join(notes))
         suite = target.suite if target.suite is not None else None
         cells[target.name] = {b: coverage(inv, b, suite) for b in backends}
-    return CoverageMatrix([t.name for t in targets], list(backends), cells, traces,
-                          {"total_s": round(time.perf_counter() - t0, 3)})
+    return CoverageMatrix([t.name for t in targets if t.name in cells], list(backends), cells, traces,
+                          {"total_s": round(time.perf_counter() - t0, 3)}, refused)

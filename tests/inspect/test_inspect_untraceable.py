@@ -115,3 +115,20 @@ def test_trace_error_names_the_module_and_keeps_the_ops_before_it():
     # the same model with values traces whole
     inv = trace_model(_Tiny(), 8)
     assert inv.ops["aten.addmm.default"].forward == 3
+
+
+def test_the_coverage_matrix_keeps_every_other_models_row(tmp_path):
+    """One config init refuses among others: it was the whole matrix's exit 2 with nothing printed;
+    now its own line, the other rows, and exit 2 still (the run is not all there)."""
+    md = tmp_path / "m.md"
+    r = subprocess.run([str(Path(sys.executable).with_name("harness")), "inspect", "--backends", "cpu",
+                        str(DAY0 / "gpt-oss-20b.json"), str(DAY0 / "MiniMax-M3.json"), "llama-3.1-8b",
+                        "--markdown", str(md)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    rows = {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+    assert {"gpt-oss-20b", "llama-3.1-8b"} <= rows
+    assert "not in the matrix:" in r.stdout and "MiniMax-M3.json: transformers" in r.stdout
+    assert r.stderr.count("harness inspect: ") == 1 and "Traceback" not in r.stderr
+    text = md.read_text()
+    assert "| gpt-oss-20b |" in text and "not in the matrix:" in text
