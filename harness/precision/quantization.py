@@ -10,29 +10,60 @@ from harness.anatomy.quant import family
 from harness.precision.compare import tensor_metrics
 from harness.suite.loader import LoadedSuite
 
+# The formats this check quantize-dequantizes; every other one harness.anatomy.quant recognizes
+# (mxfp4, nvfp4, int4) is a known gap of the check, said in one line, never a suite without items.
+SIMULATED = ("fp8", "int8")
+
+
+def _config(ls: LoadedSuite) -> dict | None:
+    """The checkpoint's ``quantization_config``: top level, else a wrapper's ``text_config``'s
+    (Kimi-K2.5 declares its INT4 experts there), as the model build reads it."""
+    raw = ls.raw_config
+    q = raw.get("quantization_config")
+    if not q and isinstance(raw.get("text_config"), dict):
+        q = raw["text_config"].get("quantization_config")
+    return q or None
+
+
+def _declared(ls: LoadedSuite):
+    from harness.anatomy.quant import quant_scheme as stored
+
+    return stored(_config(ls))
+
 
 def quant_scheme(ls: LoadedSuite) -> str | None:
+    """The format family the suite's quantization items test: the suite's ``scheme``, or with
+    ``auto`` the family of the checkpoint's ``quantization_config`` as harness.anatomy.quant reads
+    it (the parser ``harness inspect`` uses: fp8 in any spelling, compressed-tensors, ModelOpt,
+    mxfp4, nvfp4, int4/int8); None: no items."""
     q = ls.suite.checks.quantization
     if q.scheme == "none":
         return None
     if q.scheme != "auto":
         return q.scheme
-    # auto: simulate FP8 where the checkpoint stores FP8 (anatomy's reading of quantization_config,
-    # the one inspect shows); other stored formats are not simulated by this check.
-    return "fp8" if family(ls.raw_config.get("quantization_config")) == "fp8" else None
+    return family(_config(ls))
+
+
+def describe(ls: LoadedSuite) -> str:
+    """The checkpoint's format in inspect's words (``fp8 block 128x128 (checkpoint)``), or the scheme."""
+    s = _declared(ls)
+    return s.label if s is not None else str(quant_scheme(ls))
 
 
 def block_size(ls: LoadedSuite) -> list[int] | None:
-    """FP8 scale block (rows, cols): the suite's when it sets one, else the checkpoint's
-    ``weight_block_size``; ``None`` where the config declares none (``null``: one scale per tensor)."""
+    """FP8 scale block (rows, cols): the suite's when it sets one, else the checkpoint's as
+    harness.anatomy.quant reads it (``weight_block_size``, compressed-tensors' ``block_structure``);
+    ``[1, -1]`` for one scale per output channel; ``None`` for one scale per tensor. A config that
+    declares no FP8 granularity at all gets the suite's default block."""
     q = ls.suite.checks.quantization
     if "block_size" in q.model_fields_set:
         return list(q.block_size)
-    qc = ls.raw_config.get("quantization_config") or {}
-    if "weight_block_size" in qc:
-        b = qc["weight_block_size"]
-        return [int(x) for x in b] if isinstance(b, list) and len(b) == 2 else None
-    return list(q.block_size)
+    s = _declared(ls)
+    if s is None or not s.weight_dtype.startswith("float8"):
+        return list(q.block_size)
+    if s.granularity == "block":
+        return list(s.block)
+    return [1, -1] if s.granularity == "channel" else None
 
 
 # Budgets from the golden's measurement: k x the worst clean value over the draws, plus a floor.
@@ -67,7 +98,7 @@ def measure(ls: LoadedSuite, draws: list[torch.Tensor], reference_logits: list[t
     from harness.anatomy.capture import forward_logits
 
     scheme = quant_scheme(ls)
-    if scheme is None:
+    if scheme not in SIMULATED:
         return None
     out = {"scheme": scheme, "block_size": block_size(ls), "draws": len(draws), "k": QUANT_K, "dtypes": {}}
     for dtype in dtypes:
@@ -111,6 +142,7 @@ def budgets(ls: LoadedSuite, manifest: dict, dtype: str) -> tuple[dict, str]:
 def _fp8_block(w: torch.Tensor, block: list[int] | None) -> torch.Tensor:
     r, c = w.shape
     br, bc = block or (r, c)  # None: one scale for the tensor
+    bc = c if bc <= 0 else bc  # [1, -1]: one scale per output row (a per-channel checkpoint)
     pr, pc = (-r) % br, (-c) % bc
     x = torch.nn.functional.pad(w.float(), (0, pc, 0, pr))
     x = x.reshape((r + pr) // br, br, (c + pc) // bc, bc)
