@@ -11,6 +11,7 @@ from harness.inspect.coverage import COMPOSITE, FALLBACK, MISSING, NATIVE, UNKNO
 from harness.inspect.flops import FlopsReport, compute_flops
 from harness.inspect.params import ParamReport, Target, count_parameters, inspect_params, meta_model
 from harness.inspect.trace import Inventory, TraceError, trace_model
+from harness.messages import first_line
 
 
 @dataclass
@@ -80,7 +81,7 @@ def trace_target(target: Target, model: torch.nn.Module, pruned: bool, dtype: to
     except TraceError as e:
         first = e
     why = (f"the {'pruned' if pruned else 'full'} model's trace on meta stopped in {first.module} during its "
-           f"{first.phase} ({type(first.error).__name__}: {_short(first.error)})")
+           f"{first.phase} ({type(first.error).__name__}: {first_line(first.error, 160)})")
     try:
         small = _cpu_pruned_model(target, dtype)
         inv = trace_model(small, small.config.vocab_size, batch=batch, seq=seq,
@@ -88,19 +89,13 @@ def trace_target(target: Target, model: torch.nn.Module, pruned: bool, dtype: to
         return inv, [f"trace: {why}; the op inventory is the pruned model's, traced on cpu with seeded weights "
                      "(the same operators, pruned shapes)"]
     except Exception as e:  # noqa: BLE001 - the pruned build or its trace failed as well: keep what the first recorded
-        again = (f"{e.phase} in {e.module} ({type(e.error).__name__}: {_short(e.error)})" if isinstance(e, TraceError)
-                 else f"{type(e).__name__}: {_short(e)}")
+        again = (f"{e.phase} in {e.module} ({type(e.error).__name__}: {first_line(e.error, 160)})" if isinstance(e, TraceError)
+                 else f"{type(e).__name__}: {first_line(e, 160)}")
     inv = first.partial
     inv.meta.update(incomplete=why, fallback_failed=again)
     done = "its forward" if first.phase == "backward" else "the modules before it"
     return inv, [f"trace: {why}; the pruned model on cpu failed too ({again}): the op inventory is incomplete, "
                  f"{len(inv.ops)} ops from {done}"]
-
-
-def _short(e: BaseException) -> str:
-    from harness.messages import first_line
-
-    return first_line(e, 160)
 
 
 FALLBACK_MAX_PARAMS = 100_000_000  # pruned suites have 0.1-5M; the host trace of 100M in bf16 takes seconds
@@ -413,7 +408,7 @@ def coverage_matrix(targets: list[Target], backends: list[str], *, dtype: torch.
         try:
             model, _ = meta_model(target, pruned=pruned, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - a model transformers cannot build: its own line, the rest go on
-            refused[target.name] = f"cannot build it ({type(e).__name__}: {_short(e)})"
+            refused[target.name] = f"cannot build it ({type(e).__name__}: {first_line(e, 160)})"
             continue
         inv, notes = trace_target(target, model, pruned, dtype, seq=seq)
         del model
