@@ -12,7 +12,8 @@ Nothing here lists models. Every rule reads the *shape* of the config.json:
   is cut to the same length (entries past the layer count, e.g. an MTP layer's, are kept at the end).
   A ``first_k_*`` count is lowered to 1 when that still leaves every kind and no new one.
 * **widths**: hidden 64; query/KV heads keep the published GQA ratio exactly (2 KV heads up to 4:1,
-  else 1, up to 16:1; a larger ratio keeps 16:1), for every attention flavour the config has (``swa_num_attention_heads``...);
+  else 1, up to 16:1; a larger ratio keeps 16:1), for every attention flavour the config has (``swa_num_attention_heads``...)
+  and for every layer of a per-layer head list (``num_attention_heads_per_layer``: each layer's own ratio);
   all head dims (``head_dim``, ``*_head_dim``, ``rotary_dim``, ``global_head_dim``) shrink by *one*
   power-of-two factor so that rope/nope/value splits and ``qk_head_dim = nope + rope`` stay consistent,
   and ``mrope_section`` is rescaled to the new rotary half-width; other head counts and groups
@@ -152,8 +153,10 @@ def derived_per_layer(d: dict) -> dict:
         n <= len(v) <= n + 4 or "layer" in k and _is_ints(v) and (not v or max(v) < n))}
 
 
-def plan_layers(d: dict) -> tuple[dict, list[str]]:
-    """Flat updates (dotted keys) cutting ``d`` to the shortest layer prefix holding every kind."""
+def plan_layers(d: dict, values: dict | None = None) -> tuple[dict, list[str]]:
+    """Flat updates (dotted keys) cutting ``d`` to the shortest layer prefix holding every kind.
+    ``values``: pruned per-layer lists (head counts) to cut in place of the published ones; the kinds
+    are the published values'."""
     key, n = _num_layers(d)
     if key is None:
         return {}, []
@@ -175,6 +178,7 @@ def plan_layers(d: dict) -> tuple[dict, list[str]]:
     up: dict = {key: m}
     for fk, ft, fv in feats:
         if ft == "list":
+            fv = (values or {}).get(fk, fv)
             up[fk] = list(fv[:m]) + list(fv[n:])
         elif ft == "pattern":
             up[fk] = fv[:m]
@@ -239,6 +243,45 @@ def _gqa(heads: int, kv: int) -> tuple[int, int, int]:
     return kvn * ratio, kvn, ratio
 
 
+def _per_layer_heads(d: dict, up: dict) -> tuple[dict, list[str]]:
+    """Per-layer head-count lists (``num_attention_heads_per_layer``: [48, 64, 64, 64, 48, ...]) pruned
+    with their scalars: each layer keeps its own published query:KV ratio over the pruned KV heads.
+
+    Left as published, a list beside a pruned scalar made Laguna-XS.2's pruned model 48:1 and 64:1
+    against the published 6:1 and 8:1 (issue #29). A query list pairs with the KV list of the same
+    name (``num_key_value_heads_per_layer``) or with the scalar KV count; a layer whose ratio is over
+    MAX_GQA_RATIO keeps MAX_GQA_RATIO, one that is not whole keeps 1:1."""
+    _, n = _num_layers(d)
+    heads = {k: v for k, v in d.items() if _is_ints(v) and v and min(v) > 0 and n and n <= len(v) <= n + 4
+             and re.search(r"(^|_)(num_attention_heads|num_key_value_heads|num_heads|n_heads|kv_heads)", k)}
+    out: dict = {}
+    why: list[str] = []
+    for k, v in heads.items():
+        if "key_value" in k or "kv_heads" in k:
+            continue
+        kv_list = heads.get(k.replace("num_attention_heads", "num_key_value_heads"))
+        kv_scalar = d.get("num_key_value_heads") if isinstance(d.get("num_key_value_heads"), int) else None
+        kvs = kv_list or [kv_scalar or h for h in v]
+        new_q, new_kv, capped = [], [], False
+        for h, kv in zip(v, kvs, strict=False):  # a KV list of another length: its first entries
+            ratio = h // kv if kv and h % kv == 0 else 1
+            capped |= ratio > MAX_GQA_RATIO
+            ratio = min(ratio, MAX_GQA_RATIO)
+            # one KV count for every layer when the config has one (a scalar): the pruned scalar's
+            kvn = up.get("num_key_value_heads", 1) if kv_list is None else (2 if ratio <= 4 else 1)
+            new_q.append(kvn * ratio)
+            new_kv.append(kvn)
+        out[k] = new_q
+        if kv_list is not None:
+            out[k.replace("num_attention_heads", "num_key_value_heads")] = new_kv
+        pub = sorted({(h, kv) for h, kv in zip(v, kvs, strict=False)})
+        why.append(f"{k}: per-layer query heads {sorted(set(v))} over {sorted(set(kvs))} KV heads ("
+                   + ", ".join(f"{h // kv if kv and h % kv == 0 else 1}:1" for h, kv in pub)
+                   + f" GQA) -> {sorted(set(new_q))} query / {sorted(set(new_kv))} KV heads, each layer's ratio kept"
+                   + (f" (ratio capped at {MAX_GQA_RATIO}:1)" if capped else ""))
+    return out, why
+
+
 def _rescale_sections(sec: list[int], total: int) -> list[int]:
     """Largest-remainder rescale of e.g. mrope_section [11, 11, 10] to a new sum (rotary half-width)."""
     s = sum(sec) or 1
@@ -273,6 +316,10 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
             why.append(f"{k}: {v}:{kv} ({ratio}:1 GQA) -> {q} query / {kvn} KV heads" +
                        (f" (ratio capped at {MAX_GQA_RATIO}:1)" if ratio > MAX_GQA_RATIO else "")
                        + ("" if v % kv == 0 else f" ({v}:{kv} is not a whole ratio: kept as 1:1)"))
+    if not vision:
+        lists, lw = _per_layer_heads(d, up)
+        up.update(lists)
+        why += lw
     if vision and "num_heads" in d and isinstance(d["num_heads"], int):
         up["num_heads"] = 2
     # every other head count / group count shrinks by one common factor (keeps e.g. linear k:v = 1:2)
@@ -378,8 +425,8 @@ def _flatten(up: dict, prefix: str) -> dict:
 
 def plan_text(d: dict) -> tuple[dict, list[str]]:
     """Flat updates for a decoder config dict (top level of a causal LM, or a wrapper's text_config)."""
-    up, why = plan_layers(d)
     w, ww = plan_widths(d, width=TEXT_WIDTH, mlp=2 * TEXT_WIDTH, expert_mlp=32)
+    up, why = plan_layers(d, values={k: v for k, v in w.items() if isinstance(v, list) and "heads" in k})
     m, mw = plan_moe(d)
     mtp = {k: False for k, v in d.items() if v is True and re.search(r"(^|_)(mtp|nextn)($|_)", k)}
     if mtp:

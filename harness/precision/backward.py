@@ -310,7 +310,10 @@ def replay_backward(model, name: str, st: dict, resolve, grad_out: torch.Tensor,
         else:
             args[key] = x
     prefix = module_path(name) + "."
-    params = [(n, p) for n, p in model.named_parameters() if n.startswith(prefix) and n not in skip_params]
+    # Frozen parameters (Laguna's router `e_score_correction_bias`, an nn.Parameter with
+    # requires_grad=False) have no gradient to replay: autograd.grad would refuse the whole module.
+    params = [(n, p) for n, p in model.named_parameters() if n.startswith(prefix) and n not in skip_params
+              and p.requires_grad]
     with torch.enable_grad():
         outs = _floats(mod(*args, **kwargs))
         y = outs[out_index] if out_index < len(outs) else None

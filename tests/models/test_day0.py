@@ -19,7 +19,14 @@ import tomllib
 
 from harness.cli.init import _plan as init_plan
 from harness.models.config import apply_prune, build_config
-from harness.models.prune import MAX_GQA_RATIO, _layer_features, _num_layers, derived_per_layer, plan_config
+from harness.models.prune import (
+    MAX_GQA_RATIO,
+    _feature_at,
+    _layer_features,
+    _num_layers,
+    derived_per_layer,
+    plan_config,
+)
 from harness.suite.schema import PruneSection
 from tests_support import REPO
 
@@ -96,7 +103,13 @@ def test_plan_keeps_every_layer_kind_and_cuts_every_per_layer_field(config):
             assert len(pruned[k]) == m + (len(v) - n), k
     # at least one layer of each distinct kind of the full model (kinds from explicit lists/patterns)
     full_kinds, feats = _kinds(text, n)
-    kept, _ = _kinds(pruned, m, feats)
+    kept, kept_feats = _kinds(pruned, m, feats)
+    # per-layer head lists hold pruned counts (their ratios: the ratio test); a layer's kind is its
+    # published layer's, so read them from the published list over the kept prefix
+    heads = [i for i, (name, ftype, _) in enumerate(feats) if ftype == "list" and "heads" in name]
+    if heads:
+        kept = {tuple(feats[j][2][i] if j in heads else kind[j] for j in range(len(kind)))
+                for i, kind in enumerate(tuple(_feature_at(t, v, i) for _, t, v in kept_feats) for i in range(m))}
     assert kept == full_kinds, f"kinds lost: {full_kinds - kept}"
     # the suite comment says what was kept, layer by layer
     assert any(w.startswith(f"layers: the first {m} of {n}") for w in plan.why)
@@ -146,6 +159,19 @@ def test_every_attention_flavours_query_to_kv_ratio_is_the_published_one(config)
         assert pruned[q] <= published[q] and pruned[kv] <= published[kv]
         checked += 1
     assert checked or not any(isinstance(published.get(kv), int) for _, kv in pairs)
+    # per-layer head lists (Laguna-XS.2: [48, 64, 64, 64, 48, ...] over 8 KV heads): layer i of the pruned
+    # model has layer i's published ratio (kept as published, they made 48:1 and 64:1 of 6:1 and 8:1)
+    for q, heads in published.items():
+        if not (q.endswith("num_attention_heads_per_layer") and isinstance(heads, list)):
+            continue
+        kv_q = q.replace("num_attention_heads", "num_key_value_heads")
+        kvs = published.get(kv_q) or [published["num_key_value_heads"]] * len(heads)
+        p_kvs = pruned.get(kv_q) or [pruned["num_key_value_heads"]] * len(pruned[q])
+        assert len(pruned[q]) == pruned["num_hidden_layers"]
+        for i, (h, kv, ph, pkv) in enumerate(zip(heads, kvs, pruned[q], p_kvs, strict=False)):  # the pruned prefix
+            assert ph % pkv == 0 and ph // pkv == min(h // kv, MAX_GQA_RATIO), (q, i, h, kv, ph, pkv)
+            assert ph <= h
+        checked += 1
 
 
 def test_head_rotary_and_latent_dims_stay_consistent():

@@ -118,3 +118,39 @@ def test_golden_training_section(name):
         assert set(b["param"]) == set(e["params"]) and len(b["traj"]["loss"]) == steps
     # float32 gradients agree with float64 to ~1e-6; bf16's clean error is orders of magnitude larger
     assert max(e["budgets"]["float32"]["gin"].values()) < 1e-4 < max(e["budgets"]["bfloat16"]["gin"].values())
+
+
+def test_replay_of_a_module_with_a_frozen_parameter(tmp_path):
+    """Laguna-XS.2 (tests/data/day0) keeps its router's `e_score_correction_bias` as an nn.Parameter
+    with requires_grad=False: the isolated replay of that router and of every module above it
+    (its MoE block, its decoder layer) passes over the frozen parameter instead of autograd refusing
+    the module ("One of the differentiated Tensors does not require grad" stopped `golden generate`)."""
+    import json
+
+    from harness.cli.init import _plan
+    from harness.models.prune import suite_toml
+    from harness.suite.loader import load_suite
+    from tests_support import REPO
+
+    cfg = REPO / "tests" / "data" / "day0" / "Laguna-XS.2-FP8.json"
+    raw = json.loads(cfg.read_text())
+    plan, _ = _plan(raw, cfg.name)
+    path = tmp_path / "laguna.toml"
+    path.write_text(suite_toml(str(cfg), raw, plan.prune, plan.why, architecture=plan.architecture))
+    ls = load_suite(path)
+    model, _ = build_model(ls, "float64", "cpu", seed=0)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.endswith("e_score_correction_bias") for n in frozen)
+    ids = seeded_tokens(model.config.vocab_size, 2, 16, 1)
+    rr = bw.grad_run(model.eval(), ids)
+    outs, cap = capture_with_inputs(model, ids)
+    rp = bw.replay_all(model, cap.inputs, outs, cap.input_tensors, rr.gout, torch.float64, "cpu",
+                       gout_index=rr.gout_index)
+    router = frozen[0].rsplit(".", 1)[0]
+    assert router in rp and "model.layers.1" in rp
+    for name, (gin, pgrads) in rp.items():
+        assert not set(pgrads) & set(frozen), name
+        if name in rr.gin and gin is not None:
+            assert bw.rel_rmse(gin, rr.gin[name]) < 1e-10, name
+        for p, g in pgrads.items():
+            assert bw.rel_rmse(g, rr.grads[p]) < 1e-10, (name, p)
