@@ -173,7 +173,8 @@ class SmokeCheck(Check):
             raise NotApplicable(f"wrapper end to end: {why}")
         try:
             st.mc, _ = wrapper_config(ctx.suite, model_config(ctx.suite), cfg.wrapper_overrides)
-            st.batch = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+            st.batch = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1,
+                                   architecture=st.mc.architecture)
         except ModelBuildError as e:
             raise NotApplicable(f"wrapper end to end: the installed transformers cannot build it: {e}") from None
         ctx.notes.extend(st.mc.notes)
@@ -415,7 +416,8 @@ def _other_image_inputs(ctx: CheckContext, st) -> dict:
     from harness.models.wrapper import image_batch
 
     cfg = st.cfg
-    other = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1, image_seed=cfg.seed + 1000)
+    other = image_batch(st.mc.config, cfg.batch_size, cfg.seq_len, cfg.seed + 1, image_seed=cfg.seed + 1000,
+                        architecture=st.mc.architecture)
     dt = torch_dtype(ctx.dtype)
     return {**st.inputs, **{k: v.to(ctx.device, dt) if v.is_floating_point() else v.to(ctx.device)
                             for k, v in other.inputs.items() if k != "input_ids"}}

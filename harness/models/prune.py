@@ -371,7 +371,7 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
             continue
         if k.endswith("lora_rank"):
             up[k] = min(v, 32)
-        elif "intermediate_size" in k or k.endswith(("ffn_dim", "ffn_hidden_size", "expert_dim", "latent_size")):
+        elif "intermediate_size" in k or k.endswith(("ffn_dim", "ff_dim", "ffn_hidden_size", "expert_dim", "latent_size")):
             up[k] = min(v, expert_mlp if re.search(r"moe|expert|shared", k) else mlp)
         elif k in ("ssm_state_size", "state_size", "mamba_d_state", "d_state", "time_step_rank"):
             up[k] = min(v, 16)

@@ -8,13 +8,20 @@ What the smoke check's ``wrapper`` variant builds (docs/adding-a-model.md):
   from the *effective* vision config (what transformers reads, defaults included: Llama-4-Scout's
   corpus config has no ``vision_config``; Kimi-K2.5's remote-code ``vt_*`` keys are not read by
   transformers' ``Kimi_K25VisionConfig``), then ``[checks.smoke] wrapper_overrides``;
-* **image**: one seeded RGB image per sequence. Where transformers has an image processor that runs
-  offline without torchvision (Qwen-VL's and Gemma 4's PIL processors, built from the pruned config's
-  patch / merge / pooling sizes, no Hub files) it makes ``pixel_values`` and the grid; otherwise
-  (Llama 4, Kimi-K2.5: torchvision-only processors) ``pixel_values`` are built directly in the layout
-  and value range their processor produces, from the config. The number of image tokens per image is
-  the processor's formula (grid / merge², pixel-shuffle ratio, pooled soft tokens), and the sequence
-  is ``[text token, image tokens..., text tokens...]`` with labels -100 on the image positions.
+* **image**: one seeded RGB image per sequence, made by the wrapper's *own* image processor: the class
+  transformers' image-processor registry names for its model type (a type with no entry of its own
+  takes its family's, qwen3_vl_moe -> qwen3_vl), the PIL backend (torchvision is not a dependency),
+  its knobs (patch / merge / temporal patch / pooling sizes, a fixed tower's image size) read from the
+  pruned vision config, its token or patch budget the smallest it accepts. No model type is listed.
+  Where transformers ships only a torchvision processor, ``pixel_values`` are built from the config in
+  its layout and value range where harness reproduces it (``CONFIG_BUILT``: Llama 4, Kimi-K2.5), and
+  otherwise the item is NotApplicable in one line naming the processor (LFM2-VL).
+* **image tokens**: how many positions one image fills is counted by the model itself: a float32 CPU
+  copy of the tiny wrapper runs to its ``get_placeholder_mask``, whose image features [tokens, hidden]
+  are the count it will check (or the rows of ``get_image_features`` where a model has no such check).
+  The sequence is ``[text token, image tokens..., text tokens...]`` with labels -100 on the image
+  positions and the modality ids (``mm_token_type_ids`` / ``token_type_ids``: 1 on the image) where
+  the model's forward takes them.
 
 Nothing is downloaded: a processor that needs Hub files is never used.
 """
@@ -22,6 +29,8 @@ Nothing is downloaded: a processor that needs Hub files is never used.
 from __future__ import annotations
 
 import copy
+import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,34 +123,6 @@ def _image(seed: int, size: int, width: int | None = None) -> torch.Tensor:
     return torch.randint(0, 256, (3, size, width or size), generator=g, dtype=torch.uint8)
 
 
-def _qwen_vl(cfg, n: int, seed: int):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    vc = cfg.vision_config
-    p, m, t = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size
-    side = p * m * 2  # a 2x2 grid of merged tokens: 4 image tokens per image
-    proc = Qwen2VLImageProcessorPil(patch_size=p, merge_size=m, temporal_patch_size=t,
-                                    size={"shortest_edge": side * side, "longest_edge": side * side})
-    out = proc([_image(seed + i, side).permute(1, 2, 0).numpy() for i in range(n)], return_tensors="pt")
-    grid = out["image_grid_thw"]  # [n, 3]
-    per = int(grid[0].prod()) // (m * m)
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, per, type(proc).__name__, \
-        {"mm_token_type_ids": 1}
-
-
-def _gemma4(cfg, n: int, seed: int):
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    vc = cfg.vision_config
-    # 70 is the smallest soft-token budget the processor accepts; it resizes the image to fill it.
-    proc = Gemma4ImageProcessorPil(patch_size=vc.patch_size, pooling_kernel_size=vc.pooling_kernel_size,
-                                   max_soft_tokens=70)
-    out = proc([_image(seed + i, 48).permute(1, 2, 0).numpy() for i in range(n)], return_tensors="pt")
-    per = int(out["num_soft_tokens_per_image"][0])
-    return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"]}, per, \
-        type(proc).__name__, {"mm_token_type_ids": 1}
-
-
 def _llama4(cfg, n: int, seed: int):
     vc = cfg.vision_config
     side = vc.image_size
@@ -166,12 +147,159 @@ def _kimi_k25(cfg, n: int, seed: int):
         "built from the config (Kimi_K25ImageProcessor needs torchvision)", {}
 
 
-# Wrapper config model_type -> how its processor lays out an image. Keyed by transformers' model
-# types, because the layout is the processor's, which the model type names.
-LAYOUTS: dict[str, Callable] = {
-    "qwen2_vl": _qwen_vl, "qwen2_5_vl": _qwen_vl, "qwen3_vl": _qwen_vl, "qwen3_vl_moe": _qwen_vl,
-    "qwen3_5": _qwen_vl, "qwen3_5_moe": _qwen_vl, "gemma4": _gemma4, "llama4": _llama4, "kimi_k25": _kimi_k25,
-}
+# Processors transformers ships only for torchvision (not a dependency here): the layout and value
+# range they produce, built from the config. Keyed by the processor's class name, the thing whose
+# output they reproduce; any other processor runs itself (_from_processor).
+CONFIG_BUILT: dict[str, Callable] = {"Llama4ImageProcessor": _llama4, "Kimi_K25ImageProcessor": _kimi_k25}
+
+# The processor's knobs read from the (pruned) vision config: processor kwarg -> config attributes.
+FROM_VISION = {"patch_size": ("patch_size",), "temporal_patch_size": ("temporal_patch_size",),
+               "merge_size": ("spatial_merge_size", "merge_size"), "pooling_kernel_size": ("pooling_kernel_size",),
+               "downsample_factor": ("downsample_factor",)}
+# A processor's own budget of tokens / patches / tiles per image: the smallest it accepts keeps the
+# vision tower's sequence short (Gemma 4: 70 soft tokens, 630 patches, instead of 280 and 2520).
+BUDGET = re.compile(r"^max_\w*(tokens|patches|tiles)$")
+
+
+def _torchvision() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def processor_names(model_type: str) -> tuple[dict, str]:
+    """({backend: image processor class name}, the model type they are registered under). A model type
+    with no entry of its own takes the longest registered prefix (qwen3_vl_moe: qwen3_vl's processor;
+    its checkpoints name that class in preprocessor_config.json)."""
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES as names
+
+    mt = model_type
+    while mt and mt not in names:
+        mt = mt.rpartition("_")[0]
+    return (dict(names[mt]), mt) if mt else ({}, "")
+
+
+def image_layout(model_type: str) -> tuple[Callable | None, str]:
+    """(how to make this wrapper's image inputs, what that is) or (None, why it cannot be made here)."""
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+
+    names, under = processor_names(model_type)
+    if not names:
+        return None, f"transformers registers no image processor for model_type {model_type!r}"
+    via = "" if under == model_type else f" (registered for {under})"
+    for backend in ("pil", "torchvision"):
+        name = names.get(backend)
+        if not name or backend == "torchvision" and not _torchvision():
+            continue
+        cls = get_image_processor_class_from_name(name)
+        if cls is not None:
+            return functools.partial(_from_processor, processor=cls), f"processor {name}{via}"
+    name = names.get("torchvision")
+    if name in CONFIG_BUILT:
+        return CONFIG_BUILT[name], f"built from the config ({name} needs torchvision)"
+    return None, (f"its image processor {name or names}{via} needs torchvision, which is not installed "
+                  "(pip install torchvision matching the installed torch); no config-built layout for it")
+
+
+def _from_processor(cfg, n: int, seed: int, *, processor):
+    """The wrapper's own image processor, its knobs read from the pruned vision config, on seeded
+    images of side patch x merge x 2 (a 2x2 grid of merged tokens) or the tower's fixed image_size."""
+    cls = processor
+    vc = cfg.vision_config
+    valid = set(getattr(getattr(cls, "valid_kwargs", None), "__annotations__", {}))
+    kw = {}
+    for key, attrs in FROM_VISION.items():
+        v = next((getattr(vc, a) for a in attrs if isinstance(getattr(vc, a, None), int)), None)
+        if key in valid and v:
+            kw[key] = v
+    patch = getattr(vc, "patch_size", None) or 14
+    merge = next((getattr(vc, a) for a in ("spatial_merge_size", "merge_size", "downsample_factor",
+                                           "pooling_kernel_size") if isinstance(getattr(vc, a, None), int)), 1)
+    fixed = getattr(vc, "image_size", None)
+    side = fixed if isinstance(fixed, int) and fixed > 0 else patch * merge * 2
+    default = cls()
+    for key in ("size", "crop_size"):  # a fixed-size tower: the processor resizes to it
+        d = getattr(default, key, None)
+        if isinstance(fixed, int) and isinstance(d, dict) and key in valid:
+            if {"height", "width"} <= set(d):
+                kw[key] = {"height": fixed, "width": fixed}
+            elif set(d) == {"shortest_edge"}:
+                kw[key] = {"shortest_edge": fixed}
+    images = [_image(seed + i, side).permute(1, 2, 0).numpy() for i in range(n)]
+
+    def run(extra):
+        return cls(**{**kw, **extra})(images, return_tensors="pt")
+
+    out = run({})
+    for key in sorted(k for k in valid if BUDGET.match(k) and isinstance(getattr(default, k, None), int)):
+        v = getattr(default, key)
+        while v > 1:  # halve while the processor still accepts it
+            try:
+                trial = run({key: v // 2})
+            except (ValueError, AssertionError):
+                break
+            v, out, kw[key] = v // 2, trial, v // 2
+    return dict(out), None, type(default).__name__, {}
+
+
+class _Counted(Exception):
+    pass
+
+
+def tokens_per_image(cfg, architecture: str, image_inputs: dict, n: int) -> int:
+    """How many positions of the text one image fills, as the model itself checks it: a float32 CPU
+    copy of the (tiny) wrapper runs up to its get_placeholder_mask, which receives the image features
+    [total tokens, hidden]; where a model has none, the rows of get_image_features per image."""
+    from harness.models.config import architecture_class
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = architecture_class(architecture)(copy.deepcopy(cfg)).float().eval()
+    inputs = {k: (v.float() if v.is_floating_point() else v) for k, v in image_inputs.items()}
+    hidden = model.get_input_embeddings().embedding_dim
+    seen: list[int] = []
+    owner = next((m for m in model.modules() if "get_placeholder_mask" in type(m).__dict__), None)
+    if owner is not None:
+        import inspect
+
+        orig = owner.get_placeholder_mask
+        sig = inspect.signature(orig)
+
+        def spy(*a, **kw):
+            f = sig.bind_partial(*a, **kw).arguments.get("image_features")
+            if f is not None:
+                seen.append(f.numel() // hidden)
+                raise _Counted
+            return orig(*a, **kw)
+
+        owner.get_placeholder_mask = spy
+        image_id = getattr(cfg, "image_token_id", None)
+        image_id = getattr(cfg, "image_token_index", None) if image_id is None else image_id
+        ids = torch.full((n, 4), 0, dtype=torch.long)
+        ids[:, 1] = image_id
+        fwd = set(inspect.signature(model.forward).parameters)
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, **{k: v for k, v in inputs.items() if k in fwd})
+        except _Counted:
+            pass
+        except Exception:  # the forward fails before the check (Llama 4 in 5.24): count below
+            pass
+        finally:
+            del owner.get_placeholder_mask
+    if not seen:
+        import inspect
+
+        params = set(inspect.signature(model.get_image_features).parameters)
+        with torch.no_grad():
+            out = model.get_image_features(**{k: v for k, v in inputs.items() if k in params})
+        f = getattr(out, "pooler_output", None)
+        f = f if f is not None else getattr(out, "last_hidden_state", out)
+        total = sum(x.numel() for x in f) if isinstance(f, (list, tuple)) else f.numel()
+        seen.append(total // f[0].shape[-1] if isinstance(f, (list, tuple)) else total // f.shape[-1])
+    if seen[0] % n:
+        raise WrapperNotApplicable(f"{seen[0]} image tokens for {n} images: not the same number per image")
+    return seen[0] // n
 
 
 def _special_ids(cfg) -> set[int]:
@@ -182,22 +310,38 @@ def _special_ids(cfg) -> set[int]:
     return out
 
 
-def image_batch(cfg, batch: int, text_len: int, seed: int, image_seed: int | None = None) -> ImageBatch:
+def image_batch(cfg, batch: int, text_len: int, seed: int, image_seed: int | None = None,
+                architecture: str | None = None) -> ImageBatch:
     """``batch`` sequences of ``[text, image tokens..., text x (text_len - 1)]`` with one image each
     (images from ``image_seed``, default ``seed``: a second image for the same text)."""
     from harness.models.build import seeded_tokens
 
-    layout = LAYOUTS.get(getattr(cfg, "model_type", ""))
+    layout, how = image_layout(getattr(cfg, "model_type", ""))
     if layout is None:
-        raise WrapperNotApplicable(f"no image layout known for model_type {cfg.model_type!r} (harness/models/"
-                                   "wrapper.py LAYOUTS)")
+        raise WrapperNotApplicable(how)
     image_id = getattr(cfg, "image_token_id", None)
     if image_id is None:
         image_id = getattr(cfg, "image_token_index", None)
     if image_id is None:
         raise WrapperNotApplicable(f"{type(cfg).__name__} has no image_token_id")
     with torch.random.fork_rng(devices=[]):
-        extra, per, how, types = layout(cfg, batch, seed if image_seed is None else image_seed)
+        extra, per, _, types = layout(cfg, batch, seed if image_seed is None else image_seed)
+    import inspect
+
+    from harness.models.config import architecture_class
+
+    arch = architecture or (getattr(cfg, "architectures", None) or [""])[0]
+    fwd = set(inspect.signature(architecture_class(arch).forward).parameters)
+    extra = {k: v for k, v in extra.items() if k in fwd and isinstance(v, torch.Tensor)}
+    if per is None:
+        key = (id(cfg), tuple((k, tuple(v.shape)) for k, v in extra.items()))
+        if key not in _COUNTS:
+            _COUNTS[key] = tokens_per_image(cfg, arch, extra, batch)
+        per = _COUNTS[key]
+        how = f"{how}: {per} image tokens per image, counted by the model's own check"
+    for k in ("mm_token_type_ids", "token_type_ids"):  # the processor's modality ids (text 0, image 1)
+        if k in fwd and k not in types:
+            types[k] = 1
     vocab = cfg.get_text_config().vocab_size
     ids = seeded_tokens(vocab, batch, text_len, seed)  # [B, text_len]
     specials = _special_ids(cfg)
@@ -216,6 +360,9 @@ def image_batch(cfg, batch: int, text_len: int, seed: int, image_seed: int | Non
     return ImageBatch(inputs, labels, per, how)
 
 
+_COUNTS: dict = {}  # (config, image input shapes) -> image tokens per image
+
+
 def supported(raw: dict) -> str | None:
     """None when the wrapper variant can run on this config, else one line saying why not."""
     if not is_wrapper(raw):
@@ -224,10 +371,10 @@ def supported(raw: dict) -> str | None:
         arch = wrapper_architecture(raw)
     except ModelBuildError as e:
         return str(e)
-    import transformers
+    from harness.models.config import architecture_class
 
-    cls = getattr(transformers, arch)
-    mt = getattr(getattr(cls, "config_class", None), "model_type", "")
-    if mt not in LAYOUTS:
-        return f"{arch}: no image layout for model_type {mt!r} in harness/models/wrapper.py"
+    mt = getattr(getattr(architecture_class(arch), "config_class", None), "model_type", "")
+    layout, why = image_layout(mt)
+    if layout is None:
+        return f"{arch}: {why}"
     return None

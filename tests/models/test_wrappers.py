@@ -9,6 +9,7 @@ the wrapper part when the vision path is broken (an injected fault in the real m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +29,9 @@ WRAPPERS = sorted(p.stem for p in DAY0.glob("*.json") if is_wrapper(json.loads(p
 # transformers 5.24's Llama4ForConditionalGeneration.forward reads `image_outputs` from its language
 # model's output, which has none: the wrapper cannot run at all in this version (text-only input too).
 NOT_RUNNABLE = {"Llama-4-Scout-17B-16E-Instruct": "cannot run Llama4ForConditionalGeneration.forward"}
+# LFM2-VL's only image processor is a torchvision one (not installed here, no config-built layout): the
+# one reason a wrapper transformers builds is skipped, said in one line naming the processor.
+NEEDS_TORCHVISION = {} if importlib.util.find_spec("torchvision") else {"LFM2-VL-450M": "Lfm2VlImageProcessor"}
 # Built from init's plan without init's probes (a default-item backward each: 10-20 s on this machine;
 # init itself is exercised on Kimi-K2.5 and Llama 4 here and on every config by test_day0.py).
 PLAN_ONLY = {"gemma-4-26B-A4B", "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B"}
@@ -97,7 +101,7 @@ def _decoder_parameters(ls) -> int:
 
 def test_corpus_wrappers_are_the_ones_with_a_text_config():
     assert set(WRAPPERS) == {"gemma-4-26B-A4B", "Kimi-K2.5", "Llama-4-Scout-17B-16E-Instruct",
-                             "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B"}
+                             "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B", "LFM2-VL-450M"}
 
 
 @pytest.mark.parametrize("name", list(_params()))
@@ -113,6 +117,13 @@ def test_wrapper_variant_end_to_end(name, suites, variant):
         assert "transformers" in line and "AttributeError" in line
         assert NOT_RUNNABLE[name] in ls.path.read_text()  # init said so in the suite's comment
         return
+    if name in NEEDS_TORCHVISION:
+        with pytest.raises(NotApplicable) as e:
+            run_one(ls, "smoke", "cpu", "float32", "wrapper")
+        line = str(e.value)
+        assert f"its image processor {NEEDS_TORCHVISION[name]} needs torchvision" in line and "\n" not in line
+        assert NEEDS_TORCHVISION[name] in ls.path.read_text()  # init said so in the suite's comment
+        return
     p = variant(name)
     for part in ("text", "vision", "projector"):
         assert p[f"metric.parameters_{part}"] > 0 and p[f"metric.grad_norm_{part}"] > 0, part
@@ -126,7 +137,7 @@ def test_wrapper_variant_end_to_end(name, suites, variant):
     assert sum(p[f"metric.parameters_{part}"] for part in ("text", "vision", "projector")) == p["metric.parameters"]
 
 
-@pytest.mark.parametrize("name", [n for n in _params() if n.values[0] not in NOT_RUNNABLE])
+@pytest.mark.parametrize("name", [n for n in _params() if n.values[0] not in {**NOT_RUNNABLE, **NEEDS_TORCHVISION}])
 def test_inspect_parts_agree_with_what_the_variant_builds(name, suites, variant):
     """`harness inspect CONFIG.json` splits the full-size wrapper into the same parts, by the same module
     paths, as the variant's pruned wrapper; and on the pruned one its per-part totals are the variant's."""
@@ -193,19 +204,22 @@ def test_image_token_count_mismatch_fails_naming_the_parts(suites):
 
 
 def test_image_layout_follows_the_processor(tmp_path):
-    """Qwen's PIL image processor makes the pixels; its grid / merge² is the image-token count."""
+    """Qwen's PIL image processor makes the pixels; the model's own placeholder check counts the image
+    tokens, which is the processor's formula grid / merge²."""
     from harness.models.build import model_config
 
     ls = load_suite(_plan_suite("Qwen3.5-35B-A3B", tmp_path))
 
     mc, why = wrapper_config(ls, model_config(ls))
-    b = image_batch(mc.config, 2, 16, 1)
-    assert b.how == "Qwen2VLImageProcessorPil" and b.image_tokens == 4
+    b = image_batch(mc.config, 2, 16, 1, architecture=mc.architecture)
+    assert b.how.startswith("processor Qwen2VLImageProcessorPil") and "counted by the model's own check" in b.how
+    grid = b.inputs["image_grid_thw"]
+    assert b.image_tokens == 4 == int(grid[0].prod()) // mc.config.vision_config.spatial_merge_size ** 2
     ids = b.inputs["input_ids"]
     assert ids.shape == (2, 20) and int((ids == mc.config.image_token_id).sum()) == 8
     assert (b.labels == -100).sum() == 8 and b.inputs["mm_token_type_ids"].sum() == 8
     assert mc.config.vision_config.out_hidden_size == mc.config.text_config.hidden_size == 64
-    b2 = image_batch(mc.config, 2, 16, 1)
+    b2 = image_batch(mc.config, 2, 16, 1, architecture=mc.architecture)
     assert torch.equal(b.inputs["pixel_values"], b2.inputs["pixel_values"])  # seeded
 
 
@@ -252,3 +266,32 @@ def test_broken_vision_path_inside_transformers_fails_not_skips(suites):
     ls = suites("Kimi-K2.5")
     with pytest.raises(AttributeError, match="squeeze"):
         _run_with(ls, projector_returns_none)
+
+
+@pytest.mark.parametrize(("name", "processor", "tokens"), [
+    ("Qwen3-VL-30B-A3B-Instruct", "processor Qwen2VLImageProcessorPil (registered for qwen3_vl)", 4),
+    ("gemma-4-26B-A4B", "processor Gemma4ImageProcessorPil", None),
+    ("Kimi-K2.5", "built from the config (Kimi_K25ImageProcessor needs torchvision)", 4),
+], ids=["qwen3_vl_moe", "gemma4", "kimi_k25"])
+def test_image_layout_is_derived_not_listed(name, processor, tokens, tmp_path):
+    """Issue #29 item 2: the layout comes from transformers' own image-processor registry for the
+    wrapper's model type (a model type without an entry takes its family's: qwen3_vl_moe -> qwen3_vl),
+    its knobs from the pruned vision config, its budget the smallest the processor accepts (Gemma 4:
+    70 soft tokens), and the image-token count from the model's own placeholder check. Torchvision-only
+    processors are built from the config where harness reproduces them, else a one-line skip."""
+    from harness.models.build import model_config
+    from harness.models.wrapper import image_layout
+
+    ls = load_suite(_plan_suite(name, tmp_path))
+    mc, _ = wrapper_config(ls, model_config(ls))
+    b = image_batch(mc.config, 2, 8, 1, architecture=mc.architecture)
+    assert b.how.startswith(processor), b.how
+    if name == "gemma-4-26B-A4B":  # the processor's own count of soft tokens is the model's
+        assert b.image_tokens == int(b.inputs["num_soft_tokens_per_image"][0]) if "num_soft_tokens_per_image" in \
+            b.inputs else b.image_tokens <= 70
+        assert b.image_tokens <= 70 and b.inputs["pixel_values"].shape[1] <= 70 * 9
+    else:
+        assert b.image_tokens == tokens
+    assert int((b.inputs["input_ids"] == mc.config.image_token_id).sum()) == 2 * b.image_tokens
+    layout, why = image_layout("no_such_vl")
+    assert layout is None and "registers no image processor for model_type 'no_such_vl'" in why
