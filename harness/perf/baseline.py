@@ -137,7 +137,16 @@ def read_sidecars(results_dir: str | Path, refused: list | None = None) -> list[
     root = Path(results_dir)
     if not root.exists():
         raise BaselineError(f"{root}: no such results directory")
-    files = {p.resolve(): p for p in root.rglob("*.json") if p.parent.parent.name == "perf"}
+    # A sidecar is perf/<suite>/<key>.json *inside* the results directory (or the directory is perf/
+    # itself). Judged on the path below ``root``: on the absolute path, a run in a project folder named
+    # perf (perf/results/run.json) made every file of the run a "sidecar" and the update failed on run.json.
+    inside = (root.resolve().name,)  # the results directory may be perf/ itself
+
+    def sidecar(p: Path) -> bool:
+        parts = inside + p.relative_to(root).parts  # (root's name, ..., perf, suite, key.json)
+        return len(parts) >= 3 and parts[-3] == "perf"
+
+    files = {p.resolve(): p for p in root.rglob("*.json") if sidecar(p)}
     for xml, value in _from_junit(root):
         try:
             p = _junit_sidecar(root, xml, value)

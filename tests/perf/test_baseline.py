@@ -117,3 +117,44 @@ def test_append_pools_the_samples_of_several_runs(tmp_path, capsys):
     store.write_sidecar({**record(), "shape": {"batch": 2, "seq": 128}}, tmp_path / "r3")
     assert main(["baseline", "update", str(tmp_path / "r3"), "--golden-dir", str(golden), "--append"]) == 2
     assert "cannot pool a baseline of another workload" in capsys.readouterr().err
+
+
+def test_documented_workflow_end_to_end_in_a_project_named_perf(tmp_path):
+    """Issue #30 item 1, docs/perf.md's sequence through the command line: `harness run --scope nightly
+    --check perf`, `harness baseline update RESULTS` (the whole results folder, absolute path), and a
+    later run compared with that baseline. The project folder is named perf: the update judged
+    sidecars by their absolute path (`<x>/perf/<suite>/<key>.json`), so perf/results/run.json looked
+    like one and the update failed ("not a harness perf file of format 1")."""
+    import os
+    import subprocess
+    import sys
+
+    from checks.test_perf import PERF
+
+    from tests_support import REPO_SUITES, TINY_PRUNE
+
+    project = tmp_path / "perf"
+    (project / "suites" / "configs").mkdir(parents=True)
+    (project / "suites" / "configs" / "Llama-3.1-8B.json").write_bytes(
+        (REPO_SUITES / "configs" / "Llama-3.1-8B.json").read_bytes())
+    (project / "suites" / "tiny.toml").write_text(PERF.format(prune=TINY_PRUNE))
+    (project / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\nresults_dir = "results"\n')
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(project / "harness.toml")}
+
+    def harness(*args):
+        return subprocess.run([sys.executable, "-m", "harness", *args], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    run = ("run", "tiny", "--scope", "nightly", "--check", "perf", "--backend", "cpu", "--dtype", "float32")
+    r = harness(*run)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "no baseline for tiny" in (project / "results" / "junit.xml").read_text()
+    r = harness("baseline", "update", str(project / "results"))
+    assert r.returncode == 0, r.stderr
+    assert "1 item(s)" in r.stdout and "cpu-float32-b1-s8" in r.stdout
+    assert list((project / "golden" / "perf" / "tiny").glob("*.json"))
+    r = harness(*run)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    junit = (project / "results" / "junit.xml").read_text()
+    verdict = next(line for line in junit.split("<property ") if "perf_verdict" in line)
+    assert "golden/perf/tiny/" in verdict and "no baseline" not in verdict
