@@ -1,8 +1,10 @@
 """Check ``quantization``: the error budget of quantized weights.
 
-For suites whose config declares FP8 weights (or that set a scheme), the seeded weights are
-quantized and dequantized (FP8 e4m3 with block scales, or int8 per channel) and the logits compared
-with the float golden (the precision check's) against the declared budget.
+For suites whose checkpoint declares quantized weights (config.json, a wrapper's text_config, or
+hf_quant_config.json beside it) or that set a scheme, the seeded weights are quantized and
+dequantized in that format at its granularity (FP8 e4m3 blocks / channels / tensor, MXFP4, NVFP4,
+INT4 / INT8 groups, skipping what the checkpoint's ignore list keeps) and the logits compared with
+the float golden (the precision check's) against the budget golden generate measured.
 
 Steps: ``golden`` (setup) -> ``quantize`` (build in float32, quantize-dequantize, move to the item's
 device and activation dtype) -> ``compare`` (logits vs golden: rel_rmse, cosine, top-1 agreement).
@@ -38,9 +40,11 @@ metrics.declare("quant_top1_agreement", "share", "higher", "quantized model: arg
 class QuantizationConfig(CheckConfig):
     """Quantized-weights error budget against the float golden (FP8 checkpoints)."""
 
-    scheme: Literal["auto", "fp8", "int8", "none"] = Field(
-        "auto", description="'auto': fp8 when config.json declares an fp8 quantization_config; "
-        "'fp8' (e4m3, block scales) or 'int8' (per-channel) forces it; 'none' generates no items.")
+    scheme: Literal["auto", "fp8", "int8", "int4", "mxfp4", "nvfp4", "none"] = Field(
+        "auto", description="'auto': the format the checkpoint declares (config.json's quantization_config, "
+        "a wrapper's text_config, or hf_quant_config.json beside it), at its granularity; 'fp8' (e4m3, block "
+        "scales), 'int8' (per channel), 'int4' (group 128), 'mxfp4' (group 32), 'nvfp4' (group 16) force one; "
+        "'none' generates no items.")
     block_size: list[int] = Field(default_factory=lambda: [128, 128], description="FP8 weight block (rows, cols).")
     compute_dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="Dtype activations run in (unset: the item's dtype).")
@@ -86,7 +90,8 @@ class QuantizationCheck(Check):
         if st.transform is not None:  # tests: a faulty quantized kernel
             st.model = st.transform(st.model)
         blk = block_size(ls)
-        gran = ("one scale per output channel" if blk and blk[1] <= 0 else "blocks " + "x".join(map(str, blk))
+        gran = ("one scale per output channel" if blk and blk[1] <= 0 else
+                f"one scale per {blk[1]} inputs" if blk and blk[0] == 1 else "blocks " + "x".join(map(str, blk))
                 if blk else "one scale per tensor")
         ctx.notes.append(f"{st.scheme} weights ({n} tensors, quantize-dequantize, {gran}), "
                          f"activations in {st.act}")

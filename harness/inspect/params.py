@@ -85,13 +85,16 @@ def load_target(arg: str | Path, suites_dir: str | Path = "suites") -> Target:
             raise ValueError(f"{p}: cannot read config.json: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: top level is not a JSON object")
+        from harness.anatomy.quant import with_declared_quantization
         from harness.models.prune import PlanRefused, plan_for
+
+        raw = with_declared_quantization(raw, p)  # FP8 / NVFP4 declared in hf_quant_config.json
 
         try:  # the decision `harness init` makes (issue #29): a config it refuses is not counted either
             plan_for(raw, p.name)
         except PlanRefused as e:
             raise ValueError(f"{e} (harness init refuses it for the same reason)") from None
-        return Target(p.stem, raw, None, p)
+        return Target(p.parent.name if p.name == "config.json" else p.stem, raw, None, p)  # a model directory
     (path,) = resolve_names([str(arg)], suites_dir)
     ls = load_suite(path)
     return Target(ls.name, ls.raw_config, ls, ls.path)

@@ -346,6 +346,8 @@ def describe_quantization(q: dict) -> str:
     for k in ("fmt", "format", "quant_algo", "weight_block_size"):
         if q.get(k) is not None and str(q.get(k)) not in bits:
             bits.append(f"{k} {q[k]}")
+    if q.get("_declared_in"):
+        bits.append(f"(declared in {q['_declared_in']}, not config.json)")
     return " ".join(bits)
 
 

@@ -10,9 +10,13 @@ from harness.anatomy.quant import family
 from harness.precision.compare import tensor_metrics
 from harness.suite.loader import LoadedSuite
 
-# The formats this check quantize-dequantizes; every other one harness.anatomy.quant recognizes
-# (mxfp4, nvfp4, int4) is a known gap of the check, said in one line, never a suite without items.
-SIMULATED = ("fp8", "int8")
+# The formats this check quantize-dequantizes, each at the checkpoint's own granularity: FP8 e4m3
+# (blocks, channels, tensor), MXFP4 (e2m1, one power-of-two e8m0 scale per 32), NVFP4 (e2m1, an e4m3
+# scale per 16 under an fp32 global one), INT4/INT8 (per group / channel / tensor, symmetric or with a
+# zero point). A format harness.anatomy.quant recognizes beyond these is a known gap, said in one line.
+SIMULATED = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
+# When a suite forces a scheme without a checkpoint that declares one: the formats' usual groups.
+DEFAULT_GROUP = {"mxfp4": 32, "nvfp4": 16, "int4": 128}
 
 
 def _config(ls: LoadedSuite) -> dict | None:
@@ -59,11 +63,21 @@ def block_size(ls: LoadedSuite) -> list[int] | None:
     if "block_size" in q.model_fields_set:
         return list(q.block_size)
     s = _declared(ls)
-    if s is None or not s.weight_dtype.startswith("float8"):
-        return list(q.block_size)
+    scheme = quant_scheme(ls)
+    if s is None or family(_config(ls)) != scheme:  # no checkpoint format, or the suite forces another
+        return [1, DEFAULT_GROUP[scheme]] if scheme in DEFAULT_GROUP else \
+            ([1, -1] if scheme == "int8" else list(q.block_size))
     if s.granularity == "block":
         return list(s.block)
+    if s.granularity == "group":
+        return [1, int(s.group)]  # one scale per `group` consecutive inputs of a row
     return [1, -1] if s.granularity == "channel" else None
+
+
+def symmetric(ls: LoadedSuite) -> bool:
+    """Integer formats: symmetric (no zero point) unless the checkpoint declares one."""
+    s = _declared(ls)
+    return s is None or "zero point" not in s.scale_dtype
 
 
 # Budgets from the golden's measurement: k x the worst clean value over the draws, plus a floor.
@@ -80,7 +94,9 @@ def quantized_model(ls: LoadedSuite, numerics_entry: dict | None, dtype: str, de
 
     model, _ = build_model(ls, "float32", "cpu", seed=ls.suite.checks.precision.seed)
     numerics.apply(model, numerics_entry)
-    n = quantize_weights(model, scheme or quant_scheme(ls) or "fp8", block_size(ls))
+    s = _declared(ls)
+    n = quantize_weights(model, scheme or quant_scheme(ls) or "fp8", block_size(ls), symmetric=symmetric(ls),
+                         skip=s.skips if s is not None and s.ignore else None)
     return cast_model(model, getattr(torch, dtype), device).eval(), n
 
 
@@ -151,23 +167,95 @@ def _fp8_block(w: torch.Tensor, block: list[int] | None) -> torch.Tensor:
     return q.reshape(r + pr, c + pc)[:r, :c].to(w.dtype)
 
 
+# e2m1's representable magnitudes (FP4 in MXFP4 and NVFP4)
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e2m1 value (ties to the larger magnitude), saturating at 6."""
+    mids = (E2M1[1:] + E2M1[:-1]) / 2
+    return E2M1[torch.bucketize(x.abs().clamp(max=6.0), mids, right=True)] * x.sign()
+
+
+def _grouped(w: torch.Tensor, g: int) -> tuple[torch.Tensor, int]:
+    """[r, c] -> [r, ceil(c / g), g] (zero-padded: zeros never raise a group's maximum) and the pad."""
+    r, c = w.shape
+    pad = (-c) % g
+    return torch.nn.functional.pad(w.float(), (0, pad)).reshape(r, (c + pad) // g, g), pad
+
+
+def _ungrouped(x: torch.Tensor, pad: int, like: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(x.shape[0], -1)
+    return (x[:, : x.shape[1] - pad] if pad else x).to(like.dtype)
+
+
+def _mxfp4(w: torch.Tensor, g: int = 32) -> torch.Tensor:
+    """OCP MX: one shared power-of-two scale (e8m0) per ``g`` elements, 2^(floor(log2 amax) - 2), so
+    the largest element lands in e2m1's top binade [4, 6] (above 6 it saturates)."""
+    x, pad = _grouped(w, g)
+    amax = x.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - 2)
+    return _ungrouped(_e2m1(x / scale) * scale, pad, w)
+
+
+def _nvfp4(w: torch.Tensor, g: int = 16) -> torch.Tensor:
+    """NVFP4: an fp32 global scale (amax / (6 x 448)) and per ``g`` elements an e4m3 scale of
+    amax_group / 6 relative to it; elements e2m1."""
+    x, pad = _grouped(w, g)
+    glob = x.abs().amax().clamp_min(1e-12) / (6.0 * 448.0)
+    local = (x.abs().amax(-1, keepdim=True) / 6.0 / glob).to(torch.float8_e4m3fn).float().clamp_min(2.0 ** -9)
+    scale = local * glob
+    return _ungrouped(_e2m1(x / scale) * scale, pad, w)
+
+
+def _int(w: torch.Tensor, bits: int, g: int | None, sym: bool = True) -> torch.Tensor:
+    """Integer quantization as compressed-tensors computes it: one scale per ``g`` inputs of a row
+    (``g`` None or <= 0: per row), symmetric (scale amax / ((qmax - qmin) / 2)) or with a zero point."""
+    x, pad = _grouped(w, g) if g and g > 0 else (w.float().unsqueeze(1), 0)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if sym:
+        scale = (x.abs().amax(-1, keepdim=True) / ((qmax - qmin) / 2)).clamp_min(1e-12)
+        q = (x / scale).round().clamp(qmin, qmax) * scale
+    else:
+        lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
+        scale = ((hi - lo) / (qmax - qmin)).clamp_min(1e-12)
+        zp = qmin - (lo / scale).round()
+        q = ((x / scale).round() + zp).clamp(qmin, qmax).sub(zp) * scale
+    return _ungrouped(q, pad, w)
+
+
 def _int8_channel(w: torch.Tensor) -> torch.Tensor:
-    x = w.float()
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-    return ((x / scale).round().clamp(-127, 127) * scale).to(w.dtype)
+    return _int(w, 8, None)
 
 
-def quantize_weights(model: torch.nn.Module, scheme: str, block: list[int] | None) -> int:
-    """Quantize-dequantize every Linear weight except the LM head and routers (as FP8 checkpoints
-    leave them); 3-D fused expert weights too. Returns the number of tensors quantized."""
+def quantize_weights(model: torch.nn.Module, scheme: str, block: list[int] | None, *, symmetric: bool = True,
+                     skip=None) -> int:
+    """Quantize-dequantize every Linear weight except the LM head and routers (as checkpoints leave
+    them), and what the checkpoint's ``ignore`` list keeps (``skip(module name)``: gpt-oss keeps its
+    attention in bf16, Laguna its attention projections); 3-D fused expert weights too, grouped along
+    their input dimension (dim 1 where the experts module is ``is_transposed``, gpt-oss). Returns the
+    number of tensors quantized."""
     n = 0
+    group = block[1] if block and block[0] == 1 else None  # [1, g]: g inputs per scale; [1, -1]: per row
+    mods = dict(model.named_modules())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() < 2 or "embed" in name or "norm" in name or name.startswith("lm_head") \
-                    or name.endswith(".gate.weight"):
+                    or name.endswith(".gate.weight") or name.endswith("bias"):  # gpt-oss's 2-D expert biases
                 continue
-            flat = p.reshape(-1, p.shape[-1])
-            q = _fp8_block(flat, block) if scheme == "fp8" else _int8_channel(flat)
-            p.copy_(q.reshape(p.shape))
+            owner = name.rsplit(".", 1)[0]
+            if skip is not None and skip(owner if name.endswith(".weight") else name):
+                continue
+            w = p.transpose(-1, -2) if p.dim() == 3 and getattr(mods.get(owner), "is_transposed", False) else p
+            flat = w.reshape(-1, w.shape[-1])
+            if scheme == "fp8":
+                q = _fp8_block(flat, block)
+            elif scheme == "mxfp4":
+                q = _mxfp4(flat, group or 32)
+            elif scheme == "nvfp4":
+                q = _nvfp4(flat, group or 16)
+            else:
+                q = _int(flat, 4 if scheme == "int4" else 8, group, symmetric)
+            w.copy_(q.reshape(w.shape))
             n += 1
     return n

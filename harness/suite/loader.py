@@ -130,6 +130,9 @@ def load_suite(path: str | Path) -> LoadedSuite:
                             "set model.weights_allow_pickle = true to read a pickle with torch.load(weights_only=True)")
     if problems:
         raise SuiteError(path, problems)
+    from harness.anatomy.quant import with_declared_quantization
+
+    raw = with_declared_quantization(raw, config_path)  # FP8 / NVFP4 declared in hf_quant_config.json
     return LoadedSuite(path, suite.model.name or path.stem, suite, config_path, raw)
 
 
