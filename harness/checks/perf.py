@@ -78,6 +78,9 @@ metrics.declare("calib_matvec_bytes_per_s", "bytes/s", "none", "perf: calibratio
 metrics.declare("perf_parameters", "", "none", "perf: parameters of the perf-sized model")
 for _m in PHASE_OF:
     metrics.declare(cpu_key(_m), "s", "lower", f"perf: {_m} on the process CPU clock (cpu backend)")
+for _ph in TIMED:
+    metrics.declare(f"{_ph}_tensor_peak_bytes", "bytes", "lower",
+                    f"perf: peak of live tensor storage during one {_ph} repeat (counted by op, every backend)")
     metrics.declare(f"{_m}_p_value", "", "none", f"perf: Mann-Whitney p of {_m} against the baseline (one-sided)")
     metrics.declare(f"{_m}_change", "", "none", f"perf: calibrated relative change of {_m} against the baseline")
 
@@ -140,6 +143,13 @@ class PerfConfig(CheckConfig):
     peak_flops: dict[str, float] = Field(
         default_factory=dict, description="Declared peak FLOP/s per dtype for MFU (absent: the calibration matmul).")
     peak_bandwidth: float | None = Field(None, gt=0, description="Declared peak bytes/s for MBU (absent: calibration copy).")
+    profile_repeats: int = Field(
+        3, ge=0, description="Repeats of each phase under torch.profiler with module ranges, apart from the timed "
+        "ones (harness/perf/profile.py): operator and module times and the tensor-memory peak by module, stored "
+        "with the samples and the baseline; a regression names what grew. 0: no profile.")
+    memory_threshold: float = Field(
+        0.01, ge=0, description="Relative growth of a phase's tensor-memory peak (live storage, counted exactly) "
+        "that is a memory regression, named by the module holding the extra bytes at the peak.")
     fail_on_regression: bool = Field(True, description="A confirmed regression fails the item.")
     seed: int = Field(0, description="Seed for weights and inputs.")
 
@@ -191,7 +201,8 @@ class PerfCheck(Check):
     description = "Throughput and latency against a per-machine-class baseline, with roofline fractions."
     headline = ("prefill_s", "decode_token_s", "prefill_mfu")
     exclusive = True  # timings: nothing else of the run on the machine meanwhile (harness/run/exclusive.py)
-    steps = ("setup", "calibrate", "prefill", "decode", "train", "roofline", "compare", "record", "verdict")
+    steps = ("setup", "calibrate", "prefill", "decode", "train", "profile", "roofline", "compare", "record",
+             "verdict")
     setup_steps = ("setup", "calibrate")
 
     def enabled(self, suite) -> bool:
@@ -230,6 +241,7 @@ class PerfCheck(Check):
             cfg = st.cfg = cfg.model_copy(update={"width": "published", "phases": cfg.published_phases})
         st.key = store.item_key(ctx.backend.name, ctx.dtype, ctx.variant or shape_id(st.batch, st.seq))
         st.samples, st.memory, st.ref = {}, {}, {}  # ref: phase -> {kernel key: interleaved samples}
+        st.profile, st.base_profile, st.ratios, st.memory_regressions = {}, {}, {}, {}
         ok, why = timer_safety(ctx.backend)
         if not ok:
             ctx.detail("perf_timing", why)
@@ -300,6 +312,23 @@ class PerfCheck(Check):
         self._phase(ctx, st, "train", st.wl.train_sample)
         st.wl.release_training()
 
+    def profile(self, ctx: CheckContext, st) -> None:
+        """Operators, modules and the tensor-memory peak of each phase, in repeats of their own after
+        the timed ones (the profiler's overhead never reaches a sample)."""
+        from harness.perf.profile import profile_phase
+
+        st.profile = {}
+        if st.cfg.profile_repeats <= 0:
+            return
+        fns = {"prefill": st.wl.prefill_sample, "decode": st.wl.decode_sample, "train": st.wl.train_sample}
+        for phase in st.cfg.phases:
+            if phase == "decode" and "prefill" not in st.cfg.phases:
+                st.wl.prefill_sample()
+            st.profile[phase] = p = profile_phase(fns[phase], st.wl.model, ctx.backend, st.cfg.profile_repeats)
+            ctx.metric(f"{phase}_tensor_peak_bytes", p["memory"]["peak_bytes"])
+            if phase == "train":
+                st.wl.release_training()
+
     def roofline(self, ctx: CheckContext, st) -> None:
         cfg = st.cfg
         med = {m: stats.summarize(v).median for m, v in st.samples.items()}
@@ -339,6 +368,7 @@ class PerfCheck(Check):
         # the re-measured samples where the check measured again.
         st.decided: dict[str, tuple[str, list[float], list[float]]] = {}
         st.status = "unchanged"
+        st.ratios, st.base_profile, st.memory_regressions = {}, {}, {}
         base, why = store.find_baseline(ctx.suite.name, st.key, st.fp, st.golden_root)
         st.baseline_why = why
         if base is None:
@@ -366,6 +396,8 @@ class PerfCheck(Check):
                 f"(limit {cfg.max_kernel_ratio}x): not comparable; {why}")
             ctx.notes.append(st.baseline_why)
             return
+        st.ratios, st.base_profile = ratios, base.get("profile") or {}
+        self._memory(ctx, st)
         for m in timed_metrics:
             k = self._key(st, m)
             st.decided[m] = (k, st.samples[k], base["samples"].get(k, []))
@@ -376,8 +408,20 @@ class PerfCheck(Check):
         if suspected:
             self._remeasure(ctx, st, suspected, base)
         verdicts = {d.verdict for d in st.decisions.values()}
-        st.status = ("regression" if "regression" in verdicts else
+        st.status = ("regression" if "regression" in verdicts or st.memory_regressions else
                      "improvement" if "improvement" in verdicts else "unchanged")
+
+    def _memory(self, ctx: CheckContext, st) -> None:
+        """Tensor-memory peak per phase against the baseline's: counted exactly (no noise), so any
+        growth over ``memory_threshold`` is a regression, named by the module that holds the extra
+        bytes at the peak."""
+        from harness.perf.profile import explain
+
+        for phase, now in (st.profile or {}).items():
+            ex = explain(now, st.base_profile.get(phase))
+            mem = ex and ex["memory"]
+            if mem and mem["change"] > st.cfg.memory_threshold:
+                st.memory_regressions[phase] = mem
 
     def _remeasure(self, ctx: CheckContext, st, suspected: list[str], base: dict) -> None:
         """Once more, in this run: the phase's samples interleaved with its reference kernel's
@@ -426,6 +470,8 @@ class PerfCheck(Check):
             if math.isfinite(d.calibrated_ratio):
                 ctx.metric(f"{m}_change", d.calibrated_ratio - 1)
         verdict["roofline"] = st.roof["fractions"]
+        if st.memory_regressions:
+            verdict["memory"] = st.memory_regressions
         st.verdict = verdict
         record = {"suite": ctx.suite.name, "key": st.key, "backend": ctx.backend.name, "dtype": ctx.dtype,
                   "variant": ctx.variant, "fingerprint": st.fp, "class": fpmod.class_key(st.fp),
@@ -434,7 +480,8 @@ class PerfCheck(Check):
                   "remeasured": {m: v for m, v in st.samples.items() if m.endswith("_remeasured")},
                   "reference": {k: v for k, v in st.ref.items() if not k.endswith("_remeasured")},
                   "reference_remeasured": {k: v for k, v in st.ref.items() if k.endswith("_remeasured")},
-                  "summary": summary, "memory": st.memory, "roofline": st.roof, "verdict": verdict}
+                  "summary": summary, "memory": st.memory, "roofline": st.roof, "verdict": verdict,
+                  "profile": st.profile}
         try:
             path = store.write_sidecar(record, st.results_dir)
             ctx.detail("perf_samples", str(path))
@@ -453,9 +500,21 @@ class PerfCheck(Check):
             ctx.notes.append(f"perf: {st.status}")
 
     def verdict(self, ctx: CheckContext, st) -> None:
+        from harness.perf import profile as prof
+
         bad = [d for d in st.decisions.values() if d.verdict == "regression"]
-        if not bad or not st.cfg.fail_on_regression:
+        if not st.cfg.fail_on_regression or not bad and not st.memory_regressions:
             return
+        if not bad:
+            phase, mem = max(st.memory_regressions.items(), key=lambda kv: kv[1]["change"])
+            holder = (f": {mem['module']} holds {mem['module_bytes'] / 2**10:+.1f} KiB more at the peak"
+                      if mem["module"] else "")
+            raise CheckFailure(
+                f"{phase} tensor-memory peak grew {mem['change']:+.1%} ({mem['base_peak_bytes'] / 2**20:.2f} -> "
+                f"{mem['peak_bytes'] / 2**20:.2f} MiB){holder}", metric=f"{phase}_tensor_peak_bytes",
+                expected=f"<= {1 + st.cfg.memory_threshold:.2f}x baseline ({mem['base_peak_bytes']} bytes)",
+                observed=f"{mem['peak_bytes']} bytes", tolerance=st.cfg.memory_threshold,
+                details=f"module holding the extra bytes at the peak: {mem['module']}\nbaseline: {st.baseline_why}")
         lines = [f"medians on the {st.clock} clock",
                  f"{'metric':<16} {'now':>10} {'baseline':>10} {'change':>8} {'p':>8}  IQR now      roofline"]
         for d in bad:
@@ -470,9 +529,26 @@ class PerfCheck(Check):
                          f"{d.change:>+8.1%} {d.p_value:>8.2g}  {_fmt_s(s.get('iqr', math.nan)):<12} "
                          + (f"{frac} {fr:.1%}" if fr is not None else ""))
         worst = max(bad, key=lambda d: d.change)
+        # where: the phase's profile against the baseline's, calibrated by the phase's kernel ratio
+        phase = PHASE_OF[worst.metric]
+        ex = prof.explain((st.profile or {}).get(phase), (st.base_profile or {}).get(phase),
+                          (st.ratios or {}).get(worst.metric))
+        where = ""
+        if ex is not None:
+            lines += ["", *prof.lines(ex, phase)]
+            where = prof.headline(ex)
+            where = f"; where: {where}" if where else ""
+            st.verdict["where"] = {"phase": phase, **ex}
+            ctx.detail("perf_where", json.dumps(st.verdict["where"], separators=(",", ":"), default=str))
+        elif st.profile:
+            lines += ["", "where: the baseline has no profile (taken before profiles were recorded); "
+                      "`harness baseline update` with this run adds one"]
+        for ph, mem in st.memory_regressions.items():
+            lines.append(f"{ph} tensor-memory peak {mem['change']:+.1%}: {mem['module']} holds "
+                         f"{mem['module_bytes'] / 2**10:+.1f} KiB more")
         raise CheckFailure(
             f"{worst.metric} regressed {worst.change:+.1%} (calibrated, p={worst.p_value:.2g}, confirmed on "
-            f"re-measure) against the baseline of this machine class",
+            f"re-measure) against the baseline of this machine class{where}",
             metric=worst.metric, expected=f"<= {1 + worst.threshold:.2f}x baseline", observed=f"{worst.calibrated_ratio:.3f}x",
             tolerance=worst.threshold, details="\n".join(lines + ["", f"baseline: {st.baseline_why}"]))
 

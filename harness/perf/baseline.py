@@ -255,7 +255,7 @@ def update(results_dir: str | Path, golden_root: str | Path | None = None,
             continue
         keep = {k: rec[k] for k in ("suite", "key", "backend", "dtype", "variant", "fingerprint", "class",
                                      "calibration", "reference", "samples", "summary", "roofline", "memory",
-                                     "shape")
+                                     "shape", "profile")
                 if k in rec}
         keep["source"] = str(src)
         old = base["items"].get(rec["key"])
