@@ -470,6 +470,17 @@ class PerfCheck(Check):
             if math.isfinite(d.calibrated_ratio):
                 ctx.metric(f"{m}_change", d.calibrated_ratio - 1)
         verdict["roofline"] = st.roof["fractions"]
+        for phase, mem in st.memory_regressions.items():
+            # one entry per memory regression, shaped as the timing decisions are, so the comparator
+            # files it as the same kind of performance finding (counted, not sampled: n = 1, no p)
+            verdict["metrics"][f"{phase}_tensor_peak_bytes"] = {
+                "metric": f"{phase}_tensor_peak_bytes", "verdict": "regression", "direction": "lower",
+                "ratio": 1 + mem["change"], "calibrated_ratio": 1 + mem["change"], "change": mem["change"],
+                "kernel_ratio": 1.0, "threshold": st.cfg.memory_threshold, "n_current": 1, "n_baseline": 1,
+                "why": f"tensor-memory peak {mem['change']:+.1%} (counted exactly); at the peak {mem['module']} "
+                       f"holds {mem['module_bytes']:+,} bytes more",
+                "decided": {"clock": "counted", "now": {"median": mem["peak_bytes"]},
+                            "baseline": {"median": mem["base_peak_bytes"]}}}
         if st.memory_regressions:
             verdict["memory"] = st.memory_regressions
         st.verdict = verdict

@@ -161,6 +161,42 @@ def _perf(group: Group) -> list[str]:
         files.add((g.machine_class, g.baseline_file))
     for cls, path in sorted(files):
         out.append(f"\nMachine class {md_code(cls or 'unknown')}; baseline {md_code(path or 'unknown')}.")
+    seen = set()
+    for f in found[:_MAX_ROWS]:
+        w, name = f.perf.where, f.case.name if f.case is not None else f.key
+        if not w or name in seen:
+            continue
+        seen.add(name)
+        out += _where(name, w)
+    return out
+
+
+def _where(name: str, w: dict) -> list[str]:
+    """The profile comparison the perf check made on a regression: operators and modules whose
+    calibrated time grew most, their share of the phase before and after."""
+    def pct(x):
+        x = _num(x)
+        return "new" if x == float("inf") else f"{x:+.0%}" if x is not None else "n/a"
+
+    def share(r):
+        a, b = _num(r.get("share_before")), _num(r.get("share_after"))
+        return f"{a:.1%} -> {b:.1%}" if a is not None and b is not None else "n/a"
+
+    out = ["", f"**Where {md_code(str(w.get('phase', '?')))} of {md_code(name)} grew** (profile repeats apart "
+           "from the timed ones, calibrated to the baseline machine's speed):", "",
+           "| operator / module | change | share of the phase before -> after | in module |", "|---|---|---|---|"]
+    for r in (w.get("ops") or [])[:_MAX_ROWS]:
+        if isinstance(r, dict):
+            out.append("| " + " | ".join([md_code(str(r.get("name", "?"))), pct(r.get("change")), share(r),
+                                          md_code(str(r.get("module"))) if r.get("module") else ""]) + " |")
+    for r in (w.get("modules") or [])[:_MAX_ROWS]:
+        if isinstance(r, dict):
+            out.append("| " + " | ".join(["module " + md_code(str(r.get("name", "?"))) + " (own time)",
+                                          pct(r.get("change")), share(r), ""]) + " |")
+    mem = w.get("memory")
+    if isinstance(mem, dict) and mem.get("module"):
+        out.append(f"\nTensor-memory peak {pct(mem.get('change'))}; at the peak {md_code(str(mem['module']))} "
+                   f"holds {_num(mem.get('module_bytes')) or 0:+,.0f} bytes more.")
     return out
 
 

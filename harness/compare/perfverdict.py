@@ -52,7 +52,9 @@ TIMING_FAMILY = frozenset(
     [m for m in TIMED]
     + [cpu_key(m) for m in TIMED]
     + [f"{m}_{s}" for m in TIMED for s in ("p_value", "change")]
-    + [d for ds in DERIVED.values() for d in ds])
+    + [d for ds in DERIVED.values() for d in ds]
+    # the exact tensor-memory peaks: the check judges them against the baseline's profile (memory_threshold)
+    + [f"{ph}_tensor_peak_bytes" for ph in DERIVED])
 
 # What the comparator leaves to the check for an item with a verdict: its timings and, beside them,
 # the item's own wall time, which is the check's repeat budget (counted in CPU time) stretched by
@@ -88,6 +90,7 @@ class Figures:
     roofline: tuple[str, float] | None  # (fraction name, value)
     baseline_file: str
     machine_class: str
+    where: dict | None = None  # the check's profile comparison (harness.perf.profile.explain), on a regression
 
     @property
     def band(self) -> str:
@@ -138,11 +141,18 @@ def read(details: dict[str, str]) -> tuple[Verdict | None, str]:
         summaries = {}
     summaries = summaries if isinstance(summaries, dict) else {}
     roof = raw.get("roofline") if isinstance(raw.get("roofline"), dict) else {}
+    try:
+        where = json.loads(details.get("perf_where") or "null")
+    except ValueError:
+        where = None
+    where = where if isinstance(where, dict) else None
     out: dict[str, Figures] = {}
     for m, e in raw.get("metrics", {}).items():
         if not isinstance(e, dict) or e.get("verdict") not in ("regression", "improvement", "unchanged"):
             continue
         out[m] = _figures(m, e, clock, summaries, roof, str(raw.get("baseline", "")), str(raw.get("class", "")))
+        if where is not None and e.get("verdict") == "regression":
+            out[m].where = where
     return Verdict(raw["status"], str(raw.get("baseline", "")), str(raw.get("class", "")), out), ""
 
 

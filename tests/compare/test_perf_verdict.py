@@ -181,3 +181,48 @@ def test_report_plots_the_clock_the_check_decided_on(tmp_path, monkeypatch, caps
     page = (tmp_path / "report.html").read_text()
     assert "<h3>prefill_s of suites.llama-3.1-8b.toml::perf[cpu-float32-b1-s128]</h3><img" in page
     assert "Input problems" not in page
+
+
+def test_the_issue_body_carries_where_the_regression_is(cli, github):
+    """Issue #30 item 2: the check's profile comparison (harness.perf.profile.explain of two real
+    profiles of the tiny model, one with a slow aten::rsqrt registered at the dispatcher) reaches the
+    issue as a table of the operators and modules that grew, names in code spans (`*` is no markup)."""
+    import json
+    import time
+
+    import torch
+
+    from harness.backends import get
+    from harness.models.build import build_model, seeded_tokens
+    from harness.perf.profile import explain, profile_phase
+    from harness.suite.loader import load_suite
+    from tests_support import REPO_SUITES
+
+    ls = load_suite(REPO_SUITES / "llama-3.1-8b.toml")
+    model, _ = build_model(ls, "float32", "cpu", seed=0)
+    ids = seeded_tokens(model.config.vocab_size, 1, 8, 1)
+    base = profile_phase(lambda: model(ids), model, get("cpu"), repeats=2)
+    lib = torch.library.Library("aten", "IMPL")
+
+    def slow_rsqrt(x):
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            pass
+        return 1.0 / torch.sqrt(x)
+
+    lib.impl("rsqrt", slow_rsqrt, "CPU")
+    try:
+        now = profile_phase(lambda: model(ids), model, get("cpu"), repeats=2)
+    finally:
+        lib._destroy()
+    where = {"phase": "prefill", **explain(now, base)}
+    items, _ = regressed()
+    items[0]["props"].append(["harness.detail.perf_where", json.dumps(where, default=str)])
+    r = cli(items, main_run())
+    assert r.code == 0, r.err
+    (issue,) = github.state.issues.values()
+    body = html.unescape(issue["body"])
+    assert "**Where <code>prefill</code> of <code>perf[cpu-float32-b1-s128]</code> grew**" in body, body[-2000:]
+    row = next(line for line in body.splitlines() if line.startswith("| <code>aten::rsqrt</code>"))
+    assert "norm</code> |" in row and "->" in row
+    assert "module <code>model.layers.*." in body or "module <code>model.norm</code>" in body

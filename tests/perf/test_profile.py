@@ -122,3 +122,7 @@ def test_a_module_keeping_copies_of_its_output_is_a_memory_regression_named_by_m
     assert "tensor-memory peak grew" in e.value.message and "model.layers.*.mlp holds" in e.value.message, \
         e.value.message
     assert e.value.metric.endswith("_tensor_peak_bytes")
+    # in the verdict the comparator reads, as a regression of that metric: filed as a performance finding
+    rec = json.loads((tmp / "results" / "perf" / "tiny" / "cpu-float32-b1-s8.json").read_text())
+    entry = rec["verdict"]["metrics"][e.value.metric]
+    assert entry["verdict"] == "regression" and "model.layers.*.mlp holds" in entry["why"]
