@@ -201,7 +201,9 @@ class PerfCheck(Check):
     description = "Throughput and latency against a per-machine-class baseline, with roofline fractions."
     headline = ("prefill_s", "decode_token_s", "prefill_mfu")
     exclusive = True  # timings: nothing else of the run on the machine meanwhile (harness/run/exclusive.py)
-    steps = ("setup", "calibrate", "prefill", "decode", "train", "profile", "roofline", "compare", "record",
+    # profile after compare: the re-measurement of a suspected regression must run as the baseline's
+    # samples did, before anything the profiler leaves behind in the process
+    steps = ("setup", "calibrate", "prefill", "decode", "train", "roofline", "compare", "profile", "record",
              "verdict")
     setup_steps = ("setup", "calibrate")
 
@@ -314,7 +316,8 @@ class PerfCheck(Check):
 
     def profile(self, ctx: CheckContext, st) -> None:
         """Operators, modules and the tensor-memory peak of each phase, in repeats of their own after
-        the timed ones (the profiler's overhead never reaches a sample)."""
+        the timed ones and the re-measurement (the profiler's overhead never reaches a sample); then
+        the tensor-memory peaks against the baseline's."""
         from harness.perf.profile import profile_phase
 
         st.profile = {}
@@ -328,6 +331,9 @@ class PerfCheck(Check):
             ctx.metric(f"{phase}_tensor_peak_bytes", p["memory"]["peak_bytes"])
             if phase == "train":
                 st.wl.release_training()
+        self._memory(ctx, st)
+        if st.memory_regressions:
+            st.status = "regression"
 
     def roofline(self, ctx: CheckContext, st) -> None:
         cfg = st.cfg
@@ -397,7 +403,6 @@ class PerfCheck(Check):
             ctx.notes.append(st.baseline_why)
             return
         st.ratios, st.base_profile = ratios, base.get("profile") or {}
-        self._memory(ctx, st)
         for m in timed_metrics:
             k = self._key(st, m)
             st.decided[m] = (k, st.samples[k], base["samples"].get(k, []))
@@ -408,7 +413,7 @@ class PerfCheck(Check):
         if suspected:
             self._remeasure(ctx, st, suspected, base)
         verdicts = {d.verdict for d in st.decisions.values()}
-        st.status = ("regression" if "regression" in verdicts or st.memory_regressions else
+        st.status = ("regression" if "regression" in verdicts else
                      "improvement" if "improvement" in verdicts else "unchanged")
 
     def _memory(self, ctx: CheckContext, st) -> None:

@@ -169,6 +169,10 @@ def profile_phase(fn, model: torch.nn.Module, backend, repeats: int = 3) -> dict
     ranges = _ModuleRanges(model)
     with ranges, ModuleMemory(ranges) as mem:
         fn()
+    del prof
+    import gc
+
+    gc.collect()  # the event tree is cyclic (parents <-> children): free it now, not in a later timed sample
     return {"repeats": repeats, "unit": "us", "total_us": sum(ops.values()),
             "ops": {k: round(v, 3) for k, v in kept.items()},
             "op_modules": {k: {m: round(v, 3) for m, v in sorted(where[k].items(), key=lambda kv: -kv[1])[:3]}

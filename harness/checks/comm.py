@@ -1,0 +1,234 @@
+"""Check ``comm``: the backend's collective library, measured (issue #30 item 4).
+
+One item per world size (``comm[cpu-float32-w2]``): one launch of that many ranks over the backend's
+collective library (harness/perf/comm.py: all-reduce, all-gather, reduce-scatter, all-to-all,
+broadcast, send/recv at each message size), algorithm and bus bandwidth as nccl-tests defines them,
+compared with the baseline of this machine class by the perf check's rule (harness.perf.decide: the
+threshold *and* one-sided Mann-Whitney), per collective and size. A collective that is slower at at
+least half its sizes is a regression named by collective, with its bandwidth then and now.
+
+Steps: ``setup`` -> ``launch`` (torch.distributed.run; results written before teardown) ->
+``bandwidth`` (algbw / busbw per collective and size; metrics) -> ``compare`` -> ``record`` (samples
+sidecar, `harness baseline update` takes it like a perf one) -> ``verdict``.
+
+Off by default (``[checks.comm] enabled = true``: the bundled llama-3.1-8b suite has it) and nightly:
+the measurement is the backend's, not a model's, so one suite carrying it is enough.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from harness import metrics
+from harness.checks import (
+    Check,
+    CheckConfig,
+    CheckContext,
+    CheckFailure,
+    CheckRegistry,
+    CouldNotRun,
+    NotApplicable,
+)
+from harness.perf import baseline as store
+from harness.perf import fingerprint as fpmod
+from harness.perf import stats
+from harness.perf.comm import COLLECTIVES, bandwidths
+from harness.perf.decide import decide
+
+for _c in COLLECTIVES:
+    metrics.declare(f"comm_{_c}_busbw", "bytes/s", "higher", f"comm: {_c} bus bandwidth at the largest size (nccl-tests)")
+    metrics.declare(f"comm_{_c}_latency_s", "s", "lower", f"comm: {_c} median time at the smallest size")
+
+metrics.declare("comm_launch_s", "s", "none", "comm: wall time of the launch (ranks' start, measurement, teardown)")
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
+
+
+class CommConfig(CheckConfig):
+    """Collective bandwidth of the backend's communication library against a per-machine-class baseline."""
+
+    enabled: bool = Field(False, description="Off by default: one suite carrying it measures the backend.")
+    scope: Literal["commit", "nightly"] = Field("nightly", description="Nightly by default.")
+    world_sizes: list[int] = Field(default_factory=lambda: [2], description="One item (one launch) per world size.")
+    collectives: list[Collective] = Field(default_factory=lambda: list(COLLECTIVES),
+                                          description="Collectives measured (nccl-tests' names).")
+    sizes: list[int] = Field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20],
+                             description="Message sizes in bytes (nccl-tests' size: see harness/perf/comm.py).")
+    warmup: int = Field(3, ge=0, description="Untimed calls per collective and size.")
+    repeats: int = Field(10, ge=3, description="Timed calls per collective and size (the samples).")
+    threshold: float = Field(0.25, gt=0, description="Relative slowdown that may count as a regression: a shared "
+                             "CPU's collectives vary more than its matmuls.")
+    alpha: float = Field(0.01, gt=0, lt=1, description="Mann-Whitney significance level.")
+    timeout_s: float = Field(300.0, gt=0, description="Limit of the launch.")
+    fail_on_regression: bool = Field(True, description="A regression fails the item.")
+
+    @field_validator("world_sizes", "sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(x < 1 for x in v):
+            raise ValueError(f"must be a non-empty list of positive integers, got {v}")
+        return v
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3g} GB/s"
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= 1 << 20 and not b % (1 << 20) else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
+
+
+class CommCheck(Check):
+    name = "comm"
+    order = 95
+    config_model = CommConfig
+    description = "Collective bandwidth of the backend's library (nccl-tests' algbw / busbw) against a baseline."
+    headline = ("comm_all_reduce_busbw", "comm_all_gather_busbw")
+    exclusive = True  # timings: nothing else of the run on the machine meanwhile
+    steps = ("setup", "launch", "bandwidth", "compare", "record", "verdict")
+    setup_steps = ("setup", "launch")
+
+    def variants(self, suite, backend) -> list[str | None]:
+        return [f"w{n}" for n in self.config(suite).world_sizes]
+
+    def new_state(self, ctx: CheckContext):
+        # Options: results_dir / golden_root redirect files; delay {collective: seconds} slows one
+        # collective inside the ranks (tests).
+        return SimpleNamespace(results_dir=None, golden_root=None, delay=None)
+
+    def setup(self, ctx: CheckContext, st) -> None:
+        st.cfg = ctx.config
+        st.world = int((ctx.variant or "w2")[1:])
+        if st.world < 2:
+            raise NotApplicable("a collective needs at least 2 ranks")
+        if ctx.backend.device_type != "cpu":
+            mod = ctx.backend._mod()
+            count = getattr(mod, "device_count", lambda: 0)() if mod is not None else 0
+            if count < st.world:
+                raise NotApplicable(f"{st.world} ranks need {st.world} {ctx.backend.device_type} devices; "
+                                    f"this machine has {count}")
+        st.key = store.item_key(ctx.backend.name, ctx.dtype, ctx.variant)
+        st.fp = fpmod.fingerprint(ctx.backend, 1)
+
+    def launch(self, ctx: CheckContext, st) -> None:
+        from harness.parallel.launcher import _env
+
+        cfg = st.cfg
+        with tempfile.TemporaryDirectory(prefix="harness-comm-") as d:
+            spec = {"backend": ctx.backend.collective, "device_type": ctx.backend.device_type, "dtype": ctx.dtype,
+                    "collectives": list(cfg.collectives), "sizes": list(cfg.sizes), "warmup": cfg.warmup,
+                    "repeats": cfg.repeats, "out": str(Path(d) / "comm.json"), "delay": st.delay or {}}
+            (Path(d) / "spec.json").write_text(json.dumps(spec))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   "--nproc-per-node", str(st.world), "--max-restarts", "0", "-m", "harness.perf.comm",
+                   str(Path(d) / "spec.json")]
+            t = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=cfg.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise CouldNotRun(f"the {st.world}-rank launch did not finish in {cfg.timeout_s:g} s "
+                                  "(a rank hung in a collective)", step="launch") from None
+            ctx.metric("comm_launch_s", time.perf_counter() - t)
+            out = Path(spec["out"])
+            if not out.exists():  # results are written before teardown: none means the ranks failed
+                tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+                raise CouldNotRun(f"the {st.world}-rank launch failed (exit {p.returncode}): " + " | ".join(tail),
+                                  step="launch")
+            if p.returncode != 0:  # a teardown abort after complete results (gloo/DTensor): said, not failed
+                ctx.notes.append(f"ranks exited {p.returncode} after writing complete results (teardown)")
+            st.raw = json.loads(out.read_text())
+
+    def bandwidth(self, ctx: CheckContext, st) -> None:
+        n = st.raw["world"]
+        st.table = {}
+        for key, samples in st.raw["samples"].items():
+            coll, size = key.split("/")
+            med = statistics.median(samples)
+            alg, bus = bandwidths(coll, int(size), med, n)
+            st.table[key] = {"collective": coll, "size": int(size), "median_s": med, "algbw": alg, "busbw": bus}
+        for coll in st.cfg.collectives:
+            rows = sorted((r for r in st.table.values() if r["collective"] == coll), key=lambda r: r["size"])
+            if rows:
+                ctx.metric(f"comm_{coll}_busbw", rows[-1]["busbw"])
+                ctx.metric(f"comm_{coll}_latency_s", rows[0]["median_s"])
+
+    def compare(self, ctx: CheckContext, st) -> None:
+        st.decisions, st.regressed, st.status = {}, {}, "unchanged"
+        base, why = store.find_baseline(ctx.suite.name, st.key, st.fp, st.golden_root)
+        st.baseline_why = why
+        if base is None:
+            st.status = "incomparable" if "incomparable" in why else "no-baseline"
+            ctx.notes.append(why)
+            return
+        if base.get("shape") != self._shape(st):
+            st.status, st.baseline_why = "incomparable", f"baseline measured another grid ({base.get('shape')}); not compared"
+            ctx.notes.append(st.baseline_why)
+            return
+        for key, now in st.raw["samples"].items():
+            then = base["samples"].get(key)
+            if then:
+                st.decisions[key] = decide(f"comm {key}", now, then, direction="lower", threshold=st.cfg.threshold,
+                                           alpha=st.cfg.alpha, kernel_ratio=None)
+        for coll in st.cfg.collectives:
+            mine = {k: d for k, d in st.decisions.items() if k.startswith(coll + "/")}
+            bad = {k: d for k, d in mine.items() if d.verdict == "regression"}
+            if mine and len(bad) * 2 >= len(mine):  # at half its sizes or more: the collective, not one blip
+                st.regressed[coll] = bad
+        st.status = "regression" if st.regressed else "unchanged"
+
+    @staticmethod
+    def _shape(st) -> dict:
+        return {"world": st.world, "collectives": list(st.cfg.collectives), "sizes": list(st.cfg.sizes),
+                "repeats": st.cfg.repeats}
+
+    def record(self, ctx: CheckContext, st) -> None:
+        verdict = {"status": st.status, "baseline": st.baseline_why, "class": fpmod.class_key(st.fp),
+                   "regressed": {c: sorted(b) for c, b in st.regressed.items()},
+                   "decisions": {k: d.to_dict() for k, d in st.decisions.items()}}
+        rec = {"suite": ctx.suite.name, "key": st.key, "backend": ctx.backend.name, "dtype": ctx.dtype,
+               "variant": ctx.variant, "fingerprint": st.fp, "class": fpmod.class_key(st.fp),
+               "shape": self._shape(st), "samples": st.raw["samples"],
+               "summary": {k: stats.summarize(v).to_dict() for k, v in st.raw["samples"].items()},
+               "bandwidth": st.table, "verdict": verdict, "calibration": {}, "reference": {}}
+        try:
+            ctx.detail("comm_samples", str(store.write_sidecar(rec, st.results_dir)))
+        except OSError as e:
+            ctx.notes.append(f"comm samples not written: {e}")
+        ctx.detail("comm_table", json.dumps(st.table, separators=(",", ":")))
+        ctx.detail("comm_verdict", json.dumps(verdict, separators=(",", ":"), default=str))
+
+    def verdict(self, ctx: CheckContext, st) -> None:
+        if not st.regressed or not st.cfg.fail_on_regression:
+            return
+        lines = [f"{'collective':<15} {'size':>8} {'busbw now':>12} {'baseline':>12} {'change':>8} {'p':>8}"]
+        worst = None
+        for coll, bad in st.regressed.items():
+            for key, d in sorted(bad.items(), key=lambda kv: int(kv[0].split("/")[1])):
+                size = int(key.split("/")[1])
+                now_bw = st.table[key]["busbw"]
+                base_bw = now_bw * d.ratio if d.ratio else float("nan")
+                lines.append(f"{coll:<15} {_size(size):>8} {_gb(now_bw):>12} {_gb(base_bw):>12} {d.change:>+8.1%} "
+                             f"{d.p_value:>8.2g}")
+                if worst is None or d.change > worst[2].change:
+                    worst = (coll, size, d)
+        coll, size, d = worst
+        names = ", ".join(f"{c} ({len(b)} of {len(st.cfg.sizes)} sizes)" for c, b in st.regressed.items())
+        raise CheckFailure(
+            f"collective {coll} regressed {d.change:+.1%} at {_size(size)} (p={d.p_value:.2g}) against the "
+            f"baseline of this machine class; slower: {names}", metric=f"comm_{coll}_busbw",
+            expected=f"<= {1 + st.cfg.threshold:.2f}x baseline time", observed=f"{d.ratio:.3f}x",
+            tolerance=st.cfg.threshold, details="\n".join(lines + ["", f"baseline: {st.baseline_why}"]))
+
+
+def register(registry: CheckRegistry) -> None:
+    registry.add(CommCheck())

@@ -1,0 +1,125 @@
+"""Collective bandwidth of a backend's communication library, as nccl-tests measures it (issue #30).
+
+One launch of ``world`` ranks (``torch.distributed.run``, the backend's collective library: gloo on
+CPU, nccl, hccl, ...) times each collective at each message size: ``warmup`` untimed calls, then
+``repeats`` timed ones, each started together (a barrier) and ended when the backend has finished
+(``synchronize``); a call's time is the slowest rank's (one all-reduce of the per-rank times after
+the loop, so the timing itself has no extra collective inside it).
+
+Bandwidths follow nccl-tests' PERFORMANCE.md: ``size`` is the buffer nccl-tests names (all-reduce and
+broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: one
+rank's send buffer; send/recv: the message), ``algbw = size / time`` and ``busbw = algbw x factor``
+with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for
+broadcast and send/recv: the rate each link carries, comparable across world sizes and collectives.
+
+Run as ``python -m torch.distributed.run ... -m harness.perf.comm SPEC.json``; rank 0 writes the
+samples to the spec's ``out`` before the process group is torn down (a teardown abort after that is
+told apart from a failure by the caller).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor for ``n`` ranks."""
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def bandwidths(collective: str, size_bytes: int, seconds: float, n: int) -> tuple[float, float]:
+    """(algbw, busbw) in bytes/s."""
+    alg = size_bytes / seconds if seconds > 0 else float("nan")
+    return alg, alg * bus_factor(collective, n)
+
+
+def _op(collective: str, size_bytes: int, dtype, device, rank: int, n: int):
+    """A zero-argument function doing one call of ``collective`` on ``size_bytes`` (nccl-tests' size)."""
+    import torch
+    import torch.distributed as dist
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = max(n, size_bytes // elem // n * n)  # divisible by the world size
+    if collective == "all_reduce":
+        x = torch.ones(count, dtype=dtype, device=device)
+        return lambda: dist.all_reduce(x)
+    if collective == "all_gather":
+        out = torch.empty(count, dtype=dtype, device=device)
+        x = torch.ones(count // n, dtype=dtype, device=device)
+        return lambda: dist.all_gather_into_tensor(out, x)
+    if collective == "reduce_scatter":
+        x = torch.ones(count, dtype=dtype, device=device)
+        out = torch.empty(count // n, dtype=dtype, device=device)
+        if dist.get_backend() == "gloo":  # gloo has no reduce_scatter_tensor: all-reduce, keep this rank's part
+            return lambda: (dist.all_reduce(x), out.copy_(x[rank * (count // n):(rank + 1) * (count // n)]))
+        return lambda: dist.reduce_scatter_tensor(out, x)
+    if collective == "all_to_all":
+        x = torch.ones(count, dtype=dtype, device=device)
+        out = torch.empty(count, dtype=dtype, device=device)
+        return lambda: dist.all_to_all_single(out, x)
+    if collective == "broadcast":
+        x = torch.ones(count, dtype=dtype, device=device)
+        return lambda: dist.broadcast(x, src=0)
+    if collective == "send_recv":  # rank 0 -> 1; the others wait at the barrier
+        x = torch.ones(count, dtype=dtype, device=device)
+        if rank == 0:
+            return lambda: dist.send(x, dst=1)
+        if rank == 1:
+            return lambda: dist.recv(x, src=0)
+        return lambda: None
+    raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+
+
+def worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(spec["backend"])
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device_type = spec.get("device_type", "cpu")
+    mod = getattr(torch, device_type, None) if device_type != "cpu" else None
+    if mod is not None and hasattr(mod, "set_device"):
+        mod.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", rank))) if mod is not None else "cpu"
+    sync = (lambda: mod.synchronize()) if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    delay = spec.get("delay") or {}  # tests: {collective: seconds} of extra time inside that collective
+    out: dict = {"world": n, "backend": spec["backend"], "dtype": spec.get("dtype", "float32"), "samples": {}}
+    for coll in spec["collectives"]:
+        for size in spec["sizes"]:
+            fn = _op(coll, int(size), dtype, device, rank, n)
+            extra = float(delay.get(coll, 0.0))
+            times = []
+            for i in range(spec["warmup"] + spec["repeats"]):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                if extra:
+                    time.sleep(extra)
+                sync()
+                if i >= spec["warmup"]:
+                    times.append(time.perf_counter() - t0)
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
+            out["samples"][f"{coll}/{int(size)}"] = t.tolist()
+    if rank == 0:
+        tmp = Path(spec["out"] + ".tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.replace(spec["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(json.loads(Path(sys.argv[1]).read_text()))

@@ -1,0 +1,68 @@
+"""The comm check (issue #30 item 4): gloo's collectives on 2 real ranks, algorithm and bus bandwidth
+as nccl-tests defines them, a baseline through `harness baseline update`, and one collective slowed
+inside the ranks named in the verdict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.backends import get
+from harness.checks import CheckContext, CheckFailure, NotApplicable, registry
+from harness.cli import main
+from harness.perf.comm import bandwidths, bus_factor
+from harness.suite.loader import load_suite
+from tests_support import TINY_PRUNE
+
+COMM = """
+[model]
+config = "configs/Llama-3.1-8B.json"
+{prune}
+[checks.comm]
+enabled = true
+scope = "commit"
+sizes = [4096, 262144]
+warmup = 2
+repeats = 8
+"""
+
+
+def test_bus_bandwidth_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == bus_factor("all_to_all", 4) == 0.75
+    assert bus_factor("broadcast", 4) == bus_factor("send_recv", 2) == 1.0
+    assert bandwidths("all_reduce", 1 << 20, 0.001, 2) == pytest.approx(((1 << 20) / 0.001, (1 << 20) / 0.001))
+
+
+def _run(ls, tmp, variant="w2", delay=None):
+    ctx = CheckContext(ls, get("cpu"), "float32", variant, check="comm")
+    registry().get("comm").run(ctx, results_dir=tmp / "results", golden_root=tmp / "golden", delay=delay)
+    return ctx
+
+
+@pytest.mark.slow
+def test_collectives_measured_baselined_and_a_slowed_one_named(write_suite, tmp_path):
+    ls = load_suite(write_suite("commtiny", COMM.format(prune=TINY_PRUNE)))
+    assert registry().get("comm").variants(ls, get("cpu")) == ["w2"]
+    ctx = _run(ls, tmp_path)
+    p = dict(ctx.properties)
+    for coll in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"):
+        assert float(p[f"metric.comm_{coll}_busbw"]) > 0 and float(p[f"metric.comm_{coll}_latency_s"]) > 0
+    table = json.loads(p["harness.detail.comm_table"])
+    row = table["all_reduce/262144"]
+    assert row["busbw"] == pytest.approx(row["algbw"] * 1.0)  # 2(n-1)/n = 1 for two ranks
+    assert json.loads(p["harness.detail.comm_verdict"])["status"] == "no-baseline"
+    assert main(["baseline", "update", str(tmp_path / "results"), "--golden-dir", str(tmp_path / "golden")]) == 0
+    # all_gather 20 ms slower per call inside the ranks (a slow collective path): named, the others not
+    with pytest.raises(CheckFailure) as e:
+        _run(ls, tmp_path, delay={"all_gather": 0.02})
+    assert e.value.message.startswith("collective all_gather regressed"), e.value.message
+    assert "slower: all_gather (2 of 2 sizes)" in e.value.message and "reduce_scatter" not in e.value.message
+    assert e.value.metric == "comm_all_gather_busbw" and "busbw now" in e.value.details
+
+
+def test_one_rank_is_not_a_collective(write_suite, tmp_path):
+    ls = load_suite(write_suite("commone", COMM.format(prune=TINY_PRUNE)))
+    with pytest.raises(NotApplicable, match="at least 2 ranks"):
+        _run(ls, tmp_path, variant="w1")
