@@ -8,7 +8,6 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 @dataclass
@@ -126,37 +125,3 @@ def family(q: dict | None) -> str | None:
         return s.label.split()[0]
     return f"int{s.weight_bits}"
 
-
-def sidecar_paths(config_path: Path) -> list[Path]:
-    """Where a release declares its quantization outside config.json: NVIDIA ModelOpt's
-    ``hf_quant_config.json`` beside it (a model directory), or a renamed copy's ``<name>_hf_quant_config.json``
-    / ``<name>.hf_quant_config.json`` (aiconfigurator vendors ``<x>_config.json`` + ``<x>_hf_quant_config.json``)."""
-    stem = config_path.stem
-    out = [config_path.with_name("hf_quant_config.json")] if config_path.name == "config.json" else []
-    base = stem[: -len("_config")] if stem.endswith("_config") else stem
-    return out + [config_path.with_name(f"{base}_hf_quant_config.json"), config_path.with_name(f"{stem}.hf_quant_config.json")]
-
-
-def with_declared_quantization(raw: dict, config_path: Path | None) -> dict:
-    """``raw`` with the quantization a sidecar declares as its ``quantization_config`` when config.json
-    has none (top level or text_config): NVIDIA's FP8 and NVFP4 releases of Llama-3.1-70B-Instruct,
-    Nemotron-3-Super/Ultra, DeepSeek-V3.x, GLM-5 and Qwen3-235B declare theirs only in
-    hf_quant_config.json, so a reader of config.json alone saw bf16 and the quantization check made no
-    item. ``_declared_in`` names the file. An unreadable sidecar is left alone (config.json stands)."""
-    import json
-
-    if config_path is None or raw.get("quantization_config") or \
-            isinstance(raw.get("text_config"), dict) and raw["text_config"].get("quantization_config"):
-        return raw
-    for p in sidecar_paths(Path(config_path)):
-        if not p.is_file():
-            continue
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        q = data.get("quantization") if isinstance(data, dict) else None
-        if isinstance(q, dict) and q.get("quant_algo"):
-            producer = (data.get("producer") or {}).get("name") or "modelopt"
-            return {**raw, "quantization_config": {"quant_method": producer, **q, "_declared_in": p.name}}
-    return raw

@@ -14,7 +14,8 @@ The built-ins, one module each: ``smoke`` (load, forward, backward, a few optimi
 against the golden, graph breaks, recompiles, compile time), ``decode`` (the KV-cache decode step
 by step against the golden's), ``training`` (gradients module by module, optimizer steps and the
 loss trajectory against the golden's), ``quantization`` (quantized weights' error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
-``perf`` (throughput, latency, memory against baselines), ``weights`` (real checkpoints).
+``perf`` (throughput, latency, memory against baselines), ``comm`` (collective bandwidth against baselines),
+``weights`` (real checkpoints).
 ``collection`` is what the plugin and ``harness validate`` both refuse when items are generated
 (unknown backends, variants).
 """

@@ -121,20 +121,21 @@ class CommCheck(Check):
         st.fp = fpmod.fingerprint(ctx.backend, 1)
 
     def launch(self, ctx: CheckContext, st) -> None:
-        from harness.parallel.launcher import _env
+        from harness.files import atomic
+        from harness.parallel.launcher import rank_env
 
         cfg = st.cfg
         with tempfile.TemporaryDirectory(prefix="harness-comm-") as d:
             spec = {"backend": ctx.backend.collective, "device_type": ctx.backend.device_type, "dtype": ctx.dtype,
                     "collectives": list(cfg.collectives), "sizes": list(cfg.sizes), "warmup": cfg.warmup,
                     "repeats": cfg.repeats, "out": str(Path(d) / "comm.json"), "delay": st.delay or {}}
-            (Path(d) / "spec.json").write_text(json.dumps(spec))
+            atomic.write_json(Path(d) / "spec.json", spec)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc-per-node", str(st.world), "--max-restarts", "0", "-m", "harness.perf.comm",
                    str(Path(d) / "spec.json")]
             t = time.perf_counter()
             try:
-                p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=cfg.timeout_s)
+                p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=cfg.timeout_s)
             except subprocess.TimeoutExpired:
                 raise CouldNotRun(f"the {st.world}-rank launch did not finish in {cfg.timeout_s:g} s "
                                   "(a rank hung in a collective)", step="launch") from None

@@ -85,8 +85,8 @@ def load_target(arg: str | Path, suites_dir: str | Path = "suites") -> Target:
             raise ValueError(f"{p}: cannot read config.json: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: top level is not a JSON object")
-        from harness.anatomy.quant import with_declared_quantization
         from harness.models.prune import PlanRefused, plan_for
+        from harness.suite.loader import with_declared_quantization
 
         raw = with_declared_quantization(raw, p)  # FP8 / NVFP4 declared in hf_quant_config.json
 

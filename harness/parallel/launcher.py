@@ -62,7 +62,7 @@ def _torchrun_cmd(world: int, spec_path: Path) -> list[str]:
             "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "harness.parallel.rank", str(spec_path)]
 
 
-def _env() -> dict:
+def rank_env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank: the machine is shared
     # The ranks import fault hooks and vendor modules from the working directory, as pytest does.
@@ -124,7 +124,7 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
         # Own session (one killpg ends the launch) and death with our process: an item killed by the
         # run-integrity launcher must not leave torchrun and its ranks running.
         proc = subprocess.Popen(_torchrun_cmd(world, spec_path), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=_env(), start_new_session=True,
+                                stdin=subprocess.DEVNULL, env=rank_env(), start_new_session=True,
                                 preexec_fn=die_with_parent)
         try:
             last_key, since = None, time.monotonic()

@@ -14,5 +14,7 @@ module             what
 ``decide``         the regression rule: past the threshold AND significant, calibrated ratio
 ``baseline``       samples sidecar files in the results dir; baselines under ``golden/perf/``
 ``workload``       the perf-sized model and its prefill / decode / train-step workloads
+``profile``        operator and module times, tensor-memory peak by module; what grew on a regression
+``comm``           the collective library timed on real ranks: algbw / busbw as nccl-tests defines
 =================  ===========================================================================
 """

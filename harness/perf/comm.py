@@ -114,9 +114,9 @@ def worker(spec: dict) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
             out["samples"][f"{coll}/{int(size)}"] = t.tolist()
     if rank == 0:
-        tmp = Path(spec["out"] + ".tmp")
-        tmp.write_text(json.dumps(out))
-        tmp.replace(spec["out"])
+        from harness.files import atomic
+
+        atomic.write_json(spec["out"], out)  # whole or absent: the caller reads it as the verdict
     dist.barrier()
     dist.destroy_process_group()
 

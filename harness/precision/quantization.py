@@ -174,7 +174,7 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 def _e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value (ties to the larger magnitude), saturating at 6."""
     mids = (E2M1[1:] + E2M1[:-1]) / 2
-    return E2M1[torch.bucketize(x.abs().clamp(max=6.0), mids, right=True)] * x.sign()
+    return E2M1[torch.bucketize(x.abs().clamp(max=6.0).contiguous(), mids, right=True)] * x.sign()
 
 
 def _grouped(w: torch.Tensor, g: int) -> tuple[torch.Tensor, int]:
