@@ -127,6 +127,10 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
            "(required with it)."),
     EnvVar("HARNESS_CERTIFY_LOG", "path", None, "A file where each process appends one line the first time a "
            "fault's kernel runs (and one per exception its own code raised): `harness certify` reads it."),
+    EnvVar("HARNESS_CPU_THREADS", "int", None, "torch intra-op threads while a check whose models are the pruned "
+           "test models runs (smoke, precision, decode, training, compile, quantization, ops) and while `golden "
+           "generate` builds its references: default 1 (their tensors are too small to split, and a second thread "
+           "per process spin-waits: 3-10x slower on a loaded machine); 0 keeps the process's count."),
     EnvVar("HARNESS_NUM_THREADS", "int", None, "torch threads of an isolated worker: the launching "
            "process's count, passed down by the pytest plugin.", internal=True),
     EnvVar("HARNESS_ISOLATION_FDS", "str", None, "'command_fd,result_fd' of an isolated worker's pipes.",

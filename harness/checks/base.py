@@ -119,6 +119,10 @@ class Check:
     # Position among the checks: items are generated in this order (cheap ones first). Built-ins use
     # 10..70; a vendor's check keeps the default and comes after them.
     order: ClassVar[int] = 100
+    # torch intra-op threads while the steps run (harness.models.build.cpu_threads): 1 for checks on the
+    # pruned test models; None leaves the process's count (perf pins its own, weights loads real
+    # checkpoints). $HARNESS_CPU_THREADS overrides it.
+    cpu_threads: ClassVar[int | None] = None
     source: str = "builtin"  # where it was registered from: "<distribution> (<module:attr>)" for a vendor's
 
     def config(self, suite: LoadedSuite) -> CheckConfig:
@@ -146,7 +150,13 @@ class Check:
         state = self.new_state(ctx)
         for k, v in options.items():
             setattr(state, k, v)
-        self.run_steps(ctx, state)
+        if self.cpu_threads is None:
+            self.run_steps(ctx, state)
+            return state
+        from harness.models.build import cpu_threads
+
+        with cpu_threads(self.cpu_threads):
+            self.run_steps(ctx, state)
         return state
 
     def run_steps(self, ctx: CheckContext, state: Any) -> None:

@@ -143,6 +143,7 @@ def run_compile(ctx: CheckContext, **options):
 
 
 class CompileCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "compile"
     order = 25
     config_model = CompileConfig

@@ -180,6 +180,7 @@ def rows_of(errs: dict, budgets: dict, against: str, attention_layers: list[int]
 
 
 class DecodeCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "decode"
     order = 22
     config_model = DecodeConfig

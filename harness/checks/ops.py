@@ -218,6 +218,7 @@ def _vary(t: torch.Tensor, kind: str, seed: int) -> torch.Tensor:
 
 
 class OpsCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "ops"
     order = 40
     config_model = OpsConfig

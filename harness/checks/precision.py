@@ -173,6 +173,7 @@ def run_precision(ctx: CheckContext, *, transform=None, context=None, golden_roo
 
 
 class PrecisionCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "precision"
     order = 20
     config_model = PrecisionConfig

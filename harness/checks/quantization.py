@@ -63,6 +63,7 @@ class QuantizationConfig(CheckConfig):
 
 
 class QuantizationCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "quantization"
     order = 30
     config_model = QuantizationConfig

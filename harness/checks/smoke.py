@@ -126,6 +126,7 @@ def _greedy(model, ids, n, use_cache):
 
 
 class SmokeCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "smoke"
     order = 10
     config_model = SmokeConfig

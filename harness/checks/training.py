@@ -126,6 +126,7 @@ def run_training(ctx: CheckContext, *, transform=None, context=None, golden_root
 
 
 class TrainingCheck(Check):
+    cpu_threads = 1  # the pruned test models: one intra-op thread (harness.models.build.cpu_threads)
     name = "training"
     order = 25
     config_model = TrainingConfig

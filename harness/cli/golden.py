@@ -63,10 +63,13 @@ def generate(args) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from harness.models.build import cpu_threads
+
     bad = 0
     for ls in suites:
         try:
-            path = gen(ls, args.golden_dir, args.reference, update=args.update)
+            with cpu_threads(1):  # the pruned models' references: one intra-op thread (HARNESS_CPU_THREADS)
+                path = gen(ls, args.golden_dir, args.reference, update=args.update)
         except GoldenError as e:
             print(f"error: {e}", file=sys.stderr)
             bad += 1

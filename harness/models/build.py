@@ -7,6 +7,7 @@ Local weights load through safetensors only; nothing is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -185,3 +186,23 @@ def seeded_tokens(vocab_size: int, batch: int, seq: int, seed: int) -> torch.Ten
     """Token ids [batch, seq] from a private generator: identical on every rank and backend."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq), generator=g)
+
+
+@contextlib.contextmanager
+def cpu_threads(default: int | None):
+    """torch's intra-op threads set to ``default`` (or $HARNESS_CPU_THREADS; 0 or None: left alone) for
+    the block, restored after. The pruned test models' tensors ([2, 16, 64]) are too small to split:
+    a second thread only spin-waits, and on a loaded machine (pytest -n 2, a shared runner) that made
+    golden generate and the numerics checks 3-10x slower (measured: 151 s -> 40 s for tests/models)."""
+    from harness import settings
+
+    n = settings.env("HARNESS_CPU_THREADS")
+    n = default if n is None else n
+    before = torch.get_num_threads()
+    if n and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

@@ -48,3 +48,32 @@ def test_router_kept_in_float32_as_deployed(dtype):
                if n.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))}
     assert routers and kept == (routers if dtype != torch.float64 else set())
     assert all(t.dtype == dtype for n, t in model.named_parameters() if n not in routers)
+
+
+def test_cpu_threads_for_the_pruned_models_is_set_and_restored(monkeypatch):
+    """Checks on the pruned models (and golden generate) run with one intra-op thread unless
+    $HARNESS_CPU_THREADS says otherwise (0: leave it); the process's count comes back after."""
+    import torch
+
+    from harness.checks import registry
+    from harness.models.build import cpu_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.delenv("HARNESS_CPU_THREADS", raising=False)
+        with cpu_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("HARNESS_CPU_THREADS", "0")
+        with cpu_threads(1):
+            assert torch.get_num_threads() == 2
+        monkeypatch.setenv("HARNESS_CPU_THREADS", "3")
+        with cpu_threads(1):
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    numerics = {"smoke", "precision", "decode", "training", "compile", "quantization", "ops"}
+    assert {c for c in registry().names() if registry().get(c).cpu_threads == 1} == numerics
+    assert registry().get("perf").cpu_threads is None  # perf pins its own threads
