@@ -54,12 +54,18 @@ def test_collectives_measured_baselined_and_a_slowed_one_named(write_suite, tmp_
     assert row["busbw"] == pytest.approx(row["algbw"] * 1.0)  # 2(n-1)/n = 1 for two ranks
     assert json.loads(p["harness.detail.comm_verdict"])["status"] == "no-baseline"
     assert main(["baseline", "update", str(tmp_path / "results"), "--golden-dir", str(tmp_path / "golden")]) == 0
-    # all_gather 20 ms slower per call inside the ranks (a slow collective path): named, the others not
+    # all_gather 20 ms slower per call inside the ranks (a slow collective path): named first, at every
+    # size, as the worst. The other collectives are not asserted clean: under pytest -n 2 the other
+    # worker's load differs between the baseline launch and this one (seen: reduce_scatter, all_reduce);
+    # the check is exclusive in a harness run, and its false-alarm rate is measured in benchmarks/.
     with pytest.raises(CheckFailure) as e:
         _run(ls, tmp_path, delay={"all_gather": 0.02})
     assert e.value.message.startswith("collective all_gather regressed"), e.value.message
-    assert "slower: all_gather (2 of 2 sizes)" in e.value.message and "reduce_scatter" not in e.value.message
+    assert "all_gather (2 of 2 sizes)" in e.value.message.partition("slower: ")[2]
     assert e.value.metric == "comm_all_gather_busbw" and "busbw now" in e.value.details
+    rows = [line.split() for line in e.value.details.splitlines()[1:] if line.strip() and "baseline:" not in line]
+    worst_other = max((float(r[-2].rstrip("%")) for r in rows if r[0] != "all_gather"), default=0.0)
+    assert min(float(r[-2].rstrip("%")) for r in rows if r[0] == "all_gather") > max(worst_other, 1000.0)
 
 
 def test_one_rank_is_not_a_collective(write_suite, tmp_path):
