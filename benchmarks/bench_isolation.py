@@ -5,7 +5,9 @@ side by side in one invocation.
 Rounds alternate (isolated, in-process, isolated, ...) so that machine noise hits both alike; each
 round is a fresh `harness run` subprocess, as a user runs it, timed from start to exit. Reports
 every round, the medians and the ratio isolated / in-process (goal: at most 1.15x), and the
-summed per-item wall times (which exclude collection and worker start-up) for the same ratio.
+summed per-item wall times (which exclude collection and worker start-up) for the same ratio, and
+the session's fixed cost: wall / item time of each mode (issue #30 item 5; goal: at most 1.3x with
+``--check smoke``).
 
 Usage: python benchmarks/bench_isolation.py [--rounds 2] [--check smoke] [SUITE ...]
 """
@@ -59,6 +61,10 @@ def main() -> None:
     pw, pi = (statistics.median(x[k] for x in res[False]) for k in (0, 1))
     print(f"\nmedian wall: isolated {iw:.1f} s, in-process {pw:.1f} s -> ratio {iw / pw:.3f} (goal <= 1.15)")
     print(f"median item time: isolated {ii:.1f} s, in-process {pi:.1f} s -> ratio {ii / pi:.3f}")
+    # The session's fixed cost (issue #30 item 5): the whole run against the items' own wall time
+    # (each item's build, model work and first-use imports of its model code; goal: at most 1.3x).
+    print(f"session / item time: isolated {iw / ii:.2f}x ({iw - ii:.1f} s fixed), "
+          f"in-process {pw / pi:.2f}x ({pw - pi:.1f} s fixed)")
     print(f"cpus: {os.cpu_count()}, load average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -38,6 +38,21 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
+    from harness.run import driver
+
+    settings = load_settings()
+    early = None
+    if driver.wants_early_worker(not args.no_isolate, args.workers, args.passthrough):
+        # first thing: its imports overlap with ours below (the checks, torch) and with collection
+        early = driver.start_worker(args.results or Path(settings.results_dir))
+    try:
+        return _main(args, settings, early)
+    finally:
+        if early is not None:
+            early.close()  # closed already unless the run stopped before pytest took it
+
+
+def _main(args, settings, early) -> int:
     from rich.console import Console
 
     from harness.backends import registry
@@ -46,7 +61,6 @@ def main(args) -> int:
 
     # Not a terminal (CI logs): rich would wrap the table at 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    settings = load_settings()
     try:
         suites = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)
     except SuiteError as e:
@@ -82,4 +96,4 @@ def main(args) -> int:
     return driver.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
                       results=args.results or Path(settings.results_dir), workers=args.workers,
                       keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,
-                      timeout=args.timeout, memory_limit_gib=args.memory_limit)
+                      timeout=args.timeout, memory_limit_gib=args.memory_limit, early=early)

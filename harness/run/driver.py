@@ -7,6 +7,7 @@ pytest does the work in-process; ``RunObserver`` is a small pytest plugin that f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,10 +79,29 @@ def build_args(suites: list[Path], backends: list[str], dtypes: list[str], check
     return args + extra
 
 
+def wants_early_worker(isolate: bool, workers, extra: list[str] | None) -> bool:
+    """Items run in this process's isolated worker (not in xdist workers, not a collection only)."""
+    return isolate and not workers and not {"--collect-only", "--co"} & set(extra or [])
+
+
+def start_worker(results: Path):
+    """The isolated worker, started now: ``harness run`` calls this first thing, before it imports
+    torch, the checks and pytest's plugins and collects, so that the child's own imports (2-4 s of
+    torch and transformers) overlap with all of that instead of following it. It inherits the
+    results folder (checks write their files beside the run's results)."""
+    from harness.run.isolation import Worker  # no torch in this import: the child starts first
+
+    set_env("HARNESS_RESULTS_DIR", Path(results).resolve())
+    worker = Worker(env=dict(os.environ))
+    worker._start()
+    return worker
+
+
 def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: list[str], results: Path,
         workers: int | None = None, keyword: str | None = None, extra: list[str] | None = None,
         console: Console | None = None, isolate: bool = True, timeout: float | None = None,
-        memory_limit_gib: float | None = None) -> int:
+        memory_limit_gib: float | None = None, early=None) -> int:
+    """``early``: a worker from :func:`start_worker`, handed to pytest (its plugin closes it at the end)."""
     from harness.run.results import ResultsError, ResultsWriter
 
     console = console or Console()
@@ -101,10 +121,19 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
         args += [f"--harness-timeout={timeout}"]
     if memory_limit_gib:
         args += [f"--harness-memory-limit={memory_limit_gib}"]
+    plugins: list = [writer, observer]
+    if early is None and wants_early_worker(isolate, workers, extra):
+        early = start_worker(results)
+    if early is not None:
+        from harness.run.plugin import AdoptWorker
+
+        plugins.append(AdoptWorker(early))
     try:
-        code = pytest.main(args, plugins=[writer, observer])
+        code = pytest.main(args, plugins=plugins)
     finally:
         writer.close()
+        if early is not None:
+            early.close()  # pytest_unconfigure closed it already unless pytest never configured
     rows = writer.finished_rows()
     # Paths, reasons and messages come from the run: printed as text, never read as console markup.
     say = dict(markup=False, highlight=False)

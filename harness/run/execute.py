@@ -10,34 +10,13 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
 
 from harness import metrics
 from harness.backends.faults import FaultError, install_from_env
 from harness.checks import CheckContext, CheckFailure, CouldNotRun, KnownGap, NotApplicable, registry
 from harness.messages import first_line
+from harness.run.rows import OUTCOMES, ItemResult  # noqa: F401  (re-exported: the item's result)
 from harness.settings import SettingsError
-
-OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
-
-
-@dataclass
-class ItemResult:
-    outcome: str  # one of OUTCOMES
-    message: str = ""  # one line: what a table row / CI log line shows
-    report: str = ""  # the full text for the failure report (details, layer table, traceback)
-    properties: list[tuple[str, str]] = field(default_factory=list)  # JUnit properties recorded by the check
-    notes: list[str] = field(default_factory=list)
-    phase: str = ""  # the step the item was in when it ended
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> ItemResult:
-        d = dict(d)
-        d["properties"] = [tuple(p) for p in d.get("properties", [])]
-        return cls(**d)
 
 
 def describe(verb: str, suite: str, check: str, backend: str, dtype: str) -> str:

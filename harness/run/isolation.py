@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from harness import metrics
 from harness.proc import die_with_parent, signal_name
-from harness.run.execute import ItemResult
+from harness.run.rows import ItemResult
 from harness.settings import env as setting
 from harness.settings import set_env
 
@@ -327,6 +327,10 @@ def _child_main() -> int:
     from harness.run.execute import execute
     from harness.suite.loader import load_suite
 
+    try:  # what every model-building item imports first (1-2 s), done while the parent still collects
+        import transformers.modeling_utils  # noqa: F401
+    except ImportError:  # pragma: no cover - transformers is a dependency; its absence is the item's error
+        pass
     leak_bytes = setting("HARNESS_LEAK_BYTES")
     leak_bytes = Limits.leak_bytes if leak_bytes is None else leak_bytes
     import gc

@@ -175,6 +175,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         worker.close()
 
 
+class AdoptWorker:
+    """A plugin handing pytest an isolated worker started before pytest itself (``harness run``
+    starts it first thing: the child's imports, torch and transformers, then overlap with the
+    parent's own imports and collection instead of following them)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        if (config.getoption("harness_isolate") == "on" and not config.option.collectonly
+                and not _is_xdist_controller(config) and _WORKER not in config.stash):
+            config.stash[_WORKER] = self.worker
+        else:  # not wanted by this session: it would only idle
+            self.worker.close()
+
+
 def _prestart_worker(config: pytest.Config) -> None:
     """Start the isolated worker as soon as the first suite file is collected, so that its imports
     (torch, transformers: seconds) overlap with collection instead of delaying the first item."""

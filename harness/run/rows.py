@@ -1,11 +1,33 @@
-"""One finished item as the results writer keeps it (a row of the journal, of junit.xml and of the
-summary table), and the outcome counts."""
+"""What one item ended with (``ItemResult``: no torch here, so the isolated worker's parent can start
+it before importing torch), one finished item as the results writer keeps it (a row of the journal,
+of junit.xml and of the summary table), and the outcome counts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from harness import metrics
+
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
+
+
+@dataclass
+class ItemResult:
+    outcome: str  # one of OUTCOMES
+    message: str = ""  # one line: what a table row / CI log line shows
+    report: str = ""  # the full text for the failure report (details, layer table, traceback)
+    properties: list[tuple[str, str]] = field(default_factory=list)  # JUnit properties recorded by the check
+    notes: list[str] = field(default_factory=list)
+    phase: str = ""  # the step the item was in when it ended
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ItemResult:
+        d = dict(d)
+        d["properties"] = [tuple(p) for p in d.get("properties", [])]
+        return cls(**d)
 
 
 @dataclass
