@@ -56,6 +56,21 @@ metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch
 metrics.declare("parallel_launch_layouts", "", "none", "layouts sharing the launch")
 metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker; "
                 "pipeline stages: harness.parallel.memory.StoragePeak)")
+metrics.declare("parallel_step_time_s", "s", "lower", "forward + backward + gradient reductions of the layout: per "
+                "timed repeat its slowest rank, median over repeats (harness.parallel.timing)")
+metrics.declare("parallel_single_step_s", "s", "none", "the same global batch's step on one rank of the launch")
+metrics.declare("parallel_scaling_efficiency", "", "higher", "single-rank step / (world x the layout's step): 1 is "
+                "perfect strong scaling")
+metrics.declare("parallel_comm_time_s", "s", "lower", "time inside collectives in a profiled step, worst rank")
+metrics.declare("parallel_exposed_comm_s", "s", "lower", "communication not overlapped by compute in a profiled "
+                "step, worst rank (on the host an upper bound)")
+metrics.declare("parallel_exposed_comm_share", "", "lower", "exposed communication / the profiled step's time")
+metrics.declare("parallel_probe_busbw", "bytes/s", "higher", "bus bandwidth of a 1 MiB all-reduce over the launch's "
+                "ranks")
+metrics.declare("parallel_plan_step_s", "s", "none", "harness plan's step estimate for the layout on the pruned "
+                "model, calibrated to this machine (FLOP/s from the single-rank step, the probe's bandwidth)")
+metrics.declare("parallel_plan_step_error", "", "none", "plan's estimate / the measured step - 1 (its error on this "
+                "machine class; negative: the plan is optimistic)")
 metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activation recomputation / without")
 metrics.declare("recompute_grad_error", "", "lower", "gradients with recomputation vs without")
 metrics.declare("tp_param_fraction", "", "lower", "per-rank parameter bytes / whole model's under tp "
@@ -176,6 +191,9 @@ class ParallelConfig(CheckConfig):
     plan: PlanRequest | None = Field(None, description="Add a layout with the shape of the one `harness plan` "
                                      "recommends for this cluster (each strategy it uses at degree 2; ZeRO-3 as fsdp), "
                                      "named plan-<layout>.")
+    timing_repeats: int = Field(5, ge=0, description="Timed repeats of each layout's step after its numerics "
+                                "(step time, time inside collectives and exposed communication, scaling efficiency "
+                                "against one rank, harness plan's estimate against the measurement); 0: off.")
     fsdp_slack: float = Field(1.5, ge=1, description="FSDP per-rank parameter/optimizer bytes may be up to "
                               "slack / world of the whole (padding of uneven shards).")
 
@@ -253,6 +271,36 @@ def planned_layout(ls, req: PlanRequest):
     return _PLANS[key]
 
 
+_FACTS: dict = {}
+
+
+def plan_estimate(ls, lay, cfg: ParallelConfig, single_step_s: float, busbw: float) -> dict | None:
+    """``harness plan``'s step model (harness.parallel.plan.estimate) for ``lay`` on the pruned model
+    and the check's batch, calibrated to this machine: FLOP/s from the single-rank step (so the
+    one-rank estimate is the measurement), the intra-node bandwidth from the launch's probe. What is
+    left of the estimate's error is the model's: how it divides compute and costs communication."""
+    from harness.inspect.params import Target
+    from harness.parallel.plan import MAX_DEVICE_MEMORY, estimate, model_facts
+    from harness.parallel.plan import Layout as PlanLayout
+
+    key = (str(ls.path), cfg.seq_len)
+    if key not in _FACTS:
+        try:
+            _FACTS[key] = model_facts(Target(ls.name, ls.raw_config, ls, ls.path, pruned_only=True), context=cfg.seq_len)
+        except Exception as e:  # the plan's model cannot read this architecture: say so, keep the timings
+            _FACTS[key] = f"{type(e).__name__}: {e}"
+    m = _FACTS[key]
+    if isinstance(m, str) or not m.flops_per_token or single_step_s <= 0 or busbw <= 0:
+        return None
+    flops = m.flops_per_token * cfg.batch_size * cfg.seq_len * 3  # forward + backward (2x)
+    pl = PlanLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.fsdp, ep=lay.ep, cp=lay.cp,
+                    zero=3 if lay.fsdp > 1 else lay.zero, recompute=lay.recompute)
+    e = estimate(m, pl, mode="training", batch=cfg.batch_size, context=cfg.seq_len, device_memory=MAX_DEVICE_MEMORY,
+                 devices_per_node=lay.world, device_flops=flops / single_step_s, intra_bw=busbw)
+    return {"step_s": e.step_time_s, "compute_s": e.compute_time_s, "comm_s": e.comm_time_s,
+            "comm_bytes": e.comm_bytes, "device_flops": flops / single_step_s, "busbw": busbw}
+
+
 def layouts_of(ls, cfg: ParallelConfig):
     from harness.parallel.layouts import Layout, default_layouts
 
@@ -280,7 +328,7 @@ class ParallelCheck(Check):
     config_model = ParallelConfig
     description = "parallel layouts (TP, PP, DP, EP, FSDP, CP) against the single-process reference"
     headline = ("parallel_grad_error", "parallel_launch_time_s")
-    steps = ("layout", "reference", "launch", "compare", "memory")
+    steps = ("layout", "reference", "launch", "compare", "timing", "memory")
     setup_steps = ("layout", "reference")
 
     def variants(self, suite, backend):
@@ -341,7 +389,7 @@ class ParallelCheck(Check):
                 "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
                 "memory_seq_len": cfg.memory_seq_len,
                 "pg_timeout_s": max(600.0, 2 * cfg.timeout_s), "capacity_factor": cfg.capacity_factor,
-                "tp_plan": cfg.tp_plan, "fault": getattr(st, "fault", None)}
+                "tp_plan": cfg.tp_plan, "fault": getattr(st, "fault", None), "timing_repeats": cfg.timing_repeats}
         peers = [lay.to_dict() for lay in st.peers]
         key = hashlib.sha256(json.dumps([spec, peers, ctx.backend.name], sort_keys=True).encode()).hexdigest()[:16]
         if key not in _LAUNCHES:
@@ -416,6 +464,36 @@ class ParallelCheck(Check):
         if not v.ok:
             raise CheckFailure(describe(v, lay), metric="parallel_grad_error", expected=f"<= {tol['grads']:.3g}",
                                observed=f"{v.errors.get('grads', float('nan')):.3g}", tolerance=tol)
+
+    def timing(self, ctx: CheckContext, st) -> None:
+        """Step time, communication and its exposed part, scaling efficiency against one rank, and
+        harness plan's estimate of the step against it (harness.parallel.timing; informational: the
+        comparator decides on them against the history)."""
+        from harness.parallel.timing import summarize
+
+        recs = [m["timing"] for m in st.metas if m.get("timing")]
+        if len(recs) < st.layout.world:
+            return  # timing_repeats = 0
+        t = summarize(recs)
+        ctx.metric("parallel_step_time_s", t["step_s"])
+        ctx.metric("parallel_comm_time_s", t["comm_s"])
+        ctx.metric("parallel_exposed_comm_s", t["exposed_s"])
+        ctx.metric("parallel_exposed_comm_share", t["exposed_s"] / t["profiled_wall_s"] if t["profiled_wall_s"] else 0.0)
+        shown = {k: t[k] for k in ("step_s", "comm_s", "exposed_s", "profiled_wall_s", "measured_on")}
+        shown["repeats"] = len(t["steps_s"])
+        if "single_step_s" in t:
+            ctx.metric("parallel_single_step_s", t["single_step_s"])
+            ctx.metric("parallel_scaling_efficiency", t["single_step_s"] / (st.layout.world * t["step_s"]))
+            shown["single_step_s"] = t["single_step_s"]
+        if "probe_busbw" in t:
+            ctx.metric("parallel_probe_busbw", t["probe_busbw"])
+        if "single_step_s" in t and "probe_busbw" in t:
+            est = plan_estimate(ctx.suite, st.layout, st.cfg, t["single_step_s"], t["probe_busbw"])
+            if est is not None:
+                ctx.metric("parallel_plan_step_s", est["step_s"])
+                ctx.metric("parallel_plan_step_error", est["step_s"] / t["step_s"] - 1)
+                shown["plan"] = est
+        ctx.detail("timing", json.dumps(shown, sort_keys=True))
 
     def memory(self, ctx: CheckContext, st) -> None:
         lay, v, metas, cfg = st.layout, st.verdict, st.metas, st.cfg

@@ -66,10 +66,11 @@ class Target:
     raw_config: dict
     suite: LoadedSuite | None = None
     path: Path | None = None
+    pruned_only: bool = False  # the suite's pruned test model whatever is asked (the parallel check's plan)
 
     def model_config(self, pruned: bool) -> ModelConfig:
         if self.suite is not None:
-            return model_config(self.suite, pruned=pruned)
+            return model_config(self.suite, pruned=pruned or self.pruned_only)
         return build_config(self.raw_config, None)
 
 

@@ -11,6 +11,7 @@
 * ``memory``   - peak memory of a rank (pipeline stages by storage accounting);
 * ``status``   - per-rank status files (phase, exit, signal), read by the launcher;
 * ``comm``     - collectives issued, counted and sized;
+* ``timing``   - step time, time inside collectives and its exposed part, one rank's step, a bandwidth probe;
 * ``reference``- the single-process reference (logits, loss, gradients, weights after one step);
 * ``compare``  - equivalence and localization (first diverging module, ranks, worst gradient);
 * ``plan``     - ``harness plan``: feasible layouts of the full-size model, ranked.

@@ -296,8 +296,11 @@ def _cross_node(comm: dict[str, float], lay: Layout, devices_per_node: int) -> f
 
 
 def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int, device_memory: int,
-             devices_per_node: int, usable: float = 0.9) -> Estimate:
-    """Memory per device, communication and step time of ``lay`` (the module docstring's model)."""
+             devices_per_node: int, usable: float = 0.9, device_flops: float = DEVICE_FLOPS,
+             intra_bw: float = INTRA_NODE_BW, inter_bw: float = INTER_NODE_BW) -> Estimate:
+    """Memory per device, communication and step time of ``lay`` (the module docstring's model).
+    ``device_flops`` and the bandwidths default to the ranking weights above; the parallel check
+    passes the ones it measured on the machine to compare the model's step with the measured one."""
     train = mode == "training"
     weights, grads, optim, params_dev = _weights_and_state(m, lay, train)
     seqs = math.ceil(batch / lay.dp)
@@ -307,14 +310,14 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
     comm = _communication(m, lay, train, tokens, params_dev)
     cross = _cross_node(comm, lay, devices_per_node)
     comm_total = sum(comm.values())
-    time_s = (comm_total - cross) / INTRA_NODE_BW + cross / INTER_NODE_BW
+    time_s = (comm_total - cross) / intra_bw + cross / inter_bw
     # Compute: the step's FLOPs over the devices that work at once. A pipeline keeps its stages busy
     # only with several microbatches in flight (bubble (pp-1)/(m+pp-1), m = sequences per replica);
     # replicas beyond the batch idle; training is 3 forward passes (4 with recomputation).
     m_mb = seqs
     busy = lay.tp * lay.cp * min(lay.dp, batch) * lay.pp * m_mb / (m_mb + lay.pp - 1)
     flops = m.flops_per_token * batch * context * ((4 if lay.recompute else 3) if train else 1)
-    compute_s = flops / busy / DEVICE_FLOPS
+    compute_s = flops / busy / device_flops
     limit = device_memory * usable
     why = "" if total <= limit else f"needs {gib(total)} GiB per device, {gib(limit)} GiB usable"
     return Estimate(lay, weights, kv, act, grads, optim, total, total <= limit, limit - total, comm_total, cross,

@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -55,6 +56,7 @@ from harness.parallel.layouts import DATA_DIMS, Layout
 from harness.parallel.memory import StoragePeak
 from harness.parallel.reference import ModuleCapture, batch, clean_name, lm_loss, make_optimizer
 from harness.parallel.status import StatusWriter
+from harness.parallel.timing import probe_busbw, profile_step, time_steps
 from harness.parallel.tp_experts import fused_experts_in_plan, gather_full, shard_fused_experts
 from harness.precision.routing import RouterCapture
 
@@ -148,6 +150,8 @@ class RankRun:
         self.mc = model_config(self.ls)
         self.build_model = build_model
         self.ids = batch(self.mc.config.vocab_size, spec["batch_size"], spec["seq_len"], spec["seed"] + 1)
+        self.timing_repeats = int(spec.get("timing_repeats") or 0)  # 0: numerics only
+        self._launch_timing: dict | None = None
         fault = spec.get("fault")
         self.fault = None
         if fault:
@@ -161,6 +165,8 @@ class RankRun:
     # --- one layout ---------------------------------------------------------------------------
     def run(self, index: int, lay: Layout, out_dir: str) -> None:
         self.status.layout(index, lay.label)
+        if self.timing_repeats and self._launch_timing is None:
+            self._launch_timing = self.launch_timing()
         t0 = time.perf_counter()
         res, tensors = self.step(lay, recompute=lay.recompute, capture=True, ids=self.ids)
         if lay.recompute:
@@ -224,9 +230,37 @@ class RankRun:
             st.step("forward_after_step")
             forward_after_step(s)
             collect_results(s)
+            if self.timing_repeats:
+                st.step("timing")
+                s.res["timing"] = {**time_layout(s, st, self.device, self.spec, self.timing_repeats, recompute),
+                                   **self._launch_timing}
             st.step("teardown_layout")
         dist.barrier()
         return s.res, {k: v.detach().to("cpu").contiguous() for k, v in s.out.items()}
+
+    def launch_timing(self) -> dict:
+        """Once per launch: the whole batch's step on rank 0 alone (the others wait in a barrier)
+        and the bus bandwidth of the launch's ranks (harness.parallel.timing)."""
+        out: dict = {}
+        self.status.step("single_rank_step")
+        if self.rank == 0:
+            mc = dataclasses.replace(self.mc, config=copy.deepcopy(self.mc.config))
+            model, _ = self.build_model(self.ls, self.spec["dtype"], self.device, seed=self.spec["seed"], mc=mc)
+            model.train()
+            ids = self.ids.to(self.device)
+
+            def one():
+                for p in model.parameters():
+                    p.grad = None
+                lm_loss(model(input_ids=ids).logits, ids).backward()
+
+            out["single_step_s"] = statistics.median(time_steps(one, self.device, repeats=self.timing_repeats,
+                                                                barrier=False))
+            del model
+        dist.barrier()
+        self.status.step("bandwidth_probe")
+        out["probe_busbw"] = probe_busbw(self.device, self.world)
+        return out
 
     def _build(self, lay: Layout, ids: torch.Tensor) -> _Step:
         """The seeded model (identical on every rank), the mesh and its groups, this rank's tokens."""
@@ -413,6 +447,22 @@ def keep_loss(s: _Step) -> None:
         s.out["logits"] = s.logits.detach()
         s.out["loss"] = s.loss.detach().float().reshape(1)
     s.params = [(clean_name(n), p) for n, p in s.wrapped.named_parameters() if p.requires_grad]
+
+
+def time_layout(s: _Step, st: StatusWriter, device: torch.device, spec: dict, repeats: int,
+                recompute: bool) -> dict:
+    """The layout's step (forward, backward, gradient reductions) timed and profiled on the model
+    the numerics step parallelized (its results are taken already): harness.parallel.timing."""
+    s.cap = s.rcap = None  # the captures ended with the numerics step
+
+    def one():
+        for p in s.wrapped.parameters():
+            p.grad = None
+        forward_backward(s, st, recompute)
+        sync_gradients(s)
+
+    steps = time_steps(one, device, repeats=repeats)
+    return {"step_s": steps, "profile": profile_step(one, device, spec["collective"])}
 
 
 # --- gather, optimizer step, after-step forward, results --------------------------------------------

@@ -359,3 +359,19 @@ def silu_backward_off(ctx) -> None:
 
     if not _KEEP:
         _KEEP.append(SiluBackward().__enter__())
+
+
+def late_all_reduce_rank1(ctx, delay_s: float = 0.1) -> None:
+    """Rank 1 enters every all-reduce ``delay_s`` late (a slow link or a straggler as its peers see
+    it): rank 0's collective waits that long inside the collective library. Numerics unchanged."""
+    if ctx.rank != 1:
+        return
+    import torch.distributed as dist
+
+    orig = dist.all_reduce
+
+    def late(*args, **kwargs):
+        time.sleep(delay_s)
+        return orig(*args, **kwargs)
+
+    dist.all_reduce = late

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def suite_with(name: str, **table):
-    """The bundled suite ``name`` with ``[checks.parallel]`` = ``table`` (enabled), validated."""
+    """The bundled suite ``name`` with ``[checks.parallel]`` = ``table`` (enabled), validated. Timing
+    off unless asked (tests/parallel/test_timing.py times; the numerics tests need none of it)."""
     ls = load_suite(ROOT / "suites" / f"{name}.toml")
-    ls.suite.checks.parallel = ParallelConfig.model_validate({"enabled": True, **table})
+    ls.suite.checks.parallel = ParallelConfig.model_validate({"enabled": True, "timing_repeats": 0, **table})
     return ls
 
 

@@ -84,6 +84,7 @@ def test_moe_expert_parallel_and_fsdp_memory():
     assert 0.45 <= fs["fsdp_param_fraction"] <= 0.6 and 0.45 <= fs["fsdp_optimizer_fraction"] <= 0.6
     assert fs["recompute_peak_ratio"] < 1 and fs["recompute_grad_error"] <= 1e-6
     assert fs["comm_reduce_scatter_count"] > 0
+    assert "parallel_step_time_s" not in fs and "timing" not in details_of(res["fsdp2-ac"][1])  # timing_repeats 0
 
 
 @pytest.mark.slow

@@ -1,0 +1,50 @@
+"""The parallel check's timing (harness.parallel.timing): step time, time inside collectives and
+its exposed part, scaling efficiency against one rank, and harness plan's calibrated estimate, on
+real gloo ranks; a rank entering its all-reduces late is seen as communication, exposed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.parallel.timing import _minus, _subtract_intervals, _union
+from tests.parallel.helpers import details_of, metrics_of, run_variant, suite_with
+
+
+def test_interval_arithmetic():
+    assert _union([(3, 4), (0, 2), (1, 2.5)]) == [(0, 2.5), (3, 4)]
+    # communication 0..10 with compute 2..4 and 6..7 beside it: 7 of its 10 exposed
+    assert _minus([(0, 10)], [(2, 4), (6, 7)]) == 7
+    assert _subtract_intervals([(0, 10)], [(-1, 1), (9, 12)]) == [(1, 9)]
+    assert _minus([(0, 1)], []) == 1 and _minus([], [(0, 1)]) == 0
+
+
+@pytest.mark.slow
+def test_dp2_timed_and_a_late_rank_is_exposed_communication():
+    clean = suite_with("qwen3-8b", configs=[{"dp": 2}], timing_repeats=5)
+    out, ctx = run_variant(clean, "dp2")
+    assert out is None, out
+    m = metrics_of(ctx)
+    t = json.loads(details_of(ctx)["timing"])
+    assert t["measured_on"] == "host"  # gloo's own work records
+    assert 0 < m["parallel_single_step_s"] and 0 < m["parallel_step_time_s"]
+    assert 0 < m["parallel_exposed_comm_s"] <= m["parallel_comm_time_s"] <= t["profiled_wall_s"]
+    assert m["parallel_scaling_efficiency"] == pytest.approx(
+        m["parallel_single_step_s"] / (2 * m["parallel_step_time_s"]))
+    assert m["parallel_probe_busbw"] > 1e6  # bytes/s of a 1 MiB all-reduce: gloo on loopback does > 100 MB/s
+    # the plan's model on the pruned model, calibrated: its one-rank compute is the measured step
+    assert t["plan"]["compute_s"] > 0 and t["plan"]["comm_bytes"] > 0
+    assert m["parallel_plan_step_error"] == pytest.approx(m["parallel_plan_step_s"] / m["parallel_step_time_s"] - 1)
+
+    # rank 1 enters each all-reduce (DDP's one bucket per step) 100 ms late: rank 0 waits inside gloo,
+    # computing nothing (measured: +27 ms at 30 ms late, 4.8 -> 31 ms exposed; margins for a loaded machine)
+    late = suite_with("qwen3-8b", configs=[{"dp": 2}], timing_repeats=3)
+    out, ctx = run_variant(late, "dp2", fault="tests.parallel.faults:late_all_reduce_rank1")
+    assert out is None, out  # the numbers are the same
+    ml = metrics_of(ctx)
+    assert ml["parallel_exposed_comm_s"] > m["parallel_exposed_comm_s"] + 0.06, (m, ml)
+    assert ml["parallel_comm_time_s"] > m["parallel_comm_time_s"] + 0.06
+    assert ml["parallel_step_time_s"] > m["parallel_step_time_s"] + 0.06
+    assert ml["parallel_exposed_comm_share"] > m["parallel_exposed_comm_share"]
+    assert json.loads(details_of(ctx)["timing"])["repeats"] == 3
