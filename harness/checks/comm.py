@@ -64,8 +64,8 @@ class CommConfig(CheckConfig):
                                           description="Collectives measured (nccl-tests' names).")
     sizes: list[int] = Field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20],
                              description="Message sizes in bytes (nccl-tests' size: see harness/perf/comm.py).")
-    warmup: int = Field(3, ge=0, description="Untimed calls per collective and size.")
-    repeats: int = Field(10, ge=3, description="Timed calls per collective and size (the samples).")
+    warmup: int = Field(3, ge=0, description="Untimed rounds (a round: one call of every collective at every size).")
+    repeats: int = Field(10, ge=3, description="Timed rounds: the samples of each collective and size.")
     threshold: float = Field(0.25, gt=0, description="Relative slowdown that may count as a regression: a shared "
                              "CPU's collectives vary more than its matmuls.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Mann-Whitney significance level.")

@@ -1,9 +1,10 @@
 """Collective bandwidth of a backend's communication library, as nccl-tests measures it (issue #30).
 
 One launch of ``world`` ranks (``torch.distributed.run``, the backend's collective library: gloo on
-CPU, nccl, hccl, ...) times each collective at each message size: ``warmup`` untimed calls, then
-``repeats`` timed ones, each started together (a barrier) and ended when the backend has finished
-(``synchronize``); a call's time is the slowest rank's (one all-reduce of the per-rank times after
+CPU, nccl, hccl, ...; on the CPU each rank pinned to a core of its own where there are enough) times
+each collective at each message size: ``warmup`` untimed rounds, then ``repeats`` timed ones, a round
+being one call of every collective at every size, each call started together (a barrier) and ended
+when the backend has finished (``synchronize``); a call's time is the slowest rank's (one all-reduce of the per-rank times after
 the loop, so the timing itself has no extra collective inside it).
 
 Bandwidths follow nccl-tests' PERFORMANCE.md: ``size`` is the buffer nccl-tests names (all-reduce and
@@ -80,6 +81,19 @@ def _op(collective: str, size_bytes: int, dtype, device, rank: int, n: int):
     raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
 
 
+def _pin(device_type: str, local_rank: int, n: int) -> int | None:
+    """On the CPU, rank r on its own core when there are cores enough (as nccl-tests binds ranks):
+    left to the scheduler, two ranks sometimes share a core and a small message's latency doubles
+    for that whole launch. The core, or None where not pinned."""
+    if device_type != "cpu" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if n > len(cores):
+        return None
+    os.sched_setaffinity(0, {cores[local_rank]})
+    return cores[local_rank]
+
+
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -94,25 +108,30 @@ def worker(spec: dict) -> None:
     sync = (lambda: mod.synchronize()) if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
     dtype = getattr(torch, spec.get("dtype", "float32"))
     delay = spec.get("delay") or {}  # tests: {collective: seconds} of extra time inside that collective
-    out: dict = {"world": n, "backend": spec["backend"], "dtype": spec.get("dtype", "float32"), "samples": {}}
-    for coll in spec["collectives"]:
-        for size in spec["sizes"]:
-            fn = _op(coll, int(size), dtype, device, rank, n)
-            extra = float(delay.get(coll, 0.0))
-            times = []
-            for i in range(spec["warmup"] + spec["repeats"]):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                if extra:
-                    time.sleep(extra)
-                sync()
-                if i >= spec["warmup"]:
-                    times.append(time.perf_counter() - t0)
-            t = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
-            out["samples"][f"{coll}/{int(size)}"] = t.tolist()
+    out: dict = {"world": n, "backend": spec["backend"], "dtype": spec.get("dtype", "float32"), "samples": {},
+                 "pinned": _pin(device_type, int(os.environ.get("LOCAL_RANK", rank)), n)}
+    calls = {f"{coll}/{int(size)}": (_op(coll, int(size), dtype, device, rank, n), float(delay.get(coll, 0.0)))
+             for coll in spec["collectives"] for size in spec["sizes"]}
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    # Rounds: every collective and size once per round, round after round. A disturbance of the
+    # machine (another process, a frequency step) then lands on every key's samples alike instead of
+    # on all the repeats of the one key measured at that moment (measured: 5 of 10 clean launches
+    # flagged one collective when each key's repeats ran back to back).
+    for i in range(spec["warmup"] + spec["repeats"]):
+        for key, (fn, extra) in calls.items():
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            if extra:
+                time.sleep(extra)
+            sync()
+            if i >= spec["warmup"]:
+                times[key].append(time.perf_counter() - t0)
+    for key, ts in times.items():
+        t = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
+        out["samples"][key] = t.tolist()
     if rank == 0:
         from harness.files import atomic
 
