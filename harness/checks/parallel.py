@@ -35,7 +35,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harness import metrics
-from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+from harness.checks import (
+    Check,
+    CheckConfig,
+    CheckContext,
+    CheckFailure,
+    CheckRegistry,
+    CouldNotRun,
+    NotApplicable,
+)
 
 metrics.declare("parallel_logits_error", "", "lower", "max |logits - reference| / max |reference| over ranks")
 metrics.declare("parallel_loss_error", "", "lower", "|loss - reference| / |reference|, worst rank")
@@ -410,6 +418,8 @@ class ParallelCheck(Check):
         ctx.metric("parallel_launch_time_s", out.launch_wall_s)
         ctx.metric("parallel_launch_layouts", len(st.peers))
         ctx.notes.extend(out.warnings)
+        if out.status == "not_run":  # the launch failed the same way twice: no verdict on this layout
+            raise CouldNotRun(out.message, step="launch")
         if out.status != "ok":
             raise CheckFailure(out.message, metric="parallel_status", expected="ok", observed=out.status,
                                details=_logs(out.dir))

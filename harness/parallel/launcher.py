@@ -12,13 +12,18 @@ takes torchrun, the wrappers and the ranks), every process dies with its parent
 read after a kill. Layouts run one after another; a layout that makes no progress within
 ``timeout_s`` is a hang: the group is killed and the ranks' statuses name who was computing and who
 waited in which collective. After a hang, a crash or an error, the layouts not yet run are launched
-again, so one broken layout does not hide the others.
+again, so one broken layout does not hide the others - unless two launches in a row failed the same
+way on two layouts (``same_failure``: a rank stopped at the same step and module, every rank inside a
+collective, or a rank crashed with the same signal): then the launch itself is broken (a rank, a
+device, a link), and the layouts left are ``not_run`` naming it instead of each waiting out the time
+limit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -206,6 +211,7 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
     outcomes: dict[str, LayoutOutcome] = {}
     remaining = list(layouts)
     n = 0
+    last: LayoutOutcome | None = None  # the layout the previous launch failed in
     t_all = time.monotonic()
     publish = on_outcome or (lambda _o: None)
     while remaining:
@@ -236,7 +242,46 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
             outcomes[out.layout.label] = out
             publish(out)
         remaining = rest[len(failed):]
+        now = failed[0] if len(failed) == 1 and failed[0].dir is not None else None
+        same = same_failure(last, now) if last is not None and now is not None else None
+        if remaining and same:
+            # One broken thing is one finding: two launches in a row failed the same way on two
+            # different layouts - a rank, a device or a link of this launch, not a layout. Every
+            # further launch would wait out the same time limit (measured: 12 launches, 41 minutes of
+            # a nightly job for one rank hung in its first collective).
+            why = (f"not run: the launches of layouts {last.layout.label} and {now.layout.label} failed the same "
+                   f"way ({same}) - a failure of this {world}-rank launch, not of this layout; not launched again")
+            for lay in remaining:
+                outcomes[lay.label] = LayoutOutcome(lay, "not_run", why, launch_wall_s=end.wall, ranks=end.sts)
+                publish(outcomes[lay.label])
+            remaining = []
+        last = now
     return LaunchReport(outcomes, n, time.monotonic() - t_all)
+
+
+def same_failure(a: LayoutOutcome, b: LayoutOutcome) -> str:
+    """How two failed launches of different layouts failed alike ('' if not): the same rank crashed
+    with the same signal; or both hung with the same rank stopped at the same place (step, last module
+    entered, inside a collective or not: a broken rank stops where it is whatever the layout, while
+    its peers wait wherever the layout's next collective is); or both hung with every rank inside a
+    collective (a link or the collective library, not a rank: which collective differs by layout)."""
+    if a.status == b.status == "crashed":
+        sa = set(re.findall(r"rank (\d+) crashed with (SIG\w+)", a.message))
+        common = sorted(sa & set(re.findall(r"rank (\d+) crashed with (SIG\w+)", b.message)))
+        return "; ".join(f"rank {r} crashed with {sig}" for r, sig in common)
+    if a.status == b.status == "hung" and a.ranks and b.ranks:
+        def where(s: RankStatus) -> tuple:
+            return s.step, s.module, bool(s.collective)
+
+        here = {s.rank: where(s) for s in b.ranks}
+        common = [s for s in a.ranks if here.get(s.rank) == where(s) and (s.step or s.module)]
+        if common:
+            return "; ".join(f"rank {s.rank} hung at step {s.step or '?'}"
+                             + (f", last module entered {s.module}" if s.module else "")
+                             + (", inside a collective" if s.collective else "") for s in common)
+        if all(s.collective for s in a.ranks) and all(s.collective for s in b.ranks):
+            return "every rank hung inside a collective"
+    return ""
 
 
 def _warn_teardown(finished: list[LayoutOutcome], end: _Ended) -> None:

@@ -375,3 +375,12 @@ def late_all_reduce_rank1(ctx, delay_s: float = 0.1) -> None:
         return orig(*args, **kwargs)
 
     dist.all_reduce = late
+
+
+def rank1_stuck_every_layout(ctx) -> None:
+    """Rank 1 is broken for every layout (a lost device, a dead link as its peers see it): it stops
+    in layer 0's forward, whatever the layout; its peer waits in the layout's first collective."""
+    if ctx.rank == 1:
+        layers = getattr(getattr(ctx.model, "model", None), "layers", None)
+        if layers is not None and len(layers) and layers[0] is not None:
+            layers[0].register_forward_pre_hook(lambda _m, _a: time.sleep(10**6))

@@ -142,6 +142,29 @@ def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal_teardo
 
 
 @pytest.mark.slow
+def test_a_rank_broken_for_every_layout_is_one_finding_not_a_time_limit_per_layout():
+    """Issue #31: rank 1 stops in every layout. The first two launches hang the same way (rank 1 at
+    the same step and module; rank 0 waits wherever each layout's next collective is); the layouts
+    left are not launched and could not run, naming that failure, instead of each waiting out the
+    time limit."""
+    from harness.checks import CouldNotRun
+
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"fsdp": 2}, {"pp": 2}], timeout_s=15)
+    res = _run_all(ls, fault="tests.parallel.faults:rank1_stuck_every_layout")
+    for v in ("dp2", "tp2"):
+        out, _ = res[v]
+        assert isinstance(out, CheckFailure) and "no progress within the 15 s time limit" in str(out), (v, out)
+    for v in ("fsdp2", "pp2"):
+        out, _ = res[v]
+        assert isinstance(out, CouldNotRun), (v, out)
+        assert ("launches of layouts dp2 and tp2 failed the same way (rank 1 hung at step forward, last module "
+                "entered model.layers.0)") in str(out), str(out)
+    (run, _), = par._LAUNCHES.values()
+    rep = run.result()
+    assert rep.launches == 2 and rep.wall_s < 2 * 15 + 120
+
+
+@pytest.mark.slow
 def test_default_matrix_bfloat16_mla_moe():
     ls = suite_with("deepseek-v3")
     res = _run_all(ls, "bfloat16")
