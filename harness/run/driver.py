@@ -88,11 +88,21 @@ def start_worker(results: Path):
     """The isolated worker, started now: ``harness run`` calls this first thing, before it imports
     torch, the checks and pytest's plugins and collects, so that the child's own imports (2-4 s of
     torch and transformers) overlap with all of that instead of following it. It inherits the
-    results folder (checks write their files beside the run's results)."""
+    results folder (checks write their files beside the run's results) through its own environment:
+    this process's is left alone (``run`` sets it once the results are open). None when the results
+    folder cannot be written: ``run`` says so before anything is started."""
     from harness.run.isolation import Worker  # no torch in this import: the child starts first
 
-    set_env("HARNESS_RESULTS_DIR", Path(results).resolve())
-    worker = Worker(env=dict(os.environ))
+    # Nothing created yet (a run refused for an unknown suite leaves no results folder): the nearest
+    # existing folder on the way must be one we may write to, else no worker (``run`` says why).
+    at = Path(results).resolve()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir() or not os.access(at, os.W_OK | os.X_OK):
+        return None
+    env = dict(os.environ)
+    set_env("HARNESS_RESULTS_DIR", Path(results).resolve(), env)
+    worker = Worker(env=env)
     worker._start()
     return worker
 

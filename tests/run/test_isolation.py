@@ -179,11 +179,14 @@ def test_unwritable_results_directory_fails_before_any_model_is_built(project, c
     (project / "suites" / "tiny.toml").write_text(suite())
     (project / "res").write_text("a file where the results directory should be")
     monkeypatch.chdir(project)
+    monkeypatch.delenv("HARNESS_RESULTS_DIR", raising=False)
     t0 = time.monotonic()
     code = main(["run", "--check", "smoke", "--results", "res/inner"])
     out = capsys.readouterr().out
     assert code == 2 and "results directory res/inner is not writable" in out
     assert time.monotonic() - t0 < 5  # nothing was built
+    # nor left behind for the next command of this process (it once pointed a later harness certify there)
+    assert "HARNESS_RESULTS_DIR" not in os.environ
 
 
 # (the full-disk atomic-write test moved to tests/files/test_atomic.py with the helper)
