@@ -10,5 +10,6 @@
 * ``results``    the journal and ``results/`` (junit.xml, summary.json/.txt, run.json);
 * ``table``      the summary table;
 * ``driver``     ``harness run``: pytest in-process with a progress bar and the table;
-* ``certify``    ``harness certify``: known kernel faults on a backend's dispatch key, one ``harness run`` each.
+* ``certify``    ``harness certify``: known kernel faults on a backend's dispatch key, one ``harness run`` each;
+* ``bisect``     ``harness bisect``: the first bad commit of failing items, a ``harness run`` per step.
 """

@@ -1,0 +1,109 @@
+"""`harness bisect` (issue #31 item 3) on a scratch repository of 32 commits, one of which breaks a
+suite's model config: found in at most 6 runs, each running only the failing item."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.run.bisect import _selection, read_verdicts
+from tests_support import REPO_SUITES, TINY_PRUNE
+
+SUITE = '[model]\nconfig = "configs/{config}"\n' + TINY_PRUNE
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"})
+
+
+def _history(repo, n: int, bad: int) -> list[str]:
+    """A project (two suites on two copies of a real config) and ``n`` commits; commit ``bad`` (1-based)
+    puts a typo into tiny's config (its activation: the model cannot be built)."""
+    (repo / "suites" / "configs").mkdir(parents=True)
+    cfg = (REPO_SUITES / "configs" / "Llama-3.1-8B.json").read_text()
+    (repo / "suites" / "configs" / "tiny.json").write_text(cfg)
+    (repo / "suites" / "configs" / "other.json").write_text(cfg)
+    (repo / "suites" / "tiny.toml").write_text(SUITE.format(config="tiny.json"))
+    (repo / "suites" / "other.toml").write_text(SUITE.format(config="other.json"))
+    (repo / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\nresults_dir = "results"\n')
+    _git(repo, "init", "-q", "-b", "main")
+    shas = []
+    for k in range(n):
+        if k:
+            with open(repo / "NOTES.md", "a") as f:
+                f.write(f"change {k}\n")
+        if k == bad:
+            p = repo / "suites" / "configs" / "tiny.json"
+            d = json.loads(p.read_text())
+            d["hidden_act"] = "silu_typo"
+            p.write_text(json.dumps(d, indent=2))
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", f"commit {k}" + (" (the bad one)" if k == bad else ""))
+        shas.append(subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                                   text=True, check=True).stdout.strip())
+    return shas
+
+
+def test_selection_names_each_item_by_its_suite_file_and_name():
+    suites, expr = _selection(["tiny::smoke[cpu-float32]", "other::ops[cpu-bfloat16]"])
+    assert suites == ["other", "tiny"]
+    assert expr == "(other.toml and ops[cpu-bfloat16]) or (tiny.toml and smoke[cpu-float32])"
+
+
+@pytest.mark.slow
+def test_32_commits_one_bad_found_in_at_most_6_runs_of_only_the_failing_item(tmp_path):
+    repo = tmp_path / "project"
+    shas = _history(repo, 32, bad=19)
+    out = tmp_path / "bisect.json"
+    r = subprocess.run([sys.executable, "-m", "harness", "bisect", "--good", shas[0], "--bad", "HEAD",
+                        "tiny::smoke[cpu-float32]", "other::smoke[cpu-float32]", "--json", str(out),
+                        "--", "--backend", "cpu", "--dtype", "float32", "--check", "smoke", "--no-isolate"],
+                       cwd=repo, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["first_bad"] == shas[19], r.stdout
+    assert "first bad commit: " in r.stdout and "commit 19 (the bad one)" in r.stdout
+    assert "passed at the bad end, not bisected: other::smoke[cpu-float32]" in r.stdout
+    steps = res["steps"]
+    assert len(steps) <= 6, r.stdout
+    assert steps[0]["items"] == {"tiny::smoke[cpu-float32]": "error", "other::smoke[cpu-float32]": "passed"}
+    assert "silu_typo" in steps[0]["messages"]["tiny::smoke[cpu-float32]"]  # why it is bad, at each bad step
+    for s in steps[1:]:  # only the failing item, at every step
+        assert list(s["items"]) == ["tiny::smoke[cpu-float32]"], s
+        assert s["verdict"] == ("bad" if shas.index(s["commit"]) >= 19 else "good"), s
+    # the scratch repository is left as it was: no worktree behind
+    wt = subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True).stdout
+    assert len(wt.strip().splitlines()) == 1, wt
+
+
+def test_not_an_ancestor_and_a_bad_item_are_one_line_errors(tmp_path):
+    repo = tmp_path / "project"
+    shas = _history(repo, 2, bad=99)
+    def harness(*args):
+        return subprocess.run([sys.executable, "-m", "harness", "bisect", *args], cwd=repo, capture_output=True,
+                              text=True, timeout=120)
+    r = harness("--good", shas[1], "--bad", shas[0])
+    assert r.returncode == 2 and "is not an ancestor of" in r.stderr and "Traceback" not in r.stderr
+    r = harness("--good", shas[0], "smoke")
+    assert r.returncode == 2 and "items are SUITE::NAME" in r.stderr
+    r = harness("--good", "no-such-ref")
+    assert r.returncode == 2 and "harness bisect: git rev-parse" in r.stderr
+
+
+def test_read_verdicts_from_a_results_junit(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite name="harness">'
+                     '<testcase classname="suites.tiny.toml" name="smoke[cpu-float32]"><properties>'
+                     '<property name="harness.suite" value="tiny" /></properties><failure message="x" /></testcase>'
+                     '<testcase classname="suites.other.toml" name="ops[cpu-float32]" />'
+                     '</testsuite></testsuites>')
+    msgs: dict = {}
+    assert read_verdicts(junit, msgs) == {"tiny::smoke[cpu-float32]": "failed", "other::ops[cpu-float32]": "passed"}
+    assert msgs == {"tiny::smoke[cpu-float32]": "x"}
