@@ -9,7 +9,6 @@ commit, 1 when the bad commit does not fail (nothing to bisect), 2 on bad input.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -44,9 +43,10 @@ def main(args) -> int:
         return 2
     print("\n" + res.message)
     if args.json:
-        args.json.write_text(json.dumps({"first_bad": res.first_bad, "items": res.items, "message": res.message,
-                                         "steps": [{"label": s.label, "commit": s.commit, "subject": s.subject,
-                                                    "verdict": s.verdict, "items": s.verdicts, "messages": s.messages}
-                                                   for s in res.steps]},
-                                        indent=2) + "\n")
+        from harness.files import atomic
+
+        atomic.write_json(args.json, {"first_bad": res.first_bad, "items": res.items, "message": res.message,
+                                      "steps": [{"label": s.label, "commit": s.commit, "subject": s.subject,
+                                                 "verdict": s.verdict, "items": s.verdicts, "messages": s.messages}
+                                                for s in res.steps]}, indent=2)
     return 0 if res.first_bad else 1

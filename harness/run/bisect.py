@@ -31,6 +31,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.files import paths
+from harness.settings import unset_env
+
 BAD = ("failed", "error")
 
 
@@ -118,9 +121,10 @@ def run_at(repo: Path, commit: str, items: list[str] | None, run_args: list[str]
            timeout: float, messages: dict[str, str] | None = None) -> tuple[dict[str, str] | None, str]:
     """``harness run`` at ``commit`` in a worktree of its own: (item -> outcome, or None when the run
     produced no results; the run's last output lines)."""
-    wt = work / f"c-{commit[:12]}"
+    # the commit's name comes from git (hex), still joined through the checked helper
+    wt = paths.join(work, f"c-{commit[:12]}", source="git rev-list", field="commit")
     _git(repo, "worktree", "add", "--detach", "--force", str(wt), commit)
-    results = work / f"r-{commit[:12]}"
+    results = paths.join(work, f"r-{commit[:12]}", source="git rev-list", field="commit")
     try:
         cmd = [sys.executable, "-m", "harness", "run"]
         if items:
@@ -128,7 +132,7 @@ def run_at(repo: Path, commit: str, items: list[str] | None, run_args: list[str]
             cmd += [*suites, "-k", expr]
         cmd += ["--results", str(results), *run_args]
         env = dict(os.environ)
-        env.pop("HARNESS_CONFIG", None)  # the worktree's own harness.toml, not the one of the checkout we run from
+        unset_env("HARNESS_CONFIG", env)  # the worktree's own harness.toml, not the one of the checkout we run from
         env["PYTHONPATH"] = os.pathsep.join([str(wt), *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("HF_HUB_OFFLINE", "1")
         try:
