@@ -36,22 +36,35 @@ from types import SimpleNamespace
 import torch
 from torch.overrides import TorchFunctionMode
 
+from harness.anatomy.capture import EXPERTS_SUFFIX, router_outputs
 from harness.anatomy.moe import is_router
 
 PHASES = ("step", "after")
 
 
 def _indices(out) -> torch.Tensor | None:
-    """The chosen expert ids of a router's output (transformers 5: (logits, weights, indices))."""
+    """The chosen expert ids of a router's output (transformers 5: (logits, weights, indices), in the
+    router's own order). A router without an index output (Llama-4: (scores, logits), ``scores`` the
+    sigmoid of the top-k logits scattered into zeros) chose the nonzero places of its sparse scores:
+    read as capture does (``harness.anatomy.capture.router_outputs``), ids sorted per token. Without
+    this, such a router was neither recorded nor forced, and a near-tie flip failed the training and
+    compile checks' backward as a kernel fault."""
     if isinstance(out, (tuple, list)):
         idx = [t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()]
         if idx and idx[-1].dim() == 2:
             return idx[-1]
+        if not idx:
+            return router_outputs("r", out).get("r" + EXPERTS_SUFFIX)
     return None
 
 
 def _logits(out) -> torch.Tensor | None:
+    """The router's dense logits [T, E] (Llama-4's second output: its first is the sparse scores)."""
     if isinstance(out, (tuple, list)):
+        if not any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in out):
+            got = router_outputs("r", out)
+            if "r" + EXPERTS_SUFFIX in got:
+                return got["r"]
         out = next((t for t in out if isinstance(t, torch.Tensor)), None)
     return out if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
@@ -157,8 +170,16 @@ class ForcedRouting:
         handles = []
         for name, mod in model.named_modules():
             if is_router(name):
+                prev = mod.__dict__.get("forward")  # an instance forward of someone else's: put back
+
+                def remove(m=mod, prev=prev):
+                    if prev is None:
+                        m.__dict__.pop("forward", None)
+                    else:
+                        m.forward = prev
+
                 mod.forward = self._wrap(name, mod, mod.forward)
-                handles.append(SimpleNamespace(remove=lambda m=mod: m.__dict__.pop("forward", None)))
+                handles.append(SimpleNamespace(remove=remove))
         return handles
 
     def _wrap(self, name: str, mod: torch.nn.Module, forward):
@@ -175,7 +196,8 @@ class ForcedRouting:
             with _ForceTopK(forced, n_e) as mode:
                 out = forward(*args, **kwargs)
             idx = _indices(out)
-            if mode.natural is None or idx is None or not torch.equal(idx.long(), forced.long()):
+            if mode.natural is None or idx is None or not torch.equal(idx.long().sort(-1).values,
+                                                                       forced.long().sort(-1).values):
                 self.unforced.append(name)
             else:
                 keep = lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a  # noqa: E731

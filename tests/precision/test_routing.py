@@ -157,3 +157,35 @@ def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, s
     _, failure = run_check(ls, "bfloat16", tmp_path, golden_root=tmp_path / "golden",
                            context=lambda: faults.WrongTopK(n_e, k))
     assert failure is not None and "wide router margin" in failure.message, failure
+
+
+def test_router_without_an_index_output_is_recorded_and_forced():
+    """Llama-4's router returns (scores, logits): the sigmoid of its top-k logits scattered into zeros,
+    and no expert ids. Its choice is the nonzero places of the scores; RouterCapture records it and
+    ForcedRouting forces it (it was neither, so training and compile checks ran it unforced)."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    from harness.precision.routing import ForcedRouting, RouterCapture
+
+    torch.manual_seed(0)
+    cfg = Llama4TextConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=2)
+    model = torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"router": Llama4Router(cfg)})})
+    x = torch.randn(5, 16)
+    natural = model["mlp"]["router"](x)[1].topk(2, dim=-1).indices.sort(-1).values
+    cap = RouterCapture(model)
+    cap.phase = "step"
+    model["mlp"]["router"](x)
+    cap.remove()
+    assert torch.equal(cap.calls["step"]["mlp.router"][0][0], natural)
+    assert cap.calls["step"]["mlp.router"][0][1].shape == (5, 8)  # the dense logits, not the sparse scores
+
+    want = (natural + 1) % 8
+    forced = ForcedRouting({"step": {"mlp.router": want}}, phase="step")
+    handles = forced.attach(model)
+    scores, _ = model["mlp"]["router"](x)
+    for h in handles:
+        h.remove()
+    assert forced.unforced == []
+    assert torch.equal((scores != 0).int().topk(2, dim=-1).indices.sort(-1).values, want.sort(-1).values)
+    assert torch.equal(forced.calls["step"]["mlp.router"].natural.sort(-1).values, natural)
