@@ -51,6 +51,8 @@ metrics.declare("compile_logits_budget_use", "", "lower", "compile: compiled log
                 "propagated logits budget (fails > 1)")
 metrics.declare("compile_vs_eager_rel_rmse", "", "lower", "compile: ||compiled - eager|| / ||eager|| of the logits, "
                 "same backend and dtype")
+metrics.declare("compile_router_flips", "", "none", "compile (MoE, numerics judged with routing forced): token "
+                "choices of the compiled run's routers that differ from the golden's")
 metrics.declare("compile_loss_abs_err", "nats", "lower", "compile: |LM loss of the compiled logits - the golden's|")
 metrics.declare("compile_forward_s", "s", "lower", "compile (nightly): median compiled forward time")
 metrics.declare("compile_eager_forward_s", "s", "lower", "compile (nightly): median eager forward time, "
@@ -78,6 +80,35 @@ def _uncommitted(ctx, what: str, key: str, n: int) -> None:
     ctx.notes.append(f"compile: {n} {what} measured, no expectation committed: add `{key} = {n}` (or "
                      f"{{{ctx.dtype} = {n}}}) to [checks.compile] of {ctx.suite.name} to hold it")
     ctx.detail(f"compile_{key}_uncommitted", str(n))
+
+
+def golden_routes(g) -> dict[str, torch.Tensor]:
+    """router -> the golden's chosen experts [T, k] on its own ids (a sampled golden stores a sample
+    of each tensor only: none usable)."""
+    from harness.anatomy.capture import EXPERTS_SUFFIX
+
+    n = len(EXPERTS_SUFFIX)
+    return {k[:-n]: v for k, v in g.modules.items() if k.endswith(EXPERTS_SUFFIX) and k not in g.indices}
+
+
+@contextlib.contextmanager
+def forced_routing(model: torch.nn.Module, routes: dict[str, torch.Tensor]):
+    """Every router of ``model`` forced to ``routes`` (``harness.precision.routing.ForcedRouting``) and
+    run eagerly: dynamo does not trace the wrapped router (its top-k replacement is a Python-level
+    mode), so the compiled graphs end and restart around each router. Yields the ForcedRouting (its
+    ``calls`` hold each router's own choice of the last forward, ``unforced`` those it could not force)."""
+    from harness.precision.routing import ForcedRouting
+
+    forced = ForcedRouting({"step": routes}, phase="step")
+    handles = forced.attach(model)
+    for mod in model.modules():
+        if "forward" in mod.__dict__:
+            mod.forward = torch._dynamo.disable(mod.forward)  # recursive: the router and all it calls
+    try:
+        yield forced
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class CompileConfig(CheckConfig):
@@ -161,7 +192,8 @@ class CompileCheck(Check):
 
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, problems=[], bisection=None,
-                               diverged=None, recompiled=[], speed={}, bisect_text=None, grad_rows=[])
+                               diverged=None, routing_forced=False, router_flips=0, recompiled=[], speed={},
+                               bisect_text=None, grad_rows=[])
 
     def run_steps(self, ctx: CheckContext, st) -> None:
         ctx_mgr = st.context() if st.context is not None else contextlib.nullcontext()
@@ -217,13 +249,25 @@ class CompileCheck(Check):
         st.eager_logits = self._logits(st.model, st.ids)
 
     def numerics(self, ctx: CheckContext, st) -> None:
-        from harness.precision.compare import tensor_metrics
-
         if ctx.variant == SPEED:
             return
         ref = st.g.modules["logits"]
         idx = st.g.indices.get("logits")  # sampled golden: its stored sample of the logits
         view = (lambda t: t.reshape(-1)[idx]) if idx is not None else (lambda t: t)
+        self._judge(ctx, st, view, ref)
+        st.routing_forced = False
+        if st.diverged is not None and (routes := golden_routes(st.g)):
+            self._forced_rerun(ctx, st, routes, view, ref)
+        st.loss_err = None
+        if st.cfg.loss and idx is None and st.ids.shape[1] > 1:
+            st.loss_err, bound = self._loss(st, ref)
+            ctx.tolerance("compile_loss_abs_err", bound)
+            if st.diverged is None and not st.loss_err <= bound:
+                st.diverged = f"compiled LM loss differs from the golden's by {st.loss_err:.3g} nats (bound {bound:.3g})"
+
+    def _judge(self, ctx: CheckContext, st, view, ref: torch.Tensor) -> None:
+        from harness.precision.compare import tensor_metrics
+
         st.vs_golden = tensor_metrics(view(st.logits), ref)
         st.vs_eager = tensor_metrics(st.logits, st.eager_logits)
         st.eager_vs_golden = tensor_metrics(view(st.eager_logits), ref)
@@ -234,12 +278,41 @@ class CompileCheck(Check):
         elif not st.vs_eager["rel_rmse"] <= st.eager_budget:
             st.diverged = (f"compiled logits diverge from eager on {ctx.backend.name} (rel_rmse "
                            f"{st.vs_eager['rel_rmse']:.3g} > {st.eager_budget:.3g})")
-        st.loss_err = None
-        if st.cfg.loss and idx is None and st.ids.shape[1] > 1:
-            st.loss_err, bound = self._loss(st, ref)
-            ctx.tolerance("compile_loss_abs_err", bound)
-            if st.diverged is None and not st.loss_err <= bound:
-                st.diverged = f"compiled LM loss differs from the golden's by {st.loss_err:.3g} nats (bound {bound:.3g})"
+
+    def _forced_rerun(self, ctx: CheckContext, st, routes: dict[str, torch.Tensor], view, ref: torch.Tensor) -> None:
+        """A MoE model whose compiled logits diverge: judged again with every router forced to the
+        golden's choices, as the precision check replays them. In bfloat16 a compiled attention rounds
+        differently from eager (inductor keeps float32 intermediates), so a router near a tie flips
+        its top-k and that token's output differs by far more than rounding (measured on gpt-oss-20b:
+        0.065 logits rel_rmse from compiling layer 0's attention alone, against a 0.04 budget) - no
+        compiler fault. Forced, compiled and eager compute the same experts: what is left is the
+        compiler's arithmetic. The routers themselves run eagerly (on the compiled model's hidden
+        states); each one's own choice in the compiled run is counted against the golden's."""
+        first, unforced_rel = st.diverged, st.vs_golden["rel_rmse"]
+        with forced_routing(st.model, routes) as fr:
+            eager = self._logits(st.model, st.ids)
+            with dyn.fresh():
+                compiled = self._logits(dyn.compile_module(st.model, **st.compile_kw), st.ids)
+            calls = dict(fr.calls["step"])
+            unforced = sorted(set(fr.unforced))
+        if unforced:
+            ctx.notes.append(f"compile: {len(unforced)} router(s) could not be forced to the golden's choices "
+                             f"({', '.join(unforced[:3])}): numerics judged on the model's own routing")
+            return
+        flips = 0
+        for r, c in calls.items():
+            want = routes[r].reshape(c.natural.shape).long()
+            flips += int((c.natural.sort(-1).values != want).any(-1).sum())
+        st.router_flips = flips
+        st.routing_forced = True
+        st.logits, st.eager_logits = compiled, eager
+        self._judge(ctx, st, view, ref)
+        text = (f"{flips} token choice(s) of {len(calls)} router(s) in the compiled run differ from the golden's; "
+                f"with the model's own routing: {first}; judged with every router forced to the golden's "
+                f"choices (routers eager): compiled {st.vs_golden['rel_rmse']:.3g}, eager "
+                f"{st.eager_vs_golden['rel_rmse']:.3g} against the golden")
+        ctx.detail("compile_routing", text)
+        ctx.notes.append(f"compile: MoE routing forced to the golden's: {text} (unforced compiled {unforced_rel:.3g})")
 
     def _loss(self, st, ref: torch.Tensor) -> tuple[float, float]:
         """|loss(compiled) - loss(golden)| and its bound from the logits budget: the mean cross-entropy's
@@ -300,10 +373,37 @@ class CompileCheck(Check):
         shapes = [(f"golden prompt (length {seq})", seq)] + [(f"prompt length {n}", n) for n in cfg.prompt_lens]
         if cfg.decode_step:
             shapes.append((DECODE, 1))
-        with dyn.fresh():
-            model = dyn.compile_module(st.model, **kw)
-            calls = [(label, lambda n=n: self._logits(model, ids_of(n))) for label, n in shapes]
-            st.recompiled, st.sweep_s = dyn.sweep(calls)
+
+        def run_sweep(kw):
+            with dyn.fresh():
+                model = dyn.compile_module(st.model, **kw)
+                calls = [(label, lambda n=n: self._logits(model, ids_of(n))) for label, n in shapes]
+                return dyn.sweep(calls)
+
+        # aot_eager is the sweep's shortcut, not the compiler under test: its own failure at a shape
+        # (measured: Nemotron-3-Nano's decode step at batch 2 raises a view error in aot_eager and
+        # runs eagerly and under inductor) is no verdict. The sweep is rerun with dynamo's "eager"
+        # backend (guards and recompiles are dynamo's, the same under any backend; no compile cost),
+        # then with the check's compiler (inductor's dynamic-shape rebuilds: 100 s there); only the
+        # compiler under test raising is a failure, naming the shape.
+        fell = []
+        for backend in dict.fromkeys([kw["backend"], "eager", st.compiler]):
+            if backend != kw["backend"]:
+                kw = dict(st.compile_kw) if backend == st.compiler else dict(st.compile_kw, backend=backend, mode=None)
+            try:
+                st.recompiled, st.sweep_s = run_sweep(kw)
+                break
+            except dyn.SweepError as e:
+                if backend == st.compiler:
+                    raise CheckFailure(f"the compiled model ({st.compiler}) raised at the {e}",
+                                       metric="compile_recompiles", expected="every shape runs",
+                                       observed=type(e.error).__name__,
+                                       details="\n".join(f"  {b} raised at the {x}" for b, x in fell)) from e
+                fell.append((backend, e))
+        if fell:
+            text = "; ".join(f"{b} raised at the {x}" for b, x in fell)
+            ctx.notes.append(f"compile: the recompile sweep's {text}: swept with {kw['backend']}")
+            ctx.detail("compile_sweep_fallback", text)
         ctx.detail("compile_sweep", f"{kw['backend']} (dynamic={cfg.dynamic}): " + ", ".join(
             f"{label} {s:.2f} s" for label, s in st.sweep_s.items()))
         if st.recompiled:
@@ -333,7 +433,6 @@ class CompileCheck(Check):
             return
         from harness.golden.store import GoldenError
         from harness.precision import backward as bw
-        from harness.precision.routing import ForcedRouting
 
         spec = bw.spec(ctx.suite)
         try:
@@ -359,25 +458,45 @@ class CompileCheck(Check):
                 gs = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             return {n: (g if g is not None else torch.zeros_like(params[n])).detach().cpu() for n, g in zip(names, gs, strict=True)}
 
-        forced = ForcedRouting({"step": routes}, phase="step") if routes else None
-        handles = forced.attach(st.model) if forced else []
-        for mod in st.model.modules() if forced is not None else ():  # wrapped routers run eagerly: not traced
-            if "forward" in mod.__dict__:
-                mod.forward = torch._dynamo.disable(mod.forward, recursive=False)
-        try:
+        def compiled_grads(emulate: bool = False) -> dict[str, torch.Tensor]:
+            with forced_routing(st.model, routes) if routes else contextlib.nullcontext(), dyn.fresh():
+                patch = dyn.emulated_precision() if emulate else contextlib.nullcontext()
+                with patch:
+                    return grads(dyn.compile_module(st.model, **st.compile_kw))
+
+        def rows(compiled) -> list[tuple]:
+            out = []
+            for n in names:
+                ref = t[f"pgrad/{n}"]
+                b = bw.budget(clean.get("param", {}).get(n, math.inf), ctx.dtype, k)
+                out.append((n, bw.rel_rmse(bw.at(compiled[n], idx[n]), ref), bw.rel_rmse(bw.at(eager[n], idx[n]), ref), b))
+            return out
+
+        def over(rs) -> list[tuple]:
+            return [r for r in rs if r[3] is not None and not r[1] <= r[3]]
+
+        with forced_routing(st.model, routes) if routes else contextlib.nullcontext():
             eager = grads(st.model)
-            with dyn.fresh():
-                t0 = time.perf_counter()
-                compiled = grads(dyn.compile_module(st.model, **st.compile_kw))
-                st.grad_compile_s = time.perf_counter() - t0
-        finally:
-            for h in handles:
-                h.remove()
-        for n in names:
-            ref = t[f"pgrad/{n}"]
-            b = bw.budget(clean.get("param", {}).get(n, math.inf), ctx.dtype, k)
-            st.grad_rows.append((n, bw.rel_rmse(bw.at(compiled[n], idx[n]), ref), bw.rel_rmse(bw.at(eager[n], idx[n]), ref), b))
-        bad = [r for r in st.grad_rows if r[3] is not None and not r[1] <= r[3]]
+        t0 = time.perf_counter()
+        st.grad_rows = rows(compiled_grads())
+        st.grad_compile_s = time.perf_counter() - t0
+        bad = over(st.grad_rows)
+        if bad and ctx.dtype in ("bfloat16", "float16") and dyn.can_emulate_precision(st.compiler):
+            # Inductor fuses and skips the low-precision roundings eager does between ops (its
+            # emulate_precision_casts is off by default): a different, legitimate arithmetic whose
+            # error the budgets (measured on eager draws) do not model. Measured: DeepSeek-V4-Flash's
+            # attn_hc.base gradient, bfloat16, 1.12 x its budget, 0.80 x with the casts emulated. A
+            # kernel fault stays over budget either way; only a divergence that the emulation
+            # removes is explained (and said), never silently passed.
+            emulated = rows(compiled_grads(emulate=True))
+            if not over(emulated):
+                worst = max(bad, key=lambda r: r[1] / r[3])
+                text = (f"{len(bad)} parameter gradient(s) over budget under inductor's default precision (worst "
+                        f"{worst[0]}: {worst[1]:.3g} > {worst[3]:.3g}), all within budget with emulate_precision_casts "
+                        f"(the roundings eager does between fused ops)")
+                ctx.detail("compile_grad_precision_casts", text)
+                ctx.notes.append(f"compile: {text}")
+                st.grad_rows, bad = emulated, []
         # walking backward (the golden's backward order): where a wrong backward kernel is met first;
         # parameters upstream of it inherit its error (the embedding last)
         order = sec.entry.get("backward_order") or []
@@ -435,8 +554,10 @@ class CompileCheck(Check):
     def bisect(self, ctx: CheckContext, st) -> None:
         if ctx.variant == SPEED or st.diverged is None or not st.cfg.bisect:
             return
-        st.bisection = bis.localize(st.model, lambda m: self._logits(m, st.ids), st.eager_logits, st.eager_budget,
-                                    st.compile_kw, st.cfg.bisect_depth)
+        routes = golden_routes(st.g) if st.routing_forced else None
+        with forced_routing(st.model, routes) if routes else contextlib.nullcontext():
+            st.bisection = bis.localize(st.model, lambda m: self._logits(m, st.ids), st.eager_logits,
+                                        st.eager_budget, st.compile_kw, st.cfg.bisect_depth)
         st.bisect_text = "bisection, one region compiled at a time, logits against eager:\n" + "\n".join(
             f"  {r.name}: rel_rmse {r.rel_rmse:.3g}" + (" (diverges)" if r.diverges else "") for r in st.bisection.tried)
         ctx.detail("compile_bisection", st.bisect_text)
@@ -453,6 +574,8 @@ class CompileCheck(Check):
         ctx.metric("compile_logits_rel_rmse", st.vs_golden["rel_rmse"])
         ctx.metric("compile_logits_budget_use", st.vs_golden["rel_rmse"] / st.budget if st.budget else math.inf)
         ctx.metric("compile_vs_eager_rel_rmse", st.vs_eager["rel_rmse"])
+        if st.routing_forced:
+            ctx.metric("compile_router_flips", st.router_flips)
         if st.loss_err is not None:
             ctx.metric("compile_loss_abs_err", st.loss_err)
         judged = [r for r in st.grad_rows if r[3]]

@@ -164,16 +164,27 @@ def unexplained(recompiles: list[Recompile], dynamic: bool | None, decode: str) 
     return out
 
 
+class SweepError(Exception):
+    """A call of the sweep raised: ``label`` names the shape, ``error`` is what it raised."""
+
+    def __init__(self, label: str, error: BaseException):
+        super().__init__(f"{label}: {type(error).__name__}: {first(str(error))}")
+        self.label, self.error = label, error
+
+
 def sweep(calls: list[tuple[str, Callable[[], object]]]) -> tuple[list[Recompile], dict[str, float]]:
     """Run each ``(label, call)`` in order (the first compiles); the recompiles each call caused, and
-    the wall seconds of each call (its compile included)."""
+    the wall seconds of each call (its compile included). A call that raises: ``SweepError`` naming it."""
     from torch._dynamo.utils import get_compilation_metrics
 
     seen = {id(r) for r in get_compilation_metrics()}
     out, seconds = [], {}
     for label, call in calls:
         t = time.perf_counter()
-        call()
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the compiled model's own error, reported with its shape
+            raise SweepError(label, e) from e
         seconds[label] = time.perf_counter() - t
         for r in get_compilation_metrics():
             if id(r) in seen:
@@ -183,3 +194,15 @@ def sweep(calls: list[tuple[str, Callable[[], object]]]) -> tuple[list[Recompile
                 where = f"{r.co_name} ({os.path.basename(r.co_filename or '')}:{r.co_firstlineno})"
                 out.append(Recompile(label, where, first(r.recompile_reason)))
     return out, seconds
+
+
+def can_emulate_precision(backend: str) -> bool:
+    """Whether the compiler has inductor's ``emulate_precision_casts`` (inductor itself)."""
+    return backend == "inductor"
+
+
+def emulated_precision():
+    """Inductor compiling with the low-precision roundings eager does between ops (a context)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(emulate_precision_casts=True)
