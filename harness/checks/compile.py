@@ -137,6 +137,10 @@ class CompileConfig(CheckConfig):
         "guard-failure reason, fewer pass with a note. Unset: measured and recorded, with a note.")
     eager_k: float = Field(1.0, gt=0, description="Compiled vs eager logits are held to eager_k x the golden's "
                            "propagated logits budget in this dtype.")
+    grad_k: float = Field(2.0, gt=0, description="Compiled parameter gradients are held to grad_k x the training "
+                          "check's budget: the budgets are measured on eager draws, and a compiled backward (fused "
+                          "kernels, reordered reductions) is another arithmetic - clean, it used 0.46-1.47 of the "
+                          "eager budget over 17 Day-0 configs x 2 dtypes (eager: 0.51-0.69).")
     loss: bool = Field(True, description="Compare the LM loss of the compiled logits with the golden's (held to the "
                        "bound the logits budget implies: sqrt(2 / tokens) x budget x ||golden logits||).")
     gradients: bool = Field(True, description="Also compile the backward: the LM loss's parameter gradients of the "
@@ -470,6 +474,7 @@ class CompileCheck(Check):
             for n in names:
                 ref = t[f"pgrad/{n}"]
                 b = bw.budget(clean.get("param", {}).get(n, math.inf), ctx.dtype, k)
+                b = None if b is None else st.cfg.grad_k * b
                 out.append((n, bw.rel_rmse(bw.at(compiled[n], idx[n]), ref), bw.rel_rmse(bw.at(eager[n], idx[n]), ref), b))
             return out
 
