@@ -48,7 +48,8 @@ metrics.declare("compile_recompiles", "", "lower", "compile: frame recompiles ov
                 "decode step after the first compile")
 metrics.declare("compile_logits_rel_rmse", "", "lower", "compile: ||compiled - golden|| / ||golden|| of the logits")
 metrics.declare("compile_logits_budget_use", "", "lower", "compile: compiled logits rel_rmse / the golden's "
-                "propagated logits budget (fails > 1)")
+                "propagated logits budget (fails > 1); with MoE routing forced, / at least eager's distance + the "
+                "compiled-vs-eager budget")
 metrics.declare("compile_vs_eager_rel_rmse", "", "lower", "compile: ||compiled - eager|| / ||eager|| of the logits, "
                 "same backend and dtype")
 metrics.declare("compile_router_flips", "", "none", "compile (MoE, numerics judged with routing forced): token "
@@ -80,6 +81,16 @@ def _uncommitted(ctx, what: str, key: str, n: int) -> None:
     ctx.notes.append(f"compile: {n} {what} measured, no expectation committed: add `{key} = {n}` (or "
                      f"{{{ctx.dtype} = {n}}}) to [checks.compile] of {ctx.suite.name} to hold it")
     ctx.detail(f"compile_{key}_uncommitted", str(n))
+
+
+TOL_GOLDEN = metrics.tolerance_property("compile_logits_rel_rmse", 0.0)[0]
+
+
+def metrics_of(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """rel_rmse of ``got`` against ``ref``."""
+    from harness.precision.compare import tensor_metrics
+
+    return tensor_metrics(got, ref)["rel_rmse"]
 
 
 def golden_routes(g) -> dict[str, torch.Tensor]:
@@ -221,6 +232,7 @@ class CompileCheck(Check):
         tol, src = tolerances_for(ctx.suite, ctx.backend, ctx.dtype)
         bud = budgets_for(st.g, ctx.dtype, tol, ctx.suite.suite.checks.precision.budget_k, src)
         st.budget = bud.logits if bud.logits is not None else tol["rel_rmse"]
+        st.golden_bound = st.budget  # compiled vs golden (widened only with routing forced: _forced_rerun)
         st.eager_budget = cfg.eager_k * st.budget
         ctx.tolerance("compile_logits_rel_rmse", st.budget)
         ctx.tolerance("compile_vs_eager_rel_rmse", st.eager_budget)
@@ -277,9 +289,9 @@ class CompileCheck(Check):
         st.vs_eager = tensor_metrics(st.logits, st.eager_logits)
         st.eager_vs_golden = tensor_metrics(view(st.eager_logits), ref)
         st.diverged = None
-        if not st.vs_golden["rel_rmse"] <= st.budget:
+        if not st.vs_golden["rel_rmse"] <= st.golden_bound:
             st.diverged = (f"compiled logits diverge from the golden (rel_rmse {st.vs_golden['rel_rmse']:.3g} > budget "
-                           f"{st.budget:.3g}; eager {st.eager_vs_golden['rel_rmse']:.3g})")
+                           f"{st.golden_bound:.3g}; eager {st.eager_vs_golden['rel_rmse']:.3g})")
         elif not st.vs_eager["rel_rmse"] <= st.eager_budget:
             st.diverged = (f"compiled logits diverge from eager on {ctx.backend.name} (rel_rmse "
                            f"{st.vs_eager['rel_rmse']:.3g} > {st.eager_budget:.3g})")
@@ -311,6 +323,15 @@ class CompileCheck(Check):
         st.router_flips = flips
         st.routing_forced = True
         st.logits, st.eager_logits = compiled, eager
+        # Forced, the golden's logits budget is no fair bound by itself: measured on unforced draws
+        # (flips included) it sits at the tolerance's cap, and the forced eager model may already use
+        # most of it (gemma-4-26B-A4B bf16: 0.037 of 0.04) - the precision check holds a MoE model's
+        # modules in isolation, not its end-to-end logits. By the triangle inequality, compiled within
+        # eager_budget of eager and eager at its distance from the golden put compiled within their
+        # sum; so compiled vs eager decides, and compiled vs golden is held to at least that sum.
+        st.golden_bound = max(st.budget, metrics_of(view(eager), ref) + st.eager_budget)
+        ctx.properties[:] = [p for p in ctx.properties if p[0] != TOL_GOLDEN]
+        ctx.tolerance("compile_logits_rel_rmse", st.golden_bound)
         self._judge(ctx, st, view, ref)
         text = (f"{flips} token choice(s) of {len(calls)} router(s) in the compiled run differ from the golden's; "
                 f"with the model's own routing: {first}; judged with every router forced to the golden's "
@@ -330,7 +351,7 @@ class CompileCheck(Check):
             return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels).item()
 
         n = labels.numel()
-        bound = math.sqrt(2 / n) * st.budget * ref[:, :-1].double().norm().item()
+        bound = math.sqrt(2 / n) * st.golden_bound * ref[:, :-1].double().norm().item()
         return abs(loss(st.logits) - loss(ref)), bound
 
     def breaks(self, ctx: CheckContext, st) -> None:
@@ -578,7 +599,7 @@ class CompileCheck(Check):
             return
         ctx.metric("compile_recompiles", len(st.recompiled))
         ctx.metric("compile_logits_rel_rmse", st.vs_golden["rel_rmse"])
-        ctx.metric("compile_logits_budget_use", st.vs_golden["rel_rmse"] / st.budget if st.budget else math.inf)
+        ctx.metric("compile_logits_budget_use", st.vs_golden["rel_rmse"] / st.golden_bound if st.golden_bound else math.inf)
         ctx.metric("compile_vs_eager_rel_rmse", st.vs_eager["rel_rmse"])
         if st.routing_forced:
             ctx.metric("compile_router_flips", st.router_flips)
@@ -602,9 +623,9 @@ class CompileCheck(Check):
                 where = ("no single region compiled alone diverges (a fusion across region boundaries, or the "
                          "whole graph)")
             raise CheckFailure(
-                f"{where}: {st.diverged}", metric="compile_logits_rel_rmse", expected=f"<= {st.budget:.3g}",
+                f"{where}: {st.diverged}", metric="compile_logits_rel_rmse", expected=f"<= {st.golden_bound:.3g}",
                 observed=f"{st.vs_golden['rel_rmse']:.4g} (vs eager {st.vs_eager['rel_rmse']:.4g})",
-                tolerance=st.budget, details=st.bisect_text)
+                tolerance=st.golden_bound, details=st.bisect_text)
         if st.problems:
             first = st.problems[0]
             also = [f"also: {p.message}" for p in st.problems[1:]]

@@ -274,6 +274,9 @@ def test_moe_routing_flip_in_the_compiled_graph_is_judged_with_the_goldens_routi
     assert "with the model's own routing: compiled logits diverge" in detail, detail
     assert metric(ctx, "compile_logits_budget_use") < 1
     assert any("MoE routing forced to the golden's" in n for n in ctx.notes)
+    # the bound applied, once: at least the forced eager model's distance + the compiled-vs-eager budget
+    tol = [float(v) for k, v in ctx.properties if k == "tolerance.compile_logits_rel_rmse"]
+    assert len(tol) == 1 and tol[0] > float(dict(ctx.properties)["tolerance.compile_vs_eager_rel_rmse"]), tol
 
 
 def test_moe_compiled_fault_still_fails_with_the_goldens_routing():
