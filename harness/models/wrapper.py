@@ -14,8 +14,8 @@ What the smoke check's ``wrapper`` variant builds (docs/adding-a-model.md):
   its knobs (patch / merge / temporal patch / pooling sizes, a fixed tower's image size) read from the
   pruned vision config, its token or patch budget the smallest it accepts. No model type is listed.
   Where transformers ships only a torchvision processor, ``pixel_values`` are built from the config in
-  its layout and value range where harness reproduces it (``CONFIG_BUILT``: Llama 4, Kimi-K2.5), and
-  otherwise the item is NotApplicable in one line naming the processor (LFM2-VL).
+  its layout and value range where harness reproduces it (``CONFIG_BUILT``: Llama 4, Kimi-K2.5, LFM2-VL), and
+  otherwise the item is NotApplicable in one line naming the processor.
 * **image tokens**: how many positions one image fills is counted by the model itself: a float32 CPU
   copy of the tiny wrapper runs to its ``get_placeholder_mask``, whose image features [tokens, hidden]
   are the count it will check (or the rows of ``get_image_features`` where a model has no such check).
@@ -147,10 +147,34 @@ def _kimi_k25(cfg, n: int, seed: int):
         "built from the config (Kimi_K25ImageProcessor needs torchvision)", {}
 
 
+def _lfm2_vl(cfg, n: int, seed: int):
+    vc = cfg.vision_config
+    p = vc.patch_size
+    f = getattr(cfg, "downsample_factor", 2)
+    side = p * f * 2  # a 2x2 grid of tokens after the f x f pixel unshuffle: one tile, no split
+    # Lfm2VlImageProcessor (torchvision only), an image below its split threshold: resized to a multiple
+    # of patch x factor (this side already is), rescale 1/255, normalize mean/std 0.5 -> [-1, 1], then
+    # its convert_image_to_patches: [C, H, W] -> [H/p x W/p patches, p * p * C] with each patch's pixels
+    # row-major and channels last; padded (do_pad) to its max_num_patches with a 0/1 pixel_attention_mask.
+    # Here the pad is 4 patches past the image (the processor pads to max_image_tokens x factor^2), so the
+    # tower's masked positions are exercised without a 1024-patch sequence; spatial_shapes [rows, cols].
+    g = side // p
+    pad = 4
+    imgs = torch.stack([_image(seed + i, side).float() / 255 * 2 - 1 for i in range(n)])  # [n, 3, side, side]
+    patches = imgs.reshape(n, 3, g, p, g, p).permute(0, 2, 4, 3, 5, 1).reshape(n, g * g, p * p * 3)
+    px = torch.nn.functional.pad(patches, (0, 0, 0, pad))  # [n, g*g + pad, p*p*3]
+    mask = torch.ones(n, g * g + pad, dtype=torch.int32)
+    mask[:, g * g:] = 0
+    shapes = torch.tensor([[g, g]] * n)
+    return {"pixel_values": px, "pixel_attention_mask": mask, "spatial_shapes": shapes}, None, \
+        "built from the config (Lfm2VlImageProcessor needs torchvision)", {}
+
+
 # Processors transformers ships only for torchvision (not a dependency here): the layout and value
 # range they produce, built from the config. Keyed by the processor's class name, the thing whose
 # output they reproduce; any other processor runs itself (_from_processor).
-CONFIG_BUILT: dict[str, Callable] = {"Llama4ImageProcessor": _llama4, "Kimi_K25ImageProcessor": _kimi_k25}
+CONFIG_BUILT: dict[str, Callable] = {"Llama4ImageProcessor": _llama4, "Kimi_K25ImageProcessor": _kimi_k25,
+                                      "Lfm2VlImageProcessor": _lfm2_vl}
 
 # The processor's knobs read from the (pruned) vision config: processor kwarg -> config attributes.
 FROM_VISION = {"patch_size": ("patch_size",), "temporal_patch_size": ("temporal_patch_size",),

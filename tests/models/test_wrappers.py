@@ -29,9 +29,10 @@ WRAPPERS = sorted(p.stem for p in DAY0.glob("*.json") if is_wrapper(json.loads(p
 # transformers 5.24's Llama4ForConditionalGeneration.forward reads `image_outputs` from its language
 # model's output, which has none: the wrapper cannot run at all in this version (text-only input too).
 NOT_RUNNABLE = {"Llama-4-Scout-17B-16E-Instruct": "cannot run Llama4ForConditionalGeneration.forward"}
-# LFM2-VL's only image processor is a torchvision one (not installed here, no config-built layout): the
-# one reason a wrapper transformers builds is skipped, said in one line naming the processor.
-NEEDS_TORCHVISION = {} if importlib.util.find_spec("torchvision") else {"LFM2-VL-450M": "Lfm2VlImageProcessor"}
+# A wrapper whose only image processor is a torchvision one, with no config-built layout, is skipped in
+# one line naming the processor (test_torchvision_only_processor_is_one_line). None of the corpus's is:
+# LFM2-VL's Lfm2VlImageProcessor is built from the config (test_lfm2_vl_layout_is_the_processors).
+NEEDS_TORCHVISION: dict[str, str] = {}
 # Built from init's plan without init's probes (a default-item backward each: 10-20 s on this machine;
 # init itself is exercised on Kimi-K2.5 and Llama 4 here and on every config by test_day0.py).
 PLAN_ONLY = {"gemma-4-26B-A4B", "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B"}
@@ -272,7 +273,8 @@ def test_broken_vision_path_inside_transformers_fails_not_skips(suites):
     ("Qwen3-VL-30B-A3B-Instruct", "processor Qwen2VLImageProcessorPil (registered for qwen3_vl)", 4),
     ("gemma-4-26B-A4B", "processor Gemma4ImageProcessorPil", None),
     ("Kimi-K2.5", "built from the config (Kimi_K25ImageProcessor needs torchvision)", 4),
-], ids=["qwen3_vl_moe", "gemma4", "kimi_k25"])
+    ("LFM2-VL-450M", "built from the config (Lfm2VlImageProcessor needs torchvision)", 4),
+], ids=["qwen3_vl_moe", "gemma4", "kimi_k25", "lfm2_vl"])
 def test_image_layout_is_derived_not_listed(name, processor, tokens, tmp_path):
     """Issue #29 item 2: the layout comes from transformers' own image-processor registry for the
     wrapper's model type (a model type without an entry takes its family's: qwen3_vl_moe -> qwen3_vl),
@@ -295,3 +297,69 @@ def test_image_layout_is_derived_not_listed(name, processor, tokens, tmp_path):
     assert int((b.inputs["input_ids"] == mc.config.image_token_id).sum()) == 2 * b.image_tokens
     layout, why = image_layout("no_such_vl")
     assert layout is None and "registers no image processor for model_type 'no_such_vl'" in why
+
+
+def _upstream(module: str, *names: str) -> dict:
+    """Functions of a transformers module that cannot be imported here (its torchvision import), taken
+    from its source by name and run as they are: the processor's own arithmetic to compare with."""
+    import ast
+    import math
+
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(open(spec.origin).read())
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {f.name for f in fns} == set(names), names
+    for f in fns:
+        f.decorator_list = []
+    ns: dict = {"torch": torch, "math": math}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), spec.origin, "exec"), ns)
+    return ns
+
+
+def test_lfm2_vl_layout_is_the_processors(tmp_path):
+    """LFM2-VL (issue #29 item 2): its only processor needs torchvision, so its inputs are built from the
+    config. The patches and padding are what transformers' own convert_image_to_patches and
+    pad_along_first_dim make of the same normalized image, the tower's mask hides the padding (other
+    values there change nothing), and the model's own check counts 4 tokens per image."""
+    from harness.models.build import model_config
+    from harness.models.config import architecture_class
+    from harness.models.wrapper import _image
+
+    ls = load_suite(_plan_suite("LFM2-VL-450M", tmp_path))
+    mc, _ = wrapper_config(ls, model_config(ls))
+    b = image_batch(mc.config, 2, 8, 3, architecture=mc.architecture)
+    px, mask, shapes = b.inputs["pixel_values"], b.inputs["pixel_attention_mask"], b.inputs["spatial_shapes"]
+    up = _upstream("transformers.models.lfm2_vl.image_processing_lfm2_vl", "convert_image_to_patches",
+                   "pad_along_first_dim")
+    p, f = mc.config.vision_config.patch_size, mc.config.downsample_factor
+    side = p * f * 2
+    imgs = torch.stack([_image(3 + i, side).float() / 255 for i in range(2)])
+    imgs = (imgs - 0.5) / 0.5  # the processor's rescale 1/255 and IMAGENET_STANDARD mean / std 0.5
+    want, want_mask = up["pad_along_first_dim"](up["convert_image_to_patches"](imgs, p), px.shape[1])
+    assert torch.equal(px, want) and torch.equal(mask, torch.stack([want_mask] * 2))
+    assert shapes.tolist() == [[side // p, side // p]] * 2 and int(mask.sum()) == 2 * (side // p) ** 2
+    assert b.image_tokens == 4 and b.inputs["input_ids"].shape == (2, 12)
+    torch.manual_seed(0)
+    model = architecture_class(mc.architecture)(mc.config).float().eval()
+    noisy = px.clone()
+    noisy[mask == 0] = 7.0  # padding patches: the mask keeps them out of every real token
+    with torch.no_grad():
+        a = model(**b.inputs).logits
+        c = model(**{**b.inputs, "pixel_values": noisy}).logits
+        d = model(**{**b.inputs, "pixel_values": px.flip(0)}).logits  # the images swapped: a real change
+    assert torch.equal(a, c) and not torch.allclose(a, d)
+
+
+def test_torchvision_only_processor_is_one_line(monkeypatch):
+    """A wrapper whose only image processor needs torchvision and has no config-built layout is skipped
+    in one line naming the processor and the fix; it never guesses a layout."""
+    from harness.models import wrapper
+
+    monkeypatch.setattr(wrapper, "_torchvision", lambda: False)
+    monkeypatch.setattr(wrapper, "CONFIG_BUILT", {k: v for k, v in wrapper.CONFIG_BUILT.items()
+                                                  if k != "Lfm2VlImageProcessor"})
+    layout, why = wrapper.image_layout("lfm2_vl")
+    assert layout is None and "\n" not in why
+    assert why.startswith("its image processor Lfm2VlImageProcessor needs torchvision") and "pip install" in why
+    raw = json.loads((DAY0 / "LFM2-VL-450M.json").read_text())
+    assert "Lfm2VlImageProcessor needs torchvision" in wrapper.supported(raw)
