@@ -55,6 +55,12 @@ class Settings(BaseModel):
     durations_file: str = Field("durations.json", description="Recorded item durations (`harness durations "
                                 "update`): time limits of isolated items and shard balance.")
     backends: list[CustomBackend] = Field(default_factory=list, description="Custom backends.")
+    confirm_reruns: int = Field(0, ge=0, le=20, description="Reruns of a failed or erroring item, each in a fresh "
+                                "worker, before it is reported: deterministic / flaky / infrastructure "
+                                "(`harness run --confirm N`; CI passes 2; docs/ci.md).")
+    quarantine_file: str = Field("quarantine.json", description="The quarantine (flaky items that report but fail "
+                                 "no run): read by `harness run`, maintained by `harness compare --quarantine` "
+                                 "and `harness quarantine`.")
 
 
 class SettingsError(Exception):

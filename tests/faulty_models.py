@@ -76,3 +76,44 @@ def hostile_error(config, dtype, device):
 
     m.model.layers[0].mlp.register_forward_pre_hook(fail)
     return m
+
+
+# --- for confirm-before-filing (harness/run/confirm.py) ---------------------------------------------
+
+def _nan_mlp(m):
+    m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * float("nan"))
+    return m
+
+
+def nan(config, dtype, device):
+    """Deterministic: layer 0's MLP returns NaN in every run (a wrong kernel)."""
+    return _nan_mlp(LlamaForCausalLM(config))
+
+
+def _processes_so_far() -> int:
+    """How many worker processes built this adapter before this one (a counter file named by
+    $HARNESS_TEST_FLAKY_COUNTER, advanced once per process)."""
+    path = os.environ["HARNESS_TEST_FLAKY_COUNTER"]
+    if getattr(_processes_so_far, "n", None) is None:
+        n = int(open(path).read() or 0) if os.path.exists(path) else 0
+        with open(path, "w") as f:
+            f.write(str(n + 1))
+        _processes_so_far.n = n
+    return _processes_so_far.n
+
+
+def flaky(config, dtype, device):
+    """Fails one run in three: in the first worker process of every three that build it, layer 0's
+    MLP returns NaN (a race that corrupts a buffer now and then). Each of harness's confirming reruns
+    is a fresh process, so a run's first attempt fails and its two reruns pass."""
+    m = LlamaForCausalLM(config)
+    return _nan_mlp(m) if _processes_so_far() % 3 == 0 else m
+
+
+def oom_killed(config, dtype, device):
+    """The runner's OOM killer: the process is sent SIGKILL from outside harness mid-forward."""
+    import signal
+
+    m = LlamaForCausalLM(config)
+    m.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: os.kill(os.getpid(), signal.SIGKILL))
+    return m

@@ -2,7 +2,7 @@
 
 Subcommands (one module each): ``run``, ``validate``, ``init``, ``backends``, ``inspect``, ``plan``,
 ``golden``, ``precision``, ``weights``, ``oplist``, ``compare``, ``report``, ``baseline``,
-``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``.
+``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``.
 
 Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
 ``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
@@ -33,6 +33,7 @@ SUBCOMMANDS = [
     "harness.cli.ci_local",
     "harness.cli.certify",
     "harness.cli.bisect",
+    "harness.cli.quarantine",
 ]
 
 

@@ -41,25 +41,39 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
                    help=f"folder for results, history, baseline, issues and logs (default {DEFAULT_OUT})")
     p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes (default 2)")
+    p.add_argument("--reenable-after", type=int, default=3,
+                   help="clean runs before a quarantined item counts again (default 3, as ci.yml)")
+    p.add_argument("--sink", default="file",
+                   help="issue sink of the comparison (default file: OUT/issues; github with --compare-arg "
+                        "--repo/--api-url and GITHUB_TOKEN rehearses main's compare job against a GitHub API)")
+    p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the comparison (repeatable), e.g. --compare-arg=--repo=o/r")
     p.set_defaults(func=main)
 
 
+CONFIRM = 2  # ci.yml's reruns of a failed item before it is reported (harness.run.confirm)
+QUARANTINE = Path("harness-quarantine.json")  # ci.yml's quarantine file (a cache beside the history)
+
+
 def shard_command(k: int, n: int, results: Path, *, backend: str = "cpu", workers: str = "2",
-                  scope: str = "commit", suites: list[str] = (), checks: list[str] = ()) -> list[str]:
+                  scope: str = "commit", suites: list[str] = (), checks: list[str] = (),
+                  quarantine: Path = QUARANTINE) -> list[str]:
     """The `harness run` arguments of shard k of n (ci.yml's models job, without `.venv/bin/harness`)."""
     cmd = ["run", *suites, "--backend", backend]
     if scope != "commit":
         cmd += ["--scope", scope]
-    cmd += ["--shard", f"{k}/{n}", "-n", str(workers), "--results", str(results)]
+    cmd += ["--shard", f"{k}/{n}", "-n", str(workers), "--confirm", str(CONFIRM), "--quarantine", str(quarantine),
+            "--results", str(results)]
     return cmd + [a for c in checks for a in ("--check", c)]
 
 
 def compare_command(results_glob: str, n: int, *, baseline: Path, history: Path, sink: str,
-                    summary: Path, extra: list[str] = ()) -> list[str]:
+                    summary: Path, quarantine: Path = QUARANTINE, extra: list[str] = ()) -> list[str]:
     """The `harness compare` arguments of ci.yml's compare jobs (sink: stdout on pull requests,
     github on main, file here)."""
     return ["compare", results_glob, "--baseline", f"{baseline}/", "--history", str(history),
-            "--expect-shards", str(n), "--sink", sink, "--summary", str(summary), *extra]
+            "--expect-shards", str(n), "--sink", sink, "--summary", str(summary), "--quarantine", str(quarantine),
+            *extra]
 
 
 def _git_head() -> str:
@@ -113,9 +127,12 @@ def _run_shards(args, n: int, results_root: Path, logs: Path) -> list[int]:
     env.setdefault("HF_HUB_OFFLINE", "1")  # as ci.yml's workflow env
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+    out = results_root.parent
+
     def shard(k: int) -> tuple[int, int, float]:
         argv = shard_command(k, n, results_root / f"shard-{k}", backend=args.backend, workers=args.workers,
-                             scope=args.scope, suites=args.suites, checks=args.check)
+                             scope=args.scope, suites=args.suites, checks=args.check,
+                             quarantine=out / "quarantine.json")
         print(f"shard {k}/{n}: harness {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         with open(logs / f"shard-{k}.log", "w", encoding="utf-8") as log:
@@ -139,9 +156,10 @@ def _compare(args, n: int, out: Path, results_root: Path) -> int:
 
     baseline, history = out / "baseline", out / "history.sqlite"
     run_id = f"ci-local-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S.%fZ}"
-    argv = compare_command(f"{results_root}/*/junit.xml", n, baseline=baseline, history=history, sink="file",
-                           summary=out / "summary.md",
+    argv = compare_command(f"{results_root}/*/junit.xml", n, baseline=baseline, history=history, sink=args.sink,
+                           summary=out / "summary.md", quarantine=out / "quarantine.json",
                            extra=["--out-dir", str(out / "issues"), "--run-id", run_id,
-                                  "--close-after", str(args.close_after), "--commit", _git_head()])
+                                  "--close-after", str(args.close_after), "--reenable-after", str(args.reenable_after),
+                                  "--commit", _git_head(), *args.compare_arg])
     print(f"\ncompare: harness {' '.join(argv)}\n", flush=True)
     return cli_main(argv)

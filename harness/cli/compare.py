@@ -117,6 +117,11 @@ def register(subparsers) -> None:
     p.add_argument("--run-url", default="", help="default: built from GitHub Actions' environment")
     p.add_argument("--mute-file", default=DEFAULT_MUTES, help=f"default {DEFAULT_MUTES} if present")
     p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes")
+    p.add_argument("--quarantine", metavar="FILE", default=None,
+                   help="maintain this quarantine file: flaky items go in, and come out after --reenable-after "
+                        "clean runs in a row (harness run reads the same file; docs/ci.md)")
+    p.add_argument("--reenable-after", type=int, default=3, metavar="K",
+                   help="clean runs in a row before a quarantined item counts again (default 3)")
     p.add_argument("--file-kinds", default=",".join(FILED_KINDS),
                    help="kinds that open issues (also: flaky, improvement)")
     p.add_argument("--group-by", default=",".join(GROUP_BY),
@@ -130,6 +135,10 @@ def register(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     from harness.compare.sinks import registry as sink_registry
 
+    if args.reenable_after < 1:
+        print(f"harness compare: --reenable-after: {args.reenable_after} is not a number of runs (1 or more)",
+              file=sys.stderr)
+        return 2
     if args.sink not in sink_registry():
         print(f"harness compare: --sink: unknown issue sink {args.sink!r} "
               f"(registered: {', '.join(sink_registry().names())})", file=sys.stderr)
@@ -139,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
         out_dir=args.out_dir, dry_run=args.dry_run, repo=args.repo, api_url=args.api_url,
         enterprise_url=args.github_url, max_api_calls=args.max_api_calls, run_key=args.run_id,
         commit=args.commit, baseline_commit=args.baseline_commit, run_url=args.run_url,
-        mute_file=args.mute_file, close_after=args.close_after,
+        mute_file=args.mute_file, close_after=args.close_after, quarantine_file=args.quarantine,
+        reenable_after=args.reenable_after,
         filed_kinds=tuple(k for k in args.file_kinds.split(",") if k),
         group_by=tuple(k for k in args.group_by.split(",") if k),
         expect_shards=args.expect_shards, config=config_from(args))

@@ -31,6 +31,12 @@ def register(sub) -> None:
     p.add_argument("--scope", choices=("commit", "nightly"), default="commit",
                    help="commit (default): what every commit runs; nightly: plus real weights, full-size "
                         "shapes and the full parallel matrix")
+    p.add_argument("--confirm", type=int, default=None, metavar="N",
+                   help="rerun a failed item N more times in fresh workers and classify it deterministic / flaky / "
+                        "infrastructure before reporting (default: confirm_reruns in harness.toml, else 0)")
+    p.add_argument("--quarantine", default=None, metavar="FILE",
+                   help="quarantine file: its items run and report but do not fail the run "
+                        "(default: quarantine_file in harness.toml, quarantine.json)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run items in this process (faster on trusted CPU runs; a hang or crash then costs "
                         "the run; device backends stay isolated)")
@@ -93,6 +99,13 @@ def _main(args, settings, early) -> int:
             return 2
         extra += [f"--harness-shard={args.shard}"]
     extra += [f"--harness-scope={args.scope}"]
+    if args.confirm is not None:
+        if args.confirm < 0:
+            console.print(f"--confirm: {args.confirm} is not a number of reruns (0 or more)", style="red", markup=False)
+            return 2
+        extra += [f"--harness-confirm={args.confirm}"]
+    if args.quarantine:
+        extra += [f"--harness-quarantine={args.quarantine}"]
     return driver.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
                       results=args.results or Path(settings.results_dir), workers=args.workers,
                       keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,

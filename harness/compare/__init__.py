@@ -9,6 +9,7 @@ Read top to bottom, the pipeline is:
 ``classify``  failures, flakes, vanished tests, precision drift and metric regressions
 ``perfverdict`` the perf check's own verdicts (regression / improvement / not compared) read back
 ``mutes``     the mute file
+``quarantine`` the quarantine file: flaky items in, re-enabled after K clean runs
 ``issues``    grouping, fingerprints and the plan of issue actions
 ``body``      the markdown of an issue (tables, first divergent module, logs; size-capped)
 ``scrub``     @mentions and secrets out of everything posted

@@ -83,7 +83,8 @@ def _rows(group: Group) -> list[str]:
             before = {"still_failing": "failed"}.get(f.category, "passed")
             current = {"vanished": "missing"}.get(f.category, f.case.outcome if f.case else "")
             label = f.category.replace("_", " ")
-            rows.append(f"| {md_code(name)} | outcome | {before} | {_cell(current)} | {label} | |")
+            # the last column: its reruns ("deterministic: failed 3 of 3 attempts", harness.run.confirm)
+            rows.append(f"| {md_code(name)} | outcome | {before} | {_cell(current)} | {label} | {_cell(f.note)} |")
     return rows
 
 

@@ -10,6 +10,10 @@ new_failure        fails now, passed (or did not exist) in the baseline / last r
 still_failing      failed before too                                                   (same)
 fixed              passes now, failed before                                           info
 flaky              failed in one attempt, passed in another (or on a rerun)            flaky
+quarantined        in the quarantine (harness.compare.quarantine): reported, and it    flaky
+                   keeps its flaky issue open, never a failure
+infrastructure     failed in every attempt for the runner's reasons, not the model's   infrastructure
+                   (harness.run.confirm: killed from outside, device lost, disk full)
 new_test           not in the baseline nor the last run                                info
 vanished           in the baseline but not now, while its suite x backend did run      vanished
 dropped            vanished, but no longer collected (``collected``): the suite dropped it  info
@@ -159,16 +163,35 @@ def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: 
         out.findings.append(Finding(category, kind, case.key, case.suite, case.backend, case, **kw))
 
     was_bad = (base is not None and base.outcome in _BAD) or prev in _BAD
+    confirmed = case.details.get("confirm", "")
+    if case.details.get("quarantined"):
+        if case.outcome in _BAD or case.flaky:  # a clean run counts towards re-enabling it instead
+            add("quarantined", "flaky", note=_attempts_note(case) or "failed while quarantined")
+        return
     if case.flaky:
-        add("flaky", "flaky", note=f"{case.attempts} attempts")
+        add("flaky", "flaky", note=_attempts_note(case) or f"{case.attempts} attempts")
     if by_verdict:
         pass
+    elif case.outcome in _BAD and confirmed == "infrastructure":
+        add("infrastructure", "infrastructure", note=_attempts_note(case))
     elif case.outcome in _BAD:
-        add("still_failing" if was_bad else "new_failure", _failure_kind(case))
+        add("still_failing" if was_bad else "new_failure", _failure_kind(case), note=_attempts_note(case))
     elif case.outcome == "passed" and was_bad:
         add("fixed", "info")
     if have_ref and base is None and not prev:
         add("new_test", "info")
+
+
+def _attempts_note(case: Case) -> str:
+    """'deterministic: failed 3 of 3 attempts' from harness's confirming reruns (harness.run.confirm),
+    or the JUnit rerun count; '' for an item run once."""
+    from harness.compare.quarantine import attempts
+
+    failed, n = attempts(case)
+    if n <= 1:
+        return ""
+    kind = case.details.get("confirm") or ("flaky" if case.outcome == "passed" else "")
+    return f"{kind + ': ' if kind else ''}failed {failed} of {n} attempts"
 
 
 def _verdict_findings(out: Classification, case: Case, verdict: perfverdict.Verdict) -> None:

@@ -35,7 +35,8 @@ from harness.compare.scrub import md_code, scrub
 
 LABEL = "harness"
 MUTED_LABEL = "harness:muted"
-FILED_KINDS = ("failure", "error", "precision", "performance", "vanished")
+# infrastructure: one issue per backend for runner and device failures (harness.run.confirm)
+FILED_KINDS = ("failure", "error", "precision", "performance", "vanished", "infrastructure")
 GROUP_BY = ("suite", "backend", "kind")
 _FP = re.compile(r"<!-- harness:fingerprint=([0-9a-f]+) -->")
 _STATE = re.compile(r"<!-- harness:state=([A-Za-z0-9+/=]*) -->")
@@ -57,7 +58,10 @@ class Group:
     def title(self) -> str:
         extra = [v for k, v in self.fields.items() if k not in ("suite", "backend", "kind")]
         tail = f" ({', '.join(extra)})" if extra else ""
-        what = {"flaky": "flaky tests", "improvement": "improvement, update the baseline"}.get(
+        quarantined = self.findings and all(f.category == "quarantined" for f in self.findings)
+        what = {"flaky": "flaky tests (quarantined)" if quarantined else "flaky tests",
+                "improvement": "improvement, update the baseline",
+                "infrastructure": "infrastructure (runner or device)"}.get(
             self.kind, f"{self.kind} regression")
         return scrub(f"[harness] {what}: {self.fields.get('suite', '*')} on "
                      f"{self.fields.get('backend', '*')}{tail}")
@@ -119,6 +123,8 @@ def fingerprint(fields: dict[str, str]) -> str:
 def _fields(f: Finding, group_by: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for k in group_by:
+        if k == "suite" and f.kind == "infrastructure":
+            continue  # a runner or device failure is the backend's, whichever suites it cost
         out[k] = f.kind if k == "kind" else str(getattr(f, k, "") or getattr(f.case, k, "") or "")
     return out
 
@@ -130,7 +136,10 @@ def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
     groups: dict[str, Group] = {}
     for f in cls.findings:
         # flakes and improvements are not regressions, but may be filed when asked for
-        if not (f.confirmed and f.kind in filed_kinds and (f.regression or f.kind in ("flaky", "improvement"))):
+        # quarantined items are always filed, as their suite x backend's flaky issue (open while any is
+        # quarantined: the visible record of the quarantine); other flakes only when asked for
+        if not (f.confirmed and (f.kind in filed_kinds or f.category == "quarantined")
+                and (f.regression or f.kind in ("flaky", "improvement", "infrastructure"))):
             continue
         fields = _fields(f, group_by)
         fp = fingerprint(fields)
@@ -142,8 +151,9 @@ def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
         if sig in seen:
             continue
         seen.add(sig)
-        for kind in filed_kinds:
-            fields = {k: (kind if k == "kind" else str(getattr(c, k, "") or "")) for k in group_by}
+        for kind in (*filed_kinds, "flaky"):  # flaky: the quarantine's issues, filed whenever it has items
+            fields = {k: (kind if k == "kind" else str(getattr(c, k, "") or "")) for k in group_by
+                      if not (k == "suite" and kind == "infrastructure")}  # as _fields groups them
             status[fingerprint(fields)] = False
     for fp in groups:
         status[fp] = True

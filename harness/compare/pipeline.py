@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from harness.compare import body, mutes, prefetch, sinks
-from harness.compare.classify import Classification, Config, classify
+from harness.compare import body, mutes, prefetch, quarantine, sinks
+from harness.compare.classify import Classification, Config, Finding, classify
 from harness.compare.history import History
 from harness.compare.issues import (
     FILED_KINDS,
@@ -60,6 +60,8 @@ class Options:
     baseline_commit: str = ""
     run_url: str = ""
     mute_file: str | None = None
+    quarantine_file: str | None = None  # maintained here (harness.compare.quarantine); None: not used
+    reenable_after: int = quarantine.REENABLE_AFTER
     close_after: int = 2
     filed_kinds: tuple[str, ...] = FILED_KINDS
     group_by: tuple[str, ...] = GROUP_BY
@@ -85,6 +87,7 @@ class Outcome:
     # Named mistakes in input that was read whole (a metric that is not a number): shown as
     # warnings, never a reason to call the report partial.
     warnings: list[str] = field(default_factory=list)
+    quarantine: list[quarantine.Change] = field(default_factory=list)
 
 
 def default_run_key() -> str:
@@ -187,6 +190,7 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     t["read"] = time.perf_counter()
     run_key, inputs = _run_identity(opts, history)
     cls = classify(current, baseline, history, opts.config, run_key)
+    qchanges = _quarantine(opts, current, cls, problems)
     warnings = current.warnings + [f"baseline: {w}" for w in (baseline.warnings if baseline else [])] \
         + cls.warnings
     active, mute_notes = mutes.load(opts.mute_file)
@@ -208,7 +212,40 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     timings = {k: t[k] - t["start"] for k in t if k != "start"}
     return Outcome(current, baseline, cls, groups, status, actions, log,
                    getattr(sink, "calls", 0) if sink is not None else 0,
-                   [scrub(p) for p in problems], muted, ctx, timings, run_key, [scrub(w) for w in warnings])
+                   [scrub(p) for p in problems], muted, ctx, timings, run_key, [scrub(w) for w in warnings],
+                   qchanges)
+
+
+_DEMOTED = ("new_failure", "still_failing", "flaky", "quarantined")
+
+
+def _quarantine(opts: Options, current: Results, cls: Classification, problems: list[str]) -> list:
+    """This run applied to the quarantine file (saved unless a dry run); the findings of every item
+    quarantined before or by this run become one ``quarantined`` finding each (kind flaky): they file
+    no failure, and they keep their suite x backend's flaky issue open until re-enabled."""
+    if not opts.quarantine_file:
+        return []
+    try:
+        q = quarantine.load(opts.quarantine_file)
+    except quarantine.QuarantineError as e:
+        problems.append(f"{e}; the quarantine was neither applied nor updated")
+        return []
+    changes = quarantine.update(q, current, opts.reenable_after)
+    held = set(q.items)  # re-enabled ones left it (they ran clean); newly quarantined ones are in
+    notes = {k: f"{e.reason}; clean runs {e.clean} of {opts.reenable_after}" for k, e in q.items.items()}
+    kept = [f for f in cls.findings if not (f.key in held and f.category in _DEMOTED)]
+    for key in sorted(held):
+        case = current.cases.get(key)
+        if case is None or case.outcome == "skipped":
+            continue
+        kept.append(Finding("quarantined", "flaky", key, case.suite, case.backend, case, note=notes[key]))
+    cls.findings[:] = kept
+    if changes and not opts.dry_run:
+        try:
+            quarantine.save(opts.quarantine_file, q)
+        except OSError as e:
+            problems.append(f"could not write the quarantine file {opts.quarantine_file}: {e}")
+    return changes
 
 
 def _read(opts: Options, history: History | None, problems: list[str]) -> tuple[Results, Results | None]:

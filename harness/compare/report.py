@@ -22,8 +22,8 @@ from harness.compare.perfverdict import cpu_key
 from harness.compare.scrub import md_text, scrub, scrub_secrets
 
 _MAX_ROWS = 50
-_ORDER = ["new_failure", "still_failing", "vanished", "precision_drift", "metric_regression",
-          "improvement", "flaky", "fixed", "new_test", "dropped", "not_run", "perf_not_compared"]
+_ORDER = ["new_failure", "still_failing", "infrastructure", "vanished", "precision_drift", "metric_regression",
+          "improvement", "flaky", "quarantined", "fixed", "new_test", "dropped", "not_run", "perf_not_compared"]
 
 
 def _esc(text) -> str:
@@ -87,6 +87,15 @@ def summary_markdown(outcome) -> str:
                   "so later regressions are measured from the new level.", ""]
     if outcome.muted:
         lines += [f"{len(outcome.muted)} findings muted by the mute file.", ""]
+    changes = [c for c in getattr(outcome, "quarantine", []) if c.op != "clean"]
+    clean = [c for c in getattr(outcome, "quarantine", []) if c.op == "clean"]
+    if changes or clean:
+        lines += ["### Quarantine", ""]
+        lines += [f"- {md_text(c.key)}: {md_text(c.text)}" for c in changes]
+        if clean:
+            lines += [f"- {len(clean)} quarantined item(s) ran clean: "
+                      + ", ".join(md_text(f"{c.key} ({c.text})") for c in clean[:10])]
+        lines.append("")
     if outcome.actions or outcome.log:
         lines += ["### Issue actions", ""]
         lines += [f"- {e['op']} {('#' + str(e['number'])) if e.get('number') else ''} "

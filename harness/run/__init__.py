@@ -3,6 +3,7 @@
 * ``plugin``     the pytest plugin (``pytest11`` entry point): suites -> items -> JUnit properties;
 * ``execute``    one item: a check's named steps -> an ``ItemResult`` (the one mapping to outcomes);
 * ``isolation``  each item in a long-lived child process with a time limit (hangs, crashes, leaks);
+* ``confirm``    a failed item rerun in fresh workers: deterministic / flaky / infrastructure;
 * ``exclusive``  the run lock that gives timing checks the machine alone;
 * ``shard``      balanced, deterministic shards from recorded durations;
 * ``durations``  the recorded item durations (time limits, shard balance);

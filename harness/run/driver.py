@@ -151,7 +151,10 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
         console.print(summary_table(rows))
         c = counts(rows)
         line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
-                + (f", {c['xfailed']} xfailed" if c.get("xfailed") else ""))
+                + (f", {c['xfailed']} xfailed" if c.get("xfailed") else "")
+                + (f", {c['quarantined']} quarantined (not failing the run)" if c.get("quarantined") else ""))
+        flaky = sum(r.props.get("harness.detail.confirm") == "flaky" for r in rows)
+        line += f", {flaky} flaky (passed on a rerun)" if flaky else ""
         console.print(line + f" -> {results / 'junit.xml'}", **say)
     except OSError:  # stdout itself on the full disk (a redirected log): the results still decide
         pass

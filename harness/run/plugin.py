@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--harness-results", default=None, metavar="DIR",
                 help="journal each finished item to DIR/journal.jsonl and write DIR/junit.xml, summary.json "
                      "and summary.txt atomically at the end and on SIGTERM/SIGINT (harness run passes it)")
+    g.addoption("--harness-confirm", type=int, default=None, metavar="N",
+                help="rerun a failed or erroring item N more times, each in a fresh worker, and classify it "
+                     "deterministic / flaky / infrastructure before reporting (default: confirm_reruns in "
+                     "harness.toml, else 0; harness/run/confirm.py)")
+    g.addoption("--harness-quarantine", default=None, metavar="FILE",
+                help="the quarantine file (default: quarantine_file in harness.toml, quarantine.json): its "
+                     "items run and report, and their failures do not fail the run")
     g.addoption("--harness-memory-limit", type=float, default=None, metavar="GIB",
                 help="host RSS limit of one isolated item (default: the suite's memory_limit_gib, else none)")
 
@@ -69,6 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in checks.registry().names():
         config.addinivalue_line("markers", f"{name}: harness '{name}' check items")
     _validate_options(config)
+    _load_quarantine(config)
     results = config.getoption("harness_results", None)
     if results and not hasattr(config, "workerinput") and not config.pluginmanager.has_plugin("harness-results"):
         from harness.run.results import ResultsError, ResultsWriter
@@ -159,6 +168,32 @@ def _validate_options(config: pytest.Config) -> None:
         if bad:
             raise pytest.UsageError(f"{opt}: unknown {opt.split('-')[-1]} {', '.join(map(repr, bad))} "
                                     f"(known: {', '.join(names)})")
+
+
+_QUARANTINE = pytest.StashKey["object"]()
+_CONFIRM = pytest.StashKey[int]()
+
+
+def _load_quarantine(config: pytest.Config) -> None:
+    """The quarantine and the number of confirming reruns, once per process. An unreadable quarantine
+    file stops the run in one line: read as empty, it would turn every quarantined flake red."""
+    from harness.compare import quarantine
+    from harness.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings()
+    except SettingsError as e:
+        raise pytest.UsageError(str(e)) from None
+    path = config.getoption("harness_quarantine", None) or settings.quarantine_file
+    try:
+        config.stash[_QUARANTINE] = quarantine.load(path)
+    except quarantine.QuarantineError as e:
+        raise pytest.UsageError(str(e)) from None
+    n = config.getoption("harness_confirm", None)
+    n = settings.confirm_reruns if n is None else n
+    if n < 0:
+        raise pytest.UsageError(f"--harness-confirm: {n} is not a number of reruns (0 or more)")
+    config.stash[_CONFIRM] = n
 
 
 _WORKER = pytest.StashKey["object"]()
@@ -256,6 +291,8 @@ def pytest_runtest_makereport(item, call):
     if result is not None and report.when in ("call", "setup") and result.message:
         # The one-line message for tables and CI logs (a plain attribute: xdist carries it over).
         report.harness_message = result.message
+        if hasattr(report, "wasxfail") and result.report:
+            report.harness_report = result.report  # a quarantined failure's full text, for the JUnit XML
     return report
 
 
@@ -390,16 +427,44 @@ class HarnessItem(pytest.Item):
         lock = exclusive.hold(results_root(), excl) if hasattr(self.config, "workerinput") \
             else contextlib.nullcontext(False)
         with lock as held:
-            if self.isolated():
-                self.result = r = self._run_isolated()
-            else:
-                self.result = r = execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
+            t = time.perf_counter()
+            r = self._run_once()
+            reruns = self.config.stash.get(_CONFIRM, 0)
+            if r.outcome in ("failed", "error") and reruns:
+                from harness.run.confirm import confirm
+
+                r = confirm(r, time.perf_counter() - t, self._rerun, reruns,
+                            device_available=lambda: self.backend.availability()[0])
+            self.result = r
         if excl and hasattr(self.config, "workerinput") and not held:
             r.notes.append("could not take the run lock: other items may have run during this measurement")
+        entry = self._quarantined()
+        if entry is not None:
+            r.properties.append(("harness.detail.quarantined", f"since {entry.since}: {entry.reason}"))
+            if r.outcome in ("failed", "error"):
+                r.properties.append(("harness.detail.quarantined_outcome", r.outcome))
         self.user_properties.extend(r.properties)
         if r.notes:
             self.add_report_section("call", "harness notes", "\n".join(r.notes))
-        _to_pytest(r)
+        _to_pytest(r, quarantined=entry is not None)
+
+    def _run_once(self) -> ItemResult:
+        if self.isolated():
+            return self._run_isolated()
+        return execute(self.suite, self.check.name, self.backend, self.dtype, self.variant)
+
+    def _rerun(self) -> ItemResult:
+        """One confirming attempt: a fresh isolated worker (nothing an earlier item left in the
+        process decides it); in-process when isolation is off."""
+        if self.isolated():
+            _isolation_worker(self.config).close()
+        return self._run_once()
+
+    def _quarantined(self):
+        from harness.compare.quarantine import key_of
+
+        q = self.config.stash.get(_QUARANTINE, None)
+        return q.get(key_of(self.nodeid)) if q is not None and q.items else None
 
     def _run_isolated(self) -> ItemResult:
         import torch
@@ -429,10 +494,14 @@ class HarnessItem(pytest.Item):
         return self.path, None, f"{self.suite.name}::{self.name}"
 
 
-def _to_pytest(r: ItemResult) -> None:
-    """The one place an item's outcome becomes a pytest outcome."""
+def _to_pytest(r: ItemResult, quarantined: bool = False) -> None:
+    """The one place an item's outcome becomes a pytest outcome. A quarantined item's failure is an
+    xfail to pytest (it does not fail the run); the results writer records it as ``quarantined``,
+    a failure in the JUnit XML."""
     if r.outcome == "passed":
         return
+    if quarantined and r.outcome in ("failed", "error"):
+        pytest.xfail(f"quarantined: {r.message}")
     if r.outcome == "skipped":
         pytest.skip(r.message)
     if r.outcome == "xfailed":

@@ -34,6 +34,7 @@ from harness.run.rows import Row, counts
 from harness.run.table import render_table
 from harness.settings import results_root  # noqa: F401 - where a run's files go (re-exported)
 
+QUARANTINED = "harness.detail.quarantined"  # the item is in the quarantine (harness.compare.quarantine)
 FILES = ("junit.xml", "summary.json", "summary.txt", "journal.jsonl", "run.json")
 MIN_FREE_BYTES = 64 * 2**20
 # Space set aside at the start and given back when a write fails for lack of it, so that a disk that
@@ -199,7 +200,11 @@ class ResultsWriter:
             row.longrepr = report.longreprtext
             row.message = getattr(report, "harness_message", None) or first_line(report.longreprtext)
         elif report.skipped and row.outcome in ("running", "passed"):
-            if hasattr(report, "wasxfail"):
+            if hasattr(report, "wasxfail") and QUARANTINED in row.props:
+                # failed, but in the quarantine: the real outcome in the XML, not in the exit status
+                row.outcome, row.message = "quarantined", str(report.wasxfail).removeprefix("quarantined: ")
+                row.longrepr = getattr(report, "harness_report", "") or row.message
+            elif hasattr(report, "wasxfail"):
                 row.outcome, row.message = "xfailed", str(report.wasxfail)
             else:
                 row.outcome = "skipped"
@@ -298,7 +303,7 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) 
     """The JUnit XML pytest's junitxml writes (the comparator reads either), plus run status."""
     c = counts(rows)
     suite = ET.Element("testsuite", name="harness", tests=str(len(rows) + len(not_run)),
-                       failures=str(c["failed"]), errors=str(c["error"]),
+                       failures=str(c["failed"] + c.get("quarantined", 0)), errors=str(c["error"]),
                        skipped=str(c["skipped"] + c.get("xfailed", 0) + len(not_run)), time=f"{elapsed:.3f}",
                        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
     sp = ET.SubElement(suite, "properties")
@@ -315,10 +320,14 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) 
             ET.SubElement(tc, "failure", message=r.message).text = r.longrepr
         elif r.outcome == "error":
             ET.SubElement(tc, "error", message=r.message).text = r.longrepr
+        elif r.outcome == "quarantined":  # still a failure for anyone reading the XML
+            tag = "error" if r.props.get("harness.detail.quarantined_outcome") == "error" else "failure"
+            ET.SubElement(tc, tag, type="harness.quarantined", message=r.message).text = r.longrepr
         elif r.outcome == "skipped":
             ET.SubElement(tc, "skipped", type="pytest.skip", message=r.message).text = r.message
         elif r.outcome == "xfailed":
             ET.SubElement(tc, "skipped", type="pytest.xfail", message=r.message).text = r.message
+        _reruns(tc, r)
     for nodeid in not_run:
         cls, name = junit_names(nodeid)
         tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time="0")
@@ -328,3 +337,17 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) 
     buf = io.BytesIO()
     ET.ElementTree(root).write(buf, encoding="utf-8", xml_declaration=True)
     return buf.getvalue().decode("utf-8")
+
+
+def _reruns(tc: ET.Element, r: Row) -> None:
+    """The failed attempts of an item harness reran (harness.run.confirm) as Surefire's rerun children
+    (``rerunFailure`` / ``rerunError``, as pytest-rerunfailures' readers expect): every failed attempt
+    but the one the case itself reports."""
+    from harness.run.confirm import attempts_of
+
+    failed = [a for a in attempts_of(r.props) if a.get("outcome") in ("failed", "error")]
+    if r.outcome in ("failed", "error", "quarantined"):
+        failed = failed[1:]  # the first failed attempt is the case's own <failure> / <error>
+    for a in failed:
+        tag = "rerunError" if a.get("outcome") == "error" else "rerunFailure"
+        ET.SubElement(tc, tag, message=str(a.get("message", ""))).text = str(a.get("message", ""))

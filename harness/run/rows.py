@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from harness import metrics
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
+# A row's outcome can also be "quarantined": the item failed, and it is in the quarantine
+# (harness.compare.quarantine): reported (a failure in the JUnit XML), never failing the run.
 
 
 @dataclass

@@ -23,8 +23,9 @@ def _key(r: Row) -> tuple[str, str, str, str, str]:
     return (r.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".toml"), "load", "", "", "")
 
 
-SEVERITY = {"error": 3, "failed": 2, "xfailed": 1.5, "passed": 1, "skipped": 0}
-STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow", "xfailed": "yellow"}
+SEVERITY = {"error": 3, "failed": 2, "quarantined": 1.7, "xfailed": 1.5, "passed": 1, "skipped": 0}
+STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "yellow", "xfailed": "yellow",
+         "quarantined": "yellow"}
 
 
 def summary_table(rows: list[Row]) -> Table:

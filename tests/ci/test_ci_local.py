@@ -125,3 +125,79 @@ def test_bad_shard_count_is_one_line(tmp_path, capsys):
 
     assert main(["ci-local", "--shards", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--shards and --parallel must be at least 1" in capsys.readouterr().err
+
+
+def _flaky_suite(adapter: str | None) -> str:
+    return suite(f"faulty_models:{adapter}" if adapter else None)
+
+
+@pytest.mark.slow
+def test_flaky_is_confirmed_quarantined_not_filed_and_reenabled_deterministic_filed_once(tmp_path):
+    """Issue #31's rehearsal: `harness ci-local` against a GitHub server. One item fails one worker
+    process in three (injected), another fails every time. The flaky one is confirmed flaky by its
+    reruns, quarantined, filed only as a flaky issue (never a failure), and re-enabled after K clean
+    runs, when its issue closes; the deterministic one is filed once, its reruns in the body."""
+    from compare.github_server import TOKEN, GitHubServer  # tests/compare (tests/ is on sys.path)
+
+    shutil.copytree(REPO_SUITES / "configs", tmp_path / "suites" / "configs")
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\n')
+    (tmp_path / "suites" / "a-flaky.toml").write_text(_flaky_suite("flaky"))
+    (tmp_path / "suites" / "b-broken.toml").write_text(_flaky_suite("nan"))
+    tests_dir = Path(__file__).resolve().parent.parent
+    with GitHubServer() as gh:
+        def rehearse() -> subprocess.CompletedProcess:
+            exe = Path(sys.executable).with_name("harness")
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GITHUB_")}
+            env |= {"HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "200",
+                    "HARNESS_CONFIG": str(tmp_path / "harness.toml"), "GITHUB_TOKEN": TOKEN,
+                    "HARNESS_TEST_FLAKY_COUNTER": str(tmp_path / "flaky.count"),
+                    "PYTHONPATH": f"{tests_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            return subprocess.run(
+                [str(exe), "ci-local", "--shards", "1", "-n", "0", "--check", "smoke", "--out", "ci",
+                 "--reenable-after", "2", "--close-after", "1", "--sink", "github",
+                 "--compare-arg=--repo=acme/models", f"--compare-arg=--api-url={gh.url}"],
+                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+        def by_kind() -> dict[str, list[dict]]:
+            out: dict[str, list[dict]] = {}
+            for number, i in gh.state.issues.items():
+                kind = next(lb.removeprefix("kind:") for lb in i["labels"] if lb.startswith("kind:"))
+                out.setdefault(kind, []).append({**i, "number": number})
+            return out
+
+        q = tmp_path / "ci" / "quarantine.json"
+        # run 1: the flaky item fails its first attempt and passes both reruns; the broken one fails all three
+        r = rehearse()
+        out = r.stdout + r.stderr
+        assert r.returncode == 1, out  # the deterministic failure fails its shard
+        issues = by_kind()
+        assert set(issues) == {"failure", "flaky"}, issues
+        (failure,) = issues["failure"]
+        assert "b-broken" in failure["title"] and "deterministic: failed 3 of 3 attempts" in failure["body"]
+        (flaky,) = issues["flaky"]
+        assert "a-flaky" in flaky["title"] and "quarantined" in flaky["title"]
+        assert "failed 1 of 3 attempts" in flaky["body"] and flaky["state"] == "open"
+        assert not any("a-flaky" in i["title"] for i in issues["failure"])  # never filed as a failure
+        held = json.loads(q.read_text())["items"]
+        assert list(held) == ["suites.a-flaky.toml::smoke[cpu-float32]"] and held[list(held)[0]]["rate"] == 0.333
+        assert "### Quarantine" in (tmp_path / "ci" / "summary.md").read_text()
+
+        # the fixes land: both models healthy. run 2: one clean run of the quarantined item (1 of 2);
+        # the failure's issue closes (close-after 1), the flaky one stays open while it is quarantined
+        for name in ("a-flaky", "b-broken"):
+            (tmp_path / "suites" / f"{name}.toml").write_text(_flaky_suite(None))
+        r = rehearse()
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert json.loads(q.read_text())["items"]["suites.a-flaky.toml::smoke[cpu-float32]"]["clean"] == 1
+        assert gh.state.issues[failure["number"]]["state"] == "closed"
+        assert gh.state.issues[flaky["number"]]["state"] == "open"
+
+        # run 3: the second clean run re-enables it, and its flaky issue closes
+        r = rehearse()
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert json.loads(q.read_text())["items"] == {}
+        assert "re-enabled after 2 clean runs" in (tmp_path / "ci" / "summary.md").read_text()
+        assert gh.state.issues[flaky["number"]]["state"] == "closed"
+        assert len(gh.state.issues) == 2  # one issue each, never a duplicate
+        creates = [r for r in gh.state.requests if r[0] == "POST" and r[1].endswith("/issues")]
+        assert len(creates) == 2

@@ -89,6 +89,25 @@ def test_flaky_is_filed_only_when_asked(tmp_path):
     assert [a.title for a in asked.actions] == ["[harness] flaky tests: s on cpu"]
 
 
+def test_infrastructure_is_one_issue_per_backend_and_closes_when_clean(tmp_path):
+    """Runner and device failures (harness.run.confirm's ``infrastructure``) of several suites are one
+    issue for the backend, not one per suite, and never a failure issue of a model; it closes after
+    clean runs like any other."""
+    infra = {"confirm": "infrastructure"}
+    bad = write_junit(tmp_path / "bad.xml", [item("s", "a", error="crashed with SIGKILL", details=infra),
+                                             item("t", "a", error="crashed with SIGKILL", details=infra)])
+    hist = str(tmp_path / "h.sqlite")
+    first = run_compare(Options(results=[bad], history=hist, sink="file", out_dir=str(tmp_path / "i"),
+                                run_key="r1"), out=io.StringIO())
+    assert [f.category for f in first.classification.findings] == ["infrastructure"] * 2
+    assert [a.title for a in first.actions] == ["[harness] infrastructure (runner or device): * on cpu"]
+    for i, key in enumerate(("r2", "r3")):  # two different clean runs (the same files again are one run)
+        good = write_junit(tmp_path / f"good{i}.xml", [item("s", "a", metrics={"x": i}), item("t", "a")])
+        last = run_compare(Options(results=[good], history=hist, sink="file", out_dir=str(tmp_path / "i"),
+                                   run_key=key), out=io.StringIO())
+    assert [a.op for a in last.actions] == ["close"]
+
+
 def test_baseline_parsed_by_a_child_process_into_the_cache(tmp_path, monkeypatch):
     from harness.compare import prefetch
     monkeypatch.setattr(prefetch, "MIN_BYTES", 0)  # force the second process even for a tiny file
