@@ -47,6 +47,21 @@ class CustomBackend(BaseModel):
         "inductor; 'none': no compiler, the compile check is not applicable). docs/compile.md.")
 
 
+class KernelMap(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    paths: list[str] = Field(description="Globs of repository paths (a vendor's kernel sources: csrc/attention/**).")
+    ops: list[str] = Field(description="The operators those paths implement: aten::mm, aten.bmm.default, or "
+                           "fnmatch patterns (aten::_scaled_dot_product_*).")
+
+
+class SelectSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kernels: list[KernelMap] = Field(default_factory=list, description="Kernel paths -> ops: a change under "
+                                     "them selects the suites whose op inventory has one of the ops.")
+    ignore: list[str] = Field(default_factory=lambda: ["docs/**", "*.md", "**/*.md", "LICENSE*"],
+                              description="Paths no item depends on (a change to only these selects nothing).")
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     suites_dir: str = Field("suites", description="Where suite TOML files live.")
@@ -58,6 +73,8 @@ class Settings(BaseModel):
     confirm_reruns: int = Field(0, ge=0, le=20, description="Reruns of a failed or erroring item, each in a fresh "
                                 "worker, before it is reported: deterministic / flaky / infrastructure "
                                 "(`harness run --confirm N`; CI passes 2; docs/ci.md).")
+    select: SelectSettings = Field(default_factory=SelectSettings, description="`harness select`: which items "
+                                   "a change can affect (docs/ci.md, 'Selection by change').")
     quarantine_file: str = Field("quarantine.json", description="The quarantine (flaky items that report but fail "
                                  "no run): read by `harness run`, maintained by `harness compare --quarantine` "
                                  "and `harness quarantine`.")

@@ -2,7 +2,7 @@
 
 Subcommands (one module each): ``run``, ``validate``, ``init``, ``backends``, ``inspect``, ``plan``,
 ``golden``, ``precision``, ``weights``, ``oplist``, ``compare``, ``report``, ``baseline``,
-``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``.
+``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``, ``select``.
 
 Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
 ``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
@@ -34,6 +34,7 @@ SUBCOMMANDS = [
     "harness.cli.certify",
     "harness.cli.bisect",
     "harness.cli.quarantine",
+    "harness.cli.select",
 ]
 
 

@@ -27,7 +27,8 @@ from harness import toml as tomllib  # tomllib, or tomli on Python 3.10
 from harness.compare.classify import Finding
 
 # The issue kinds a finding files under (harness.compare.classify), or every kind.
-Kind = Literal["*", "failure", "error", "precision", "performance", "vanished", "flaky", "improvement", "info"]
+Kind = Literal["*", "failure", "error", "precision", "performance", "vanished", "flaky", "infrastructure",
+               "improvement", "info"]
 
 
 class Mute(BaseModel):

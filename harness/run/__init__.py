@@ -12,5 +12,6 @@
 * ``table``      the summary table;
 * ``driver``     ``harness run``: pytest in-process with a progress bar and the table;
 * ``certify``    ``harness certify``: known kernel faults on a backend's dispatch key, one ``harness run`` each;
-* ``bisect``     ``harness bisect``: the first bad commit of failing items, a ``harness run`` per step.
+* ``bisect``     ``harness bisect``: the first bad commit of failing items, a ``harness run`` per step;
+* ``select``     ``harness select``: the suites and checks a change (a pull request's diff) can affect.
 """

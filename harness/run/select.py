@@ -1,0 +1,177 @@
+"""Selection by change: from a pull request's diff, the items it can affect (``harness select``).
+
+Each changed path (``git diff --name-only --no-renames BASE...HEAD``: what the pull request changed
+since it left its base) selects, by the first rule that applies:
+
+===========================================  =================================================
+path                                         selects
+===========================================  =================================================
+``select.ignore`` (docs, ``*.md``), the      nothing: no item depends on it
+durations and quarantine files
+``<suites_dir>/NAME.toml``                   that suite (every check); a deleted one, nothing
+a suite's ``model.config`` (or a file in     the suites that name it
+its folder: tokenizer, hf_quant_config)
+``<golden_dir>/SUITE/...``                   that suite
+``harness/checks/NAME.py`` (harness's own    every suite, check NAME only
+repository)
+``select.kernels`` paths (harness.toml)      the suites whose op inventory (the pruned model's
+                                             real CPU trace, the ops check's) has one of the
+                                             mapped ops
+anything else                                everything: an unmapped change is not proof of no
+                                             effect
+===========================================  =================================================
+
+The answer names, per suite, why it was selected ("kernel path csrc/mm/gemm.cu -> aten.mm.default").
+A vendor's kernel repository maps its source folders to the aten operators they implement::
+
+    [[select.kernels]]
+    paths = ["csrc/attention/**"]
+    ops = ["aten::_scaled_dot_product_*", "aten::bmm"]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from harness.settings import Settings
+
+
+class SelectError(Exception):
+    """The diff cannot be computed (not a repository, unknown ref): one line."""
+
+
+@dataclass
+class Selection:
+    everything: list[str] = field(default_factory=list)  # why every item is selected ([] if not)
+    suites: dict[str, list[str]] = field(default_factory=dict)  # suite -> why (all its checks)
+    checks: dict[str, list[str]] = field(default_factory=dict)  # check -> why (every suite, that check)
+    ignored: list[str] = field(default_factory=list)  # changed paths that select nothing
+    changed: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.everything or self.suites or self.checks)
+
+    def run_arguments(self) -> list[str] | None:
+        """`harness run` arguments that cover the selection (None: nothing to run; []: every item).
+        Suites and a check-only change together are not one run's exact union: every item then (a
+        superset, never less)."""
+        if self.empty:
+            return None
+        if self.everything or (self.checks and self.suites):
+            return []
+        if self.checks:
+            return [a for c in sorted(self.checks) for a in ("--check", c)]
+        return sorted(self.suites)
+
+    def to_json(self) -> dict:
+        return {"everything": self.everything, "suites": self.suites, "checks": self.checks,
+                "ignored": self.ignored, "changed": self.changed, "run_arguments": self.run_arguments()}
+
+
+def changed_paths(base: str, head: str = "HEAD", cwd: str | Path | None = None) -> list[str]:
+    """Paths changed between the merge base of ``base`` and ``head``, and ``head`` (a pull request's
+    own changes), relative to the repository root; renames as a deletion and an addition."""
+    def git(*args: str) -> str:
+        try:
+            r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SelectError(f"git {' '.join(args)}: {e}") from None
+        if r.returncode:
+            raise SelectError(f"git {' '.join(args)}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
+        return r.stdout
+
+    for ref in (base, head):
+        try:
+            git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        except SelectError:
+            raise SelectError(f"{ref!r} is not a commit of this repository (fetch it first: "
+                              f"git fetch origin {ref})") from None
+    return [p for p in git("diff", "--name-only", "--no-renames", f"{base}...{head}").splitlines() if p]
+
+
+def _matches(path: str, patterns: list[str]) -> bool:
+    p = PurePosixPath(path)
+    return any(fnmatch.fnmatchcase(path, pat) or p.match(pat) for pat in patterns)
+
+
+def _op_matches(op: str, pattern: str) -> bool:
+    """``aten.mm.default`` against ``aten::mm`` (every overload), ``aten.mm.default`` or a glob."""
+    pat = pattern.replace("::", ".")
+    base = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+    return fnmatch.fnmatchcase(op, pat) or fnmatch.fnmatchcase(base, pat)
+
+
+def select(changed: list[str], settings: Settings, root: Path, suites: list, op_names) -> Selection:
+    """``suites``: the loaded suites (LoadedSuite); ``op_names(ls) -> set of op names`` (the ops
+    check's inventory). Paths are relative to ``root`` (the repository root)."""
+    root = root.resolve()
+    out = Selection(changed=list(changed))
+    suites_dir = _rel(root, Path(settings.suites_dir))
+    golden_dir = _rel(root, Path(settings.golden_dir))
+    quiet = [_rel(root, Path(settings.durations_file)), _rel(root, Path(settings.quarantine_file))]
+    by_config: dict[str, list[str]] = {}
+    for ls in suites:
+        cfg = _rel(root, ls.config_path)
+        by_config.setdefault(cfg, []).append(ls.name)
+        if PurePosixPath(cfg).name == "config.json":  # a model folder (HF layout): its tokenizer, sidecars
+            by_config.setdefault(str(PurePosixPath(cfg).parent) + "/", []).append(ls.name)
+    by_file = {_rel(root, ls.path): ls.name for ls in suites}
+    names = {ls.name for ls in suites}
+    from harness.checks import registry as checks
+
+    check_names = set(checks().names())
+    inventories: dict[str, set[str]] = {}
+
+    def add(suite: str, why: str) -> None:
+        out.suites.setdefault(suite, []).append(why)
+
+    for path in changed:
+        pp = PurePosixPath(path)
+        if _matches(path, settings.select.ignore) or path in quiet:
+            out.ignored.append(path)
+            continue
+        if path in by_file:
+            add(by_file[path], f"suite file {path} changed")
+            continue
+        if suites_dir and str(pp.parent) == suites_dir and pp.suffix == ".toml":
+            out.ignored.append(path)  # a suite file that no longer exists (deleted or renamed away)
+            continue
+        if path in by_config or str(pp.parent) + "/" in by_config:
+            for s in by_config.get(path) or by_config[str(pp.parent) + "/"]:
+                add(s, f"its model config {'' if path in by_config else 'folder '}{path} changed")
+            continue
+        if golden_dir and pp.is_relative_to(golden_dir) and len(pp.relative_to(golden_dir).parts) > 1:
+            suite = pp.relative_to(golden_dir).parts[0]
+            if suite in names:
+                add(suite, f"its golden {path} changed")
+            else:
+                out.ignored.append(path)  # the golden of a suite that does not exist here
+            continue
+        if pp.parts[:2] == ("harness", "checks") and pp.stem in check_names and len(pp.parts) == 3:
+            out.checks.setdefault(pp.stem, []).append(f"check code {path} changed")
+            continue
+        maps = [m for m in settings.select.kernels if _matches(path, m.paths)]
+        if maps:
+            pats = [o for m in maps for o in m.ops]
+            for ls in suites:
+                if ls.name not in inventories:
+                    inventories[ls.name] = set(op_names(ls))
+                hit = sorted(op for op in inventories[ls.name] if any(_op_matches(op, p) for p in pats))
+                if hit:
+                    add(ls.name, f"kernel path {path} -> {', '.join(hit[:4])}" + (" ..." if len(hit) > 4 else ""))
+            continue
+        out.everything.append(f"{path} is not mapped to suites, checks or ops (harness.toml [select])")
+    return out
+
+
+def _rel(root: Path, p: Path) -> str:
+    """``p`` (a settings path: relative to the working directory, as every harness command reads it)
+    as a repository path (posix, relative to ``root``), or '' when it is outside it."""
+    try:
+        return PurePosixPath(p.resolve().relative_to(root)).as_posix()
+    except ValueError:
+        return ""

@@ -1,0 +1,136 @@
+"""Selection by change (issue #31 item 4), through `harness select` in a scratch repository holding the
+bundled suites: a change to one suite file selects only that suite; a change under a mapped kernel
+path selects exactly the suites whose op inventory (the pruned model's real trace, as the ops check
+takes it) has the mapped op; docs select nothing; an unmapped path selects everything; check code
+selects that check in every suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests_support import REPO_SUITES
+
+BUNDLED = {"deepseek-v3", "kimi-k2", "llama-3.1-8b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-8b"}
+HARNESS_TOML = '''suites_dir = "suites"
+golden_dir = "golden"
+
+[[select.kernels]]
+paths = ["csrc/moe/**"]
+ops = ["aten::scatter_add"]
+
+[[select.kernels]]
+paths = ["csrc/gemm/grouped/*.cu"]
+ops = ["aten::_grouped_mm"]
+'''
+
+
+def git(repo: Path, *args: str) -> str:
+    env = os.environ | {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """A vendor's repository: the bundled suites, a kernel source tree, docs; one base commit."""
+    r = tmp_path_factory.mktemp("vendor")
+    shutil.copytree(REPO_SUITES, r / "suites", ignore=shutil.ignore_patterns("__pycache__"))
+    (r / "harness.toml").write_text(HARNESS_TOML)
+    for f in ("csrc/moe/route.cu", "csrc/gemm/grouped/gemm.cu", "csrc/norm/rms.cu", "docs/kernels.md"):
+        (r / f).parent.mkdir(parents=True, exist_ok=True)
+        (r / f).write_text("// v1\n")
+    git(r, "init", "-q", "-b", "main")
+    git(r, "add", "-A")
+    git(r, "commit", "-q", "-m", "base")
+    return r
+
+
+def select(repo: Path, *changes: str) -> dict:
+    """Commit ``changes`` (paths appended to) on a branch off main, `harness select --base main`."""
+    git(repo, "checkout", "-q", "-B", "change", "main")
+    for c in changes:
+        with open(repo / c, "a") as f:
+            f.write("# changed\n" if c.endswith((".toml", ".md")) else "// changed\n")
+    git(repo, "commit", "-q", "-am", "change")
+    exe = Path(sys.executable).with_name("harness")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(repo / "harness.toml")}
+    r = subprocess.run([str(exe), "select", "--base", "main", "--json", "sel.json"], cwd=repo, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads((repo / "sel.json").read_text())
+    out["text"] = r.stdout
+    args = subprocess.run([str(exe), "select", "--base", "main", "--format", "args"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    out["args_line"] = args.stdout.strip()
+    return out
+
+
+def test_one_suite_file_selects_only_that_suite(repo):
+    s = select(repo, "suites/qwen3-8b.toml")
+    assert set(s["suites"]) == {"qwen3-8b"} and not s["everything"] and not s["checks"]
+    assert s["suites"]["qwen3-8b"] == ["suite file suites/qwen3-8b.toml changed"]
+    assert s["run_arguments"] == ["qwen3-8b"] and s["args_line"] == "qwen3-8b"
+    # its model config: the suites that name it (qwen3-8b alone)
+    s = select(repo, "suites/configs/Qwen3-8B.json")
+    assert set(s["suites"]) == {"qwen3-8b"}
+
+
+def test_a_mapped_kernel_path_selects_exactly_the_suites_that_run_its_ops(repo):
+    from harness.inspect.trace import suite_op_names
+    from harness.suite.loader import discover, load_suite
+
+    def users(op: str) -> set[str]:
+        out = set()
+        for p in discover(repo / "suites"):
+            ls = load_suite(p)
+            if any(op in v for v in suite_op_names(ls, list(ls.suite.dtypes)).values()):
+                out.add(ls.name)
+        return out
+
+    s = select(repo, "csrc/moe/route.cu")
+    # DeepSeek-style routing accumulates with scatter_add; Mixtral's and Qwen's do not, nor dense models
+    assert set(s["suites"]) == users("aten.scatter_add.default") == {"deepseek-v3", "kimi-k2"}
+    assert "kernel path csrc/moe/route.cu -> aten.scatter_add.default" in s["suites"]["kimi-k2"]
+    s = select(repo, "csrc/gemm/grouped/gemm.cu")
+    assert set(s["suites"]) == users("aten._grouped_mm.default") == \
+        {"deepseek-v3", "kimi-k2", "mixtral-8x7b", "qwen3-30b-a3b"}
+    assert not s["everything"]
+
+
+def test_docs_select_nothing_and_unmapped_paths_everything(repo):
+    s = select(repo, "docs/kernels.md")
+    assert s["run_arguments"] is None and s["args_line"] == "none" and s["ignored"] == ["docs/kernels.md"]
+    assert "nothing: no changed path can affect an item" in s["text"]
+    s = select(repo, "csrc/norm/rms.cu", "docs/kernels.md")  # not mapped: no proof it affects nothing
+    assert s["everything"] and s["run_arguments"] == [] and "csrc/norm/rms.cu is not mapped" in s["text"]
+
+
+def test_check_code_selects_that_check_everywhere(tmp_path):
+    """In harness's own repository a check module's change selects that check in every suite."""
+    from harness.run.select import select
+    from harness.settings import Settings
+    from harness.suite.loader import discover, load_suite
+
+    suites = [load_suite(p) for p in discover(REPO_SUITES)]
+    root = REPO_SUITES.parent
+    s = select(["harness/checks/decode.py", "README.md"], Settings(), root, suites, lambda ls: set())
+    assert s.checks == {"decode": ["check code harness/checks/decode.py changed"]} and not s.suites
+    assert s.run_arguments() == ["--check", "decode"] and s.ignored == ["README.md"]
+    s = select(["harness/compare/body.py"], Settings(), root, suites, lambda ls: set())
+    assert s.everything and s.run_arguments() == []
+
+
+def test_bad_ref_is_one_line(repo):
+    exe = Path(sys.executable).with_name("harness")
+    env = os.environ | {"HARNESS_CONFIG": str(repo / "harness.toml")}
+    r = subprocess.run([str(exe), "select", "--base", "no-such-ref"], cwd=repo, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("harness select: 'no-such-ref' is not a commit of this repository"), r.stderr
