@@ -69,11 +69,12 @@ def shard_command(k: int, n: int, results: Path, *, backend: str = "cpu", worker
 
 def compare_command(results_glob: str, n: int, *, baseline: Path, history: Path, sink: str,
                     summary: Path, quarantine: Path = QUARANTINE, extra: list[str] = ()) -> list[str]:
-    """The `harness compare` arguments of ci.yml's compare jobs (sink: stdout on pull requests,
-    github on main, file here)."""
+    """The `harness compare` arguments of ci.yml's compare jobs (sink: stdout on pull requests, with
+    the triage comment; github on main; file here)."""
+    pr = ["--pr-comment", "auto"] if sink == "stdout" else []
     return ["compare", results_glob, "--baseline", f"{baseline}/", "--history", str(history),
             "--expect-shards", str(n), "--sink", sink, "--summary", str(summary), "--quarantine", str(quarantine),
-            *extra]
+            *pr, *extra]
 
 
 def _git_head() -> str:

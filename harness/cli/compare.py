@@ -128,6 +128,11 @@ def register(subparsers) -> None:
                    help="fields that make one issue (suite, backend, kind, dtype, check, device)")
     p.add_argument("--summary", help="also write the markdown summary here "
                                      "(it always goes to $GITHUB_STEP_SUMMARY when set)")
+    p.add_argument("--pr-comment", default=None, metavar="N|auto",
+                   help="keep one comment on pull request N ('auto': the one this GitHub Actions run is for) "
+                        "saying whose each failure is: new in the change, already failing on main, flaky, "
+                        "the runner's (needs GITHUB_TOKEN with pull-requests: write; without, one line and "
+                        "the job summary only)")
     p.add_argument("--fail-on-regression", action="store_true")
     p.set_defaults(func=main)
 
@@ -166,6 +171,8 @@ def main(args: argparse.Namespace) -> int:
 
         atomic.write_text(args.summary, text)
     write_step_summary(text)
+    if args.pr_comment:
+        _pr_comment(args, outcome)
     if not outcome.current.cases:
         print("harness compare: no test case could be read", file=sys.stderr)
         return 2
@@ -173,3 +180,27 @@ def main(args: argparse.Namespace) -> int:
                                        outcome.classification.findings):
         return 1
     return 0
+
+
+def _pr_comment(args, outcome) -> None:
+    """The pull request's one triage comment, created or edited; a token that cannot (a fork's
+    read-only one) or no pull request costs one line, never the comparison."""
+    from harness.compare import triage
+    from harness.compare.errors import SinkError
+    from harness.compare.github_client import GitHubClient
+
+    number = triage.pull_request_number() if args.pr_comment == "auto" else \
+        (int(args.pr_comment) if args.pr_comment.isdigit() else None)
+    if number is None:
+        print(f"harness compare: --pr-comment {args.pr_comment}: no pull request "
+              + ("in this run's event" if args.pr_comment == "auto" else "number"), file=sys.stderr)
+        return
+    body = triage.comment_body(outcome.triage, outcome.context.run_line())
+    try:
+        client = GitHubClient.from_env(args.repo, api_url=args.api_url, enterprise_url=args.github_url,
+                                       max_calls=args.max_api_calls)
+        done = client.upsert_comment(number, triage.MARKER, body)
+    except SinkError as e:
+        print(f"harness compare: could not comment on pull request #{number}: {e}", file=sys.stderr)
+        return
+    print(f"harness compare: pull request #{number}: triage comment {done}")

@@ -15,6 +15,7 @@ Read top to bottom, the pipeline is:
 ``scrub``     @mentions and secrets out of everything posted
 ``sinks``     where the plan goes: GitHub (``github_client``, the only networked module), files, stdout
 ``errors``    what every sink raises
+``triage``    whose each failure is: new in the change, main's, flaky, the runner's
 ``report``    the step-summary markdown and the static HTML page
 ``pipeline``  one run of all of the above, as ``harness compare`` does it
 """

@@ -195,6 +195,22 @@ class GitHubClient:
     def comment(self, number: int, body: str) -> None:
         self._do(f"commenting on issue #{number}", "POST", self._issue(number).create_comment, body)
 
+    def upsert_comment(self, number: int, marker: str, body: str) -> str:
+        """One comment of harness's on issue or pull request ``number``: the one holding ``marker`` is
+        edited (only when its text changed), else one is created. Returns created / updated /
+        unchanged."""
+        issue = self._issue(number)
+        mine = [c for c in self._do(f"listing comments of #{number}", "GET", lambda: list(issue.comments()))
+                if marker in (c.body or "")]
+        if not mine:
+            self._do(f"commenting on #{number}", "POST", issue.create_comment, body)
+            return "created"
+        if (mine[0].body or "").strip() == body.strip():
+            return "unchanged"
+        if not self._do(f"editing comment {mine[0].id} of #{number}", "PATCH", mine[0].edit, body):
+            raise SinkError(f"editing comment {mine[0].id} of #{number} failed")
+        return "updated"
+
     def comments(self, number: int) -> list[str]:
         """Bodies of the issue's comments (to check whether a comment arrived before posting it)."""
         issue = self._issue(number)

@@ -120,7 +120,7 @@ def fingerprint(fields: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _fields(f: Finding, group_by: tuple[str, ...]) -> dict[str, str]:
+def group_fields(f: Finding, group_by: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for k in group_by:
         if k == "suite" and f.kind == "infrastructure":
@@ -141,7 +141,7 @@ def build_groups(cls: Classification, current: Results, filed_kinds=FILED_KINDS,
         if not (f.confirmed and (f.kind in filed_kinds or f.category == "quarantined")
                 and (f.regression or f.kind in ("flaky", "improvement", "infrastructure"))):
             continue
-        fields = _fields(f, group_by)
+        fields = group_fields(f, group_by)
         fp = fingerprint(fields)
         groups.setdefault(fp, Group(fp, fields)).findings.append(f)
     status: dict[str, bool] = {}

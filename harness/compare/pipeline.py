@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from harness.compare import body, mutes, prefetch, quarantine, sinks
+from harness.compare import body, mutes, prefetch, quarantine, sinks, triage
 from harness.compare.classify import Classification, Config, Finding, classify
 from harness.compare.history import History
 from harness.compare.issues import (
@@ -88,6 +88,7 @@ class Outcome:
     # warnings, never a reason to call the report partial.
     warnings: list[str] = field(default_factory=list)
     quarantine: list[quarantine.Change] = field(default_factory=list)
+    triage: list[triage.Triage] = field(default_factory=list)  # whose each failure is (new / main's / flaky)
 
 
 def default_run_key() -> str:
@@ -190,7 +191,7 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     t["read"] = time.perf_counter()
     run_key, inputs = _run_identity(opts, history)
     cls = classify(current, baseline, history, opts.config, run_key)
-    qchanges = _quarantine(opts, current, cls, problems)
+    qchanges, held_before = _quarantine(opts, current, cls, problems)
     warnings = current.warnings + [f"baseline: {w}" for w in (baseline.warnings if baseline else [])] \
         + cls.warnings
     active, mute_notes = mutes.load(opts.mute_file)
@@ -210,26 +211,29 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
         actions, log = _act_on_issues(opts, history, sink, out, existing, groups, status, ctx, record, run_key)
     t["issues"] = time.perf_counter()
     timings = {k: t[k] - t["start"] for k in t if k != "start"}
+    whose = triage.triage(kept, history.issues() if history is not None else {}, opts.group_by, held_before)
     return Outcome(current, baseline, cls, groups, status, actions, log,
                    getattr(sink, "calls", 0) if sink is not None else 0,
                    [scrub(p) for p in problems], muted, ctx, timings, run_key, [scrub(w) for w in warnings],
-                   qchanges)
+                   qchanges, whose)
 
 
 _DEMOTED = ("new_failure", "still_failing", "flaky", "quarantined")
 
 
-def _quarantine(opts: Options, current: Results, cls: Classification, problems: list[str]) -> list:
+def _quarantine(opts: Options, current: Results, cls: Classification, problems: list[str]) -> tuple[list, set]:
     """This run applied to the quarantine file (saved unless a dry run); the findings of every item
     quarantined before or by this run become one ``quarantined`` finding each (kind flaky): they file
-    no failure, and they keep their suite x backend's flaky issue open until re-enabled."""
+    no failure, and they keep their suite x backend's flaky issue open until re-enabled. Returns the
+    changes and the items that were quarantined before this run."""
     if not opts.quarantine_file:
-        return []
+        return [], set()
     try:
         q = quarantine.load(opts.quarantine_file)
     except quarantine.QuarantineError as e:
         problems.append(f"{e}; the quarantine was neither applied nor updated")
-        return []
+        return [], set()
+    before = set(q.items)
     changes = quarantine.update(q, current, opts.reenable_after)
     held = set(q.items)  # re-enabled ones left it (they ran clean); newly quarantined ones are in
     notes = {k: f"{e.reason}; clean runs {e.clean} of {opts.reenable_after}" for k, e in q.items.items()}
@@ -245,7 +249,7 @@ def _quarantine(opts: Options, current: Results, cls: Classification, problems: 
             quarantine.save(opts.quarantine_file, q)
         except OSError as e:
             problems.append(f"could not write the quarantine file {opts.quarantine_file}: {e}")
-    return changes
+    return changes, before
 
 
 def _read(opts: Options, history: History | None, problems: list[str]) -> tuple[Results, Results | None]:

@@ -87,6 +87,9 @@ def summary_markdown(outcome) -> str:
                   "so later regressions are measured from the new level.", ""]
     if outcome.muted:
         lines += [f"{len(outcome.muted)} findings muted by the mute file.", ""]
+    from harness.compare.triage import markdown as triage_markdown
+
+    lines += triage_markdown(getattr(outcome, "triage", []))
     changes = [c for c in getattr(outcome, "quarantine", []) if c.op != "clean"]
     clean = [c for c in getattr(outcome, "quarantine", []) if c.op == "clean"]
     if changes or clean:

@@ -305,7 +305,10 @@ def test_pull_requests_file_nothing_and_main_files_issues():
              if c.where.startswith("ci.yml") and c.args[0] == "compare"}
     assert sinks == {"compare-pr": "stdout", "compare-main": "github"}
     assert "pull_request" in wf["jobs"]["compare-pr"]["if"] and "push" in wf["jobs"]["compare-main"]["if"]
-    assert wf["jobs"]["compare-pr"]["permissions"] == {"contents": "read"}
+    # a pull request files no issue; it may keep its one triage comment (--pr-comment, issue #31 item 5)
+    assert wf["jobs"]["compare-pr"]["permissions"] == {"contents": "read", "pull-requests": "write"}
+    assert [c.args[c.args.index("--pr-comment") + 1] for c in of("harness")
+            if c.job == "compare-pr" and c.args[0] == "compare"] == ["auto"]
     assert wf["jobs"]["compare-main"]["permissions"] == {"contents": "read", "issues": "write"}
 
 

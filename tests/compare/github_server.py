@@ -1,7 +1,7 @@
 """A small GitHub REST server on 127.0.0.1 for the comparator's tests.
 
 It speaks the JSON shapes github3.py reads for the endpoints the comparator uses (repository,
-issues list/create/get/edit, comments list/create, labels), keeps state in memory, checks the
+issues list/create/get/edit, comments list/create/edit, labels), keeps state in memory, checks the
 token, and behaves like GitHub where the comparator's correctness depends on it:
 
 * bodies (issue and comment) over 65,536 characters are refused with 422, as GitHub does;
@@ -190,6 +190,18 @@ class _Handler(BaseHTTPRequestHandler):
         if path == prefix + "/labels" and method == "GET":
             names = sorted({lbl for i in st.issues.values() for lbl in i["labels"]})
             return 200, [{"name": n, "color": "ededed", "url": f"{base}{prefix}/labels/{n}"} for n in names], None
+        c = re.fullmatch(prefix + r"/issues/comments/(\d+)", path)
+        if c and method == "PATCH":  # "Update an issue comment" (pull requests' comments are issue comments)
+            with st.lock:
+                for n, i in st.issues.items():
+                    for com in i["comments"]:
+                        if com["id"] == int(c.group(1)):
+                            if len((body or {}).get("body") or "") > MAX_BODY:
+                                return 422, {"message": "Validation Failed"}, None
+                            com["body"] = body["body"]
+                            com["edits"] = com.get("edits", 0) + 1
+                            return 200, _comment_json(base, n, com), None
+            return 404, {"message": "Not Found"}, None
         m = re.fullmatch(prefix + r"/issues(?:/(\d+))?(/comments)?", path)
         if not m:
             return 404, {"message": "Not Found"}, None
