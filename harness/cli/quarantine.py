@@ -19,6 +19,9 @@ def register(sub) -> None:
     p.add_argument("action", choices=["list", "add", "remove"])
     p.add_argument("tests", nargs="*", metavar="TEST", help="node ids or JUnit keys (add, remove)")
     p.add_argument("--reason", default="", help="why (add); shown in the run's report and the issue")
+    p.add_argument("--owner", default="", help="who answers for it (add; default: $USER)")
+    p.add_argument("--days", type=int, default=None,
+                   help="it expires after this many days (add; default 30): nothing stays quarantined for good")
     p.add_argument("--file", default=None, help="quarantine file (default: quarantine_file in harness.toml)")
     p.set_defaults(func=main)
 
@@ -40,7 +43,8 @@ def main(args) -> int:
         if not q.items:
             print(f"{path}: nothing is quarantined")
         for key, e in sorted(q.items.items()):
-            print(f"{key}\tsince {e.since}\tclean runs {e.clean}\t{e.reason} ({e.by})")
+            state = "" if e.active() else "EXPIRED "
+            print(f"{key}\t{state}since {e.since}, expires {e.expiry()}\tclean runs {e.clean}\towner {e.by}\t{e.reason}")
         return 0
     if not args.tests:
         print(f"harness quarantine: {args.action} needs at least one TEST", file=sys.stderr)
@@ -52,10 +56,18 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     if args.action == "add":
+        import os
+
+        days = quarantine.EXPIRE_DAYS if args.days is None else args.days
+        if days < 1:
+            print(f"harness quarantine: --days {days}: at least 1", file=sys.stderr)
+            return 2
+        today = dt.date.today()
         for k in keys:
-            q.items[k] = quarantine.Entry(since=dt.date.today().isoformat(), reason=args.reason or "added by hand",
-                                          by="harness quarantine add")
-            print(f"quarantined {k}")
+            q.items[k] = quarantine.Entry(since=today.isoformat(), reason=args.reason or "added by hand",
+                                          by=args.owner or os.environ.get("USER") or "harness quarantine add",
+                                          expires=(today + dt.timedelta(days=days)).isoformat())
+            print(f"quarantined {k} until {q.items[k].expires}")
     else:
         missing = [k for k in keys if k not in q.items]
         if missing:

@@ -14,13 +14,15 @@ side, and it closes once the item is re-enabled and stays clean.
     {"format": 1, "items": {
       "suites.kimi-k2.toml::smoke[npu-bfloat16]": {
         "since": "2026-12-04", "reason": "flaky: failed 1 of 3 attempts (rate 0.33)",
-        "rate": 0.333, "clean": 1, "by": "harness compare"}}}
+        "rate": 0.333, "clean": 1, "by": "harness compare", "expires": "2027-01-03"}}}
 
 Per comparison (:func:`update`), for every item of the run:
 
 * quarantined, passed at its first attempt: one more clean run; at ``reenable_after`` it leaves the
   quarantine (*re-enabled*) and counts again from the next run;
 * quarantined, failed or needed a rerun: its clean count goes back to 0 (``last_flake`` dated);
+* past its ``expires`` date (default ``since`` + 30 days; ``harness quarantine add --days``): it leaves
+  the quarantine whatever its state (*expired*), as mutes expire: nothing stays hidden for good;
 * not quarantined, flaky (failed in one attempt, passed in another: harness's own reruns, or
   pytest-rerunfailures): quarantined now.
 
@@ -41,6 +43,7 @@ from harness.files import atomic
 FORMAT = 1
 DEFAULT_FILE = "quarantine.json"
 REENABLE_AFTER = 3  # clean runs in a row before a quarantined item counts again
+EXPIRE_DAYS = 30  # a quarantine ends by itself after this, clean or not: nothing stays hidden for good
 
 
 class QuarantineError(Exception):
@@ -53,8 +56,17 @@ class Entry:
     reason: str
     rate: float | None = None  # failed attempts / attempts when it was quarantined
     clean: int = 0  # clean runs in a row since it was quarantined (or since it last flaked)
-    by: str = "harness compare"  # or "harness quarantine add"
+    by: str = "harness compare"  # the owner: who answers for it (harness compare, or a person's name)
     last_flake: str = ""  # ISO date of the last run it failed or needed a rerun in
+    expires: str = ""  # ISO date after which it is no longer quarantined ("": since + EXPIRE_DAYS)
+
+    def expiry(self) -> dt.date:
+        if self.expires:
+            return dt.date.fromisoformat(self.expires)
+        return dt.date.fromisoformat(self.since) + dt.timedelta(days=EXPIRE_DAYS)
+
+    def active(self, today: dt.date | None = None) -> bool:
+        return (today or dt.date.today()) <= self.expiry()
 
 
 @dataclass
@@ -71,8 +83,10 @@ class Quarantine:
     def __contains__(self, key: str) -> bool:
         return key in self.items
 
-    def get(self, key: str) -> Entry | None:
-        return self.items.get(key)
+    def get(self, key: str, today: dt.date | None = None) -> Entry | None:
+        """The entry of an item that is quarantined now (an expired one is not)."""
+        e = self.items.get(key)
+        return e if e is not None and e.active(today) else None
 
 
 def key_of(test: str) -> str:
@@ -110,6 +124,10 @@ def load(path: str | os.PathLike | None) -> Quarantine:
             raise QuarantineError(f"{path}: item {key!r}: {err}") from None
         if not isinstance(e.clean, int) or e.clean < 0 or not isinstance(e.since, str):
             raise QuarantineError(f"{path}: item {key!r}: 'clean' must be a count and 'since' a date")
+        try:
+            e.expiry()
+        except (TypeError, ValueError):
+            raise QuarantineError(f"{path}: item {key!r}: 'since' / 'expires' are not dates (YYYY-MM-DD)") from None
         out.items[key] = e
     return out
 
@@ -140,6 +158,10 @@ def update(q: Quarantine, current: Results, reenable_after: int = REENABLE_AFTER
     """Apply one run to the quarantine (in place); what changed, one line each."""
     day = (today or dt.date.today()).isoformat()
     changes: list[Change] = []
+    for key in sorted(k for k, e in q.items.items() if not e.active(today)):
+        e = q.items.pop(key)  # its failures count again: an expired quarantine hides nothing
+        changes.append(Change("expired", key, f"quarantine expired on {e.expiry()} (owner {e.by}, since {e.since}); "
+                                              "its failures count again"))
     for key, case in sorted(current.cases.items()):
         if case.outcome == "skipped":
             continue  # not run here: neither clean nor flaky
@@ -162,6 +184,7 @@ def update(q: Quarantine, current: Results, reenable_after: int = REENABLE_AFTER
             rate = failed_attempts / max(n, 1)
             entry = Entry(since=day, reason=f"flaky: failed {failed_attempts} of {n} attempts "
                                             f"(rate {rate:.2f})", rate=round(rate, 3), last_flake=day)
+            entry.expires = entry.expiry().isoformat()
             q.items[key] = entry
             changes.append(Change("quarantined", key, f"quarantined: {entry.reason}; re-enabled after "
                                                       f"{reenable_after} clean runs in a row"))

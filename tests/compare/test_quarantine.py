@@ -95,3 +95,18 @@ def test_keys_are_the_comparators():
     assert quarantine.key_of(KEY) == KEY
     assert quarantine.key_of("suites/a.toml::ops[cpu-float32-aten::mm.default]") == \
         "suites.a.toml::ops[cpu-float32-aten::mm.default]"
+
+
+def test_a_quarantine_expires_and_names_its_owner():
+    """Nothing stays hidden for good: past its expiry (default 30 days) an item leaves the quarantine
+    whatever its state, and the run stops treating it as quarantined."""
+    e = quarantine.Entry(since="2026-11-01", reason="r", by="vendor-ci-team")
+    assert e.expiry() == dt.date(2026, 12, 1) and not e.active(dt.date(2026, 12, 4))
+    q = quarantine.Quarantine({KEY: e, OTHER: quarantine.Entry(since="2026-12-01", reason="r", expires="2027-01-31")})
+    assert q.get(KEY, dt.date(2026, 12, 4)) is None and q.get(OTHER, dt.date(2026, 12, 4)) is not None
+    (c,) = quarantine.update(q, run(case(OTHER)), today=dt.date(2026, 12, 4))[:1]
+    assert c.op == "expired" and c.key == KEY and "owner vendor-ci-team" in c.text and KEY not in q
+    new = quarantine.Quarantine()
+    quarantine.update(new, run(case(KEY, "passed", ["failed", "passed", "passed"], "flaky", 1)),
+                      today=dt.date(2026, 12, 4))
+    assert new.items[KEY].expires == "2027-01-03" and new.items[KEY].by == "harness compare"
