@@ -41,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
                    help=f"folder for results, history, baseline, issues and logs (default {DEFAULT_OUT})")
     p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes (default 2)")
+    p.add_argument("--base", default=None, metavar="REF",
+                   help="rehearse a pull request: `harness select --base REF --sample 1` first, and the shards run "
+                        "its selection (default: every item, as main)")
     p.add_argument("--reenable-after", type=int, default=3,
                    help="clean runs before a quarantined item counts again (default 3, as ci.yml)")
     p.add_argument("--sink", default="file",
@@ -53,17 +56,18 @@ def register(sub) -> None:
 
 CONFIRM = 2  # ci.yml's reruns of a failed item before it is reported (harness.run.confirm)
 QUARANTINE = Path("harness-quarantine.json")  # ci.yml's quarantine file (a cache beside the history)
+SELECTION = Path("harness-selection.json")  # ci.yml's selection (pull requests only; absent: every item)
 
 
 def shard_command(k: int, n: int, results: Path, *, backend: str = "cpu", workers: str = "2",
                   scope: str = "commit", suites: list[str] = (), checks: list[str] = (),
-                  quarantine: Path = QUARANTINE) -> list[str]:
+                  quarantine: Path = QUARANTINE, selection: Path = SELECTION) -> list[str]:
     """The `harness run` arguments of shard k of n (ci.yml's models job, without `.venv/bin/harness`)."""
     cmd = ["run", *suites, "--backend", backend]
     if scope != "commit":
         cmd += ["--scope", scope]
     cmd += ["--shard", f"{k}/{n}", "-n", str(workers), "--confirm", str(CONFIRM), "--quarantine", str(quarantine),
-            "--results", str(results)]
+            "--selection", str(selection), "--results", str(results)]
     return cmd + [a for c in checks for a in ("--check", c)]
 
 
@@ -109,6 +113,15 @@ def main(args) -> int:
     results_root.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
     n = args.shards
+    selection = out / "selection.json"
+    selection.unlink(missing_ok=True)  # a pull request's selection never outlives its rehearsal
+    if args.base:
+        from harness.cli import main as cli_main
+
+        argv = ["select", "--base", args.base, "--sample", "1", "--json", str(selection)]
+        print(f"select: harness {' '.join(argv)}", flush=True)
+        if cli_main(argv) != 0:
+            return 2
     failed = _run_shards(args, n, results_root, logs)
     code = _compare(args, n, out, results_root)
     # ci.yml keeps main's last successful results as the baseline of the next comparison
@@ -133,7 +146,7 @@ def _run_shards(args, n: int, results_root: Path, logs: Path) -> list[int]:
     def shard(k: int) -> tuple[int, int, float]:
         argv = shard_command(k, n, results_root / f"shard-{k}", backend=args.backend, workers=args.workers,
                              scope=args.scope, suites=args.suites, checks=args.check,
-                             quarantine=out / "quarantine.json")
+                             quarantine=out / "quarantine.json", selection=out / "selection.json")
         print(f"shard {k}/{n}: harness {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         with open(logs / f"shard-{k}.log", "w", encoding="utf-8") as log:

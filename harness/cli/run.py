@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--quarantine", default=None, metavar="FILE",
                    help="quarantine file: its items run and report but do not fail the run "
                         "(default: quarantine_file in harness.toml, quarantine.json)")
+    p.add_argument("--selection", default=None, metavar="FILE",
+                   help="run only what `harness select --json FILE` selected (a pull request's change); a "
+                        "missing FILE: every item, said in one line")
     p.add_argument("--no-isolate", action="store_true",
                    help="run items in this process (faster on trusted CPU runs; a hang or crash then costs "
                         "the run; device backends stay isolated)")
@@ -87,6 +90,13 @@ def _main(args, settings, early) -> int:
     if unknown:  # a typo would otherwise select nothing and exit 0
         console.print(f"unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})", style="red", markup=False)
         return 2
+    selected = False
+    if args.selection:
+        picked = _selection(args, suites, console)
+        if isinstance(picked, int):
+            return picked
+        if picked is not None:
+            suites, selected = picked, True
     backends = args.backend or [b.name for b in reg if b.available()]
     extra = list(args.passthrough)
     if args.shard:
@@ -106,7 +116,64 @@ def _main(args, settings, early) -> int:
         extra += [f"--harness-confirm={args.confirm}"]
     if args.quarantine:
         extra += [f"--harness-quarantine={args.quarantine}"]
-    return driver.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
+    code = driver.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
                       results=args.results or Path(settings.results_dir), workers=args.workers,
                       keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,
                       timeout=args.timeout, memory_limit_gib=args.memory_limit, early=early)
+    if selected and code == 5:  # pytest's "no tests collected": the selection's items are in other shards
+        console.print("selection: no selected item in this run (other shards run them)", markup=False)
+        return 0
+    return code
+
+
+def _selection(args, suites: list[Path], console):
+    """The suite files to run under ``--selection FILE`` (None: every item), or an exit code: 2 for a
+    file that is not a selection, 0 after writing empty results when the change selects nothing."""
+    from harness.run.select import SelectError, read_selection
+
+    try:
+        data = read_selection(args.selection)
+    except SelectError as e:
+        console.print(f"error: {e}", style="red", markup=False)
+        return 2
+    if data is None:
+        console.print(f"selection: {args.selection} not found: every item", markup=False)
+        return None
+    run_args = data["run_arguments"]
+    if run_args is None:  # nothing can be affected: say so, and leave empty results for the comparison
+        console.print(f"selection: nothing to run: no changed path can affect an item "
+                      f"({', '.join(data.get('ignored', [])[:5])})", markup=False)
+        return _empty_results(args, console)
+    if not run_args:
+        console.print("selection: every item (" + "; ".join(data.get("everything", [])[:3]) + ")", markup=False)
+        return None
+    if run_args[0] == "--check":
+        args.check += [c for c in run_args[1::2] if c not in args.check]
+        console.print(f"selection: checks {', '.join(run_args[1::2])} of every suite", markup=False)
+        return None
+    files = data.get("files") or {}
+    keep = {Path(files[n]).resolve() for n in run_args if n in files}
+    chosen = [p for p in suites if p.resolve() in keep or p.stem in run_args]
+    if not chosen:
+        console.print(f"selection: its suites ({', '.join(run_args)}) are not among this run's", markup=False)
+        return _empty_results(args, console)
+    console.print(f"selection: {len(chosen)} suite(s): " + "; ".join(
+        f"{n} ({'; '.join(data['suites'].get(n, [])[:2])})" for n in run_args), markup=False)
+    return chosen
+
+
+def _empty_results(args, console) -> int:
+    """A run of nothing that still leaves complete (empty) results: the comparison reads every shard."""
+    from harness.run.results import ResultsError, ResultsWriter
+    from harness.settings import load_settings
+
+    writer = ResultsWriter(args.results or Path(load_settings().results_dir))
+    try:
+        writer.open()
+    except ResultsError as e:
+        console.print(f"error: {e}", style="red", markup=False)
+        return 2
+    writer.status = "complete"
+    writer.finish()
+    writer.close()
+    return 0

@@ -19,7 +19,12 @@ def register(sub) -> None:
     p.add_argument("--base", required=True, help="the pull request's base (a ref or commit: origin/main)")
     p.add_argument("--head", default="HEAD", help="the change's tip (default HEAD)")
     p.add_argument("--format", choices=("text", "args"), default="text")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the selection as JSON")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the selection as JSON "
+                   "(harness run --selection FILE runs it)")
+    p.add_argument("--sample", type=int, default=0, metavar="K",
+                   help="add K suites the change did not select, rotating with --seed (default 0)")
+    p.add_argument("--seed", default=None, help="the rotation's seed (default: the pull request number in "
+                   "GitHub Actions, else the head commit)")
     p.set_defaults(func=main)
 
 
@@ -49,11 +54,22 @@ def main(args) -> int:
         return {op for v in names.values() for op in v}
 
     sel = select(changed, settings, root, suites, ops)
+    if args.sample:
+        if args.sample < 0:
+            print("harness select: --sample: a number of suites (0 or more)", file=sys.stderr)
+            return 2
+        from harness.compare.triage import pull_request_number
+
+        seed = args.seed or str(pull_request_number() or _git("rev-parse", args.head))
+        sel.add_sample([ls.name for ls in suites], args.sample, seed)
     for b in broken:  # a suite that does not load is run (its load item reports the problem)
         name = Path(b.split(":", 1)[0]).stem
         sel.suites.setdefault(name, []).append("it does not load here: its run says why")
     if args.json:
         atomic.write_text(args.json, json.dumps(sel.to_json(), indent=1))
+    from harness.compare.report import write_step_summary
+
+    write_step_summary(sel.markdown())  # in GitHub Actions: the job summary says what runs and why
     if args.format == "args":
         a = sel.run_arguments()
         print("none" if a is None else " ".join(a))
@@ -71,12 +87,17 @@ def main(args) -> int:
     return 0
 
 
-def _toplevel() -> str:
+def _git(*args: str) -> str:
     import subprocess
 
+    r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def _toplevel() -> str:
     from harness.run.select import SelectError
 
-    r = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=30)
-    if r.returncode:
+    top = _git("rev-parse", "--show-toplevel")
+    if not top:
         raise SelectError("not inside a git repository")
-    return r.stdout.strip()
+    return top

@@ -50,6 +50,7 @@ class Selection:
     checks: dict[str, list[str]] = field(default_factory=dict)  # check -> why (every suite, that check)
     ignored: list[str] = field(default_factory=list)  # changed paths that select nothing
     changed: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # suite name -> its file (repository path)
 
     @property
     def empty(self) -> bool:
@@ -67,9 +68,44 @@ class Selection:
             return [a for c in sorted(self.checks) for a in ("--check", c)]
         return sorted(self.suites)
 
+    def add_sample(self, names: list[str], k: int, seed: str) -> list[str]:
+        """``k`` suites the change did not select, taken in turn (a window over the sorted names that
+        moves with ``seed``: the pull request, the run), so every suite gets run by pull requests now
+        and then and an unmapped dependency cannot hide for good. Returns the names added."""
+        import hashlib
+
+        if self.everything or k <= 0:
+            return []
+        rest = sorted(n for n in names if n not in self.suites)
+        if not rest:
+            return []
+        # a pull request number walks the names in turn (consecutive pull requests: consecutive suites);
+        # any other seed (a commit) lands anywhere
+        n = int(seed) if seed.isdigit() else int(hashlib.sha256(seed.encode()).hexdigest(), 16)
+        start = n % len(rest)
+        picked = [rest[(start + i) % len(rest)] for i in range(min(k, len(rest)))]
+        for n in picked:
+            self.suites[n] = [f"rotating sample (seed {seed}): not selected by the change"]
+        return picked
+
+    def markdown(self) -> str:
+        """The job summary's section: what is run and why (never an empty selection without a word)."""
+        lines = ["### Selection by change", "", f"{len(self.changed)} changed path(s)."]
+        if self.everything:
+            lines += ["", "**Every item**: " + "; ".join(self.everything[:10])]
+        elif self.empty:
+            lines += ["", "**Nothing to run**: no changed path can affect an item ("
+                      + ", ".join(self.ignored[:10]) + ")."]
+        else:
+            lines += ["", "| selected | why |", "|---|---|"]
+            lines += [f"| suite {s} | {'; '.join(w)} |" for s, w in sorted(self.suites.items())]
+            lines += [f"| check {c} (every suite) | {'; '.join(w)} |" for c, w in sorted(self.checks.items())]
+        return "\n".join(lines) + "\n"
+
     def to_json(self) -> dict:
-        return {"everything": self.everything, "suites": self.suites, "checks": self.checks,
-                "ignored": self.ignored, "changed": self.changed, "run_arguments": self.run_arguments()}
+        return {"format": 1, "everything": self.everything, "suites": self.suites, "checks": self.checks,
+                "ignored": self.ignored, "changed": self.changed, "run_arguments": self.run_arguments(),
+                "files": {n: f for n, f in self.files.items() if n in self.suites}}
 
 
 def changed_paths(base: str, head: str = "HEAD", cwd: str | Path | None = None) -> list[str]:
@@ -120,6 +156,7 @@ def select(changed: list[str], settings: Settings, root: Path, suites: list, op_
         if PurePosixPath(cfg).name == "config.json":  # a model folder (HF layout): its tokenizer, sidecars
             by_config.setdefault(str(PurePosixPath(cfg).parent) + "/", []).append(ls.name)
     by_file = {_rel(root, ls.path): ls.name for ls in suites}
+    out.files = {n: f for f, n in by_file.items()}
     names = {ls.name for ls in suites}
     from harness.checks import registry as checks
 
@@ -175,3 +212,20 @@ def _rel(root: Path, p: Path) -> str:
         return PurePosixPath(p.resolve().relative_to(root)).as_posix()
     except ValueError:
         return ""
+
+
+def read_selection(path: str | Path) -> dict | None:
+    """A selection ``harness select --json`` wrote, or None when the file does not exist (then every
+    item runs: main's runs have none). A file that is not one raises SelectError."""
+    import json
+
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SelectError(f"{path}: not a selection file: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != 1 or "run_arguments" not in data:
+        raise SelectError(f"{path}: not a selection file of format 1 (harness select --json writes one)")
+    return data

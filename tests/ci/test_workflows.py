@@ -31,6 +31,7 @@ EXPRESSIONS = {
     "inputs.suite != 'all' && inputs.suite || ''": "kimi-k2",
     "inputs.suite": "kimi-k2",
     "inputs.backend": "cpu",
+    "github.base_ref": "main",
     "secrets.GITHUB_TOKEN": "***",
     "secrets.HARNESS_PR_TOKEN || secrets.GITHUB_TOKEN": "***",
 }

@@ -134,3 +134,53 @@ def test_bad_ref_is_one_line(repo):
                        text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("harness select: 'no-such-ref' is not a commit of this repository"), r.stderr
+
+
+def run_selected(repo: Path, selection: str, *extra: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("harness")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(repo / "harness.toml"), "COLUMNS": "250"}
+    return subprocess.run([str(exe), "run", "--selection", selection, "--backend", "cpu", "--results", "res", *extra],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_harness_run_runs_the_selection_and_nothing_else(repo):
+    """`harness run --selection FILE` (what ci.yml's pull-request shards run): only the selected suite's
+    items are collected; a selection of nothing leaves complete, empty results and exit 0; a shard
+    holding none of the selected items passes; no file means every item."""
+    select(repo, "suites/qwen3-8b.toml")
+    r = run_selected(repo, "sel.json", "--check", "smoke", "--dtype", "float32", "--no-isolate")
+    assert r.returncode == 0, r.stdout + r.stderr
+    ran = [row["nodeid"] for row in json.loads((repo / "res" / "summary.json").read_text())["items"]]
+    assert ran == ["suites/qwen3-8b.toml::smoke[cpu-float32]"], ran
+    assert "selection: 1 suite(s): qwen3-8b (suite file suites/qwen3-8b.toml changed)" in r.stdout
+    # a shard that holds none of the selected items passes (the others run them)
+    r = run_selected(repo, "sel.json", "--check", "smoke", "--dtype", "float32", "--no-isolate", "-k", "no_such_item")
+    assert r.returncode == 0 and "no selected item in this run" in r.stdout, r.stdout + r.stderr
+    select(repo, "docs/kernels.md")
+    r = run_selected(repo, "sel.json")
+    assert r.returncode == 0 and "selection: nothing to run" in r.stdout, r.stdout + r.stderr
+    assert 'tests="0"' in (repo / "res" / "junit.xml").read_text()
+    assert json.loads((repo / "res" / "run.json").read_text())["status"] == "complete"
+    (repo / "bad.json").write_text("{}")
+    r = run_selected(repo, "bad.json")
+    assert r.returncode == 2 and "bad.json: not a selection file" in r.stdout
+    r = run_selected(repo, "missing.json", "--check", "smoke", "--dtype", "float32", "--no-isolate", "-k", "llama")
+    assert r.returncode == 0 and "selection: missing.json not found: every item" in r.stdout, r.stdout + r.stderr
+    ran = [row["nodeid"] for row in json.loads((repo / "res" / "summary.json").read_text())["items"]]
+    assert ran == ["suites/llama-3.1-8b.toml::smoke[cpu-float32]"]  # not limited to the last selection
+
+
+def test_a_rotating_sample_joins_the_selection(repo):
+    from harness.run.select import Selection
+
+    s = Selection(suites={"qwen3-8b": ["suite file changed"]})
+    picked = s.add_sample(sorted(BUNDLED), 2, "pr-17")
+    assert len(picked) == 2 and "qwen3-8b" not in picked and set(s.suites) == {"qwen3-8b", *picked}
+    other = Selection(suites={"qwen3-8b": ["x"]})
+    assert other.add_sample(sorted(BUNDLED), 2, "pr-17") == picked  # the same seed, the same sample
+    seen = set()
+    for pr in range(100, 106):  # six consecutive pull requests: every one of the six suites comes round
+        seen |= set(Selection().add_sample(sorted(BUNDLED), 1, str(pr)))
+    assert seen == BUNDLED
+    assert "rotating sample (seed pr-17)" in s.suites[picked[0]][0]
+    assert Selection(everything=["x"]).add_sample(sorted(BUNDLED), 2, "s") == []
