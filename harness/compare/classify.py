@@ -45,7 +45,7 @@ from functools import lru_cache, partial
 from harness.compare import changepoint as cpt
 from harness.compare import perfverdict
 from harness.compare.history import History, SeriesView
-from harness.compare.junit import Case, Results
+from harness.compare.junit import Case, Results, attempt_counts
 from harness.metrics import direction, spec
 
 REGRESSIONS = {"new_failure", "still_failing", "vanished", "precision_drift", "metric_regression"}
@@ -114,12 +114,16 @@ def classify(current: Results, baseline: Results | None, history: History | None
     prev = history.outcomes(runs[-1].id) if runs else {}
     series = history.metric_series([r.id for r in runs]) if runs else SeriesView({}, {})
     ref_keys = set(base) | set(prev)
+    # how often each flaky item flaked before (the history keeps every run's reruns)
+    flaky_now = [k for k, c in current.cases.items() if c.flaky or c.details.get("confirm") == "flaky"]
+    flaked = history.flaky_runs([r.id for r in runs]) if history and runs and flaky_now else {}
     for key, case in current.cases.items():
         verdict, why = perfverdict.read(case.details) if "perf_verdict" in case.details else (None, "")
         if why:
             out.warnings.append(f"{key}: {why}; its metrics are compared as for any item")
         by_verdict = verdict is not None and perfverdict.caused_failure(case, verdict)
-        _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys), by_verdict)
+        _outcome_findings(out, case, base.get(key), prev.get(key, ("",))[0], bool(ref_keys), by_verdict,
+                          f"; flaky in {1 + flaked.get(key, 0)} of the last {len(runs) + 1} runs" if runs else "")
         if case.outcome == "passed" or by_verdict:
             _metric_findings(out, case, base.get(key), series, config,
                              perfverdict.SKIPPED if verdict is not None else frozenset())
@@ -156,7 +160,7 @@ def _failure_kind(case: Case) -> str:
 
 
 def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: str,
-                      have_ref: bool, by_verdict: bool = False) -> None:
+                      have_ref: bool, by_verdict: bool = False, flake_rate: str = "") -> None:
     """``by_verdict``: the item failed because the perf check confirmed a regression; that is a
     performance finding (:func:`_verdict_findings`), neither a failure nor, next time, a fix of one."""
     def add(category: str, kind: str, **kw) -> None:
@@ -166,10 +170,11 @@ def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: 
     confirmed = case.details.get("confirm", "")
     if case.details.get("quarantined"):
         if case.outcome in _BAD or case.flaky:  # a clean run counts towards re-enabling it instead
-            add("quarantined", "flaky", note=_attempts_note(case) or "failed while quarantined")
+            add("quarantined", "flaky", note=(_attempts_note(case) or "failed while quarantined")
+                + (flake_rate if case.flaky else ""))
         return
     if case.flaky:
-        add("flaky", "flaky", note=_attempts_note(case) or f"{case.attempts} attempts")
+        add("flaky", "flaky", note=(_attempts_note(case) or f"{case.attempts} attempts") + flake_rate)
     if by_verdict:
         pass
     elif case.outcome in _BAD and confirmed == "infrastructure":
@@ -185,9 +190,7 @@ def _outcome_findings(out: Classification, case: Case, base: Case | None, prev: 
 def _attempts_note(case: Case) -> str:
     """'deterministic: failed 3 of 3 attempts' from harness's confirming reruns (harness.run.confirm),
     or the JUnit rerun count; '' for an item run once."""
-    from harness.compare.quarantine import attempts
-
-    failed, n = attempts(case)
+    failed, n = attempt_counts(case)
     if n <= 1:
         return ""
     kind = case.details.get("confirm") or ("flaky" if case.outcome == "passed" else "")

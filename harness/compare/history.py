@@ -38,7 +38,7 @@ except ImportError:  # Windows: no advisory lock (CI runners that compare are Li
 
 import numpy as np
 
-from harness.compare.junit import Case, Results
+from harness.compare.junit import Case, Results, attempt_counts
 from harness.metrics import direction
 
 SCHEMA_VERSION = "2"
@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS runs(id INTEGER PRIMARY KEY, run_key TEXT UNIQUE, com
                                 created REAL, url TEXT, machine TEXT, kind TEXT, inputs TEXT);
 CREATE TABLE IF NOT EXISTS tests(id INTEGER PRIMARY KEY, key TEXT UNIQUE, suite TEXT, backend TEXT);
 CREATE TABLE IF NOT EXISTS outcomes(run_id INTEGER PRIMARY KEY, codes BLOB);
+CREATE TABLE IF NOT EXISTS attempts(run_id INTEGER PRIMARY KEY, total BLOB, failed BLOB);
 CREATE TABLE IF NOT EXISTS metrics(run_id INT, name TEXT, vals BLOB, PRIMARY KEY(run_id, name));
 CREATE TABLE IF NOT EXISTS groups(run_id INT, fingerprint TEXT, bad INT,
                                   PRIMARY KEY(run_id, fingerprint)) WITHOUT ROWID;
@@ -182,6 +183,23 @@ class History:
         n = len(codes)
         return {k: (_CODES[codes[i]], s, b) for i, k, s, b in self._tests() if i < n and codes[i]}
 
+    def flaky_runs(self, run_ids: list[int]) -> dict[str, int]:
+        """``test key -> runs`` among ``run_ids`` in which the test failed an attempt and passed
+        another (harness's confirming reruns recorded it flaky)."""
+        ids = {i: k for k, i in self._test_ids().items()}
+        out: dict[str, int] = {}
+        for run_id in run_ids:
+            row = self.db.execute("SELECT total, failed FROM attempts WHERE run_id = ?", (run_id,)).fetchone()
+            codes = self.db.execute("SELECT codes FROM outcomes WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None or codes is None:
+                continue
+            total, failed = np.frombuffer(row[0], dtype=np.uint8), np.frombuffer(row[1], dtype=np.uint8)
+            outcome = np.frombuffer(codes[0], dtype=np.uint8)
+            for i in np.nonzero((failed > 0) & (failed < total))[0].tolist():
+                if i < len(outcome) and _CODES[outcome[i]] == "passed" and i in ids:
+                    out[ids[i]] = out.get(ids[i], 0) + 1
+        return out
+
     def metric_series(self, run_ids: list[int]) -> SeriesView:
         width = max(self._test_ids().values(), default=0) + 1
         columns: dict[str, list[np.ndarray]] = {}
@@ -277,6 +295,15 @@ class History:
                         col = columns[name] = np.full(width, np.nan)
                     col[i] = value
         db.execute("INSERT INTO outcomes VALUES(?,?)", (run_id, codes.tobytes()))
+        # confirming reruns (harness run --confirm, pytest-rerunfailures): attempts and failed attempts
+        # per test, kept only for runs that reran something
+        total, failed = np.zeros(width, dtype=np.uint8), np.zeros(width, dtype=np.uint8)
+        for k, c in results.cases.items():
+            f, n = attempt_counts(c)
+            if n > 1:
+                total[ids[k]], failed[ids[k]] = min(n, 255), min(f, 255)
+        if total.any():
+            db.execute("INSERT INTO attempts VALUES(?,?,?)", (run_id, total.tobytes(), failed.tobytes()))
         db.executemany("INSERT INTO metrics VALUES(?,?,?)",
                        ((run_id, n, col.tobytes()) for n, col in columns.items()))
         db.executemany("INSERT INTO groups VALUES(?,?,?)",
@@ -292,6 +319,6 @@ class History:
         self.db.commit()
 
     def _delete_runs(self, run_ids: list[int]) -> None:
-        for table, col in (("outcomes", "run_id"), ("metrics", "run_id"), ("groups", "run_id"),
-                           ("runs", "id")):
+        for table, col in (("outcomes", "run_id"), ("attempts", "run_id"), ("metrics", "run_id"),
+                           ("groups", "run_id"), ("runs", "id")):
             self.db.executemany(f"DELETE FROM {table} WHERE {col} = ?", ((r,) for r in run_ids))

@@ -281,3 +281,18 @@ def _merge(cases: dict[str, Case], new: Case) -> None:
     if keep.flaky and bad and not keep.log:
         keep.message, keep.log = bad[-1].message, bad[-1].log  # show what the failed attempt said
     cases[new.key] = keep
+
+
+def attempt_counts(case: Case) -> tuple[int, int]:
+    """(failed attempts, attempts) of a case: harness's own record of its confirming reruns
+    (``harness.detail.confirm_attempts``, harness.run.confirm) where it has one, else its JUnit rerun
+    children (pytest-rerunfailures) and final outcome."""
+    import json
+
+    try:
+        rec = json.loads(case.details.get("confirm_attempts") or "[]")
+    except ValueError:
+        rec = []
+    if isinstance(rec, list) and rec and all(isinstance(a, dict) for a in rec):
+        return sum(a.get("outcome") in ("failed", "error") for a in rec), len(rec)
+    return case.attempts - (1 if case.outcome == "passed" else 0), case.attempts

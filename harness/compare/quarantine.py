@@ -37,7 +37,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from harness.compare.junit import Case, Results
+from harness.compare.junit import Case, Results, attempt_counts
 from harness.files import atomic
 
 FORMAT = 1
@@ -138,15 +138,8 @@ def save(path: str | os.PathLike, q: Quarantine) -> None:
 
 
 def attempts(case: Case) -> tuple[int, int]:
-    """(failed attempts, attempts) of a case: harness's own record of its reruns
-    (``harness.detail.confirm_attempts``) where it has one, else its JUnit rerun children."""
-    try:
-        rec = json.loads(case.details.get("confirm_attempts") or "[]")
-    except ValueError:
-        rec = []
-    if isinstance(rec, list) and rec and all(isinstance(a, dict) for a in rec):
-        return sum(a.get("outcome") in ("failed", "error") for a in rec), len(rec)
-    return case.attempts - (1 if case.outcome == "passed" else 0), case.attempts
+    """(failed attempts, attempts): :func:`harness.compare.junit.attempt_counts`."""
+    return attempt_counts(case)
 
 
 def _flaky(case: Case) -> bool:

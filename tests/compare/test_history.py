@@ -66,3 +66,29 @@ def test_baseline_cache_round_trip_and_not_a_run(tmp_path):
         "suites.s.toml::a[cpu-float32]": ("passed", "s", "cpu", {"wall_time_s": 1.5}),
         "suites.s.toml::b[npu-float32]": ("failed", "s", "npu", {})}
     assert cached.cases["suites.s.toml::a[cpu-float32]"].name == "a[cpu-float32]"
+
+
+def test_reruns_are_recorded_and_a_flake_says_how_often_it_flaked(tmp_path):
+    """Issue #31 item 1: each run's confirming reruns (attempts, failed attempts) are kept in the
+    history, so a flaky finding says how many of the recent runs it flaked in."""
+    import json as _json
+
+    from harness.compare.classify import Config, classify
+    from harness.compare.junit import Case, Results
+
+    def run(flaky: bool) -> Results:
+        att = [{"outcome": "failed"}, {"outcome": "passed"}, {"outcome": "passed"}] if flaky else []
+        c = Case(key="suites.s.toml::smoke[cpu-float32]", name="smoke[cpu-float32]", classname="suites.s.toml",
+                 outcome="passed", suite="s", check="smoke", backend="cpu", dtype="float32", device="", variant="",
+                 metrics={}, tolerances={}, details={"confirm": "flaky", "confirm_attempts": _json.dumps(att)}
+                 if flaky else {}, flaky=flaky, attempts=2 if flaky else 1)
+        return Results(cases={c.key: c})
+
+    h = History(str(tmp_path / "h.sqlite"))
+    for i, flaky in enumerate([True, False, True]):
+        h.record(f"r{i}", run(flaky), {})
+    ids = [r.id for r in h.runs(10)]
+    assert h.flaky_runs(ids) == {"suites.s.toml::smoke[cpu-float32]": 2}
+    (f,) = [f for f in classify(run(True), None, h, Config(), "r3").findings if f.category == "flaky"]
+    assert f.note == "flaky: failed 1 of 3 attempts; flaky in 3 of the last 4 runs"
+    h.close()
