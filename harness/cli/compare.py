@@ -128,6 +128,10 @@ def register(subparsers) -> None:
                    help="fields that make one issue (suite, backend, kind, dtype, check, device)")
     p.add_argument("--summary", help="also write the markdown summary here "
                                      "(it always goes to $GITHUB_STEP_SUMMARY when set)")
+    p.add_argument("--upstream", action="store_true",
+                   help="the upstream canary: RESULTS ran the next stack (pre-release torch / transformers), "
+                        "--baseline the pinned one; regressions are filed as kind 'upstream' naming the "
+                        "package versions that changed")
     p.add_argument("--pr-comment", default=None, metavar="N|auto",
                    help="keep one comment on pull request N ('auto': the one this GitHub Actions run is for) "
                         "saying whose each failure is: new in the change, already failing on main, flaky, "
@@ -154,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
         enterprise_url=args.github_url, max_api_calls=args.max_api_calls, run_key=args.run_id,
         commit=args.commit, baseline_commit=args.baseline_commit, run_url=args.run_url,
         mute_file=args.mute_file, close_after=args.close_after, quarantine_file=args.quarantine,
-        reenable_after=args.reenable_after,
+        reenable_after=args.reenable_after, upstream=args.upstream,
         filed_kinds=tuple(k for k in args.file_kinds.split(",") if k),
         group_by=tuple(k for k in args.group_by.split(",") if k),
         expect_shards=args.expect_shards, config=config_from(args))

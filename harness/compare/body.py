@@ -237,6 +237,7 @@ def render(group: Group, ctx: RunContext, reopened: bool = False) -> str:
         f"| commit | {md_code(ctx.commit[:12] or 'unknown')} |",
         f"| baseline commit | {md_code(ctx.baseline_commit[:12] or 'unknown')} |",
         f"| run | {scrub(ctx.run_url or 'n/a').replace('|', '%7C')} |", f"| machine | {_cell(ctx.machine or 'n/a')} |",
+        *([f"| stack (pinned -> next) | {_cell(f0.stack)} |"] if f0 is not None and f0.stack else []),
         "", "### Regressions", "",
         "| test | metric | baseline | current | change | threshold |", "|---|---|---|---|---|---|",
     ]

@@ -85,6 +85,7 @@ class Finding:
     bad_runs: int = 1
     note: str = ""
     perf: perfverdict.Figures | None = None  # the perf check's figures, when it decided this
+    stack: str = ""  # upstream canary: the package versions that changed against the pinned run
 
     @property
     def regression(self) -> bool:

@@ -36,7 +36,8 @@ from harness.compare.scrub import md_code, scrub
 LABEL = "harness"
 MUTED_LABEL = "harness:muted"
 # infrastructure: one issue per backend for runner and device failures (harness.run.confirm)
-FILED_KINDS = ("failure", "error", "precision", "performance", "vanished", "infrastructure")
+# upstream: the canary's regressions against the pinned stack (harness compare --upstream)
+FILED_KINDS = ("failure", "error", "precision", "performance", "vanished", "infrastructure", "upstream")
 GROUP_BY = ("suite", "backend", "kind")
 _FP = re.compile(r"<!-- harness:fingerprint=([0-9a-f]+) -->")
 _STATE = re.compile(r"<!-- harness:state=([A-Za-z0-9+/=]*) -->")
@@ -57,6 +58,8 @@ class Group:
     @property
     def title(self) -> str:
         extra = [v for k, v in self.fields.items() if k not in ("suite", "backend", "kind")]
+        if self.kind == "upstream" and self.findings and self.findings[0].stack:
+            extra.append(self.findings[0].stack)  # the versions that broke it, pinned -> next
         tail = f" ({', '.join(extra)})" if extra else ""
         quarantined = self.findings and all(f.category == "quarantined" for f in self.findings)
         what = {"flaky": "flaky tests (quarantined)" if quarantined else "flaky tests",

@@ -76,6 +76,9 @@ class Results:
     # True when some input could not be read whole (a shard missing, cut off, not JUnit, fewer
     # files than expected): a test absent from this run then counts as not run, never as vanished.
     partial: bool = False
+    # the stack each file was run with (``harness.stack.<package>`` testsuite properties): package ->
+    # the versions seen (one, unless shards ran different installs)
+    stack: dict[str, set[str]] = field(default_factory=dict)
     # Input that was read but is wrong in one place (a metric that is not a number): named, shown
     # in the summary, and *not* a reason to call the input partial.
     warnings: list[str] = field(default_factory=list)
@@ -140,7 +143,7 @@ def _read_all(files: list[str], res: Results) -> None:
     for path in files:
         res.files.append(path)
         before = len(res.problems)
-        for case in _read_file(path, res.problems):
+        for case in _read_file(path, res.problems, res.stack):
             for prop, value in case.invalid.items():
                 res.warnings.append(invalid_value_warning(path, case.key, prop, value))
             _merge(res.cases, case)
@@ -148,7 +151,7 @@ def _read_all(files: list[str], res: Results) -> None:
 
 
 
-def _read_file(path: str, problems: list[str]) -> list[Case]:
+def _read_file(path: str, problems: list[str], stack: dict[str, set[str]] | None = None) -> list[Case]:
     if not os.path.exists(path):
         problems.append(f"{path}: shard missing (file does not exist); its tests count as not run")
         return []
@@ -166,7 +169,13 @@ def _read_file(path: str, problems: list[str]) -> list[Case]:
         problems.append(f"{path}: cannot read ({e.strerror or e})")
         return []
     # junitparser wraps a lone <testsuite> root in <testsuites>, so one loop serves both shapes.
-    return [_case(tc) for s in xml if isinstance(s, TestSuite) for tc in s]
+    suites = [s for s in xml if isinstance(s, TestSuite)]
+    if stack is not None:
+        for s in suites:
+            for p in s.properties():
+                if (p.name or "").startswith("harness.stack."):
+                    stack.setdefault(p.name.removeprefix("harness.stack."), set()).add(str(p.value))
+    return [_case(tc) for s in suites for tc in s]
 
 
 def invalid_value_warning(path: str, key: str, prop: str, value: str) -> str:

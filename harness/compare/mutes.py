@@ -28,7 +28,7 @@ from harness.compare.classify import Finding
 
 # The issue kinds a finding files under (harness.compare.classify), or every kind.
 Kind = Literal["*", "failure", "error", "precision", "performance", "vanished", "flaky", "infrastructure",
-               "improvement", "info"]
+               "upstream", "improvement", "info"]
 
 
 class Mute(BaseModel):

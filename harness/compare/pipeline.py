@@ -61,6 +61,7 @@ class Options:
     run_url: str = ""
     mute_file: str | None = None
     quarantine_file: str | None = None  # maintained here (harness.compare.quarantine); None: not used
+    upstream: bool = False  # the canary: regressions against the pinned run are the next stack's (kind upstream)
     reenable_after: int = quarantine.REENABLE_AFTER
     close_after: int = 2
     filed_kinds: tuple[str, ...] = FILED_KINDS
@@ -192,6 +193,8 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     run_key, inputs = _run_identity(opts, history)
     cls = classify(current, baseline, history, opts.config, run_key)
     qchanges, held_before = _quarantine(opts, current, cls, problems)
+    if opts.upstream:
+        _upstream(cls, current, baseline)
     warnings = current.warnings + [f"baseline: {w}" for w in (baseline.warnings if baseline else [])] \
         + cls.warnings
     active, mute_notes = mutes.load(opts.mute_file)
@@ -219,6 +222,25 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
 
 
 _DEMOTED = ("new_failure", "still_failing", "flaky", "quarantined")
+_UPSTREAM = ("failure", "error", "precision", "performance", "vanished")
+
+
+def stack_change(current: Results, baseline: Results | None) -> str:
+    """'torch 2.13.0 -> 2.14.0.dev20261203, transformers 5.24.0 -> 5.25.0.dev0': the packages whose
+    versions differ between the baseline (the pinned run) and this run."""
+    old = {p: sorted(v) for p, v in (baseline.stack if baseline is not None else {}).items()}
+    parts = [f"{p} {'/'.join(old.get(p, ['?']))} -> {'/'.join(sorted(v))}"
+             for p, v in sorted(current.stack.items()) if old.get(p) != sorted(v)]
+    return ", ".join(parts) or "no package version differs from the pinned run"
+
+
+def _upstream(cls: Classification, current: Results, baseline: Results | None) -> None:
+    """The upstream canary (docs/ci.md): this run is the next stack, the baseline the pinned one, so
+    each regression is the next stack's: kind ``upstream``, naming the versions that changed."""
+    change = stack_change(current, baseline)
+    for f in cls.findings:
+        if f.regression and f.kind in _UPSTREAM:
+            f.kind, f.stack = "upstream", change
 
 
 def _quarantine(opts: Options, current: Results, cls: Classification, problems: list[str]) -> tuple[list, set]:

@@ -309,6 +309,8 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) 
     sp = ET.SubElement(suite, "properties")
     ET.SubElement(sp, "property", name="harness.run.status", value=status)
     ET.SubElement(sp, "property", name="harness.run.not_run", value=str(len(not_run)))
+    for pkg, version in stack_versions().items():  # what the upstream canary compares (docs/ci.md)
+        ET.SubElement(sp, "property", name=f"harness.stack.{pkg}", value=version)
     for r in rows:
         cls, name = junit_names(r.nodeid)
         tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time=f"{r.duration:.3f}")
@@ -351,3 +353,19 @@ def _reruns(tc: ET.Element, r: Row) -> None:
     for a in failed:
         tag = "rerunError" if a.get("outcome") == "error" else "rerunFailure"
         ET.SubElement(tc, tag, message=str(a.get("message", ""))).text = str(a.get("message", ""))
+
+
+STACK = ("torch", "transformers", "accelerate", "harness")
+
+
+def stack_versions() -> dict[str, str]:
+    """The installed versions of the stack under test (package metadata, nothing imported)."""
+    from importlib import metadata
+
+    out = {}
+    for pkg in STACK:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

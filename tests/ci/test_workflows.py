@@ -32,6 +32,7 @@ EXPRESSIONS = {
     "inputs.suite": "kimi-k2",
     "inputs.backend": "cpu",
     "github.base_ref": "main",
+    "inputs.packages || 'torch transformers'": "torch transformers",
     "secrets.GITHUB_TOKEN": "***",
     "secrets.HARNESS_PR_TOKEN || secrets.GITHUB_TOKEN": "***",
 }

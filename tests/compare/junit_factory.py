@@ -84,7 +84,7 @@ def run_pytest_suite(folder, items: list[dict], junit_path) -> str:
     return os.fspath(junit_path)
 
 
-def write_junit(path, items: list[dict], reruns: dict[str, int] | None = None) -> str:
+def write_junit(path, items: list[dict], reruns: dict[str, int] | None = None, stack: dict | None = None) -> str:
     """pytest-shaped JUnit XML without running pytest (fast; for the many-variant tests)."""
     rows = []
     for it in items:
@@ -104,6 +104,8 @@ def write_junit(path, items: list[dict], reruns: dict[str, int] | None = None) -
         f.write('<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">'
                 f'<testsuite name="pytest" errors="0" failures="{fails}" skipped="0" tests="{len(items)}" '
                 f'timestamp="{stamp}" hostname="ci-runner">'
+                + ("<properties>" + "".join(f"<property name={quoteattr('harness.stack.' + k)} value={quoteattr(v)}/>"
+                                            for k, v in stack.items()) + "</properties>" if stack else "")
                 + "".join(rows) + "</testsuite></testsuites>")
     return os.fspath(path)
 

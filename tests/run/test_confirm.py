@@ -90,6 +90,13 @@ def test_deterministic_flaky_and_infrastructure_failures_are_told_apart(project)
     assert oom.find("error").get("message").startswith("infrastructure: crashed with SIGKILL")
 
     assert props(tc["d-healthy"]).get("harness.detail.confirm") is None  # passed at once: never rerun
+    # the stack it ran with, for the upstream canary's comparison (installed versions, nothing imported)
+    from importlib.metadata import version
+
+    suite_props = {p.get("name"): p.get("value")
+                   for p in ET.parse(project / "res" / "junit.xml").getroot().find("testsuite/properties")}
+    assert suite_props["harness.stack.torch"] == version("torch")
+    assert suite_props["harness.stack.transformers"] == version("transformers")
     assert "2 passed, 1 failed, 1 errors, 0 skipped, 1 flaky (passed on a rerun)" in out, out
 
     # the comparator reads the classification: one failure, one infrastructure finding, one flake
