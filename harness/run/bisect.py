@@ -54,7 +54,8 @@ class Step:
     def line(self) -> str:
         items = ", ".join(f"{k} {v}" + (f": {self.messages[k]}" if self.messages.get(k) else "")
                           for k, v in sorted(self.verdicts.items()))
-        return f"{self.label:<9} {self.commit[:12]} {self.verdict:<4} {self.subject[:60]}  [{items}]"
+        point = self.commit[:12] if all(c in "0123456789abcdef" for c in self.commit) else self.commit
+        return f"{self.label:<9} {point} {self.verdict:<4} {self.subject[:60]}  [{items}]"
 
 
 @dataclass
@@ -126,30 +127,36 @@ def run_at(repo: Path, commit: str, items: list[str] | None, run_args: list[str]
     _git(repo, "worktree", "add", "--detach", "--force", str(wt), commit)
     results = paths.join(work, f"r-{commit[:12]}", source="git rev-list", field="commit")
     try:
-        cmd = [sys.executable, "-m", "harness", "run"]
-        if items:
-            suites, expr = _selection(items)
-            cmd += [*suites, "-k", expr]
-        cmd += ["--results", str(results), *run_args]
         env = dict(os.environ)
         unset_env("HARNESS_CONFIG", env)  # the worktree's own harness.toml, not the one of the checkout we run from
         env["PYTHONPATH"] = os.pathsep.join([str(wt), *filter(None, [env.get("PYTHONPATH")])])
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        try:
-            r = subprocess.run(cmd, cwd=wt, env=env, capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL)
-            tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-5:])
-        except subprocess.TimeoutExpired:
-            return None, f"harness run did not finish within {timeout:g} s"
-        junit = results / "junit.xml"
-        if not junit.exists():
-            return None, tail
-        try:
-            return read_verdicts(junit, messages), tail
-        except ET.ParseError as e:
-            return None, f"{junit}: {e}"
+        return _run(wt, env, items, run_args, results, timeout, messages)
     finally:
         subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(wt)], capture_output=True)
+
+
+def _run(cwd: Path, env: dict, items: list[str] | None, run_args: list[str], results: Path, timeout: float,
+         messages: dict[str, str] | None) -> tuple[dict[str, str] | None, str]:
+    """One ``harness run`` of ``items`` in ``cwd``: (item -> outcome, or None without results; the tail)."""
+    cmd = [sys.executable, "-m", "harness", "run"]
+    if items:
+        suites, expr = _selection(items)
+        cmd += [*suites, "-k", expr]
+    cmd += ["--results", str(results), *run_args]
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-5:])
+    except subprocess.TimeoutExpired:
+        return None, f"harness run did not finish within {timeout:g} s"
+    junit = results / "junit.xml"
+    if not junit.exists():
+        return None, tail
+    try:
+        return read_verdicts(junit, messages), tail
+    except ET.ParseError as e:
+        return None, f"{junit}: {e}"
 
 
 def bisect(repo: Path, good: str, bad: str, items: list[str], run_args: list[str], *,
@@ -177,36 +184,122 @@ def bisect(repo: Path, good: str, bad: str, items: list[str], run_args: list[str
             say(s.line())
             return s
 
-        first = step("bad end", todo[-1], items or None)
-        failing = sorted(i for i, o in first.verdicts.items() if o in BAD)
-        if not failing:
-            res.message = (f"not reproduced: at {bad} ({todo[-1][:12]}) "
-                           + ("no results: " + first.log if first.verdict == "skip" else "every item passed")
-                           + "; nothing to bisect")
-            return res
-        dropped = sorted(set(first.verdicts) - set(failing)) if items else []
-        res.items = failing
-        # Binary search over todo[:-1] (todo[-1] is bad); lo..hi: the first bad is in todo[lo..hi].
-        lo, hi, k = 0, len(todo) - 1, 0
-        skipped: set[int] = set()
-        while lo < hi:
-            cands = [i for i in range(lo, hi) if i not in skipped]
-            if not cands:
-                break
-            mid = min(cands, key=lambda i: abs(i - (lo + hi) // 2))
-            k += 1
-            s = step(f"step {k}", todo[mid], failing)
-            if s.verdict == "bad":
-                hi = mid
-            elif s.verdict == "good":
-                lo = mid + 1
+        _search(res, todo, step, items, bad, "commit", lambda c: _git(repo, "log", "-1", "--format=%h %s", c),
+                 short=lambda c: c[:12])
+    return res
+
+
+def _search(res: Bisection, todo: list[str], step, items: list[str], bad: str, what: str, describe, short) -> None:
+    """The bad end first, then a binary search of ``todo[:-1]`` for the first bad point (a commit or a
+    package version); ``step(label, point, items) -> Step``."""
+    first = step("bad end", todo[-1], items or None)
+    failing = sorted(i for i, o in first.verdicts.items() if o in BAD)
+    if not failing:
+        res.message = (f"not reproduced: at {bad} ({short(todo[-1])}) "
+                       + ("no results: " + first.log if first.verdict == "skip" else "every item passed")
+                       + "; nothing to bisect")
+        return
+    dropped = sorted(set(first.verdicts) - set(failing)) if items else []
+    res.items = failing
+    # lo..hi: the first bad is in todo[lo..hi] (todo[-1] is bad)
+    lo, hi, k = 0, len(todo) - 1, 0
+    skipped: set[int] = set()
+    while lo < hi:
+        cands = [i for i in range(lo, hi) if i not in skipped]
+        if not cands:
+            break
+        mid = min(cands, key=lambda i: abs(i - (lo + hi) // 2))
+        k += 1
+        s = step(f"step {k}", todo[mid], failing)
+        if s.verdict == "bad":
+            hi = mid
+        elif s.verdict == "good":
+            lo = mid + 1
+        else:
+            skipped.add(mid)
+    res.first_bad = todo[hi]
+    unsure = [short(todo[i]) for i in sorted(skipped) if lo <= i < hi]
+    res.message = (f"first bad {what}: {describe(todo[hi])} ({len(res.steps)} runs over {len(todo)} {what}s; items: "
+                   f"{', '.join(failing)})"
+                   + (f"; or one of the skipped {what}s before it: {', '.join(unsure)}" if unsure else "")
+                   + (f"; passed at the bad end, not bisected: {', '.join(dropped)}" if dropped else ""))
+
+
+# --- between two package sets -------------------------------------------------------------------
+
+def _requirement(spec: str) -> tuple[str, str]:
+    """``torch==2.14.0.dev20261201`` -> (name, version)."""
+    name, sep, version = spec.partition("==")
+    if not sep or not name.strip() or not version.strip() or any(c in version for c in "<>=!~,; "):
+        raise BisectError(f"{spec!r}: expected NAME==VERSION (one package, one exact version)")
+    return name.strip(), version.strip()
+
+
+def versions_between(name: str, good: str, bad: str, pip_args: list[str]) -> list[str]:
+    """The versions of ``name`` the package index has after ``good`` up to ``bad`` (included), oldest
+    first, pre-releases included (``pip index versions``)."""
+    from packaging.version import InvalidVersion, Version
+
+    r = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--pre", *pip_args],
+                       capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("Available versions:")), None)
+    if r.returncode != 0 or line is None:
+        why = (r.stderr.strip().splitlines() or ["no versions listed"])[-1]
+        raise BisectError(f"pip index versions {name}: {why}")
+    try:
+        g, b = Version(good), Version(bad)
+        found = sorted({Version(v.strip()) for v in line.split(":", 1)[1].split(",") if v.strip()})
+    except InvalidVersion as e:
+        raise BisectError(f"{name}: {e}") from None
+    if not g < b:
+        raise BisectError(f"{name}: the good version {good} is not older than the bad one {bad}")
+    todo = [str(v) for v in found if g < v <= b]
+    if not todo or todo[-1] != str(b):
+        raise BisectError(f"{name}=={bad} is not in the package index (versions there: "
+                          f"{', '.join(map(str, found[-5:]))})")
+    return todo
+
+
+def bisect_packages(good: str, bad: str, items: list[str], run_args: list[str], *, pip_args: list[str] = (),
+                    timeout: float = 3600.0, say=print, cwd: Path | None = None) -> Bisection:
+    """The first version of one package (two nightly wheels of a vendor's torch, say) at which items
+    went bad: each step installs that version alone (``pip install --no-deps --target``) into a folder
+    put first on ``PYTHONPATH`` of a ``harness run`` in the current project, so it shadows the
+    installed one and nothing else changes."""
+    name, g = _requirement(good)
+    name_b, b = _requirement(bad)
+    if name_b.lower().replace("_", "-") != name.lower().replace("_", "-"):
+        raise BisectError(f"--good and --bad name different packages ({name}, {name_b}): one package at a time")
+    todo = versions_between(name, g, b, list(pip_args))
+    res = Bisection(list(items))
+    cwd = Path(cwd or ".")
+    with tempfile.TemporaryDirectory(prefix="harness-bisect-") as d:
+        work = Path(d)
+
+        def step(label: str, version: str, wanted: list[str] | None) -> Step:
+            target = paths.join(work, f"p-{version}", source="pip index versions", field="version")
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                str(target), f"{name}=={version}", *pip_args], capture_output=True, text=True,
+                               timeout=1800)
+            subject = f"{name}=={version}"
+            if r.returncode != 0:
+                s = Step(label, version, subject, {}, "skip", (r.stderr.strip().splitlines() or ["pip failed"])[-1])
             else:
-                skipped.add(mid)
-        res.first_bad = todo[hi]
-        subject = _git(repo, "log", "-1", "--format=%h %s", todo[hi])
-        unsure = [todo[i][:12] for i in sorted(skipped) if lo <= i < hi]
-        res.message = (f"first bad commit: {subject} ({len(res.steps)} runs over {len(todo)} commits; items: "
-                       f"{', '.join(failing)})"
-                       + (f"; or one of the skipped commits before it: {', '.join(unsure)}" if unsure else "")
-                       + (f"; passed at the bad end, not bisected: {', '.join(dropped)}" if dropped else ""))
+                env = dict(os.environ)
+                env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [env.get("PYTHONPATH")])])
+                msgs: dict[str, str] = {}
+                results = paths.join(work, f"r-{version}", source="pip index versions", field="version")
+                verdicts, tail = _run(cwd, env, wanted, run_args, results, timeout, msgs)
+                if verdicts is None:
+                    s = Step(label, version, subject, {}, "skip", tail)
+                else:
+                    mine = {i: verdicts.get(i, "missing") for i in (wanted or verdicts)}
+                    v = ("bad" if any(o in BAD for o in mine.values()) else
+                         "skip" if any(o in ("missing", "skipped") for o in mine.values()) else "good")
+                    s = Step(label, version, subject, mine, v, tail, {i: m for i, m in msgs.items() if i in mine})
+            res.steps.append(s)
+            say(s.line())
+            return s
+
+        _search(res, todo, step, items, bad, "version", lambda v: f"{name}=={v}", short=lambda v: v)
     return res

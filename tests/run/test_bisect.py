@@ -107,3 +107,114 @@ def test_read_verdicts_from_a_results_junit(tmp_path):
     msgs: dict = {}
     assert read_verdicts(junit, msgs) == {"tiny::smoke[cpu-float32]": "failed", "other::ops[cpu-float32]": "passed"}
     assert msgs == {"tiny::smoke[cpu-float32]": "x"}
+
+
+def _wheel(folder, name: str, version: str, body: str) -> None:
+    """A pure-Python wheel (what a package index serves), written as the format defines it."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}"
+    files = {f"{name}.py": body, f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: harness-tests\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n"}
+    record = []
+    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+            record.append(f"{n},sha256={digest},{len(text.encode())}")
+        z.writestr(f"{dist}.dist-info/RECORD", "\n".join([*record, f"{dist}.dist-info/RECORD,,"]) + "\n")
+
+
+ADAPTER = '''
+from transformers import LlamaForCausalLM
+
+import harness_kernels
+
+
+def build(config, dtype, device):
+    m = LlamaForCausalLM(config)
+    if harness_kernels.BROKEN:  # this build of the kernel package corrupts layer 0's MLP
+        m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * float("nan"))
+    return m
+'''
+
+
+@pytest.mark.slow
+def test_between_packages_finds_the_first_bad_nightly(tmp_path):
+    """`--between-packages`: 32 nightly wheels of a (pure-Python stand-in for a) vendor's kernel
+    package in a local index, the 20th and every later one breaks layer 0; the first bad version is
+    found in at most 6 runs of only the failing item, each with that version over the environment."""
+    index = tmp_path / "index"
+    index.mkdir()
+    versions = [f"1.0.0.dev{n}" for n in range(20261201, 20261233)]  # 32 nightly builds
+    for i, v in enumerate(versions):
+        _wheel(index, "harness_kernels", v, f"BROKEN = {i >= 19}\n")
+    project = tmp_path / "project"
+    (project / "suites" / "configs").mkdir(parents=True)
+    (project / "suites" / "configs" / "tiny.json").write_text(
+        (REPO_SUITES / "configs" / "Llama-3.1-8B.json").read_text())
+    (project / "suites" / "tiny.toml").write_text(
+        '[model]\nconfig = "configs/tiny.json"\nadapter = "project_model:build"\n' + TINY_PRUNE)
+    (project / "project_model.py").write_text(ADAPTER)
+    (project / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\n')
+    out = tmp_path / "bisect.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(project),
+           "HARNESS_CONFIG": str(project / "harness.toml")}
+    r = subprocess.run([sys.executable, "-m", "harness", "bisect", "--between-packages",
+                        "--good", f"harness_kernels=={versions[0]}", "--bad", f"harness_kernels=={versions[-1]}",
+                        "--pip-arg=--no-index", f"--pip-arg=--find-links={index}", "--json", str(out),
+                        "--", "--backend", "cpu", "--dtype", "float32", "--check", "smoke", "--no-isolate"],
+                       cwd=project, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["first_bad"] == versions[19], r.stdout
+    assert f"first bad version: harness_kernels=={versions[19]}" in r.stdout
+    steps = res["steps"]
+    assert len(steps) <= 6 and steps[0]["items"] == {"tiny::smoke[cpu-float32]": "failed"}, r.stdout
+    for s in steps:  # each step ran the failing item alone, with its version
+        assert list(s["items"]) == ["tiny::smoke[cpu-float32]"]
+        assert s["verdict"] == ("bad" if versions.index(s["commit"]) >= 19 else "good"), s
+    # nothing stays installed: the environment's own package list is unchanged
+    assert "harness_kernels" not in subprocess.run([sys.executable, "-m", "pip", "list"], capture_output=True,
+                                                   text=True).stdout
+
+
+def test_between_packages_bad_input_is_one_line(tmp_path):
+    for good, bad, why in (("torch", "torch==2", "expected NAME==VERSION"),
+                           ("torch==2.1", "numpy==2.2", "different packages")):
+        r = subprocess.run([sys.executable, "-m", "harness", "bisect", "--between-packages", "--good", good,
+                            "--bad", bad], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_answer_is_commented_on_the_issue_that_asked(monkeypatch, capsys):
+    """The bisect workflow's last step: `--comment-issue N` posts the answer and every step on issue N
+    (the local GitHub server); a refused post is one line, never the answer lost."""
+    from types import SimpleNamespace
+
+    from compare.github_server import TOKEN, GitHubServer  # tests/compare (tests/ is on sys.path)
+
+    from harness.cli.bisect import post_answer
+    from harness.run.bisect import Bisection, Step
+
+    res = Bisection(["tiny::smoke[cpu-float32]"], [
+        Step("bad end", "a" * 40, "commit 31", {"tiny::smoke[cpu-float32]": "error"}, "bad"),
+        Step("step 1", "b" * 40, "commit 15", {"tiny::smoke[cpu-float32]": "passed"}, "good")],
+        "b" * 40, "first bad commit: bbbbbbb commit 19 (the bad one) (6 runs over 31 commits)")
+    args = SimpleNamespace(good="v1", bad="HEAD")
+    with GitHubServer() as gh:
+        gh.state.issues[4] = {"title": "[harness] error regression: tiny on cpu", "body": "", "labels": ["harness"],
+                              "state": "open", "comments": [], "changes": []}
+        monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+        monkeypatch.setenv("GITHUB_REPOSITORY", "acme/models")
+        monkeypatch.setenv("GITHUB_API_URL", gh.url)
+        assert post_answer("4", res, args)
+        (c,) = gh.state.issues[4]["comments"]
+        assert "first bad commit: bbbbbbb commit 19" in c["body"] and "step 1" in c["body"]
+        gh.state.fail_next(403, message="Resource not accessible by integration")
+        assert not post_answer("4", res, args)
+        assert "could not comment on issue #4" in capsys.readouterr().err
+    assert not post_answer("four", res, args)
