@@ -52,8 +52,9 @@ def repo(tmp_path_factory) -> Path:
     return r
 
 
-def select(repo: Path, *changes: str) -> dict:
-    """Commit ``changes`` (paths appended to) on a branch off main, `harness select --base main`."""
+def select(repo: Path, *changes: str, args_line: bool = False) -> dict:
+    """Commit ``changes`` (paths appended to) on a branch off main, `harness select --base main`
+    (and with ``args_line`` its `--format args` line: one more process, ~3 s)."""
     git(repo, "checkout", "-q", "-B", "change", "main")
     for c in changes:
         with open(repo / c, "a") as f:
@@ -66,14 +67,15 @@ def select(repo: Path, *changes: str) -> dict:
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads((repo / "sel.json").read_text())
     out["text"] = r.stdout
-    args = subprocess.run([str(exe), "select", "--base", "main", "--format", "args"], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=600)
-    out["args_line"] = args.stdout.strip()
+    if args_line:
+        args = subprocess.run([str(exe), "select", "--base", "main", "--format", "args"], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=600)
+        out["args_line"] = args.stdout.strip()
     return out
 
 
 def test_one_suite_file_selects_only_that_suite(repo):
-    s = select(repo, "suites/qwen3-8b.toml")
+    s = select(repo, "suites/qwen3-8b.toml", args_line=True)
     assert set(s["suites"]) == {"qwen3-8b"} and not s["everything"] and not s["checks"]
     assert s["suites"]["qwen3-8b"] == ["suite file suites/qwen3-8b.toml changed"]
     assert s["run_arguments"] == ["qwen3-8b"] and s["args_line"] == "qwen3-8b"
@@ -105,7 +107,7 @@ def test_a_mapped_kernel_path_selects_exactly_the_suites_that_run_its_ops(repo):
 
 
 def test_docs_select_nothing_and_unmapped_paths_everything(repo):
-    s = select(repo, "docs/kernels.md")
+    s = select(repo, "docs/kernels.md", args_line=True)
     assert s["run_arguments"] is None and s["args_line"] == "none" and s["ignored"] == ["docs/kernels.md"]
     assert "nothing: no changed path can affect an item" in s["text"]
     s = select(repo, "csrc/norm/rms.cu", "docs/kernels.md")  # not mapped: no proof it affects nothing
