@@ -131,6 +131,13 @@ def classify(current: Results, baseline: Results | None, history: History | None
         if verdict is not None:
             _verdict_findings(out, case, verdict)
     _missing_findings(out, current, base, prev, config)
+    for path, status, reason, n, backends in current.cut_off:
+        # the run itself was cut off (the job's time limit, a lost runner, a full disk): the runner's
+        # problem, one finding per backend it cost; its missing items are "not run", never fixed
+        for backend in backends or ["unknown"]:
+            out.findings.append(Finding("infrastructure", "infrastructure", f"run:{path}", "*", backend,
+                                        note=f"the run was {status}" + (f" ({reason})" if reason else "")
+                                        + f": {n} item(s) not run ({path})"))
     return out
 
 

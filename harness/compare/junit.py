@@ -79,6 +79,9 @@ class Results:
     # the stack each file was run with (``harness.stack.<package>`` testsuite properties): package ->
     # the versions seen (one, unless shards ran different installs)
     stack: dict[str, set[str]] = field(default_factory=dict)
+    # files whose run did not finish (``harness.run.status`` interrupted / incomplete: the job's time
+    # limit, a cancelled or lost runner, a full disk): (file, status, reason, items not run, backends)
+    cut_off: list[tuple[str, str, str, int, list[str]]] = field(default_factory=list)
     # Input that was read but is wrong in one place (a metric that is not a number): named, shown
     # in the summary, and *not* a reason to call the input partial.
     warnings: list[str] = field(default_factory=list)
@@ -143,7 +146,13 @@ def _read_all(files: list[str], res: Results) -> None:
     for path in files:
         res.files.append(path)
         before = len(res.problems)
-        for case in _read_file(path, res.problems, res.stack):
+        run: dict[str, str] = {}
+        cases = _read_file(path, res.problems, res.stack, run)
+        if run.get("status") in ("interrupted", "incomplete"):
+            ran = {c.backend for c in cases if c.outcome != "skipped"}  # not-run items carry no identity
+            res.cut_off.append((path, run["status"], run.get("reason", ""), int(run.get("not_run", "0") or 0),
+                                sorted(ran or {c.backend for c in cases})))
+        for case in cases:
             for prop, value in case.invalid.items():
                 res.warnings.append(invalid_value_warning(path, case.key, prop, value))
             _merge(res.cases, case)
@@ -151,7 +160,8 @@ def _read_all(files: list[str], res: Results) -> None:
 
 
 
-def _read_file(path: str, problems: list[str], stack: dict[str, set[str]] | None = None) -> list[Case]:
+def _read_file(path: str, problems: list[str], stack: dict[str, set[str]] | None = None,
+               run: dict[str, str] | None = None) -> list[Case]:
     if not os.path.exists(path):
         problems.append(f"{path}: shard missing (file does not exist); its tests count as not run")
         return []
@@ -170,11 +180,13 @@ def _read_file(path: str, problems: list[str], stack: dict[str, set[str]] | None
         return []
     # junitparser wraps a lone <testsuite> root in <testsuites>, so one loop serves both shapes.
     suites = [s for s in xml if isinstance(s, TestSuite)]
-    if stack is not None:
-        for s in suites:
-            for p in s.properties():
-                if (p.name or "").startswith("harness.stack."):
-                    stack.setdefault(p.name.removeprefix("harness.stack."), set()).add(str(p.value))
+    for s in suites:
+        for p in s.properties():
+            name = p.name or ""
+            if stack is not None and name.startswith("harness.stack."):
+                stack.setdefault(name.removeprefix("harness.stack."), set()).add(str(p.value))
+            elif run is not None and name.startswith("harness.run."):
+                run[name.removeprefix("harness.run.")] = str(p.value)
     return [_case(tc) for s in suites for tc in s]
 
 

@@ -286,7 +286,8 @@ class ResultsWriter:
                    "items": [asdict(r) for r in rows], "not_run": not_run}
         failed = None
         for name, make in (("run.json", None),
-                           ("junit.xml", lambda: junit_xml(rows, not_run, self.status, time.time() - self.started)),
+                           ("junit.xml", lambda: junit_xml(rows, not_run, self.status, time.time() - self.started,
+                                                           self.reason)),
                            ("summary.json", lambda: json.dumps(summary, indent=1)),
                            ("summary.txt", lambda: text)):
             try:
@@ -299,7 +300,7 @@ class ResultsWriter:
         return failed
 
 
-def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) -> str:
+def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float, reason: str = "") -> str:
     """The JUnit XML pytest's junitxml writes (the comparator reads either), plus run status."""
     c = counts(rows)
     suite = ET.Element("testsuite", name="harness", tests=str(len(rows) + len(not_run)),
@@ -309,6 +310,8 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float) 
     sp = ET.SubElement(suite, "properties")
     ET.SubElement(sp, "property", name="harness.run.status", value=status)
     ET.SubElement(sp, "property", name="harness.run.not_run", value=str(len(not_run)))
+    if reason:
+        ET.SubElement(sp, "property", name="harness.run.reason", value=reason)
     for pkg, version in stack_versions().items():  # what the upstream canary compares (docs/ci.md)
         ET.SubElement(sp, "property", name=f"harness.stack.{pkg}", value=version)
     for r in rows:

@@ -120,3 +120,29 @@ def test_baseline_parsed_by_a_child_process_into_the_cache(tmp_path, monkeypatch
     second, _ = run(tmp_path, bad, 1)
     assert second.baseline.files[0].endswith("base.xml")
     assert any("baseline:" in p and "truncated" in p for p in second.problems)
+
+
+def test_a_cut_off_run_is_one_infrastructure_finding_per_backend(tmp_path):
+    """A shard whose run was interrupted (the job's time limit, a cancelled runner: harness writes
+    ``harness.run.status = interrupted`` and lists the items it never ran) is the runner's problem:
+    one infrastructure issue for the backend, and it closes once runs finish again."""
+    from harness.run.results import junit_xml
+    from harness.run.rows import Row
+
+    rows = [Row("suites/s.toml::smoke[cpu-float32]", "passed", {"harness.suite": "s", "harness.backend": "cpu",
+                                                                 "harness.check": "smoke", "harness.dtype": "float32"})]
+    cut = tmp_path / "cut.xml"
+    cut.write_text(junit_xml(rows, ["suites/s.toml::ops[cpu-float32-aten.mm.default]"], "interrupted", 3.0,
+                             "SIGTERM"))
+    hist = str(tmp_path / "h.sqlite")
+    first = run_compare(Options(results=[str(cut)], history=hist, sink="file", out_dir=str(tmp_path / "i"),
+                                run_key="r1"), out=io.StringIO())
+    (f,) = [f for f in first.classification.findings if f.category == "infrastructure"]
+    assert f.backend == "cpu" and f.note == f"the run was interrupted (SIGTERM): 1 item(s) not run ({cut})"
+    assert [a.title for a in first.actions] == ["[harness] infrastructure (runner or device): * on cpu"]
+    for i, key in enumerate(("r2", "r3")):
+        whole = tmp_path / f"whole{i}.xml"
+        whole.write_text(junit_xml(rows, [], "complete", 3.0 + i))
+        last = run_compare(Options(results=[str(whole)], history=hist, sink="file", out_dir=str(tmp_path / "i"),
+                                   run_key=key), out=io.StringIO())
+    assert [a.op for a in last.actions] == ["close"]
