@@ -137,11 +137,6 @@ def save(path: str | os.PathLike, q: Quarantine) -> None:
                       indent=1)
 
 
-def attempts(case: Case) -> tuple[int, int]:
-    """(failed attempts, attempts): :func:`harness.compare.junit.attempt_counts`."""
-    return attempt_counts(case)
-
-
 def _flaky(case: Case) -> bool:
     return case.flaky or case.details.get("confirm") == "flaky"
 
@@ -159,7 +154,7 @@ def update(q: Quarantine, current: Results, reenable_after: int = REENABLE_AFTER
         if case.outcome == "skipped":
             continue  # not run here: neither clean nor flaky
         entry = q.items.get(key)
-        failed_attempts, n = attempts(case)
+        failed_attempts, n = attempt_counts(case)
         if entry is not None:
             if case.outcome == "passed" and failed_attempts == 0:
                 entry.clean += 1

@@ -172,14 +172,7 @@ def bisect(repo: Path, good: str, bad: str, items: list[str], run_args: list[str
         def step(label: str, commit: str, wanted: list[str] | None) -> Step:
             msgs: dict[str, str] = {}
             verdicts, tail = run_at(repo, commit, wanted, run_args, work, timeout, msgs)
-            subject = _git(repo, "log", "-1", "--format=%s", commit)
-            if verdicts is None:
-                s = Step(label, commit, subject, {}, "skip", tail)
-            else:
-                mine = {i: verdicts.get(i, "missing") for i in (wanted or verdicts)}
-                v = ("bad" if any(o in BAD for o in mine.values()) else
-                     "skip" if any(o in ("missing", "skipped") for o in mine.values()) else "good")
-                s = Step(label, commit, subject, mine, v, tail, {i: m for i, m in msgs.items() if i in mine})
+            s = _judge(label, commit, _git(repo, "log", "-1", "--format=%s", commit), wanted, verdicts, tail, msgs)
             res.steps.append(s)
             say(s.line())
             return s
@@ -187,6 +180,18 @@ def bisect(repo: Path, good: str, bad: str, items: list[str], run_args: list[str
         _search(res, todo, step, items, bad, "commit", lambda c: _git(repo, "log", "-1", "--format=%h %s", c),
                  short=lambda c: c[:12])
     return res
+
+
+def _judge(label: str, point: str, subject: str, wanted: list[str] | None, verdicts: dict[str, str] | None,
+           tail: str, msgs: dict[str, str]) -> Step:
+    """One step's verdict: bad if a wanted item failed or errored, skip if one is missing or skipped
+    (or the run left no results), else good."""
+    if verdicts is None:
+        return Step(label, point, subject, {}, "skip", tail)
+    mine = {i: verdicts.get(i, "missing") for i in (wanted or verdicts)}
+    v = ("bad" if any(o in BAD for o in mine.values()) else
+         "skip" if any(o in ("missing", "skipped") for o in mine.values()) else "good")
+    return Step(label, point, subject, mine, v, tail, {i: m for i, m in msgs.items() if i in mine})
 
 
 def _search(res: Bisection, todo: list[str], step, items: list[str], bad: str, what: str, describe, short) -> None:
@@ -281,22 +286,15 @@ def bisect_packages(good: str, bad: str, items: list[str], run_args: list[str], 
             r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
                                 str(target), f"{name}=={version}", *pip_args], capture_output=True, text=True,
                                timeout=1800)
-            subject = f"{name}=={version}"
-            if r.returncode != 0:
-                s = Step(label, version, subject, {}, "skip", (r.stderr.strip().splitlines() or ["pip failed"])[-1])
+            msgs: dict[str, str] = {}
+            if r.returncode != 0:  # a version the index lists but pip cannot install here: skipped
+                verdicts, tail = None, (r.stderr.strip().splitlines() or ["pip failed"])[-1]
             else:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [env.get("PYTHONPATH")])])
-                msgs: dict[str, str] = {}
                 results = paths.join(work, f"r-{version}", source="pip index versions", field="version")
                 verdicts, tail = _run(cwd, env, wanted, run_args, results, timeout, msgs)
-                if verdicts is None:
-                    s = Step(label, version, subject, {}, "skip", tail)
-                else:
-                    mine = {i: verdicts.get(i, "missing") for i in (wanted or verdicts)}
-                    v = ("bad" if any(o in BAD for o in mine.values()) else
-                         "skip" if any(o in ("missing", "skipped") for o in mine.values()) else "good")
-                    s = Step(label, version, subject, mine, v, tail, {i: m for i, m in msgs.items() if i in mine})
+            s = _judge(label, version, f"{name}=={version}", wanted, verdicts, tail, msgs)
             res.steps.append(s)
             say(s.line())
             return s
