@@ -42,13 +42,15 @@ def register(sub) -> None:
                    help=f"folder for results, history, baseline, issues and logs (default {DEFAULT_OUT})")
     p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes (default 2)")
     p.add_argument("--base", default=None, metavar="REF",
-                   help="rehearse a pull request: `harness select --base REF --sample 1` first, and the shards run "
-                        "its selection (default: every item, as main)")
+                   help="rehearse a pull request: `harness select --base REF --sample 1` first, the shards run its "
+                        "selection, the comparison reads copies of the history and quarantine and never makes the "
+                        "baseline (default: every item, as main)")
     p.add_argument("--reenable-after", type=int, default=3,
                    help="clean runs before a quarantined item counts again (default 3, as ci.yml)")
-    p.add_argument("--sink", default="file",
-                   help="issue sink of the comparison (default file: OUT/issues; github with --compare-arg "
-                        "--repo/--api-url and GITHUB_TOKEN rehearses main's compare job against a GitHub API)")
+    p.add_argument("--sink", default=None,
+                   help="issue sink of the comparison (default file: OUT/issues, or with --base stdout, as "
+                        "compare-pr; github with --compare-arg --repo/--api-url and GITHUB_TOKEN rehearses main's "
+                        "compare job against a GitHub API)")
     p.add_argument("--compare-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for the comparison (repeatable), e.g. --compare-arg=--repo=o/r")
     p.set_defaults(func=main)
@@ -124,8 +126,9 @@ def main(args) -> int:
             return 2
     failed = _run_shards(args, n, results_root, logs)
     code = _compare(args, n, out, results_root)
-    # ci.yml keeps main's last successful results as the baseline of the next comparison
-    if not failed:
+    # ci.yml keeps main's last successful results as the baseline of the next comparison (a pull
+    # request's never)
+    if not failed and not args.base:
         baseline = out / "baseline"
         shutil.rmtree(baseline, ignore_errors=True)
         shutil.copytree(results_root, baseline)
@@ -168,10 +171,20 @@ def _compare(args, n: int, out: Path, results_root: Path) -> int:
     """One `harness compare` over every shard, as ci.yml's compare job (issues through the file sink)."""
     from harness.cli import main as cli_main
 
-    baseline, history = out / "baseline", out / "history.sqlite"
+    baseline, history, quarantine = out / "baseline", out / "history.sqlite", out / "quarantine.json"
+    sink = args.sink or ("stdout" if args.base else "file")
+    if args.base:
+        # compare-pr restores main's history and quarantine and never saves them: copies, thrown away
+        pr = out / "pull-request"
+        shutil.rmtree(pr, ignore_errors=True)
+        pr.mkdir(parents=True)
+        for src in (history, quarantine):
+            if src.exists():
+                shutil.copy2(src, pr / src.name)
+        history, quarantine = pr / history.name, pr / quarantine.name
     run_id = f"ci-local-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S.%fZ}"
-    argv = compare_command(f"{results_root}/*/junit.xml", n, baseline=baseline, history=history, sink=args.sink,
-                           summary=out / "summary.md", quarantine=out / "quarantine.json",
+    argv = compare_command(f"{results_root}/*/junit.xml", n, baseline=baseline, history=history, sink=sink,
+                           summary=out / "summary.md", quarantine=quarantine,
                            extra=["--out-dir", str(out / "issues"), "--run-id", run_id,
                                   "--close-after", str(args.close_after), "--reenable-after", str(args.reenable_after),
                                   "--commit", _git_head(), *args.compare_arg])
