@@ -20,6 +20,14 @@ vocab_size = 128
 """
 
 
+def smoke_suite(adapter: str | None = None) -> str:
+    """A tiny Llama suite on the cpu in float32 with a short smoke check, built by ``adapter``
+    (``module:function``) or by transformers."""
+    model = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n' + (f'adapter = "{adapter}"\n' if adapter else "")
+    return ('backends = ["cpu"]\ndtypes = ["float32"]\n' + model + TINY_PRUNE
+            + "\n[checks.smoke]\nsteps = 2\ngenerate_tokens = 2\n")
+
+
 @contextlib.contextmanager
 def read_only(folder: Path):
     """A folder nobody can write to, root included: root writes through mode bits, so as root it is

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests_support import REPO_SUITES, TINY_PRUNE
+from tests_support import REPO_SUITES, smoke_suite
 
 # The model code of the rehearsal's project: a suite's adapter, the way a vendor's builder is one.
 MODEL_OK = '''
@@ -36,12 +36,7 @@ def build(config, dtype, device):
 '''
 
 
-def suite(adapter: str | None) -> str:
-    model = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n'
-    if adapter:
-        model += f'adapter = "{adapter}"\n'
-    return ('backends = ["cpu"]\ndtypes = ["float32"]\n' + model + TINY_PRUNE
-            + "\n[checks.smoke]\nsteps = 2\ngenerate_tokens = 2\n")
+suite = smoke_suite
 
 
 @pytest.fixture

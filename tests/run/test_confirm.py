@@ -18,17 +18,13 @@ import pytest
 
 from harness.run.confirm import confirm, infrastructure_cause
 from harness.run.rows import ItemResult
-from tests_support import REPO_SUITES, TINY_PRUNE
+from tests_support import REPO_SUITES, smoke_suite
 
 TESTS = Path(__file__).resolve().parent.parent  # tests/: faulty_models.py
 
 
 def suite(adapter: str | None) -> str:
-    model = '[model]\nconfig = "configs/Llama-3.1-8B.json"\n'
-    if adapter:
-        model += f'adapter = "faulty_models:{adapter}"\n'
-    return ('backends = ["cpu"]\ndtypes = ["float32"]\n' + model + TINY_PRUNE
-            + "\n[checks.smoke]\nsteps = 2\ngenerate_tokens = 2\n")
+    return smoke_suite(f"faulty_models:{adapter}" if adapter else None)
 
 
 @pytest.fixture
