@@ -31,14 +31,14 @@ def register(sub) -> None:
 def main(args) -> int:
     from harness.files import atomic
     from harness.inspect.trace import suite_op_names
-    from harness.run.select import SelectError, changed_paths, select
+    from harness.run.select import SelectError, changed_paths, git, select
     from harness.settings import load_settings
     from harness.suite.loader import SuiteError, discover, load_suite
 
     settings = load_settings()
     try:
         changed = changed_paths(args.base, args.head)
-        root = Path(_toplevel())
+        root = Path(git("rev-parse", "--show-toplevel"))
     except SelectError as e:
         print(f"harness select: {e}", file=sys.stderr)
         return 2
@@ -60,7 +60,7 @@ def main(args) -> int:
             return 2
         from harness.compare.triage import pull_request_number
 
-        seed = args.seed or str(pull_request_number() or _git("rev-parse", args.head))
+        seed = args.seed or str(pull_request_number() or git("rev-parse", args.head))
         sel.add_sample([ls.name for ls in suites], args.sample, seed)
     for b in broken:  # a suite that does not load is run (its load item reports the problem)
         name = Path(b.split(":", 1)[0]).stem
@@ -85,19 +85,3 @@ def main(args) -> int:
         print("nothing: no changed path can affect an item"
               + (f" ({', '.join(sel.ignored[:5])} ignored)" if sel.ignored else ""))
     return 0
-
-
-def _git(*args: str) -> str:
-    import subprocess
-
-    r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
-    return r.stdout.strip() if r.returncode == 0 else ""
-
-
-def _toplevel() -> str:
-    from harness.run.select import SelectError
-
-    top = _git("rev-parse", "--show-toplevel")
-    if not top:
-        raise SelectError("not inside a git repository")
-    return top

@@ -41,7 +41,6 @@ from harness.compare.junit import Case, Results, attempt_counts
 from harness.files import atomic
 
 FORMAT = 1
-DEFAULT_FILE = "quarantine.json"
 REENABLE_AFTER = 3  # clean runs in a row before a quarantined item counts again
 EXPIRE_DAYS = 30  # a quarantine ends by itself after this, clean or not: nothing stays hidden for good
 

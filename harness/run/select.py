@@ -108,25 +108,27 @@ class Selection:
                 "files": {n: f for n, f in self.files.items() if n in self.suites}}
 
 
+def git(*args: str, cwd: str | Path | None = None) -> str:
+    """``git ARGS`` output; SelectError with git's last line when it fails."""
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SelectError(f"git {' '.join(args)}: {e}") from None
+    if r.returncode:
+        raise SelectError(f"git {' '.join(args)}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return r.stdout.strip()
+
+
 def changed_paths(base: str, head: str = "HEAD", cwd: str | Path | None = None) -> list[str]:
     """Paths changed between the merge base of ``base`` and ``head``, and ``head`` (a pull request's
     own changes), relative to the repository root; renames as a deletion and an addition."""
-    def git(*args: str) -> str:
-        try:
-            r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise SelectError(f"git {' '.join(args)}: {e}") from None
-        if r.returncode:
-            raise SelectError(f"git {' '.join(args)}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
-        return r.stdout
-
     for ref in (base, head):
         try:
-            git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+            git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", cwd=cwd)
         except SelectError:
             raise SelectError(f"{ref!r} is not a commit of this repository (fetch it first: "
                               f"git fetch origin {ref})") from None
-    return [p for p in git("diff", "--name-only", "--no-renames", f"{base}...{head}").splitlines() if p]
+    return [p for p in git("diff", "--name-only", "--no-renames", f"{base}...{head}", cwd=cwd).splitlines() if p]
 
 
 def _matches(path: str, patterns: list[str]) -> bool:
