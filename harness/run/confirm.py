@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness import metrics
+from harness.run.isolation import WORKER_DID_NOT_START
 from harness.run.rows import ItemResult
 
 BAD = ("failed", "error")
@@ -69,6 +70,8 @@ def infrastructure_cause(result: ItemResult, device_available: Callable[[], bool
     """Why a failed attempt is the runner's fault rather than the model's, or ''."""
     if result.outcome not in BAD:
         return ""
+    if result.message.startswith(WORKER_DID_NOT_START):
+        return "the isolated worker could not start on the runner"
     if _KILLED.match(result.message):
         return "the worker was killed from outside (SIGKILL not sent by harness: the OOM killer or the runner)"
     m = _LOST.search(result.message)

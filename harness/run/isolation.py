@@ -5,7 +5,9 @@ cost one item, not the run. The pytest process (or each xdist worker) keeps one 
 ``python -m harness.run.isolation``, that imports torch once and runs items one after another; so the
 price of isolation is one interpreter start per pytest process, not one per item.
 
-Protocol: the parent writes one JSON line per item on the child's command pipe and reads one JSON
+Protocol: a fresh child writes ``{"ready": true}`` once its imports are done (the item's time
+limit counts from there: an interpreter start on a loaded runner is not the item's hang; a child
+that cannot start within ``startup_s`` is an error of its own). The parent writes one JSON line per item on the child's command pipe and reads one JSON
 line back on the result pipe (``ItemResult`` plus RSS before/after). While the item runs, the child
 keeps a 1 KiB *status file* up to date: the check's step (``ctx.step`` phases: build, forward,
 backward, ...) and the last ``nn.Module`` entered (a global forward pre-hook). When the item:
@@ -48,6 +50,8 @@ from harness.settings import env as setting
 from harness.settings import set_env
 
 STATUS_BYTES = 1024
+# How an item's error begins when its fresh child never became ready (confirm.py: the runner's fault)
+WORKER_DID_NOT_START = "the isolated worker did not start"
 metrics.declare("leaked_bytes", "bytes", "lower",
                 "host RSS the item left behind in its process (its worker was replaced afterwards)")
 
@@ -56,6 +60,10 @@ metrics.declare("leaked_bytes", "bytes", "lower",
 class Limits:
     timeout_s: float  # wall time for one item, build included
     memory_bytes: int | None = None  # RSS limit of the child; None: none
+    # A fresh child's interpreter start and imports (torch, transformers: 3-5 s idle, tens of
+    # seconds on a loaded CI runner) are not the item's: its clock starts once the child says it
+    # is ready, and the start has its own, generous limit.
+    startup_s: float = 300.0
     leak_bytes: int = 512 * 2**20  # RSS growth over one item that replaces the child
 
 
@@ -106,6 +114,7 @@ class Worker:
         self.res_fd = res_r
         self.buf = b""
         self.started = time.monotonic()
+        self.ready = False  # the child has said {"ready": true}
         self.items, self.modules = 0, set()
 
     def alive(self) -> bool:
@@ -174,6 +183,10 @@ class Worker:
             if self.proc is not None:
                 self._close()
             self._start()
+        if not self.ready:
+            failed = self._await_ready(limits.startup_s)
+            if failed is not None:
+                return failed, {"replace": True}
         t0 = time.monotonic()
         deadline = t0 + limits.timeout_s
         try:
@@ -192,6 +205,25 @@ class Worker:
             raise
         finally:
             self.busy = False
+
+    def _await_ready(self, limit_s: float) -> ItemResult | None:
+        """Wait for a fresh child's ``{"ready": true}``; None when it came, else the error to
+        report (the child exited or did not finish its imports within ``limit_s``)."""
+        t0 = time.monotonic()
+        while True:
+            line = self._readline(0.5)
+            if line is not None and json.loads(line).get("ready"):
+                self.ready = True
+                return None
+            if not self.alive():
+                code = self.proc.returncode if self.proc else None
+                self._close()
+                how = (f"crashed with {signal_name(-code)}" if code is not None and code < 0
+                       else f"exited with status {code}")
+                return self._dead(f"{WORKER_DID_NOT_START}: it {how}", "", "", time.monotonic() - t0)
+            if time.monotonic() - t0 >= limit_s:
+                self.kill()
+                return self._dead(f"{WORKER_DID_NOT_START} within {limit_s:g} s", "", "", time.monotonic() - t0)
 
     def _wait(self, t0: float, deadline: float, limits: Limits) -> tuple[ItemResult, dict]:
         peak_seen = 0
@@ -341,6 +373,8 @@ def _child_main() -> int:
     add_phase_listener(status.set_phase)
     if setting("HARNESS_NUM_THREADS"):
         torch.set_num_threads(setting("HARNESS_NUM_THREADS"))
+    res.write(json.dumps({"ready": True}) + "\n")  # the next item's clock starts now, not at our exec
+    res.flush()
     suites: dict = {}  # (path, mtime) -> LoadedSuite: one parse per suite, not per item
     for line in cmd:
         req = json.loads(line)

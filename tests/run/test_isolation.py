@@ -88,7 +88,7 @@ def test_hang_abort_and_leak_cost_only_their_own_items(project, workers):
                                        "model.layers.0.self_attn)"), crash["message"]
     # the leak: its own item carries it; the worker was replaced, so nobody else is charged
     leak = rows["a-leaks.toml::smoke[cpu-float32]"]
-    assert leak["outcome"] == "passed"
+    assert leak["outcome"] == "passed", (leak, out)
     leaked = metric(leak, "leaked_bytes")
     assert leaked > 512 * 2**20
     assert metric(leak, "peak_memory_bytes") > leaked
@@ -329,3 +329,49 @@ def test_a_vendor_module_gets_a_child_that_ran_nothing_without_it(tmp_path):
     # (that child never imported it)
     assert [pids[i] == pids[i - 1] for i in range(1, len(pids))] == [True, False, True, True, False, False]
     assert w.restarts_for_module == 3
+
+
+def _slow_start(tmp_path: Path, body: str) -> dict:
+    """An environment whose isolated children (only they have HARNESS_ISOLATION_FDS) run ``body``
+    at interpreter start, through a real ``sitecustomize`` on PYTHONPATH: a loaded runner's slow
+    imports, or a child that cannot start."""
+    site = tmp_path / "site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(f"import os, time\nif os.environ.get('HARNESS_ISOLATION_FDS'):\n    {body}\n")
+    return os.environ | {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_a_slow_worker_start_is_not_charged_to_the_item(tmp_path):
+    """The CI run of af3400b: under load a fresh child's imports ate the first item's 20 s, and a
+    healthy item was reported hung. Its clock starts when the child says it is ready; a child that
+    never becomes ready, or dies starting, is an error of its own that confirm calls the runner's."""
+    from harness.run.confirm import infrastructure_cause
+    from harness.run.isolation import Limits, Worker
+
+    req = {"suite": str(tmp_path / "absent.toml"), "check": "smoke", "backend": "cpu", "dtype": "float32",
+           "variant": None}
+    w = Worker(env=_slow_start(tmp_path / "slow", "time.sleep(4)"))
+    try:
+        t0 = time.monotonic()
+        r, _ = w.run(req, Limits(timeout_s=2))  # 4 s start + imports, then an item that answers at once
+        assert time.monotonic() - t0 > 4
+        assert r.outcome == "error" and r.message.startswith("could not run in the isolated worker"), r.message
+    finally:
+        w.close()
+
+    w = Worker(env=_slow_start(tmp_path / "stuck", "time.sleep(60)"))
+    try:
+        r, facts = w.run(req, Limits(timeout_s=120, startup_s=2))
+        assert r.message == "the isolated worker did not start within 2 s", r.message
+        assert facts["replace"] and not w.alive()
+        assert infrastructure_cause(r)
+    finally:
+        w.close()
+
+    w = Worker(env=_slow_start(tmp_path / "dies", "os._exit(3)"))
+    try:
+        r, _ = w.run(req, Limits(timeout_s=120))
+        assert r.outcome == "error" and r.message == "the isolated worker did not start: it exited with status 3"
+        assert infrastructure_cause(r)
+    finally:
+        w.close()
