@@ -38,6 +38,7 @@ EXPRESSIONS = {
     "inputs.issue": "12",
     "inputs.packages || 'torch transformers'": "torch transformers",
     "secrets.GITHUB_TOKEN": "***",
+    "github.workspace": "/home/runner/work/harness/harness",
     "secrets.HARNESS_PR_TOKEN || secrets.GITHUB_TOKEN": "***",
 }
 # What the runner sets in every step's environment.
