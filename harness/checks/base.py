@@ -116,6 +116,12 @@ class Check:
     # Measures time: its items run alone on the machine, no other item of the run at the same time
     # (xdist workers wait; harness/run/exclusive.py).
     exclusive: ClassVar[bool] = False
+    # Its failed verdict is a statistical decision already confirmed inside the item (perf: a suspected
+    # regression re-measured; its detection and false-alarm rates are measured for one item run).
+    # `harness run --confirm` then reruns only its errors: rerunning the verdict would turn a
+    # regression detected 95 % of the time into a "flaky" pass 14 % of the time (0.95^3 = 0.86 that all
+    # three attempts see it), and into the quarantine after that.
+    statistical_verdict: ClassVar[bool] = False
     # Position among the checks: items are generated in this order (cheap ones first). Built-ins use
     # 10..70; a vendor's check keeps the default and comes after them.
     order: ClassVar[int] = 100

@@ -95,6 +95,7 @@ class CommCheck(Check):
     description = "Collective bandwidth of the backend's library (nccl-tests' algbw / busbw) against a baseline."
     headline = ("comm_all_reduce_busbw", "comm_all_gather_busbw")
     exclusive = True  # timings: nothing else of the run on the machine meanwhile
+    statistical_verdict = True  # a slower collective is decided by its statistics: never rerun by --confirm
     steps = ("setup", "launch", "bandwidth", "compare", "record", "verdict")
     setup_steps = ("setup", "launch")
 

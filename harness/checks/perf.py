@@ -201,6 +201,7 @@ class PerfCheck(Check):
     description = "Throughput and latency against a per-machine-class baseline, with roofline fractions."
     headline = ("prefill_s", "decode_token_s", "prefill_mfu")
     exclusive = True  # timings: nothing else of the run on the machine meanwhile (harness/run/exclusive.py)
+    statistical_verdict = True  # a regression is re-measured before it fails the item: never rerun by --confirm
     # profile after compare: the re-measurement of a suspected regression must run as the baseline's
     # samples did, before anything the profiler leaves behind in the process
     steps = ("setup", "calibrate", "prefill", "decode", "train", "roofline", "compare", "profile", "record",

@@ -94,10 +94,18 @@ def _timed(run: Callable[[], ItemResult]) -> tuple[ItemResult, float]:
 
 
 def confirm(first: ItemResult, first_seconds: float, rerun: Callable[[], ItemResult], reruns: int,
-            device_available: Callable[[], bool] | None = None) -> ItemResult:
+            device_available: Callable[[], bool] | None = None, statistical: bool = False) -> ItemResult:
     """``first`` and up to ``reruns`` more attempts of the same item (``rerun``: a fresh worker each
-    time), classified; the result to report, with the attempts and the classification recorded."""
+    time), classified; the result to report, with the attempts and the classification recorded.
+    ``statistical``: the check's failed verdict is a statistical decision it confirmed itself
+    (``Check.statistical_verdict``: perf, comm); such a failure is reported as it is, only an
+    error (a crash, a hang) of that check is rerun."""
     if first.outcome not in BAD or reruns <= 0:
+        return first
+    if statistical and first.outcome == "failed":
+        first.properties.append(metrics.detail_property("confirm", "statistical"))
+        first.notes.append("not rerun by --confirm: a measured verdict, confirmed by the check's own statistics "
+                           "(a rerun would turn a real regression into a 'flaky' pass part of the time)")
         return first
     results = [first]
     attempts = [Attempt(first.outcome, first.message, first_seconds, infrastructure_cause(first, device_available))]

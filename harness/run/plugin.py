@@ -434,7 +434,8 @@ class HarnessItem(pytest.Item):
                 from harness.run.confirm import confirm
 
                 r = confirm(r, time.perf_counter() - t, self._rerun, reruns,
-                            device_available=lambda: self.backend.availability()[0])
+                            device_available=lambda: self.backend.availability()[0],
+                            statistical=self.check.statistical_verdict)
             self.result = r
         if excl and hasattr(self.config, "workerinput") and not held:
             r.notes.append("could not take the run lock: other items may have run during this measurement")

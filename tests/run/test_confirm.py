@@ -159,3 +159,26 @@ def test_classification_rules():
     assert infrastructure_cause(_result("failed", "RuntimeError: CUDA error: uncorrectable ECC error encountered"))
     passed = _result("passed")
     assert confirm(passed, 1.0, lambda: pytest.fail("never rerun"), 2) is passed
+
+
+def test_a_measured_verdict_is_not_rerun_but_its_crash_is():
+    """A perf or comm regression is decided by the check's own statistics (perf re-measures a
+    suspected one in the item): rerunning it would report a real regression as a flaky pass
+    whenever one attempt misses it, and quarantine it. Only those checks say so; their errors
+    (crashes, hangs) are confirmed like any other item's."""
+    from harness.checks import registry
+
+    checks = registry()
+    assert {n for n in checks.names() if checks.get(n).statistical_verdict} == {"perf", "comm"}
+    slower = _result("failed", "prefill_s regressed +12.0% (calibrated, p=0.003, confirmed on re-measure)")
+    r = confirm(slower, 30.0, lambda: pytest.fail("never rerun"), 2, statistical=True)
+    assert r is slower and r.outcome == "failed" and dict(r.properties)["harness.detail.confirm"] == "statistical"
+    assert r.notes[-1].startswith("not rerun by --confirm: a measured verdict")
+    calls = []
+    r = confirm(_result("error", "crashed with SIGSEGV in timing"), 30.0,
+                lambda: calls.append(1) or _result("passed"), 2, statistical=True)
+    assert calls == [1, 1] and dict(r.properties)["harness.detail.confirm"] == "flaky"
+    # the same failure of a numerics check is rerun
+    calls.clear()
+    confirm(_result("failed", "logits 0.31 > 0.04"), 1.0, lambda: calls.append(1) or _result("passed"), 2)
+    assert calls == [1, 1]
