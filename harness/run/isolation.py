@@ -7,8 +7,8 @@ price of isolation is one interpreter start per pytest process, not one per item
 
 Protocol: a fresh child writes ``{"ready": true}`` once its imports are done (the item's time
 limit counts from there: an interpreter start on a loaded runner is not the item's hang; a child
-that cannot start within ``startup_s`` is an error of its own). The parent writes one JSON line per item on the child's command pipe and reads one JSON
-line back on the result pipe (``ItemResult`` plus RSS before/after). While the item runs, the child
+that cannot start within ``startup_s`` is an error of its own). The parent writes one JSON line per
+item on the child's command pipe and reads one JSON line back on the result pipe (``ItemResult`` plus RSS before/after). While the item runs, the child
 keeps a 1 KiB *status file* up to date: the check's step (``ctx.step`` phases: build, forward,
 backward, ...) and the last ``nn.Module`` entered (a global forward pre-hook). When the item:
 
@@ -216,10 +216,7 @@ class Worker:
                 self.ready = True
                 return None
             if not self.alive():
-                code = self.proc.returncode if self.proc else None
-                self._close()
-                how = (f"crashed with {signal_name(-code)}" if code is not None and code < 0
-                       else f"exited with status {code}")
+                how = self._exited()
                 return self._dead(f"{WORKER_DID_NOT_START}: it {how}", "", "", time.monotonic() - t0)
             if time.monotonic() - t0 >= limit_s:
                 self.kill()
@@ -244,12 +241,8 @@ class Worker:
                     self.kill()
                 return result, facts
             if not self.alive():
-                code = self.proc.returncode if self.proc else None
                 phase, module = self.status()
-                self._close()
-                how = (f"crashed with {signal_name(-code)}" if code is not None and code < 0
-                       else f"exited with status {code}")
-                return self._dead(how, phase, module, time.monotonic() - t0), {"replace": True}
+                return self._dead(self._exited(), phase, module, time.monotonic() - t0), {"replace": True}
             rss = _rss(self.proc.pid)
             peak_seen = max(peak_seen, rss)
             if limits.memory_bytes and rss > limits.memory_bytes:
@@ -263,6 +256,13 @@ class Worker:
                 self.kill()
                 return self._dead(f"hung: no result within the {limits.timeout_s:g} s time limit, killed",
                                   phase, module, time.monotonic() - t0), {"replace": True}
+
+    def _exited(self) -> str:
+        """How the dead child ended ('crashed with SIGABRT', 'exited with status 3'); closes our ends."""
+        code = self.proc.returncode if self.proc else None
+        self._close()
+        return (f"crashed with {signal_name(-code)}" if code is not None and code < 0
+                else f"exited with status {code}")
 
     def _readline(self, timeout: float) -> str | None:
         while b"\n" not in self.buf:
