@@ -65,7 +65,7 @@ def main() -> int:
             print(f"round {r}: timing_repeats={reps}: {w:.1f} s", flush=True)
     print(f"\n{args.suite}, float32, gloo on {os.cpu_count()} CPU cores, one thread per rank")
     print(f"{'layout':<10}{'step ms':>9}{'1 rank':>8}{'eff':>6}{'comm ms':>9}{'exposed':>9}{'share':>7}"
-          f"{'plan ms':>9}{'plan err':>9}{'plan comm':>10}")
+          f"{'plan ms':>9}{'plan err':>9}{'plan comm':>10}{'of it lat':>10}{'msgs':>6}")
     for v, m in last.items():
         if "outcome" in m:
             print(f"{v:<10}{m['outcome']}")
@@ -76,10 +76,14 @@ def main() -> int:
               f"{m['parallel_scaling_efficiency']:>6.2f}{m['parallel_comm_time_s'] * 1e3:>9.1f}"
               f"{m['parallel_exposed_comm_s'] * 1e3:>9.1f}{m['parallel_exposed_comm_share']:>7.0%}"
               f"{m.get('parallel_plan_step_s', float('nan')) * 1e3:>9.2f}"
-              f"{m.get('parallel_plan_step_error', float('nan')):>+9.0%}{plan.get('comm_s', float('nan')) * 1e3:>9.2f}")
+              f"{m.get('parallel_plan_step_error', float('nan')):>+9.0%}{plan.get('comm_s', float('nan')) * 1e3:>10.2f}"
+              f"{plan.get('comm_latency_s', float('nan')) * 1e3:>10.2f}{plan.get('comm_messages', float('nan')):>6.0f}")
     busbw = {m.get("parallel_world_size"): m.get("parallel_probe_busbw") for m in last.values() if "outcome" not in m}
     print("probe busbw (1 MiB all-reduce): " + ", ".join(f"{int(w)} ranks {b / 1e9:.2f} GB/s"
                                                            for w, b in sorted(busbw.items()) if b))
+    lat = {m.get("parallel_world_size"): m.get("parallel_probe_latency_s") for m in last.values() if "outcome" not in m}
+    print("probe latency (one-element all-reduce): " + ", ".join(f"{int(w)} ranks {x * 1e3:.3f} ms"
+                                                                  for w, x in sorted(lat.items()) if x))
     off, on = statistics.median(walls[0]), statistics.median(walls[args.repeats])
     print(f"matrix wall: timing off {off:.1f} s, on ({args.repeats} repeats) {on:.1f} s -> x{on / off:.2f}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

@@ -75,8 +75,11 @@ metrics.declare("parallel_exposed_comm_s", "s", "lower", "communication not over
 metrics.declare("parallel_exposed_comm_share", "", "lower", "exposed communication / the profiled step's time")
 metrics.declare("parallel_probe_busbw", "bytes/s", "higher", "bus bandwidth of a 1 MiB all-reduce over the launch's "
                 "ranks")
+metrics.declare("parallel_probe_latency_s", "s", "lower", "latency of a one-element all-reduce over the launch's "
+                "ranks (the per-collective cost the plan's model charges)")
 metrics.declare("parallel_plan_step_s", "s", "none", "harness plan's step estimate for the layout on the pruned "
-                "model, calibrated to this machine (FLOP/s from the single-rank step, the probe's bandwidth)")
+                "model, calibrated to this machine (FLOP/s from the single-rank step, the probes' bandwidth and "
+                "latency)")
 metrics.declare("parallel_plan_step_error", "", "none", "plan's estimate / the measured step - 1 (its error on this "
                 "machine class; negative: the plan is optimistic)")
 metrics.declare("recompute_peak_ratio", "", "lower", "peak memory with activation recomputation / without")
@@ -282,11 +285,13 @@ def planned_layout(ls, req: PlanRequest):
 _FACTS: dict = {}
 
 
-def plan_estimate(ls, lay, cfg: ParallelConfig, single_step_s: float, busbw: float) -> dict | None:
+def plan_estimate(ls, lay, cfg: ParallelConfig, single_step_s: float, busbw: float,
+                  latency_s: float | None = None) -> dict | None:
     """``harness plan``'s step model (harness.parallel.plan.estimate) for ``lay`` on the pruned model
     and the check's batch, calibrated to this machine: FLOP/s from the single-rank step (so the
-    one-rank estimate is the measurement), the intra-node bandwidth from the launch's probe. What is
-    left of the estimate's error is the model's: how it divides compute and costs communication."""
+    one-rank estimate is the measurement), the intra-node bandwidth and the per-collective latency
+    from the launch's probes. What is left of the estimate's error is the model's: how it divides
+    compute and which collectives it counts."""
     from harness.inspect.params import Target
     from harness.parallel.plan import MAX_DEVICE_MEMORY, estimate, model_facts
     from harness.parallel.plan import Layout as PlanLayout
@@ -303,10 +308,12 @@ def plan_estimate(ls, lay, cfg: ParallelConfig, single_step_s: float, busbw: flo
     flops = m.flops_per_token * cfg.batch_size * cfg.seq_len * 3  # forward + backward (2x)
     pl = PlanLayout(tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.fsdp, ep=lay.ep, cp=lay.cp,
                     zero=3 if lay.fsdp > 1 else lay.zero, recompute=lay.recompute)
+    lat = {} if latency_s is None else {"intra_latency": latency_s}
     e = estimate(m, pl, mode="training", batch=cfg.batch_size, context=cfg.seq_len, device_memory=MAX_DEVICE_MEMORY,
-                 devices_per_node=lay.world, device_flops=flops / single_step_s, intra_bw=busbw)
+                 devices_per_node=lay.world, device_flops=flops / single_step_s, intra_bw=busbw, **lat)
     return {"step_s": e.step_time_s, "compute_s": e.compute_time_s, "comm_s": e.comm_time_s,
-            "comm_bytes": e.comm_bytes, "device_flops": flops / single_step_s, "busbw": busbw}
+            "comm_latency_s": e.comm_latency_s, "comm_messages": e.comm_messages, "comm_bytes": e.comm_bytes,
+            "device_flops": flops / single_step_s, "busbw": busbw, "latency_s": latency_s}
 
 
 def layouts_of(ls, cfg: ParallelConfig):
@@ -497,8 +504,11 @@ class ParallelCheck(Check):
             shown["single_step_s"] = t["single_step_s"]
         if "probe_busbw" in t:
             ctx.metric("parallel_probe_busbw", t["probe_busbw"])
+        if "probe_latency_s" in t:
+            ctx.metric("parallel_probe_latency_s", t["probe_latency_s"])
         if "single_step_s" in t and "probe_busbw" in t:
-            est = plan_estimate(ctx.suite, st.layout, st.cfg, t["single_step_s"], t["probe_busbw"])
+            est = plan_estimate(ctx.suite, st.layout, st.cfg, t["single_step_s"], t["probe_busbw"],
+                                t.get("probe_latency_s"))
             if est is not None:
                 ctx.metric("parallel_plan_step_s", est["step_s"])
                 ctx.metric("parallel_plan_step_error", est["step_s"] / t["step_s"] - 1)

@@ -22,6 +22,13 @@ inspect's checkpoint total. The model of how a layout divides them (docs/paralle
   layer and pass; DP: the gradients; ZeRO-3: 3 (n-1)/n of the parameters), all-to-all dispatch +
   combine for EP, one activation per pipeline boundary, the KV ring for CP; backward doubles the
   activation terms in training. Groups that span nodes are costed at the inter-node bandwidth.
+  Each collective also costs a fixed latency (the alpha of the alpha-beta model: what a message
+  costs before its bytes - launch, handshake, the ring's steps), counted per group: TP two per
+  layer and pass, EP dispatch + combine per MoE layer and pass, PP one per microbatch and pass, CP
+  cp - 1 ring steps per layer and pass, DP one per 25 MiB gradient bucket (DDP's default), ZeRO-3
+  three per layer (gather forward, gather backward, reduce-scatter). On small messages latency is
+  the whole cost: measured with gloo on a 2-core CPU, a pruned model's TP step spent 12 ms in
+  collectives whose bytes / bandwidth came to 0.01 ms.
 
 A layout fits when its total per device is within ``usable`` (default 0.9) of the device memory
 (the rest: runtime, allocator fragmentation, communication buffers).
@@ -36,6 +43,9 @@ from dataclasses import asdict, dataclass, field
 INTRA_NODE_BW = 450e9  # bytes/s per device within a node (NVLink-class); a ranking weight, not a claim
 INTER_NODE_BW = 50e9  # bytes/s per device across nodes (400 Gb/s InfiniBand-class)
 DEVICE_FLOPS = 1e15  # dense bf16 FLOP/s of one device (H100/H200-class), a ranking weight
+INTRA_NODE_LATENCY = 15e-6  # s per collective within a node (a small NCCL all-reduce); a ranking weight
+INTER_NODE_LATENCY = 40e-6  # s per collective across nodes; a ranking weight
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket (bucket_cap_mb = 25): one all-reduce each
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -188,6 +198,8 @@ class Estimate:
     comm_time_s: float
     compute_time_s: float = 0.0
     why_not: str = ""
+    comm_messages: float = 0.0  # collectives per step and device
+    comm_latency_s: float = 0.0  # the part of comm_time_s that is per-collective latency
 
     @property
     def step_time_s(self) -> float:
@@ -279,28 +291,45 @@ def _communication(m: ModelFacts, lay: Layout, train: bool, tokens: float, param
     return comm
 
 
-def _cross_node(comm: dict[str, float], lay: Layout, devices_per_node: int) -> float:
-    """The bytes of the groups that span nodes: ranks are laid out tp (innermost), cp, ep/dp, pp."""
-    cross = 0.0
+def _messages(m: ModelFacts, lay: Layout, train: bool, seqs: int, params_dev: float) -> dict[str, float]:
+    """Collectives per step and device of each group (the module docstring), beside
+    :func:`_communication`'s bytes: each pays the link's latency once."""
+    tp, pp, dp, ep, cp = lay.tp, lay.pp, lay.dp, lay.ep, lay.cp
+    passes = 2 if train else 1
+    layers_dev = math.ceil(m.layers / pp)
+    msgs: dict[str, float] = {}
+    if tp > 1:
+        msgs["tp"] = layers_dev * 2 * passes
+    if pp > 1:
+        msgs["pp"] = passes * seqs  # one send/recv per microbatch (a sequence each) and pass
+    if ep > 1 and m.num_experts:
+        msgs["ep"] = math.ceil(m.moe_layers / pp) * 2 * passes
+    if cp > 1:
+        msgs["cp"] = passes * layers_dev * (cp - 1)
+    if train and dp > 1:
+        msgs["dp"] = 3 * layers_dev if lay.zero >= 3 else max(1, math.ceil(params_dev * 2 / DDP_BUCKET_BYTES))
+    return msgs
+
+
+def _spanning(lay: Layout, devices_per_node: int) -> set[str]:
+    """The groups that span nodes: ranks are laid out tp (innermost), cp, ep/dp, pp."""
+    out: set[str] = set()
     inner = 1
     for dim, n in (("tp", lay.tp), ("cp", lay.cp), ("dp", lay.dp), ("pp", lay.pp)):
         inner *= n
-        spans = inner > devices_per_node
-        if dim == "dp":
-            for k in ("dp", "ep"):
-                if spans and k in comm:
-                    cross += comm[k]
-        elif spans and dim in comm:
-            cross += comm[dim]
-    return cross
+        if inner > devices_per_node:
+            out |= {"dp", "ep"} if dim == "dp" else {dim}
+    return out
 
 
 def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int, device_memory: int,
              devices_per_node: int, usable: float = 0.9, device_flops: float = DEVICE_FLOPS,
-             intra_bw: float = INTRA_NODE_BW, inter_bw: float = INTER_NODE_BW) -> Estimate:
+             intra_bw: float = INTRA_NODE_BW, inter_bw: float = INTER_NODE_BW,
+             intra_latency: float = INTRA_NODE_LATENCY, inter_latency: float = INTER_NODE_LATENCY) -> Estimate:
     """Memory per device, communication and step time of ``lay`` (the module docstring's model).
-    ``device_flops`` and the bandwidths default to the ranking weights above; the parallel check
-    passes the ones it measured on the machine to compare the model's step with the measured one."""
+    ``device_flops``, the bandwidths and the latencies default to the ranking weights above; the
+    parallel check passes the ones it measured on the machine to compare the model's step with the
+    measured one."""
     train = mode == "training"
     weights, grads, optim, params_dev = _weights_and_state(m, lay, train)
     seqs = math.ceil(batch / lay.dp)
@@ -308,9 +337,13 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
     kv, act = _kv_and_activations(m, lay, train, seqs, tokens, context)
     total = weights + kv + act + grads + optim
     comm = _communication(m, lay, train, tokens, params_dev)
-    cross = _cross_node(comm, lay, devices_per_node)
+    msgs = _messages(m, lay, train, seqs, params_dev)
+    spans = _spanning(lay, devices_per_node)
+    cross = sum(v for k, v in comm.items() if k in spans)
     comm_total = sum(comm.values())
-    time_s = (comm_total - cross) / intra_bw + cross / inter_bw
+    # alpha-beta: every collective pays its link's latency, then its bytes at the link's bandwidth
+    latency_s = sum(n * (inter_latency if k in spans else intra_latency) for k, n in msgs.items())
+    time_s = (comm_total - cross) / intra_bw + cross / inter_bw + latency_s
     # Compute: the step's FLOPs over the devices that work at once. A pipeline keeps its stages busy
     # only with several microbatches in flight (bubble (pp-1)/(m+pp-1), m = sequences per replica);
     # replicas beyond the batch idle; training is 3 forward passes (4 with recomputation).
@@ -321,7 +354,7 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
     limit = device_memory * usable
     why = "" if total <= limit else f"needs {gib(total)} GiB per device, {gib(limit)} GiB usable"
     return Estimate(lay, weights, kv, act, grads, optim, total, total <= limit, limit - total, comm_total, cross,
-                    time_s, compute_s, why)
+                    time_s, compute_s, why, sum(msgs.values()), latency_s)
 
 
 def candidate_layouts(m: ModelFacts, devices: int, devices_per_node: int, mode: str,
@@ -379,7 +412,7 @@ def plan(m: ModelFacts, *, devices_per_node: int, nodes: int, device_memory: int
                      devices_per_node=devices_per_node, usable=usable)
             for lay in candidate_layouts(m, n, devices_per_node, mode, context)]
     # Feasible first; among them the shortest estimated step (compute over the busy devices plus
-    # communication at nominal bandwidths), then the most headroom, then the simplest layout.
+    # communication at nominal bandwidths and latencies), then the most headroom, then the simplest layout.
     ests.sort(key=lambda e: (not e.fits, round(e.step_time_s, 6) if e.fits else e.total, -e.free,
                              sum(getattr(e.layout, k) > 1 for k in ("tp", "pp", "dp", "ep", "cp")) + e.layout.zero))
     if ests and ests[0].fits:
@@ -387,8 +420,8 @@ def plan(m: ModelFacts, *, devices_per_node: int, nodes: int, device_memory: int
         rec = (f"{b.layout.name}: fits with {gib(b.free)} GiB to spare per device "
                f"({gib(b.total)} of {gib(device_memory)} GiB used), and has the shortest estimated step of the "
                f"{sum(e.fits for e in ests)} layouts that fit ({b.step_time_s * 1e3:.1f} ms: compute "
-               f"{b.compute_time_s * 1e3:.1f} ms over the busy devices, {b.comm_bytes / 1e9:.2f} GB of "
-               "communication per device"
+               f"{b.compute_time_s * 1e3:.1f} ms over the busy devices, {b.comm_bytes / 1e9:.2f} GB in "
+               f"{b.comm_messages:.0f} collectives per device"
                + (f", {b.comm_cross_node_bytes / 1e9:.2f} GB of it across nodes" if b.comm_cross_node_bytes else
                   ", all within a node") + ")")
     else:

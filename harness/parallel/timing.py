@@ -17,8 +17,9 @@ Measured after the numerics step on the same parallelized model, in repeats of i
 
 Beside them, once per launch: the same global batch's step on one rank (``single_step``; the
 others wait in a barrier) for the scaling efficiency ``T1 / (world x Tn)``, and the bus bandwidth
-of a 1 MiB all-reduce over the launch's ranks (``probe_busbw``), which with T1 calibrates
-``harness plan``'s step model to this machine (the check compares its estimate with the measured step).
+of a 1 MiB all-reduce over the launch's ranks (``probe_busbw``) and the latency of a one-element
+all-reduce (``probe_latency``), which with T1 calibrate ``harness plan``'s step model to this machine
+(the check compares its estimate with the measured step).
 """
 
 from __future__ import annotations
@@ -181,6 +182,22 @@ def probe_busbw(device: torch.device, world: int, repeats: int = 5) -> float:
     return PROBE_BYTES / statistics.median(times) * 2 * (world - 1) / world
 
 
+def probe_latency(device: torch.device, repeats: int = 20) -> float:
+    """Seconds of a one-element all-reduce over every rank of the launch (the alpha of the
+    alpha-beta model: what a collective costs before its bytes), median of ``repeats`` after a
+    warm-up. Measured here with gloo on a 2-core CPU: 0.1-0.4 ms at 2 ranks."""
+    x = torch.ones(1, dtype=torch.float32, device=device)
+    dist.all_reduce(x)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def summarize(ranks: list[dict]) -> dict:
     """The layout's figures from every rank's ``timing`` record: per repeat the slowest rank, median
     over repeats; comm and exposed of the worst rank."""
@@ -196,4 +213,7 @@ def summarize(ranks: list[dict]) -> dict:
     bw = [r["probe_busbw"] for r in ranks if r.get("probe_busbw")]
     if bw:
         out["probe_busbw"] = min(bw)
+    lat = [r["probe_latency_s"] for r in ranks if r.get("probe_latency_s")]
+    if lat:
+        out["probe_latency_s"] = max(lat)
     return out

@@ -56,7 +56,7 @@ from harness.parallel.layouts import DATA_DIMS, Layout
 from harness.parallel.memory import StoragePeak
 from harness.parallel.reference import ModuleCapture, batch, clean_name, lm_loss, make_optimizer
 from harness.parallel.status import StatusWriter
-from harness.parallel.timing import probe_busbw, profile_step, time_steps
+from harness.parallel.timing import probe_busbw, probe_latency, profile_step, time_steps
 from harness.parallel.tp_experts import fused_experts_in_plan, gather_full, shard_fused_experts
 from harness.precision.routing import RouterCapture
 
@@ -260,6 +260,7 @@ class RankRun:
         dist.barrier()
         self.status.step("bandwidth_probe")
         out["probe_busbw"] = probe_busbw(self.device, self.world)
+        out["probe_latency_s"] = probe_latency(self.device)
         return out
 
     def _build(self, lay: Layout, ids: torch.Tensor) -> _Step:

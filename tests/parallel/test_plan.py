@@ -77,3 +77,32 @@ def test_cli(capsys, tmp_path):
     assert main(["plan", "no-such-suite", "--devices", "1", "--device-memory", "1GiB"]) == 2
     assert capsys.readouterr().err.startswith("harness plan: ")
     assert parse_bytes("141GiB") == 141 * GiB and parse_bytes("1.5T") == int(1.5 * 2**40)
+
+
+def test_every_collective_pays_the_link_latency(llama405):
+    """The alpha-beta model: each group's collectives per step cost the latency of the link they
+    cross, beside their bytes; a layout without communication pays none."""
+    from harness.parallel.plan import DDP_BUCKET_BYTES, Layout, estimate
+
+    kw = dict(mode="training", batch=8, context=4096, device_memory=2**50, devices_per_node=8)
+    layers = llama405.layers  # 126
+
+    def comm(lay, **lat):
+        return estimate(llama405, lay, **kw, **lat)
+
+    single = comm(Layout(1, 1, 1, 1, 1, 0, False))
+    assert single.comm_messages == 0 and single.comm_latency_s == 0 and single.comm_time_s == 0
+    tp = Layout(8, 1, 1, 1, 1, 0, False)
+    no_lat, lat = comm(tp, intra_latency=0.0), comm(tp, intra_latency=1e-3)
+    assert lat.comm_messages == layers * 2 * 2  # two all-reduces per layer, forward and backward
+    assert lat.comm_latency_s == pytest.approx(layers * 4 * 1e-3)
+    assert lat.comm_time_s == pytest.approx(no_lat.comm_time_s + layers * 4 * 1e-3)
+    # tp8 x pp2 on 8 devices a node: the pipeline's boundary spans the nodes, its sends pay the
+    # inter-node latency; the tensor-parallel group stays within a node
+    tp_pp = comm(Layout(8, 2, 1, 1, 1, 0, False), intra_latency=1e-3, inter_latency=1.0)
+    assert tp_pp.comm_latency_s == pytest.approx((layers // 2) * 4 * 1e-3 + 2 * 8 * 1.0)  # 8 microbatches x 2 passes
+    # data parallelism: DDP's buckets of 25 MiB; ZeRO-3 three per layer
+    dp = comm(Layout(1, 1, 8, 1, 1, 0, False), intra_latency=1.0)
+    assert dp.comm_messages == pytest.approx(-(-dp.gradients // DDP_BUCKET_BYTES))
+    z3 = comm(Layout(1, 1, 8, 1, 1, 3, False), intra_latency=1.0)
+    assert z3.comm_messages == 3 * layers
