@@ -75,6 +75,9 @@ class Budgets:
     modules: dict[str, float] = field(default_factory=dict)  # isolated rel_rmse budget per module
     scales: dict[str, float] = field(default_factory=dict)  # isolated |scale error| budget per module
     logits: float | None = None  # propagated logits rel_rmse (enforced only without isolated rows)
+    # the same with a MoE model's routers forced to the reference's choices (None: not measured - no
+    # router, a router that cannot be forced, a golden from before 2026-12-04)
+    logits_forced: float | None = None
     router_limits: dict[str, float] = field(default_factory=dict)  # widest legitimate flip margin per router
     logprob_atol: float | None = None  # greedy-token logprob budget
     tie_margin: float | None = None  # widest legitimate greedy flip (reference logprob gap), measured
@@ -107,6 +110,8 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, source: dict | 
                   {n: scale_budget(st["scale"], dtype, k) for n, st in mods.items() if "scale" in st})
     lg = (b.get("propagated") or {}).get("logits")
     out.logits = budget(lg, dtype, ceiling, k) if lg else None
+    lf = (b.get("propagated") or {}).get("logits_forced")
+    out.logits_forced = budget(lf, dtype, ceiling, k) if lf else None
     out.router_limits = {g: 2 * k * v for g, v in (b.get("router_noise") or {}).items()}
     out.signed, out.dtype = signed, dtype
     gen = (b.get("generation") or {}).get("logprob_diff")

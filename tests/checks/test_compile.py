@@ -265,8 +265,11 @@ def flip_compiled_routing(model):
     return model
 
 
-def test_moe_routing_flip_in_the_compiled_graph_is_judged_with_the_goldens_routing():
+def test_moe_routing_flip_in_the_compiled_graph_is_judged_with_the_goldens_routing(monkeypatch):
+    from harness.golden.store import Golden, load_golden
+
     ls = compile_suite(MOE, backend="aot_eager", gradients=False, prompt_lens=[], decode_step=False)
+    forced = load_golden(ls).budgets("float32")["propagated"]["logits_forced"]["budget"]
     ctx, _, f = run(ls, transform=flip_compiled_routing)
     assert f is None, str(f)
     detail = dict(ctx.properties)["harness.detail.compile_routing"]
@@ -274,9 +277,25 @@ def test_moe_routing_flip_in_the_compiled_graph_is_judged_with_the_goldens_routi
     assert "with the model's own routing: compiled logits diverge" in detail, detail
     assert metric(ctx, "compile_logits_budget_use") < 1
     assert any("MoE routing forced to the golden's" in n for n in ctx.notes)
-    # the bound applied, once: at least the forced eager model's distance + the compiled-vs-eager budget
+    # the bounds applied, once each: the golden's budget measured with the routers forced
+    tol = [float(v) for k, v in ctx.properties if k == "tolerance.compile_logits_rel_rmse"]
+    assert tol == [pytest.approx(forced, rel=1e-3)], (tol, forced)
+    assert float(dict(ctx.properties)["tolerance.compile_vs_eager_rel_rmse"]) == pytest.approx(forced, rel=1e-3)
+
+    # a golden made before the forced measurement (no ``logits_forced``): compiled vs golden is held
+    # to the forced eager model's distance + the compiled-vs-eager budget, and the note says why
+    orig = Golden.budgets
+
+    def without_forced(self, dtype):
+        b = orig(self, dtype)
+        return {**b, "propagated": {k: v for k, v in b["propagated"].items() if k != "logits_forced"}}
+
+    monkeypatch.setattr(Golden, "budgets", without_forced)
+    ctx, _, f = run(ls, transform=flip_compiled_routing)
+    assert f is None, str(f)
     tol = [float(v) for k, v in ctx.properties if k == "tolerance.compile_logits_rel_rmse"]
     assert len(tol) == 1 and tol[0] > float(dict(ctx.properties)["tolerance.compile_vs_eager_rel_rmse"]), tol
+    assert any("no logits budget measured with the routers forced" in n for n in ctx.notes), ctx.notes
 
 
 def test_moe_compiled_fault_still_fails_with_the_goldens_routing():
@@ -320,3 +339,30 @@ def test_compiler_under_test_raising_at_a_shape_fails_naming_it(no_length_1):
     ctx, _, f = run(compile_suite(backend=no_length_1, sweep_backend="", gradients=False, prompt_lens=[8]))
     assert isinstance(f, CheckFailure), f
     assert str(f).startswith(f"the compiled model ({no_length_1}) raised at the decode step (length 1): "), str(f)
+
+
+def test_moe_fault_under_the_unforced_cap_is_caught_by_the_forced_budget():
+    """mixtral-8x7b in bfloat16: its draws' routing flips put the golden's unforced logits budget at
+    the tolerance's cap (0.04), the same draws with the routers forced measure 0.021 (golden
+    generate's ``logits_forced``). A compiled fault (silu 20 % high) that moves the logits by ~0.03
+    hides under the cap and is caught under the forced budget; the clean model passes it."""
+    from harness.golden.store import load_golden
+
+    bud = load_golden(suite("mixtral-8x7b")).budgets("bfloat16")["propagated"]
+    assert bud["logits"]["budget"] == 0.04 and bud["logits_forced"]["budget"] < 0.025, bud
+
+    def silu_20_percent_high():
+        return wrong_decomposition(torch.ops.aten.silu.default, lambda x: x / (1 + x.neg().exp()) * 1.2)
+
+    ls = compile_suite("mixtral-8x7b", backend="aot_eager_decomp_partition", gradients=False, prompt_lens=[],
+                       decode_step=False, bisect=False)
+    ctx, _, f = run(ls, dtype="bfloat16")
+    assert f is None, str(f)
+    assert metric(ctx, "compile_logits_budget_use") < 1
+    ctx, _, f = run(ls, dtype="bfloat16", context=silu_20_percent_high)
+    assert isinstance(f, CheckFailure), f
+    assert "compiled logits diverge" in str(f).splitlines()[0], str(f)
+    observed = metric(ctx, "compile_logits_rel_rmse")
+    assert bud["logits_forced"]["budget"] < observed < bud["logits"]["budget"], observed  # the cap would pass it
+    assert float(dict(ctx.properties)["tolerance.compile_logits_rel_rmse"]) == pytest.approx(
+        bud["logits_forced"]["budget"], rel=1e-3)
