@@ -12,7 +12,7 @@ that way: warm wherever the test suite had compiled the same config before). Tim
 its one-line reason instead.
 
 Usage: python benchmarks/bench_day0.py [-k SUBSTRING] [--keep DIR] [--steps init,golden,run,warm]
-       [--shared-cache]
+       [--shared-cache] [--workers N|auto]
 
 Also prints the machine's load average at start and end: on a shared machine the times scale with it.
 """
@@ -53,7 +53,7 @@ def step(args: list[str], cwd: Path, extra_env: dict[str, str], log_name: str) -
 
 
 def run_one(config: Path, root: Path, steps: tuple[str, ...] = ("init", "golden", "run", "warm"),
-            shared_cache: bool = False) -> list[str]:
+            shared_cache: bool = False, workers: str | None = None) -> list[str]:
     work = root / config.stem
     work.mkdir(parents=True)
     (work / "harness.toml").write_text('suites_dir = "suites"\ngolden_dir = "golden"\nresults_dir = "results"\n')
@@ -61,6 +61,7 @@ def run_one(config: Path, root: Path, steps: tuple[str, ...] = ("init", "golden"
     rows = []
     env = {} if shared_cache else {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
     run = ["run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16"]
+    run += ["--workers", workers] if workers else []
     for label, args in (("init", ["init", str(config), "--suites-dir", "new", "--name", name]),
                         ("golden", ["golden", "generate", name]),
                         ("run", run), ("warm", [*run, "--results", "results-warm"])):
@@ -84,6 +85,8 @@ def main() -> int:
     ap.add_argument("--steps", default="init,golden,run,warm", help="comma-separated prefix of init,golden,run,warm")
     ap.add_argument("--shared-cache", action="store_true", help="the machine's inductor cache, not an empty one "
                     "per config")
+    ap.add_argument("--workers", "-n", help="pass --workers to run (a number or 'auto'): the items spread over the "
+                    "cores; default: one isolated worker, as `harness run` does")
     args = ap.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench_day0_"))
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -92,7 +95,8 @@ def main() -> int:
     try:
         for config in sorted(DAY0.glob("*.json")):
             if args.k in config.name:
-                for row in run_one(config, root, tuple(args.steps.split(",")), args.shared_cache):
+                for row in run_one(config, root, tuple(args.steps.split(",")), args.shared_cache,
+                                   args.workers):
                     print(row, flush=True)
     finally:
         print(f"load average at end: {os.getloadavg()[0]:.1f}")

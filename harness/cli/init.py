@@ -295,6 +295,11 @@ def run(args) -> int:
     print(("ok: " if ok else "FAILED: ") + msg)
     if ok:
         name = path.stem
+        # The items spread over the cores (xdist): measured on 2 cores, DeepSeek-V4-Flash's run (float32 +
+        # bfloat16, inductor cache warm) 86 s in one worker, 52 s in two; its longest items (compile,
+        # one per dtype) bound it beyond a few workers, so at most 4 are suggested.
+        n = min(os.cpu_count() or 1, 4)
+        run = f"harness run {name}" + (f" -n {n}" if n > 1 else "")
         print(f"next: `harness golden generate {name}` writes its precision reference (the precision check "
-              f"fails until it exists), then `harness run {name}` or `tox -e model-{name}`")
+              f"fails until it exists), then `{run}` or `tox -e model-{name}`")
     return 0 if ok else 1

@@ -295,3 +295,16 @@ def test_day0_pipeline_through_the_cli(config, tmp_path):
     if isinstance(_raw(config).get("text_config"), dict):  # a wrapper: also end to end with a tiny vision tower
         junit = (tmp_path / "results" / "junit.xml").read_text()
         assert "smoke[cpu-float32-wrapper]" in junit and "smoke[cpu-bfloat16-wrapper]" in junit
+
+
+@pytest.mark.parametrize("cores,hint", [(1, "`harness run gemma4`"), (2, "`harness run gemma4 -n 2`"),
+                                        (64, "`harness run gemma4 -n 4`")])
+def test_init_suggests_a_run_over_the_cores(cores, hint, tmp_path, capsys, monkeypatch):
+    """The next step init prints spreads the run's items over the machine's cores (at most 4: the
+    longest items, compile per dtype, bound the run beyond a few workers)."""
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    rc, out, err = _init([str(DAY0 / "gemma-4-26B-A4B.json"), "--suites-dir", str(tmp_path / "s"), "--name", "gemma4"],
+                         capsys)
+    assert rc == 0, out + err
+    nxt = [x for x in out.splitlines() if x.startswith("next:")]
+    assert len(nxt) == 1 and hint in nxt[0], out
