@@ -65,7 +65,7 @@ def main() -> int:
             print(f"round {r}: timing_repeats={reps}: {w:.1f} s", flush=True)
     print(f"\n{args.suite}, float32, gloo on {os.cpu_count()} CPU cores, one thread per rank")
     print(f"{'layout':<10}{'step ms':>9}{'1 rank':>8}{'eff':>6}{'comm ms':>9}{'exposed':>9}{'share':>7}"
-          f"{'plan ms':>9}{'plan err':>9}{'plan comm':>10}{'of it lat':>10}{'msgs':>6}")
+          f"{'plan ms':>9}{'plan err':>9}{'plan comm':>10}{'of it lat':>10}{'msgs':>6}{'counted':>8}")
     for v, m in last.items():
         if "outcome" in m:
             print(f"{v:<10}{m['outcome']}")
@@ -77,7 +77,8 @@ def main() -> int:
               f"{m['parallel_exposed_comm_s'] * 1e3:>9.1f}{m['parallel_exposed_comm_share']:>7.0%}"
               f"{m.get('parallel_plan_step_s', float('nan')) * 1e3:>9.2f}"
               f"{m.get('parallel_plan_step_error', float('nan')):>+9.0%}{plan.get('comm_s', float('nan')) * 1e3:>10.2f}"
-              f"{plan.get('comm_latency_s', float('nan')) * 1e3:>10.2f}{plan.get('comm_messages', float('nan')):>6.0f}")
+              f"{plan.get('comm_latency_s', float('nan')) * 1e3:>10.2f}{plan.get('comm_messages', float('nan')):>6.0f}"
+              f"{plan.get('collectives_counted', float('nan')):>8.0f}")
     busbw = {m.get("parallel_world_size"): m.get("parallel_probe_busbw") for m in last.values() if "outcome" not in m}
     print("probe busbw (1 MiB all-reduce): " + ", ".join(f"{int(w)} ranks {b / 1e9:.2f} GB/s"
                                                            for w, b in sorted(busbw.items()) if b))

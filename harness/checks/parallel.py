@@ -77,6 +77,9 @@ metrics.declare("parallel_probe_busbw", "bytes/s", "higher", "bus bandwidth of a
                 "ranks")
 metrics.declare("parallel_probe_latency_s", "s", "lower", "latency of a one-element all-reduce over the launch's "
                 "ranks (the per-collective cost the plan's model charges)")
+metrics.declare("parallel_step_collectives", "", "none", "collectives one rank issued in the training step "
+                "(forward, backward, gradient reductions; pipeline send/recv not counted), most of any rank: beside "
+                "the plan's count (detail timing, plan.comm_messages)")
 metrics.declare("parallel_plan_step_s", "s", "none", "harness plan's step estimate for the layout on the pruned "
                 "model, calibrated to this machine (FLOP/s from the single-rank step, the probes' bandwidth and "
                 "latency)")
@@ -510,6 +513,10 @@ class ParallelCheck(Check):
             est = plan_estimate(ctx.suite, st.layout, st.cfg, t["single_step_s"], t["probe_busbw"],
                                 t.get("probe_latency_s"))
             if est is not None:
+                counted = [m["step_collectives"] for m in st.metas if m.get("step_collectives") is not None]
+                if counted:
+                    est["collectives_counted"] = max(counted)
+                    ctx.metric("parallel_step_collectives", max(counted))
                 ctx.metric("parallel_plan_step_s", est["step_s"])
                 ctx.metric("parallel_plan_step_error", est["step_s"] / t["step_s"] - 1)
                 shown["plan"] = est

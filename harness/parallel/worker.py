@@ -218,6 +218,9 @@ class RankRun:
             forward_backward(s, st, recompute)
             st.step("grad_sync")
             sync_gradients(s)
+        # collectives of the training step alone (the gathers and the optimizer below are counted
+        # after it): what the plan's alpha-beta model counts, to calibrate it
+        s.res["step_collectives"] = sum(s.counter.counts.values())
         s.res["peak_bytes"] = int(_peak(mt))
         keep_loss(s)
         st.step("gather_grads")

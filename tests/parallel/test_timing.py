@@ -35,6 +35,9 @@ def test_dp2_timed_and_a_late_rank_is_exposed_communication():
     assert m["parallel_probe_busbw"] > 1e6  # bytes/s of a 1 MiB all-reduce: gloo on loopback does > 100 MB/s
     # the plan's model on the pruned model, calibrated: its one-rank compute is the measured step
     assert t["plan"]["compute_s"] > 0 and t["plan"]["comm_bytes"] > 0
+    # alpha-beta: DDP's one bucket is one collective in the plan, and the step issued exactly that one
+    assert t["plan"]["comm_messages"] == 1 and m["parallel_step_collectives"] == 1
+    assert t["plan"]["comm_latency_s"] == pytest.approx(m["parallel_probe_latency_s"])
     assert m["parallel_plan_step_error"] == pytest.approx(m["parallel_plan_step_s"] / m["parallel_step_time_s"] - 1)
 
     # rank 1 enters each all-reduce (DDP's one bucket per step) 100 ms late: rank 0 waits inside gloo,
