@@ -189,6 +189,9 @@ def _print_budgets(old: dict, new: dict) -> None:
         lg = (n.get("propagated") or {}).get("logits")
         if lg:
             print(f"    {'logits (propagated)':<44} clean {lg['max']:.3g}  budget {lg['budget']:.3g}")
+        lf = (n.get("propagated") or {}).get("logits_forced")
+        if lf:
+            print(f"    {'logits (propagated, routers forced)':<44} clean {lf['max']:.3g}  budget {lf['budget']:.3g}")
 
 
 def torch_equal(a, b) -> bool:
