@@ -1,5 +1,3 @@
-import sys
+from harness.cli import entry
 
-from harness.cli import main
-
-sys.exit(main())
+entry()
