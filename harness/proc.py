@@ -3,7 +3,9 @@ comparator's prefetch): standard library only, so that a wrapper importing it st
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 
 def die_with_parent() -> None:
@@ -24,3 +26,26 @@ def signal_name(n: int) -> str:
         return signal.Signals(n).name
     except ValueError:
         return f"signal {n}"
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` without the interpreter's teardown when torch is loaded: tearing
+    down torch's and transformers' modules takes ~0.46 s (measured; 0.02 s this way), after every
+    command's work is done. What a normal exit does that matters still happens: the atexit handlers
+    (logging's flush, temporary folders, multiprocessing's children) and the flush of stdout and
+    stderr. With another non-daemon thread still running (the interpreter would wait for it) or
+    without torch (its teardown is fast), the normal exit."""
+    import threading
+
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if "torch" not in sys.modules or others:
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):  # a closed pipe (`harness ... | head`), a closed stream
+            pass
+    os._exit(code)

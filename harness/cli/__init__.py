@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 SUBCOMMANDS = [
@@ -52,30 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def entry() -> None:
     """The ``harness`` command (``main`` is what tests call in-process)."""
+    from harness.proc import exit_now
+
     exit_now(main())
-
-
-def exit_now(code: int) -> None:
-    """End the process with ``code`` without the interpreter's teardown when torch is loaded: tearing
-    down torch's and transformers' modules takes ~0.46 s (measured; 0.02 s this way), after every
-    command's work is done. What a normal exit does that matters still happens: the atexit handlers
-    (logging's flush, temporary folders, multiprocessing's children) and the flush of stdout and
-    stderr. With another non-daemon thread still running (the interpreter would wait for it) or
-    without torch (its teardown is fast), the normal exit."""
-    import threading
-
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if "torch" not in sys.modules or others:
-        sys.exit(code)
-    import atexit
-
-    atexit._run_exitfuncs()
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except (OSError, ValueError):  # a closed pipe (`harness ... | head`), a closed stream
-            pass
-    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

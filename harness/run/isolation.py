@@ -407,7 +407,7 @@ if __name__ == "__main__":
     code = _child_main()
     # Every result is already in the parent's hands. The interpreter's own teardown with torch and
     # transformers loaded takes ~0.46 s, on the critical path of every run's end (the parent waits
-    # for the child's exit): skipped as the harness command skips it (harness.cli.exit_now).
-    from harness.cli import exit_now
+    # for the child's exit): skipped as the harness command skips it (harness.proc.exit_now).
+    from harness.proc import exit_now
 
     exit_now(code)

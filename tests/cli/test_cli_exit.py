@@ -1,4 +1,4 @@
-"""``harness.cli.exit_now``: the ``harness`` command ends without the interpreter's teardown of torch
+"""``harness.proc.exit_now``: the ``harness`` command ends without the interpreter's teardown of torch
 (~0.46 s), and nothing a normal exit does that matters is lost - the exit status, every byte of
 output through a pipe, the atexit handlers, a non-daemon thread's work."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-PRELUDE = "import atexit, sys, threading, time, torch\nfrom harness.cli import exit_now\n"
+PRELUDE = "import atexit, sys, threading, time, torch\nfrom harness.proc import exit_now\n"
 
 
 def _run(body: str) -> subprocess.CompletedProcess:
