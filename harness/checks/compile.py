@@ -291,10 +291,15 @@ class CompileCheck(Check):
         """Compiled vs golden held to ``budget``, compiled vs eager to eager_k x it; the recorded
         tolerances and budget source replaced."""
         st.golden_bound, st.eager_budget = budget, st.cfg.eager_k * budget
-        ctx.properties[:] = [p for p in ctx.properties if p[0] not in (TOL_GOLDEN, TOL_EAGER, SRC)]
+        ctx.properties[:] = [p for p in ctx.properties if p[0] != SRC]
+        ctx.detail("compile_budget_source", source)
+        self._record_bounds(ctx, st)
+
+    def _record_bounds(self, ctx: CheckContext, st) -> None:
+        """The recorded tolerances replaced by the bounds now applied (each recorded once)."""
+        ctx.properties[:] = [p for p in ctx.properties if p[0] not in (TOL_GOLDEN, TOL_EAGER)]
         ctx.tolerance("compile_logits_rel_rmse", st.golden_bound)
         ctx.tolerance("compile_vs_eager_rel_rmse", st.eager_budget)
-        ctx.detail("compile_budget_source", source)
 
     def _judge(self, ctx: CheckContext, st, view, ref: torch.Tensor) -> None:
         from harness.precision.compare import tensor_metrics
@@ -356,9 +361,7 @@ class CompileCheck(Check):
                              "2026-12-04): compiled vs golden held to the forced eager model's distance + the "
                              "compiled-vs-eager budget; `harness golden generate` measures it")
         self._judge(ctx, st, view, ref)  # an older golden: sets golden_bound from the forced eager model's distance
-        ctx.properties[:] = [p for p in ctx.properties if p[0] not in (TOL_GOLDEN, TOL_EAGER)]
-        ctx.tolerance("compile_logits_rel_rmse", st.golden_bound)
-        ctx.tolerance("compile_vs_eager_rel_rmse", st.eager_budget)
+        self._record_bounds(ctx, st)
         text = (f"{flips} token choice(s) of {len(calls)} router(s) in the compiled run differ from the golden's; "
                 f"with the model's own routing: {first}; judged with every router forced to the golden's "
                 f"choices (routers eager): compiled {st.vs_golden['rel_rmse']:.3g}, eager "
