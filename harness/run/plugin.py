@@ -111,6 +111,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the rest ran; the run is still not clean
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Keep what exists after collection (torch, transformers, pytest, the suites: ~380,000 objects
+    that live to the end) out of every later walk of the cycle collector. A full collection over
+    them costs ~85 ms here, and pytest's own end of session runs several (its unraisable-exception
+    check): 0.23 s of a 0.9 s in-process smoke session, measured, against ~0 frozen. Objects the
+    items create are collected as before; the isolated child does the same after its imports."""
+    import gc
+
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     """Scope first, then the shard: the same in every process (xdist workers included)."""
     scope = config.getoption("harness_scope")
