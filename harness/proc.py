@@ -40,6 +40,14 @@ def exit_now(code: int) -> None:
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if "torch" not in sys.modules or others:
         sys.exit(code)
+    run_exit_handlers()
+    os._exit(code)
+
+
+def run_exit_handlers() -> None:
+    """What an interpreter's exit does that matters, without its teardown: the atexit handlers
+    (logging's flush, temporary folders, multiprocessing's children; each runs once, so a later
+    exit finds none), then stdout and stderr flushed."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -48,4 +56,3 @@ def exit_now(code: int) -> None:
             f.flush()
         except (OSError, ValueError):  # a closed pipe (`harness ... | head`), a closed stream
             pass
-    os._exit(code)
