@@ -9,7 +9,11 @@ summed per-item wall times (which exclude collection and worker start-up) for th
 the session's fixed cost: wall / item time of each mode (issue #30 item 5; goal: at most 1.3x with
 ``--check smoke``).
 
-Usage: python benchmarks/bench_isolation.py [--rounds 2] [--check smoke] [SUITE ...]
+``--server`` adds two modes, the same runs through a warm ``harness server`` (harness/cli/server.py)
+started for the benchmark's environment: every mode then alternates in each round, and the fixed
+cost of each is printed the same way.
+
+Usage: python benchmarks/bench_isolation.py [--rounds 2] [--check smoke] [--server] [SUITE ...]
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one(isolated: bool, args: argparse.Namespace, out: Path) -> tuple[float, float, dict]:
-    cmd = [str(Path(sys.executable).with_name("harness")), "run", *args.suites, "--results", str(out)]
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+HARNESS = str(Path(sys.executable).with_name("harness"))
+
+
+def one(isolated: bool, args: argparse.Namespace, out: Path, server: bool = False) -> tuple[float, float, dict]:
+    cmd = [HARNESS, "run", *args.suites, "--results", str(out)]
     cmd += [f"--check={c}" for c in args.check]
     if not isolated:
         cmd.append("--no-isolate")
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    # Without the server: a variable it was not started with makes another key (no server used).
+    env = ENV if server else ENV | {"HARNESS_BENCH_NO_SERVER": "1"}
     t = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -48,23 +57,35 @@ def main() -> None:
     p.add_argument("suites", nargs="*")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--check", action="append", default=[])
+    p.add_argument("--server", action="store_true", help="also through a warm `harness server`")
     args = p.parse_args()
-    res = {True: [], False: []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for isolated in (True, False) if r % 2 == 0 else (False, True):
-                wall, items, c = one(isolated, args, Path(tmp) / f"r{r}-{isolated}")
-                res[isolated].append((wall, items))
-                print(f"round {r} {'isolated  ' if isolated else 'in-process'}: {wall:7.1f} s wall, "
-                      f"{items:7.1f} s in items, {c}", flush=True)
-    iw, ii = (statistics.median(x[k] for x in res[True]) for k in (0, 1))
-    pw, pi = (statistics.median(x[k] for x in res[False]) for k in (0, 1))
+    modes = [(True, False), (False, False)] + ([(True, True), (False, True)] if args.server else [])
+    res = {m: [] for m in modes}
+    if args.server:
+        subprocess.run([HARNESS, "server", "start"], cwd=REPO, env=ENV, check=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                for isolated, server in modes if r % 2 == 0 else modes[::-1]:
+                    wall, items, c = one(isolated, args, Path(tmp) / f"r{r}-{isolated}-{server}", server)
+                    res[(isolated, server)].append((wall, items))
+                    print(f"round {r} {'isolated  ' if isolated else 'in-process'}{' (server)' if server else ''}: "
+                          f"{wall:7.2f} s wall, {items:7.2f} s in items, {c}", flush=True)
+    finally:
+        if args.server:
+            subprocess.run([HARNESS, "server", "stop"], cwd=REPO, env=ENV)
+    iw, ii = (statistics.median(x[k] for x in res[(True, False)]) for k in (0, 1))
+    pw, pi = (statistics.median(x[k] for x in res[(False, False)]) for k in (0, 1))
     print(f"\nmedian wall: isolated {iw:.1f} s, in-process {pw:.1f} s -> ratio {iw / pw:.3f} (goal <= 1.15)")
     print(f"median item time: isolated {ii:.1f} s, in-process {pi:.1f} s -> ratio {ii / pi:.3f}")
     # The session's fixed cost (issue #30 item 5): the whole run against the items' own wall time
     # (each item's build, model work and first-use imports of its model code; goal: at most 1.3x).
     print(f"session / item time: isolated {iw / ii:.2f}x ({iw - ii:.1f} s fixed), "
           f"in-process {pw / pi:.2f}x ({pw - pi:.1f} s fixed)")
+    for isolated in (True, False) if args.server else ():
+        sw, si = (statistics.median(x[k] for x in res[(isolated, True)]) for k in (0, 1))
+        print(f"through the server, {'isolated' if isolated else 'in-process'}: {sw:.2f} s wall, {si:.2f} s in "
+              f"items -> {sw / si:.2f}x ({sw - si:.2f} s fixed); without it {(iw if isolated else pw):.2f} s")
     print(f"cpus: {os.cpu_count()}, load average at end: {os.getloadavg()[0]:.2f}")
 
 

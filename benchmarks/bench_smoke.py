@@ -7,7 +7,9 @@ time in interleaved rounds:
            final loss, second build + forward, greedy generation with and without KV cache;
 * check:   harness.checks.run_one(suite, "smoke") - the same work through harness;
 * session: every smoke item of all suites in one in-process pytest session, as `harness run` runs
-           them (collection, plugin, reports included), against the sum of the bare runs.
+           them (collection, plugin, reports included), against the sum of the bare runs; once
+           with the isolated worker (a new interpreter per session: its imports are most of the
+           figure) and once with ``--harness-isolate=off``.
 
 Reports medians and the ratios check/bare per suite and session/bare overall (goal: at most 1.3x).
 Usage: python benchmarks/bench_smoke.py [--rounds 5] [--suite kimi-k2 ...]
@@ -90,10 +92,12 @@ def bare(ls, dtype: str) -> None:
     assert torch.equal(a, b)
 
 
-def session(paths: list[Path], dtypes: list[str]) -> None:
-    """Every smoke item of these suites in one pytest session, as `harness run` runs them."""
+def session(paths: list[Path], dtypes: list[str], isolate: str = "on") -> None:
+    """Every smoke item of these suites in one pytest session, as `harness run` runs them (isolated:
+    each session starts its worker, a new interpreter that imports torch and transformers again)."""
     code = pytest.main([str(p) for p in paths] + [f"--harness-dtype={d}" for d in dtypes] + [
-        "--harness-backend=cpu", "--harness-check=smoke", "-p", "no:terminal", "-p", "no:cacheprovider"])
+        "--harness-backend=cpu", "--harness-check=smoke", "-p", "no:terminal", "-p", "no:cacheprovider",
+        f"--harness-isolate={isolate}"])
     assert code == 0, code
 
 
@@ -121,7 +125,7 @@ def main() -> int:
 
     per: dict[tuple, dict[str, list[float]]] = {(ls.name, dt): {"bare": [], "check": []}
                                                for ls in suites for dt in dtypes}
-    rounds = {"bare": [], "session": []}
+    rounds = {"bare": [], "session": [], "in-process": []}
     for _ in range(args.rounds):  # interleaved, so drift hits both sides alike
         total = 0.0
         for ls in suites:
@@ -132,6 +136,7 @@ def main() -> int:
                 per[(ls.name, dt)]["check"].append(timed(lambda ls=ls, dt=dt: run_one(ls, "smoke", "cpu", dt)))
         rounds["bare"].append(total)
         rounds["session"].append(timed(session, [ls.path for ls in suites], dtypes))
+        rounds["in-process"].append(timed(session, [ls.path for ls in suites], dtypes, "off"))
 
     print(f"{'suite':<16}{'dtype':<10}{'bare s':>9}{'check s':>9}{'check/bare':>12}")
     tb = tc = 0.0
@@ -143,6 +148,8 @@ def main() -> int:
     b, s_ = statistics.median(rounds["bare"]), statistics.median(rounds["session"])
     print(f"\nall smoke items in one pytest session: {s_:.3f} s vs bare {b:.3f} s -> ratio {s_ / b:.2f} "
           f"(median of {args.rounds} rounds; goal <= 1.3)")
+    p_ = statistics.median(rounds["in-process"])
+    print(f"the same with --harness-isolate=off (no worker to start): {p_:.3f} s -> ratio {p_ / b:.2f}")
     return 0
 
 

@@ -242,6 +242,12 @@ def _load(path: str | None) -> Settings:
         raise SettingsError("\n".join(msgs)) from None
 
 
+def reset_caches() -> None:
+    """Forget what was read: a process forked to run a new command (``harness server``) reads
+    harness.toml anew, as a fresh process does."""
+    _load.cache_clear()
+
+
 def load_settings() -> Settings:
     p = settings_path()
     return _load(str(p) if p else None)

@@ -2,7 +2,8 @@
 
 Subcommands (one module each): ``run``, ``validate``, ``init``, ``backends``, ``inspect``, ``plan``,
 ``golden``, ``precision``, ``weights``, ``oplist``, ``compare``, ``report``, ``baseline``,
-``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``, ``select``.
+``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``, ``select``,
+``server``.
 
 Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
 ``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
@@ -35,6 +36,7 @@ SUBCOMMANDS = [
     "harness.cli.bisect",
     "harness.cli.quarantine",
     "harness.cli.select",
+    "harness.cli.server",
 ]
 
 
@@ -51,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def entry() -> None:
     """The ``harness`` command (``main`` is what tests call in-process)."""
+    from harness.cli.server import forward
     from harness.proc import exit_now
 
-    exit_now(main())
+    rc = forward(sys.argv[1:])  # a warm `harness server` for this environment runs it, if one runs
+    exit_now(main() if rc is None else rc)
 
 
 def main(argv: list[str] | None = None) -> int:

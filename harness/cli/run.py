@@ -54,6 +54,7 @@ def main(args) -> int:
     if driver.wants_early_worker(not args.no_isolate, args.workers, args.passthrough):
         # first thing: its imports overlap with ours below (the checks, torch) and with collection
         early = driver.start_worker(args.results or Path(settings.results_dir))
+    driver.later_workers_start_fresh()
     try:
         return _main(args, settings, early)
     finally:

@@ -84,6 +84,15 @@ def wants_early_worker(isolate: bool, workers, extra: list[str] | None) -> bool:
     return isolate and not workers and not {"--collect-only", "--co"} & set(extra or [])
 
 
+def later_workers_start_fresh() -> None:
+    """Past this point this process may run models itself (``--no-isolate``, the items), so a
+    worker started later is a new interpreter, never a fork of this process (``harness server``
+    forks only the first one, started before anything ran: harness/run/isolation.py)."""
+    from harness.run import isolation
+
+    isolation.FORK_FIRST_WORKER = False
+
+
 def start_worker(results: Path):
     """The isolated worker, started now: ``harness run`` calls this first thing, before it imports
     torch, the checks and pytest's plugins and collects, so that the child's own imports (2-4 s of
