@@ -480,9 +480,9 @@ def _command_child(req: dict, fds: list[int], server_fds: list[int]) -> int:
     sys.argv = [req.get("argv0", "harness"), *req["argv"]]
     # Python chose the streams' buffering for the server's /dev/null: choose again for these.
     enc = {"encoding": sys.stdout.encoding, "errors": "backslashreplace"}
-    sys.stdin = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=sys.stdin.encoding)
-    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=os.isatty(1), **enc)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True, **enc)
+    sys.stdin = io.TextIOWrapper(os.fdopen(0, "rb", closefd=False), encoding=sys.stdin.encoding)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=os.isatty(1), **enc)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True, **enc)
     random.seed()  # a fresh process's seed, not the server's state shared by every fork
     importlib.invalidate_caches()
     from harness import settings
