@@ -287,8 +287,8 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the wakeup fd
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.fds = [listener.fileno(), wake_r, wake_w]
         sel = selectors.DefaultSelector()
+        self.fds = [listener.fileno(), wake_r, wake_w, sel.fileno()]  # what a fork closes first
         sel.register(listener, selectors.EVENT_READ, "accept")
         sel.register(wake_r, selectors.EVENT_READ, "wake")
         last = time.monotonic()
@@ -555,21 +555,28 @@ def main(args) -> int:
         print(f"harness server: already running, pid {st['pid']}")
         return 0
     t = time.monotonic()
+    # One pipe for both streams, read line by line until the ready line: what the imports print
+    # (warnings) can never fill a pipe nobody reads; the last other line is the error if it fails.
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli.server", "--idle", str(args.idle)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    line = proc.stdout.readline()
-    try:
-        ready = json.loads(line).get("ready") if line else None
-    except ValueError:
-        ready = None
+    ready, said = None, []
+    for raw in proc.stdout:
+        line = raw.decode(errors="replace").strip()
+        try:
+            ready = json.loads(line).get("ready") if line.startswith("{") else None
+        except (ValueError, AttributeError):
+            ready = None
+        if ready:
+            break
+        if line:
+            said.append(line)
     if not ready:
-        err = proc.stderr.read().decode(errors="replace").strip().splitlines()
         proc.wait()
-        print(f"harness server: did not start: {err[-1] if err else f'exit status {proc.returncode}'}", file=sys.stderr)
+        print(f"harness server: did not start: {said[-1] if said else f'exit status {proc.returncode}'}",
+              file=sys.stderr)
         return 1
     proc.stdout.close()
-    proc.stderr.close()
     print(f"harness server: pid {ready}, ready in {time.monotonic() - t:.1f} s; later `harness` commands from "
           f"this environment run in it; ends after {args.idle:g} min idle or `harness server stop`")
     return 0

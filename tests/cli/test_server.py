@@ -192,3 +192,12 @@ def test_the_key_follows_the_environment_but_not_what_a_shell_changes():
     assert server_key(env | {v: "anything" for v in VOLATILE_ENV}) == key
     assert server_key(env | {"TORCH_LOGS": "inductor"}) != key
     assert server_key({k: v for k, v in env.items() if k != "TORCH_LOGS"}) != key
+
+
+def test_a_server_that_cannot_import_says_why(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text('raise ImportError("this torch is broken on purpose")\n')
+    env = os.environ | {"PYTHONPATH": str(tmp_path), "HARNESS_TEST_SERVER": uuid.uuid4().hex}
+    r = harness(env, tmp_path, "server", "start")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "harness server: did not start: ImportError: this torch is broken on purpose", r
