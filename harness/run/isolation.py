@@ -137,8 +137,9 @@ class _Forked:
         return self.returncode
 
 
-def _forked_child(cmd_r: int, res_w: int, close: tuple[int, ...], env: dict) -> int:
-    """The worker's process when forked: what ``python -m harness.run.isolation`` would be."""
+def _forked_child(close: tuple[int, ...], env: dict) -> int:
+    """The worker's process when forked: what ``python -m harness.run.isolation`` would be (its
+    pipes' ends named in ``env``, as for a started one; ``close``: the parent's ends)."""
     os.setsid()  # its own session, as start_new_session gives the started one
     for fd in close:
         os.close(fd)
@@ -188,7 +189,7 @@ class Worker:
         if _fork_ok():
             pid = os.fork()
             if pid == 0:
-                _forked_child(cmd_r, res_w, (cmd_w, res_r), env)
+                _forked_child((cmd_w, res_r), env)
             self.proc = _Forked(pid)
         else:
             self.proc = subprocess.Popen([sys.executable, "-m", "harness.run.isolation"], env=env,

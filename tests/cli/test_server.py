@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def served(tmp_path_factory):
     """A project (a healthy suite, a hanging one) and a server started for its environment; the
     environment carries a variable of its own, so no other test's commands meet this server."""
     project = tmp_path_factory.mktemp("served")
-    shutil_copy(REPO_SUITES / "configs", project / "suites" / "configs")
+    shutil.copytree(REPO_SUITES / "configs", project / "suites" / "configs")
     (project / "suites" / "a-healthy.toml").write_text(suite())
     (project / "suites" / "b-hangs.toml").write_text(suite("hang"))
     (project / "harness.toml").write_text('results_dir = "out-a"\n')
@@ -73,12 +74,6 @@ def served(tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def shutil_copy(src: Path, dst: Path) -> None:
-    import shutil
-
-    shutil.copytree(src, dst)
 
 
 def served_count(env: dict, cwd: Path) -> int:
