@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.markdown import Markdown
-
-from harness.compare.classify import Config
 from harness.compare.issues import FILED_KINDS, GROUP_BY
-from harness.compare.pipeline import Options, run_compare
-from harness.compare.report import summary_markdown, write_step_summary
+
+if TYPE_CHECKING:
+    from harness.compare.classify import Config
 
 DEFAULT_HISTORY = "harness-history.sqlite"
 DEFAULT_MUTES = "harness-mutes.toml"
@@ -85,6 +83,8 @@ def suite_thresholds() -> dict[str, float]:
 
 
 def config_from(args: argparse.Namespace) -> Config:
+    from harness.compare.classify import Config
+
     thresholds = suite_thresholds()  # the command line wins over the suites
     for item in args.metric_threshold:
         key, _, value = item.partition("=")
@@ -152,6 +152,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"harness compare: --sink: unknown issue sink {args.sink!r} "
               f"(registered: {', '.join(sink_registry().names())})", file=sys.stderr)
         return 2
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from harness.compare.pipeline import Options, run_compare
+    from harness.compare.report import summary_markdown, write_step_summary
+
     opts = Options(
         results=args.results, baseline=args.baseline, history=args.history or None, sink=args.sink,
         out_dir=args.out_dir, dry_run=args.dry_run, repo=args.repo, api_url=args.api_url,

@@ -14,9 +14,6 @@ import sqlite3
 import sys
 
 from harness.cli.compare import add_common, config_from
-from harness.compare.history import History
-from harness.compare.pipeline import Options, run_compare
-from harness.compare.report import html_report
 
 
 def register(subparsers) -> None:
@@ -29,6 +26,10 @@ def register(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from harness.compare.history import History
+    from harness.compare.pipeline import Options, run_compare
+    from harness.compare.report import html_report
+
     history = args.history if args.history and os.path.exists(args.history) else None
     # dry_run: read the history, never write it; the stdout sink with no issues prints nothing.
     opts = Options(results=args.results, baseline=args.baseline, history=history, dry_run=True,
