@@ -55,17 +55,20 @@ def test_collectives_measured_baselined_and_a_slowed_one_named(write_suite, tmp_
     assert json.loads(p["harness.detail.comm_verdict"])["status"] == "no-baseline"
     assert main(["baseline", "update", str(tmp_path / "results"), "--golden-dir", str(tmp_path / "golden")]) == 0
     # all_gather 20 ms slower per call inside the ranks (a slow collective path): named first, at every
-    # size, as the worst. The other collectives are not asserted clean: under pytest -n 2 the other
-    # worker's load differs between the baseline launch and this one (seen: reduce_scatter, all_reduce);
-    # the check is exclusive in a harness run, and its false-alarm rate is measured in benchmarks/.
+    # size. The other collectives are not asserted clean, nor below all_gather's change: under pytest
+    # -n 2 the other worker's load differs between the baseline launch and this one (seen:
+    # reduce_scatter, all_reduce; a 4 KiB all_to_all once +3091 % against all_gather's +797 %, in the
+    # fresh-clone run of 64d8475); the check is exclusive in a harness run, and its false-alarm rate is
+    # measured in benchmarks/.
     with pytest.raises(CheckFailure) as e:
         _run(ls, tmp_path, delay={"all_gather": 0.02})
     assert e.value.message.startswith("collective all_gather regressed"), e.value.message
     assert "all_gather (2 of 2 sizes)" in e.value.message.partition("slower: ")[2]
     assert e.value.metric == "comm_all_gather_busbw" and "busbw now" in e.value.details
     rows = [line.split() for line in e.value.details.splitlines()[1:] if line.strip() and "baseline:" not in line]
-    worst_other = max((float(r[-2].rstrip("%")) for r in rows if r[0] != "all_gather"), default=0.0)
-    assert min(float(r[-2].rstrip("%")) for r in rows if r[0] == "all_gather") > max(worst_other, 1000.0)
+    # 20 ms on calls of a few ms at most: several times slower at each size, whatever the load did
+    changes = [float(r[-2].rstrip("%")) for r in rows if r[0] == "all_gather"]
+    assert len(changes) == 2 and min(changes) > 300.0, rows
 
 
 def test_one_rank_is_not_a_collective(write_suite, tmp_path):
