@@ -234,6 +234,8 @@ def _preload() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import harness.checks  # noqa: F401
+    import harness.compare.pipeline  # noqa: F401 - `harness compare` / `report` import it when they run
+    import harness.compare.report  # noqa: F401
     import harness.run.driver  # noqa: F401
     import harness.run.execute  # noqa: F401
     import harness.run.isolation  # noqa: F401
