@@ -6,6 +6,7 @@
 * ``confirm``    a failed item rerun in fresh workers: deterministic / flaky / infrastructure;
 * ``exclusive``  the run lock that gives timing checks the machine alone;
 * ``shard``      balanced, deterministic shards from recorded durations;
+* ``schedule``   the items over a machine's xdist workers, the longest expected first (xdist's scheduler hook);
 * ``durations``  the recorded item durations (time limits, shard balance);
 * ``rows``       one finished item as the results keep it, outcome counts;
 * ``results``    the journal and ``results/`` (junit.xml, summary.json/.txt, run.json);

@@ -144,6 +144,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items[:] = keep
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``-n N`` (xdist's ``load`` distribution): the longest expected items first, one per worker
+    (harness/run/schedule.py); any other ``--dist`` is the user's choice and stays xdist's."""
+    if config.getoption("dist", "load") != "load":
+        return None
+    from harness.run import schedule
+
+    return schedule.LongestFirst(config, log, lambda ids: schedule.expected_of(ids, _recorded(config)))
+
+
 def _check_name(item) -> str:
     return item.check.name if isinstance(item, HarnessItem) else ("load" if isinstance(item, SuiteLoadItem) else "python")
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 # Seconds for a tiny pruned model's item of each check on one CPU core: the scale of an estimate.
 CHECK_SECONDS = {"smoke": 3.0, "precision": 1.5, "quantization": 1.5, "ops": 0.3, "parallel": 15.0,
-                 "perf": 30.0, "weights": 5.0}
+                 "perf": 30.0, "weights": 5.0, "compile": 30.0}  # compile: 20-65 s cold on a new config
 DEFAULT_CHECK_SECONDS = 3.0
 
 
