@@ -3,7 +3,8 @@ numerics against the golden and against eager, its graph breaks and recompiles a
 the suite commits, and its compile time (docs/compile.md).
 
 Steps: ``golden`` (load it; a bad one is "could not run") -> ``setup`` (the compiler: the suite's
-``backend``, else the harness backend's ``compile_backend``, else inductor; none usable: not
+``backend``, else the harness backend's ``compile_backend``, else inductor; the ``frontend`` variant,
+commit item of a suite whose ``codegen_scope`` is nightly: that compiler's front end only; none usable: not
 applicable; tolerances and the logits budget as the precision check resolves them) -> ``build``
 (the seeded model with the golden's numerics gains) -> ``compile`` (the first compiled forward on
 the golden's ids: compile time, graph breaks) -> ``eager`` (the same model uncompiled) ->
@@ -38,6 +39,12 @@ from harness.compiler import dynamo as dyn
 from harness.suite.schema import DTYPES
 
 SPEED = "speed"  # the nightly variant: compiled / eager speed and memory
+# The commit variant of a suite whose code generation runs nightly (codegen_scope): every step with the
+# compiler's front end only (dyn.frontend). Cold code generation is where a new config's first run
+# goes (DeepSeek-V4-Flash, 2 cores: 230 s, 85 % of it inductor's C++ code generation); the front end
+# still checks the graph capture, graph breaks, recompiles and the forward and backward numerics of
+# the graphs the compiler is handed, and the nightly item adds what its code generation does to them.
+FRONTEND = "frontend"
 DECODE = "decode step (length 1)"
 
 metrics.declare("compile_time_s", "s", "lower", "compile: wall time of the first compiled forward on the golden's "
@@ -158,6 +165,12 @@ class CompileConfig(CheckConfig):
                          "one responsible.")
     bisect_depth: int = Field(3, ge=1, description="Levels the bisection descends (decoder layer -> submodule -> ...).")
     speed_repeats: int = Field(10, ge=3, description="Nightly 'speed' item: interleaved eager/compiled forward samples.")
+    codegen_scope: Literal["commit", "nightly"] = Field(
+        "commit", description="Scope of the item that runs the compiler's code generation. 'nightly': commit runs get "
+        "a 'frontend' item instead, every step through the compiler's front end only (inductor: "
+        "aot_eager_decomp_partition - dynamo, AOTAutograd, inductor's decompositions, no code generation), and the "
+        "full item runs nightly. `harness init` writes 'nightly' for a new config: its cold code generation takes "
+        "minutes on a CPU (DeepSeek-V4-Flash: 230 s of a 2-core run).")
 
     @field_validator("prompt_lens")
     @classmethod
@@ -198,10 +211,14 @@ class CompileCheck(Check):
     setup_steps = ("golden", "setup", "build")
 
     def variants(self, suite, backend) -> list[str | None]:
+        if self.config(suite).codegen_scope == "nightly":
+            return [FRONTEND, None, SPEED]
         return [None, SPEED]
 
     def scope(self, suite, variant) -> str:
-        return "nightly" if variant == SPEED else super().scope(suite, variant)
+        if variant == SPEED or (variant is None and self.config(suite).codegen_scope == "nightly"):
+            return "nightly"
+        return super().scope(suite, variant)
 
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, problems=[], bisection=None,
@@ -222,7 +239,11 @@ class CompileCheck(Check):
 
         cfg = st.cfg = ctx.config
         st.compiler = cfg.backend or ctx.backend.compile_backend or dyn.DEFAULT
-        ok, why = dyn.usable(st.compiler, ctx.backend.device_type)
+        if ctx.variant == FRONTEND:
+            fe, why = dyn.frontend(st.compiler)
+            ok, st.compiler = fe is not None, fe
+        else:
+            ok, why = dyn.usable(st.compiler, ctx.backend.device_type)
         ctx.detail("compile_backend", f"{st.compiler}: {why}")
         if not ok:
             raise NotApplicable(f"no usable compiler on {ctx.backend.name}: {why}")

@@ -205,6 +205,25 @@ def test_compiled_backward_fault_fails_naming_the_parameter_while_forward_and_ea
     assert metric(ctx, "compile_grad_worst_budget_use") > 1 > metric(ctx, "compile_grad_vs_eager_worst_budget_use")
 
 
+def test_frontend_item_runs_the_compilers_front_end_and_catches_its_faults():
+    """A suite whose code generation is nightly (what `harness init` writes for a new config): its
+    commit item compiles through inductor's front end only (dynamo, AOTAutograd, inductor's
+    decompositions), forward and backward; a decomposition fault in the backward fails it, named."""
+    ls = compile_suite(codegen_scope="nightly", prompt_lens=[], decode_step=False)
+    check = registry().get("compile")
+    assert check.variants(ls, get("cpu")) == ["frontend", None, "speed"]
+    assert [check.scope(ls, v) for v in ("frontend", None, "speed")] == ["commit", "nightly", "nightly"]
+    assert check.variants(suite(NAME), get("cpu")) == [None, "speed"]  # the bundled suites: code generation on commit
+    ctx, _, f = run(ls, variant="frontend")
+    assert f is None, str(f)
+    assert dict(ctx.properties)["harness.detail.compile_backend"].startswith(
+        "aot_eager_decomp_partition: front end of inductor: dynamo, AOTAutograd"), ctx.properties
+    assert 0 < metric(ctx, "compile_logits_budget_use") < 1 and 0 < metric(ctx, "compile_grad_worst_budget_use") < 1
+    ctx, _, f = run(ls, variant="frontend", context=wrong_silu_backward_decomposition)
+    assert isinstance(f, CheckFailure), f
+    assert str(f).startswith("compiled backward diverges from the golden: gradient of model.layers.1.mlp."), str(f)
+
+
 def test_backend_without_compiler_is_not_applicable(tmp_path, monkeypatch):
     from harness.backends import registry as backends
 
@@ -219,6 +238,12 @@ def test_backend_without_compiler_is_not_applicable(tmp_path, monkeypatch):
     assert isinstance(f, NotApplicable) and "no torch.compile backend 'no-such-compiler'" in str(f), f
     vendor = Backend("vendor", "cpu", "gloo", compile_backend="no-such-graph-mode")  # the backend's own
     _, _, f = run(suite(NAME), backend=vendor)
+    assert isinstance(f, NotApplicable) and "'no-such-graph-mode'" in str(f), f
+    # the front-end item of either: no compiler, no front end either
+    nightly = compile_suite(codegen_scope="nightly")
+    _, _, f = run(nightly, backend=none, variant="frontend")
+    assert isinstance(f, NotApplicable) and "declares no compiler" in str(f), f
+    _, _, f = run(nightly, backend=vendor, variant="frontend")
     assert isinstance(f, NotApplicable) and "'no-such-graph-mode'" in str(f), f
 
 
