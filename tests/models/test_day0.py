@@ -245,6 +245,23 @@ def test_no_grad_by_design_found_at_init_and_declared(tmp_path, capsys):
     assert data["checks"]["smoke"]["no_grad_ok"] == ["*.indexer.*"]
 
 
+def test_new_config_compiles_through_the_front_end_on_commit(tmp_path, capsys):
+    """init puts the compile check's code generation in the nightly scope (its cold cost is most of a
+    new config's first run: DeepSeek-V4-Flash 230 s of a 2-core run); commit runs get the front-end item."""
+    from harness.backends import get
+    from harness.checks import registry
+    from harness.suite import load_suite
+
+    rc, _, err = _init([str(DAY0 / "gpt-oss-20b.json"), "--suites-dir", str(tmp_path / "s"), "--name", "oss",
+                        "--no-validate"], capsys)
+    assert rc == 0, err
+    text = (tmp_path / "s" / "oss.toml").read_text()
+    assert tomllib.loads(text)["checks"]["compile"]["codegen_scope"] == "nightly" and "compile[...-frontend]" in text
+    ls, check = load_suite(tmp_path / "s" / "oss.toml"), registry().get("compile")
+    assert {v: check.scope(ls, v) for v in check.variants(ls, get("cpu"))} == {
+        "frontend": "commit", None: "nightly", "speed": "nightly"}
+
+
 # The whole corpus through the CLI costs ~15 CPU-minutes: the default run takes a representative
 # subset (MoE with sinks and MXFP4, MLA-free FP8 per-tensor, plus the refusals); HARNESS_DAY0_FULL=1
 # runs every config. In the full run only, for the test suite's 15-minute budget (a fresh-clone
@@ -283,8 +300,9 @@ def test_day0_pipeline_through_the_cli(config, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     r = _harness("golden", "generate", name, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    # every check but compile (a cold inductor build per config and dtype, 30-80 s each here: the
-    # compile check has its own tests; HARNESS_DAY0_FULL=1 runs it on every config too)
+    # every check but compile (its front-end item, which init's suite runs on commit, takes 10-65 s per
+    # config and dtype here: the compile check has its own tests; HARNESS_DAY0_FULL=1 runs it on every
+    # config too)
     from harness.checks import registry
 
     checks = [a for c in registry().names() if c != "compile" or os.environ.get("HARNESS_DAY0_FULL") == "1"
