@@ -12,7 +12,9 @@ This is xdist's ``load`` scheduler with two changes: the pending items are in lo
 order (``harness.run.shard.expected``: the recorded duration, else the check's scale), and each
 worker's first two items are dealt round-robin (a worker needs the item after the one it runs
 before it runs it). Later items go, as before, from the front of the queue to whichever worker has
-fewest left: longest processing time first, the rule the shards use across machines.
+fewest left: longest processing time first, the rule the shards use across machines. A session
+that collected no suite item (harness's plugin is installed for every pytest in the environment)
+keeps xdist's own scheduling.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class LongestFirst(LoadScheduling):
         assert self.collection_is_completed
         if self.collection is not None or not self.node2collection:
             return super().schedule()
+        if not any(".toml::" in i for i in next(iter(self.node2collection.values()))):
+            return super().schedule()  # no suite item (a plain test session with harness installed): xdist's own
         if not self._check_nodes_have_same_collection():
             self.log("**Different tests collected, aborting run**")  # xdist's own words
             return None
