@@ -118,9 +118,20 @@ def test_flip_judged_in_the_routers_selection_space():
     assert not keep[0] and not keep[far]
 
 
+@pytest.fixture(scope="module")
+def dsv4_suite(tmp_path_factory):
+    """DeepSeek-V4-Flash's suite as `harness init` writes it, once for both seeds (in this process,
+    without init's own smoke run: the test needs the suite file, not its validation)."""
+    from harness.cli.init import init_suite
+    from tests_support import REPO
+
+    return init_suite(REPO / "tests/data/day0/DeepSeek-V4-Flash.json", name="dsv4",
+                      suites_dir=tmp_path_factory.mktemp("s"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1000, 1007])
-def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, seed):
+def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, seed, dsv4_suite):
     """DeepSeek-V4-Flash (the Day-0 config), bfloat16. Weight seed 1000: a token flips at a logit
     margin of 0.0137 against a noise limit of 0.0098 because the router adds its correction bias to
     score_fn(logits) in bf16 (3 of 3 clean reruns failed before); the reference router computed in
@@ -128,18 +139,10 @@ def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, s
     10-rerun sweep): experts 0, 2 and 5 of token 30 in layer 4 tie within one bf16 step of their
     scores, and the target kept 5 at logit margin 0.0111 against 0.00998; only the run-dtype router
     on an input moved within the noise picks 5. A wrong top-k kernel still fails at a router."""
-    import subprocess
-    import sys
-
     from harness.precision.generate import generate
     from harness.suite.loader import load_suite
-    from tests_support import REPO
 
-    r = subprocess.run([sys.executable, "-m", "harness", "init", str(REPO / "tests/data/day0/DeepSeek-V4-Flash.json"),
-                        "--suites-dir", str(tmp_path / "s"), "--name", "dsv4"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    ls = load_suite(tmp_path / "s" / "dsv4.toml")
+    ls = load_suite(dsv4_suite)
     s = ls.suite.model_copy(deep=True)
     s.checks.precision.seed = seed
     ls = type(ls)(ls.path, ls.name, s, ls.config_path, ls.raw_config)
