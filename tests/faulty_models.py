@@ -117,3 +117,46 @@ def oom_killed(config, dtype, device):
     m = LlamaForCausalLM(config)
     m.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args: os.kill(os.getpid(), signal.SIGKILL))
     return m
+
+
+def low_precision_mlp(config, dtype, device):
+    """Layer 1's MLP off by 2 % in every dtype but float64: a kernel that is only wrong in low
+    precision. The float64 golden (built by this same adapter, so its config hash matches) is
+    clean; the float32 target is not, and precision names ``model.layers.1.mlp``."""
+    m = LlamaForCausalLM(config)
+
+    def skew(mod, args, out):
+        return out if out.dtype == torch.float64 else out * 1.02
+
+    m.model.layers[1].mlp.register_forward_hook(skew)
+    return m
+
+
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds  # CPU seconds, not wall: as slow as the machine is loaded
+    while time.process_time() < end:
+        pass
+
+
+def busy(config, dtype, device):
+    """Slow but alive: layer 1's MLP computes for 6 s of CPU in one module (no module entered
+    meanwhile), as a cold compile does; under load that is much longer on the wall clock."""
+    m = LlamaForCausalLM(config)
+    m.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: _burn(6.0))
+    return m
+
+
+def busy_child(config, dtype, device):
+    """Slow but alive in another process: layer 1's MLP waits on a child that computes for 6 s of
+    CPU (inductor's compile workers, a launcher's ranks): the item's own process uses none."""
+    import subprocess
+    import sys
+
+    m = LlamaForCausalLM(config)
+    code = "import time\nend = time.process_time() + 6\nwhile time.process_time() < end: pass\n"
+
+    def wait_for_child(mod, args):
+        subprocess.run([sys.executable, "-c", code], check=True)
+
+    m.model.layers[1].mlp.register_forward_pre_hook(wait_for_child)
+    return m

@@ -22,8 +22,10 @@ def register(sub) -> None:
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("--results", type=Path, default=None, help="results directory (default: results/)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="time limit of one item (default: the suite's timeout_s, else 10x its recorded "
-                        "duration and >= 60 s, else 900 s); a hung item is killed and reported")
+                   help="wall-clock limit of one item, the backstop for what keeps spinning (default: the "
+                        "suite's timeout_s, else 30x its recorded duration and >= 900 s, else 1800 s); an item that "
+                        "makes no progress (no CPU, no module entered) for the suite's stall_s (60 s) is hung and "
+                        "killed whatever this says")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                    help="host RSS limit of one item (default: the suite's memory_limit_gib, else none)")
     p.add_argument("--shard", default=None, metavar="I/N",

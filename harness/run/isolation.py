@@ -12,8 +12,13 @@ item on the child's command pipe and reads one JSON line back on the result pipe
 keeps a 1 KiB *status file* up to date: the check's step (``ctx.step`` phases: build, forward,
 backward, ...) and the last ``nn.Module`` entered (a global forward pre-hook). When the item:
 
-* runs past its time limit: the child's process group is killed and the item is an *error* naming
-  the phase and the last module entered ("hung in forward, last module model.layers.1.mlp");
+* stops making progress (no CPU time used by any process of its tree - the child, its compile
+  workers, its launched ranks - and no phase or module entered, for ``stall_s``): the child's process
+  group is killed and the item is an *error* naming the phase and the last module entered ("hung: no
+  progress for 60 s ... in forward (last module entered: model.layers.1.mlp)"). An item that is only
+  slow - a busy machine, a cold compiler cache - keeps using CPU and is not killed;
+* runs past its wall-clock limit (a generous backstop for what keeps spinning, or the limit the user
+  set with ``--timeout``): killed the same way, "hung: no result within the N s time limit";
 * dies by a signal (``abort()`` -> SIGABRT, a segfault): an *error* with the signal and phase;
 * exceeds the memory limit (RSS polled by the parent): killed, an *error* with the figures;
 * leaks (RSS after the item exceeds RSS before by more than ``leak_bytes``): it keeps its own
@@ -44,7 +49,7 @@ import time
 from dataclasses import dataclass
 
 from harness import metrics
-from harness.proc import die_with_parent, signal_name
+from harness.proc import die_with_parent, rss_bytes, signal_name
 from harness.run.rows import ItemResult
 from harness.settings import env as setting
 from harness.settings import set_env
@@ -58,26 +63,82 @@ metrics.declare("leaked_bytes", "bytes", "lower",
 
 @dataclass
 class Limits:
-    timeout_s: float  # wall time for one item, build included
+    timeout_s: float  # wall time for one item, build included: the backstop (durations.timeout_for)
     memory_bytes: int | None = None  # RSS limit of the child; None: none
     # A fresh child's interpreter start and imports (torch, transformers: 3-5 s idle, tens of
     # seconds on a loaded CI runner) are not the item's: its clock starts once the child says it
     # is ready, and the start has its own, generous limit.
     startup_s: float = 300.0
     leak_bytes: int = 512 * 2**20  # RSS growth over one item that replaces the child
+    # No progress for this long is a hang (_Progress); None: the wall clock alone decides.
+    stall_s: float | None = None
 
 
-def _rss(pid: int | str = "self") -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+class _Progress:
+    """Is an item still doing anything? Sampled by the parent about once a second.
+
+    Progress is either of two signals, over the last ``stall_s`` seconds:
+
+    * CPU time used by the item's process tree (the child and every descendant: inductor's compile
+      workers, torchrun and its ranks, an engine) of at least ``MIN_CPU_SHARE`` of one core. A
+      process that waits forever - a kernel blocked on a device, a collective whose peer is gone,
+      a sleep - uses next to none; an item that is merely slow uses its share of the cores however
+      loaded the machine is (4 processes per core still get 25 % each, 12x this floor);
+    * a change of the status file (a new phase, a module entered): a wait that ends moves it.
+
+    Only a tree that shows neither for ``stall_s`` is hung. A kernel that spins on the CPU forever
+    looks like work: the wall-clock backstop catches that one.
+    """
+
+    MIN_CPU_SHARE = 0.02  # of one core, averaged over the window
+
+    def __init__(self, pid: int, stall_s: float):
+        self.pid, self.stall_s = pid, stall_s
+        self.cpu: dict[int, float] = {}  # pid -> CPU seconds at the last sample
+        self.used = 0.0  # CPU seconds the tree used since the item started (positive deltas only)
+        self.samples: list[tuple[float, float, str]] = []  # (time, used, status) within the window
+        self.t_next = 0.0
+
+    def _tree_cpu(self) -> dict[int, float]:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return {}
+        out = {}
+        for p in procs:
+            try:
+                t = p.cpu_times()  # children_*: the reaped children's, so a finished worker's CPU stays counted
+                out[p.pid] = t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:
+                pass
+        return out
+
+    def sample(self, now: float, status: str) -> None:
+        if now < self.t_next:
+            return
+        self.t_next = now + 1.0
+        cpu = self._tree_cpu()
+        # a new process's whole CPU counts; one that went away is simply no longer summed
+        self.used += sum(max(0.0, c - self.cpu.get(pid, 0.0)) for pid, c in cpu.items())
+        self.cpu = cpu
+        self.samples.append((now, self.used, status))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - self.stall_s:
+            self.samples.pop(0)  # keep one sample at or before the window's start
+
+    def stalled(self, now: float) -> bool:
+        if not self.samples or now - self.samples[0][0] < self.stall_s:
+            return False  # not watched for a whole window yet
+        t0, used0, _ = self.samples[0]
+        if any(st != self.samples[0][2] for _, _, st in self.samples):
+            return False
+        return self.used - used0 < self.MIN_CPU_SHARE * (now - t0)
 
 
+def _rss(pid: int | None = None) -> int:
+    return rss_bytes(pid)
 
 
 # Set by `harness server` in a command's process, a fresh fork of a process that has imported torch,
@@ -256,14 +317,16 @@ class Worker:
         self.proc, self.status_path = None, None
 
     # --- one item -----------------------------------------------------------------------------
-    def status(self) -> tuple[str, str]:
-        """(phase, last module entered) as the child last wrote them."""
+    def _raw_status(self) -> str:
         try:
             with open(self.status_path, "rb") as f:
-                raw = f.read(STATUS_BYTES).decode("utf-8", "replace").strip()
+                return f.read(STATUS_BYTES).decode("utf-8", "replace").strip()
         except (OSError, TypeError):
-            return "", ""
-        phase, _, module = raw.partition("\t")
+            return ""
+
+    def status(self) -> tuple[str, str]:
+        """(phase, last module entered) as the child last wrote them."""
+        phase, _, module = self._raw_status().partition("\t")
         return phase.strip(), module.strip()
 
     def run(self, request: dict, limits: Limits) -> tuple[ItemResult, dict]:
@@ -317,6 +380,7 @@ class Worker:
 
     def _wait(self, t0: float, deadline: float, limits: Limits) -> tuple[ItemResult, dict]:
         peak_seen = 0
+        progress = _Progress(self.proc.pid, limits.stall_s) if limits.stall_s else None
         while True:
             now = time.monotonic()
             line = self._readline(min(0.5, max(0.0, deadline - now)))
@@ -344,7 +408,16 @@ class Worker:
                 return self._dead(f"exceeded the memory limit ({rss / 2**30:.2f} GiB > "
                                   f"{limits.memory_bytes / 2**30:.2f} GiB) and was killed", phase, module,
                                   time.monotonic() - t0), {"replace": True}
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if progress is not None:
+                progress.sample(now, self._raw_status())
+                if progress.stalled(now):
+                    phase, module = self.status()
+                    self.kill()
+                    return self._dead(f"hung: no progress for {limits.stall_s:g} s (its processes used no CPU "
+                                      "and entered no phase or module), killed", phase, module,
+                                      time.monotonic() - t0), {"replace": True}
+            if now >= deadline:
                 phase, module = self.status()
                 self.kill()
                 return self._dead(f"hung: no result within the {limits.timeout_s:g} s time limit, killed",

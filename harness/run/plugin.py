@@ -46,8 +46,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="run each item in a child process with a time limit (default on; 'off' trades "
                      "hang/crash safety for speed on trusted CPU runs; device backends are always isolated)")
     g.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
-                help="time limit of one item (default: the suite's timeout_s, else 10x its recorded "
-                     "duration and >= 60 s, else 900 s)")
+                help="wall-clock limit of one item, the backstop for what keeps spinning (default: the "
+                     "suite's timeout_s, else 30x its recorded duration and >= 900 s, else 1800 s); an item "
+                     "that makes no progress for the suite's stall_s (60 s) is hung whatever this says")
     g.addoption("--harness-shard", default=None, metavar="I/N",
                 help="keep only shard I of N (1-based), balanced by recorded durations (harness/run/shard.py)")
     g.addoption("--harness-scope", choices=("commit", "nightly"), default="commit",
@@ -499,7 +500,8 @@ class HarnessItem(pytest.Item):
         timeout = durations.timeout_for(self.nodeid, _recorded(self.config),
                                         opt("harness_timeout") or suite.timeout_s)
         mem = opt("harness_memory_limit") or suite.memory_limit_gib
-        limits = Limits(timeout_s=timeout, memory_bytes=int(mem * 2**30) if mem else None)
+        limits = Limits(timeout_s=timeout, memory_bytes=int(mem * 2**30) if mem else None,
+                        stall_s=suite.stall_s or durations.STALL_S)
         worker = _isolation_worker(self.config)
         worker.env = dict(os.environ)
         set_env("HARNESS_NUM_THREADS", torch.get_num_threads(), worker.env)

@@ -153,9 +153,13 @@ class Suite(_Strict):
     dtypes: list[Literal["float64", "float32", "bfloat16", "float16"]] = Field(
         default_factory=lambda: ["float32", "bfloat16"], description="Run dtypes.")
     timeout_s: float | None = Field(
-        None, gt=0, description="Time limit of one item in seconds, build included (unset: 10x its recorded "
-        "duration and at least 60 s, else 900 s; --harness-timeout wins). A hung item is killed and "
-        "reported with its phase.")
+        None, gt=0, allow_inf_nan=False, description="Wall-clock limit of one item in seconds, build included: "
+        "the backstop for an item that keeps spinning (unset: 30x its recorded duration and at least 900 s, else "
+        "1800 s; --harness-timeout wins). A hung item is killed and reported with its phase.")
+    stall_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="An isolated item whose processes use no CPU and enter no "
+        "phase or module for this long is hung: killed and reported with its phase and last module (unset: 60 s). "
+        "Raise it for a model that legitimately waits longer, e.g. on a device kernel with blocking sync.")
     memory_limit_gib: float | None = Field(
         None, gt=0, description="Host RSS limit of one isolated item in GiB (unset: none; "
         "--harness-memory-limit wins).")
