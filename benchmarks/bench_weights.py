@@ -104,7 +104,6 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="parent of the temporary checkpoint (default: /tmp)")
     args = ap.parse_args()
 
-    from harness.models.build import build_model
     from harness.suite.loader import load_suite
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-weights-", dir=args.dir))
@@ -117,78 +116,97 @@ def main() -> int:
         suite = tmp / "bench.toml"
         suite.write_text('[model]\nconfig = "ckpt/config.json"\nweights = "ckpt"\n[prune]\nnum_hidden_layers = 2\n')
         ls = load_suite(suite)
-        # Import transformers' modeling code for this architecture before timing (a meta build reads no
-        # weights), so the first timed build is not charged the one-time imports from_pretrained is not.
-        from harness.models.build import instantiate, model_config
-
-        with torch.device("meta"):
-            instantiate(ls, model_config(ls), torch.float32)
-
-        evict(ckpt)
-        r0 = read_bytes()
-        t = time.perf_counter()
-        model, mc = build_model(ls, "bfloat16")
-        t_pruned = time.perf_counter() - t
-        r_pruned = read_bytes() - r0
-        kept = sum(v.numel() * 2 for v in model.state_dict().values())  # bf16 checkpoint
-        note = next(n for n in mc.notes if n.startswith("real weights"))
-        counted = float(note.split("read ")[1].split(" MiB")[0]) * 2**20
-        del model
-
-        # The former pruned build (random init, then the load), against the current one, both with the
-        # shards in the page cache: the difference is the random init alone.
-        from harness.models.build import cast_model
-        from harness.weights.load import load_pruned
-
-        t = time.perf_counter()
-        model, _ = build_model(ls, "bfloat16")
-        t_new_warm = time.perf_counter() - t
-        del model
-        t = time.perf_counter()
-        mc_old = model_config(ls)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = instantiate(ls, mc_old, torch.float32)
-        load_pruned(model, ls, mc_old, dtype=torch.bfloat16)
-        model = cast_model(model, torch.bfloat16)
-        t_old_warm = time.perf_counter() - t
-        del model
-
-        from transformers import AutoModelForCausalLM
-
-        evict(ckpt)
-        r0 = read_bytes()
-        t = time.perf_counter()
-        full = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
-        t_full = time.perf_counter() - t
-        r_full = read_bytes() - r0
-        # from_pretrained may leave parameters backed by the shards' memory maps (same dtype: no copy),
-        # so it returns before all bytes are read; touching every parameter once makes the figure the
-        # time to a model whose weights are all in memory, as the pruned one's are.
-        with torch.no_grad():
-            for prm in full.parameters():
-                prm.view(torch.int16).sum()
-        t_full_touched = time.perf_counter() - t
-        r_full_touched = read_bytes() - r0
-        del full
-
-        print(f"pruned (2 of {args.layers} layers): kept {kept / 2**20:.1f} MiB; reader copied {counted / 2**20:.1f} MiB "
-              f"({counted / kept:.3f} x kept); storage read_bytes {r_pruned / 2**20:.1f} MiB ({r_pruned / kept:.3f} x kept)")
-        print(f"  {note}")
-        fill = float(note.rsplit(" in ", 1)[1].split(" s")[0])
-        print(f"full from_pretrained: storage read_bytes {r_full / 2**20:.1f} MiB at return "
-              f"({r_full / info['bytes']:.3f} x checkpoint), {r_full_touched / 2**20:.1f} MiB once every "
-              f"parameter is touched ({r_full_touched / info['bytes']:.3f} x)")
-        print(f"time: full from_pretrained {t_full:.2f} s at return, {t_full_touched:.2f} s all weights in memory")
-        print(f"      pruned load (open + plan + read/copy) {fill:.2f} s: ratio {fill / t_full_touched:.3f} of the full "
-              f"load in memory ({fill / t_full:.3f} of from_pretrained's return)")
-        print(f"      pruned build_model {t_pruned:.2f} s ({kept // 2 / 1e6:.0f} M parameters, none initialised "
-              f"before the load): ratio {t_pruned / t_full_touched:.3f} of the full load in memory")
-        print(f"      page cache warm: pruned build_model {t_new_warm:.2f} s, the former build (seeded random init, "
-              f"then the load) {t_old_warm:.2f} s: ratio new / former {t_new_warm / t_old_warm:.3f}")
+        pruned = time_pruned_build(ckpt, ls)
+        warm = time_warm_builds(ls)
+        full = time_full_load(ckpt)
+        report(args.layers, info, pruned, warm, full)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def time_pruned_build(ckpt: Path, ls) -> dict:
+    """The pruned build from a cold page cache: its time, the bytes it kept, copied and read."""
+    from harness.models.build import build_model, instantiate, model_config
+
+    # Import transformers' modeling code for this architecture before timing (a meta build reads no
+    # weights), so the first timed build is not charged the one-time imports from_pretrained is not.
+    with torch.device("meta"):
+        instantiate(ls, model_config(ls), torch.float32)
+
+    evict(ckpt)
+    r0 = read_bytes()
+    t = time.perf_counter()
+    model, mc = build_model(ls, "bfloat16")
+    t_pruned = time.perf_counter() - t
+    r_pruned = read_bytes() - r0
+    kept = sum(v.numel() * 2 for v in model.state_dict().values())  # bf16 checkpoint
+    note = next(n for n in mc.notes if n.startswith("real weights"))
+    counted = float(note.split("read ")[1].split(" MiB")[0]) * 2**20
+    return {"t": t_pruned, "read": r_pruned, "kept": kept, "note": note, "counted": counted}
+
+
+def time_warm_builds(ls) -> tuple[float, float]:
+    """The former pruned build (random init, then the load), against the current one, both with the
+    shards in the page cache: the difference is the random init alone."""
+    from harness.models.build import build_model, cast_model, instantiate, model_config
+    from harness.weights.load import load_pruned
+
+    t = time.perf_counter()
+    model, _ = build_model(ls, "bfloat16")
+    t_new_warm = time.perf_counter() - t
+    del model
+    t = time.perf_counter()
+    mc_old = model_config(ls)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = instantiate(ls, mc_old, torch.float32)
+    load_pruned(model, ls, mc_old, dtype=torch.bfloat16)
+    model = cast_model(model, torch.bfloat16)
+    t_old_warm = time.perf_counter() - t
+    del model
+    return t_new_warm, t_old_warm
+
+
+def time_full_load(ckpt: Path) -> dict:
+    """The full from_pretrained from a cold page cache: at its return, and once every weight is in memory."""
+    from transformers import AutoModelForCausalLM
+
+    evict(ckpt)
+    r0 = read_bytes()
+    t = time.perf_counter()
+    full = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16)
+    t_full = time.perf_counter() - t
+    r_full = read_bytes() - r0
+    # from_pretrained may leave parameters backed by the shards' memory maps (same dtype: no copy),
+    # so it returns before all bytes are read; touching every parameter once makes the figure the
+    # time to a model whose weights are all in memory, as the pruned one's are.
+    with torch.no_grad():
+        for prm in full.parameters():
+            prm.view(torch.int16).sum()
+    t_full_touched = time.perf_counter() - t
+    r_full_touched = read_bytes() - r0
+    del full
+    return {"t": t_full, "read": r_full, "t_touched": t_full_touched, "read_touched": r_full_touched}
+
+
+def report(layers: int, info: dict, pruned: dict, warm: tuple[float, float], full: dict) -> None:
+    kept, counted, r_pruned, note = pruned["kept"], pruned["counted"], pruned["read"], pruned["note"]
+    t_full, t_full_touched = full["t"], full["t_touched"]
+    print(f"pruned (2 of {layers} layers): kept {kept / 2**20:.1f} MiB; reader copied {counted / 2**20:.1f} MiB "
+          f"({counted / kept:.3f} x kept); storage read_bytes {r_pruned / 2**20:.1f} MiB ({r_pruned / kept:.3f} x kept)")
+    print(f"  {note}")
+    fill = float(note.rsplit(" in ", 1)[1].split(" s")[0])
+    print(f"full from_pretrained: storage read_bytes {full['read'] / 2**20:.1f} MiB at return "
+          f"({full['read'] / info['bytes']:.3f} x checkpoint), {full['read_touched'] / 2**20:.1f} MiB once every "
+          f"parameter is touched ({full['read_touched'] / info['bytes']:.3f} x)")
+    print(f"time: full from_pretrained {t_full:.2f} s at return, {t_full_touched:.2f} s all weights in memory")
+    print(f"      pruned load (open + plan + read/copy) {fill:.2f} s: ratio {fill / t_full_touched:.3f} of the full "
+          f"load in memory ({fill / t_full:.3f} of from_pretrained's return)")
+    print(f"      pruned build_model {pruned['t']:.2f} s ({kept // 2 / 1e6:.0f} M parameters, none initialised "
+          f"before the load): ratio {pruned['t'] / t_full_touched:.3f} of the full load in memory")
+    print(f"      page cache warm: pruned build_model {warm[0]:.2f} s, the former build (seeded random init, "
+          f"then the load) {warm[1]:.2f} s: ratio new / former {warm[0] / warm[1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -56,3 +56,65 @@ def run_exit_handlers() -> None:
             f.flush()
         except (OSError, ValueError):  # a closed pipe (`harness ... | head`), a closed stream
             pass
+
+
+# --- memory ---------------------------------------------------------------------------------------
+# psutil reads the same kernel counters as /proc on Linux and the platform's own elsewhere (a /proc read
+# gave 0 off Linux). It is imported where used: this module stays quick to import for wrappers.
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident set size of process ``pid`` (None: this one) in bytes; 0 where it is gone or unreadable."""
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except (psutil.Error, OSError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes: Linux's VmHWM (the one counter ``reset_peak_rss``
+    can reset; psutil does not expose it), Windows' peak working set (psutil), elsewhere the rusage
+    maximum (bytes on macOS, KiB on the BSDs); never below the current RSS."""
+    import psutil
+
+    now = rss_bytes()
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return max(now, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+    peak = getattr(psutil.Process().memory_info(), "peak_wset", None)  # Windows only
+    if peak is None:
+        try:
+            import resource
+        except ImportError:  # Windows has no resource module (and has peak_wset)
+            return now
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = maxrss if sys.platform == "darwin" else maxrss * 1024
+    return max(now, int(peak))
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS to its current RSS (Linux: writing 5 to /proc/self/clear_refs
+    resets VmHWM). False where the platform cannot: the peak is then the process's lifetime peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the host can give without swapping (Linux MemAvailable; psutil's estimate elsewhere)."""
+    import psutil
+
+    try:
+        return int(psutil.virtual_memory().available)
+    except (psutil.Error, OSError):
+        return None

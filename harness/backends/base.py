@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from harness.proc import peak_rss_bytes, reset_peak_rss
 from harness.registry import NamedRegistry
 
 PROBE_DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -126,30 +127,17 @@ class Backend:
     # --- memory -------------------------------------------------------------------------------
     def reset_peak_memory(self) -> None:
         if self.device_type == "cpu":
-            # Linux: writing 5 to clear_refs resets VmHWM, the process's peak-RSS counter.
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                pass
+            reset_peak_rss()  # Linux resets VmHWM; elsewhere the peak stays the process's lifetime one
             return
         mod = self._mod()
         if mod is not None and hasattr(mod, "reset_peak_memory_stats"):
             mod.reset_peak_memory_stats(self.device())
 
     def peak_memory(self) -> int | None:
-        """Bytes: the allocator's high-water mark, or on CPU the process peak RSS (VmHWM)."""
+        """Bytes: the allocator's high-water mark, or on CPU the process peak RSS (harness.proc: VmHWM
+        on Linux, the platform's own counter elsewhere, where a /proc read gave nothing)."""
         if self.device_type == "cpu":
-            try:
-                with open("/proc/self/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            return int(line.split()[1]) * 1024
-            except OSError:
-                pass
-            import resource
-
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            return peak_rss_bytes()
         mod = self._mod()
         if mod is not None and hasattr(mod, "max_memory_allocated"):
             return int(mod.max_memory_allocated(self.device()))

@@ -340,6 +340,58 @@ def tolerances(cfg: ParallelConfig, dtype: str) -> dict[str, float]:
     return tol
 
 
+def _layout_verdict(ctx: CheckContext, st, lay, tol: dict) -> tuple:
+    """The layout's ranks against the reference (routing replayed where it flipped, float64 where
+    stored): (verdict, each rank's meta, routing)."""
+    from harness.parallel.compare import compare_layout, load_ranks
+
+    ranks = load_ranks(st.outcome.dir, lay.world)
+    ref, routing = _routed_reference(ctx, st, lay, ranks, tol)
+    v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
+    _apply_routing(v, routing, st.order)
+    _compare_float64(v, st.ref64 if ref is st.ref else None, ranks, ctx.dtype)
+    return v, [rd.meta for rd in ranks], routing
+
+
+def _record_errors(ctx: CheckContext, v, tol: dict) -> None:
+    """Each compared quantity's error, with its tolerance."""
+    for name in ("parallel_grad_error_f64", "parallel_f64_budget_use"):
+        if name in v.metrics:
+            ctx.metric(name, v.metrics[name])
+    for q, name in (("logits", "parallel_logits_error"), ("loss", "parallel_loss_error"),
+                    ("grads", "parallel_grad_error"), ("weights", "parallel_weight_error"),
+                    ("logits_after", "parallel_logits_after_error"),
+                    ("activations", "parallel_activation_error"), ("router", "parallel_router_error")):
+        if q in v.errors:
+            ctx.metric(name, v.errors[q])
+            ctx.tolerance(name, tol[q])
+
+
+def _record_ranks(ctx: CheckContext, lay, metas: list[dict]) -> None:
+    """What the ranks report: time, devices, communication, peak memory, expert-parallel load."""
+    ctx.metric("parallel_layout_time_s", max(m.get("wall_s", 0.0) for m in metas))
+    # where each rank ran, in rank order (cpu for every rank on the CPU backend; hdev:0,hdev:1 ...)
+    ctx.detail("rank_devices", ",".join(m.get("device", "?") for m in sorted(metas, key=lambda m: m["rank"])))
+    for kind in sorted({k for m in metas for k in (m.get("comm") or {})}):
+        ctx.metric(f"comm_{kind}_count", sum(m["comm"].get(kind, {}).get("count", 0) for m in metas))
+        ctx.metric(f"comm_{kind}_bytes", sum(m["comm"].get(kind, {}).get("bytes", 0) for m in metas))
+    ctx.metric("parallel_peak_bytes", max(m.get("peak_bytes", 0) for m in metas))
+    if lay.ep > 1:
+        ctx.metric("ep_dropped_tokens", sum((m.get("ep") or {}).get("dropped", 0) for m in metas))
+        ctx.metric("ep_max_expert_load", max((m.get("ep") or {}).get("max_expert_load", 0) for m in metas))
+
+
+def _record_where(ctx: CheckContext, v) -> None:
+    """Where the layout diverges first: module, ranks, worst gradient and weight."""
+    if v.first_module:
+        ctx.detail("first_diverging_module", v.first_module)
+        ctx.detail("first_diverging_ranks", ",".join(map(str, v.first_module_ranks)))
+    if v.worst_grad and v.worst_grad[0]:
+        ctx.detail("worst_gradient", v.worst_grad[0])
+    if v.worst_weight and v.worst_weight[2]:
+        ctx.detail("worst_weight", v.worst_weight[0])
+
+
 class ParallelCheck(Check):
     name = "parallel"
     order = 50
@@ -435,16 +487,11 @@ class ParallelCheck(Check):
                                details=_logs(out.dir))
 
     def compare(self, ctx: CheckContext, st) -> None:
-        from harness.parallel.compare import compare_layout, describe, load_ranks
+        from harness.parallel.compare import describe
 
         lay, tol = st.layout, tolerances(st.cfg, ctx.dtype)
         if lay.label not in st.verdicts:
-            ranks = load_ranks(st.outcome.dir, lay.world)
-            ref, routing = _routed_reference(ctx, st, lay, ranks, tol)
-            v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
-            _apply_routing(v, routing, st.order)
-            _compare_float64(v, st.ref64 if ref is st.ref else None, ranks, ctx.dtype)
-            st.verdicts[lay.label] = (v, [rd.meta for rd in ranks], routing)
+            st.verdicts[lay.label] = _layout_verdict(ctx, st, lay, tol)
         v, metas, routing = st.verdicts[lay.label]
         st.verdict, st.metas = v, metas
         if routing is not None:
@@ -452,35 +499,11 @@ class ParallelCheck(Check):
             if routing.detail:
                 ctx.detail("routing", routing.detail)
             ctx.notes.extend(routing.notes)
-        for name in ("parallel_grad_error_f64", "parallel_f64_budget_use"):
-            if name in v.metrics:
-                ctx.metric(name, v.metrics[name])
-        for q, name in (("logits", "parallel_logits_error"), ("loss", "parallel_loss_error"),
-                        ("grads", "parallel_grad_error"), ("weights", "parallel_weight_error"),
-                        ("logits_after", "parallel_logits_after_error"),
-                        ("activations", "parallel_activation_error"), ("router", "parallel_router_error")):
-            if q in v.errors:
-                ctx.metric(name, v.errors[q])
-                ctx.tolerance(name, tol[q])
-        ctx.metric("parallel_layout_time_s", max(m.get("wall_s", 0.0) for m in metas))
-        # where each rank ran, in rank order (cpu for every rank on the CPU backend; hdev:0,hdev:1 ...)
-        ctx.detail("rank_devices", ",".join(m.get("device", "?") for m in sorted(metas, key=lambda m: m["rank"])))
-        for kind in sorted({k for m in metas for k in (m.get("comm") or {})}):
-            ctx.metric(f"comm_{kind}_count", sum(m["comm"].get(kind, {}).get("count", 0) for m in metas))
-            ctx.metric(f"comm_{kind}_bytes", sum(m["comm"].get(kind, {}).get("bytes", 0) for m in metas))
-        ctx.metric("parallel_peak_bytes", max(m.get("peak_bytes", 0) for m in metas))
-        if lay.ep > 1:
-            ctx.metric("ep_dropped_tokens", sum((m.get("ep") or {}).get("dropped", 0) for m in metas))
-            ctx.metric("ep_max_expert_load", max((m.get("ep") or {}).get("max_expert_load", 0) for m in metas))
+        _record_errors(ctx, v, tol)
+        _record_ranks(ctx, lay, metas)
         for n in sorted({n for m in metas for n in m.get("notes", [])}) + v.notes:
             ctx.notes.append(n)
-        if v.first_module:
-            ctx.detail("first_diverging_module", v.first_module)
-            ctx.detail("first_diverging_ranks", ",".join(map(str, v.first_module_ranks)))
-        if v.worst_grad and v.worst_grad[0]:
-            ctx.detail("worst_gradient", v.worst_grad[0])
-        if v.worst_weight and v.worst_weight[2]:
-            ctx.detail("worst_weight", v.worst_weight[0])
+        _record_where(ctx, v)
         if not v.ok:
             raise CheckFailure(describe(v, lay), metric="parallel_grad_error", expected=f"<= {tol['grads']:.3g}",
                                observed=f"{v.errors.get('grads', float('nan')):.3g}", tolerance=tol)

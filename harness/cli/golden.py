@@ -82,7 +82,6 @@ def generate(args) -> int:
 @_guard
 def diff(args) -> int:
     from harness.golden import store
-    from harness.precision.compare import tensor_metrics
     from harness.precision.generate import build_golden
 
     changed = 0
@@ -92,36 +91,9 @@ def diff(args) -> int:
         same_inputs = old.manifest.get("input_spec") == store.input_spec(ls)
         manifest, files = build_golden(ls, args.reference, old.inputs if same_inputs else None)
         print(f"{ls.name}: {path}")
-        for key in ("config_hash", "input_spec", "versions", "reference"):
-            a, b = old.manifest.get(key), manifest.get(key)
-            if key == "reference":
-                a, b = {k: v for k, v in (a or {}).items() if k != "notes"}, {k: v for k, v in b.items() if k != "notes"}
-            if a != b:
-                print(f"  {key}: {a} -> {b}")
-        new_mods = files["modules"]
-        names = list(dict.fromkeys(old.order + manifest["order"]))
-        n_changed = 0
-        for n in names:
-            if n not in old.modules:
-                print(f"  + {n} (new)")
-                n_changed += 1
-            elif n not in new_mods:
-                print(f"  - {n} (removed)")
-                n_changed += 1
-            elif old.modules[n].shape != new_mods[n].shape:
-                print(f"  ~ {n}: shape {list(old.modules[n].shape)} -> {list(new_mods[n].shape)}")
-                n_changed += 1
-            elif not old.modules[n].is_floating_point():
-                eq = (old.modules[n] == new_mods[n]).double().mean().item()
-                if eq < 1:
-                    print(f"  ~ {n}: {1 - eq:.1%} of chosen experts differ")
-                    n_changed += 1
-            else:
-                m = tensor_metrics(new_mods[n], old.modules[n])
-                if m["max_abs_err"] > 0:
-                    n_changed += 1
-                    print(f"  ~ {n}: max_abs {m['max_abs_err']:.3g} max_rel {m['max_rel_err']:.3g} "
-                          f"cosine {m['cosine']:.9f} rel_rmse {m['rel_rmse']:.3g}")
+        _diff_manifest(old.manifest, manifest)
+        n_changed = sum(_diff_module(n, old.modules, files["modules"])
+                        for n in dict.fromkeys(old.order + manifest["order"]))
         for k, v in files["generation"].items():
             if k in old.generation and not torch_equal(old.generation[k], v):
                 print(f"  ~ generation.{k} differs")
@@ -131,6 +103,43 @@ def diff(args) -> int:
         print(f"  {n_changed} tensor(s) would change" if n_changed else "  no change")
         changed += bool(n_changed)
     return 1 if changed else 0
+
+
+def _diff_manifest(old: dict, new: dict) -> None:
+    """The manifest entries that identify a golden, where they differ (the reference without its notes)."""
+    for key in ("config_hash", "input_spec", "versions", "reference"):
+        a, b = old.get(key), new.get(key)
+        if key == "reference":
+            a, b = {k: v for k, v in (a or {}).items() if k != "notes"}, {k: v for k, v in b.items() if k != "notes"}
+        if a != b:
+            print(f"  {key}: {a} -> {b}")
+
+
+def _diff_module(n: str, old: dict, new: dict) -> int:
+    """Print how module output ``n`` would change; 1 where it would, else 0."""
+    from harness.precision.compare import tensor_metrics
+
+    if n not in old:
+        print(f"  + {n} (new)")
+        return 1
+    if n not in new:
+        print(f"  - {n} (removed)")
+        return 1
+    if old[n].shape != new[n].shape:
+        print(f"  ~ {n}: shape {list(old[n].shape)} -> {list(new[n].shape)}")
+        return 1
+    if not old[n].is_floating_point():
+        eq = (old[n] == new[n]).double().mean().item()
+        if eq < 1:
+            print(f"  ~ {n}: {1 - eq:.1%} of chosen experts differ")
+            return 1
+        return 0
+    m = tensor_metrics(new[n], old[n])
+    if m["max_abs_err"] > 0:
+        print(f"  ~ {n}: max_abs {m['max_abs_err']:.3g} max_rel {m['max_rel_err']:.3g} "
+              f"cosine {m['cosine']:.9f} rel_rmse {m['rel_rmse']:.3g}")
+        return 1
+    return 0
 
 
 def _diff_sections(old, manifest: dict, files: dict) -> int:

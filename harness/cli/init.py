@@ -174,26 +174,54 @@ def wrapper_probe(path: Path) -> tuple[list[str], str | None]:
 def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str | Path | None = None,
                force: bool = False, max_params: int = DEFAULT_MAX_PARAMS) -> Path:
     """Write the suite file; raises InitRefused / FileExistsError with a one-line message."""
-    from harness.models.config import ModelBuildError
-    from harness.models.prune import suite_toml
-    from harness.settings import load_settings
-    from harness.suite.loader import SuiteError, load_suite
-
     cfg = Path(config).resolve()
+    raw = _read_config(cfg, config)
+    plan, _arch = _plan(raw, str(config))
+    name = slug(name or cfg.stem)
+    out = _suite_path(name, suites_dir, force)
+    write = _suite_writer(out, cfg, raw, plan, name)
+    write()
+    n, globs = _probe_or_remove(out, max_params, raw, plan, config)
+    plan.why.append(f"pruned model: {n:,} parameters")
+    smoke: dict = {}
+    comment: list[str] = []
+    if globs and not _declare_no_grad(out, write, smoke, comment, globs):
+        return out
+    from harness.models.wrapper import is_wrapper
+
+    if is_wrapper(raw):
+        _declare_wrapper(out, write, smoke, comment)
+    write(smoke or None, comment or None)
+    return out
+
+
+def _read_config(cfg: Path, config: str | Path) -> dict:
     try:
         raw = json.loads(cfg.read_text())
     except (OSError, ValueError) as e:
         raise InitRefused(f"{config}: cannot read config.json: {e}") from None
     if not isinstance(raw, dict) or not (raw.get("architectures") or raw.get("model_type")):
         raise InitRefused(f"{config}: not a config.json with 'architectures' or 'model_type'")
-    plan, arch = _plan(raw, str(config))
-    name = slug(name or cfg.stem)
+    return raw
+
+
+def _suite_path(name: str, suites_dir: str | Path | None, force: bool) -> Path:
+    """Where the suite goes (its folder made); FileExistsError where one is there and not ``force``."""
+    from harness.settings import load_settings
+
     out_dir = Path(suites_dir or load_settings().suites_dir).resolve()
     out = out_dir / f"{name}.toml"
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists (use --force to overwrite)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    rel = os.path.relpath(cfg, out_dir).replace(os.sep, "/")
+    return out
+
+
+def _suite_writer(out: Path, cfg: Path, raw: dict, plan, name: str):
+    """(smoke keys, their comment lines) -> the suite file written again (``plan.why`` as it is then)."""
+    from harness.models.prune import suite_toml
+
+    rel = os.path.relpath(cfg, out.parent).replace(os.sep, "/")
     notes = list(plan.notes)
     if raw.get("quantization_config") or (raw.get(plan.part or "", {}) or {}).get("quantization_config"):
         notes.append("quantization_config is dropped for the random-weight build (see the smoke item notes)")
@@ -203,9 +231,15 @@ def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str |
                                           architecture=plan.architecture, smoke=smoke, smoke_comments=comments,
                                           checks={"compile": NEW_CONFIG_COMPILE}))
 
-    write()
+    return write
+
+
+def _probe_or_remove(out: Path, max_params: int, raw: dict, plan, config) -> tuple[int, list[str]]:
+    """``probe``; where it refuses or the pruned model does not build, the suite file is removed."""
+    from harness.models.config import ModelBuildError
+
     try:
-        n, globs = probe(out, max_params, raw, plan)
+        return probe(out, max_params, raw, plan)
     except InitRefused:
         out.unlink()
         raise
@@ -213,34 +247,37 @@ def init_suite(config: str | Path, *, name: str | None = None, suites_dir: str |
         out.unlink()
         msg = " ".join(str(e).split())
         raise InitRefused(f"{config}: the pruned model does not build or run: {type(e).__name__}: {msg[:400]}") from None
-    plan.why.append(f"pruned model: {n:,} parameters")
-    smoke: dict = {}
-    comment: list[str] = []
-    if globs:
-        comment = [f"by design these parameters get no gradient from the LM loss (found by one backward at init): "
-                   f"{', '.join(globs)}; anything else without a gradient still fails"]
-        smoke["no_grad_ok"] = globs
-        write(smoke, comment)
-        try:
-            load_suite(out)
-        except SuiteError:  # a harness whose smoke check has no no_grad_ok knob: keep it as a comment
-            write(None, comment + [f"no_grad_ok = {globs!r}  (needs the smoke check's no_grad_ok knob)"])
-            return out
-    from harness.models.wrapper import is_wrapper
 
-    if is_wrapper(raw):
-        smoke["wrapper"] = True
-        comment.append("wrapper = true: variant smoke[...-wrapper] runs the multimodal wrapper end to end (tiny "
-                       "vision tower, synthetic image; harness/models/wrapper.py)")
-        write(smoke, comment)
-        wglobs, why = wrapper_probe(out)
-        if why:
-            comment.append(f"the wrapper variant at init: {why}")
-        elif wglobs:
-            smoke["wrapper_no_grad_ok"] = wglobs
-            comment.append(f"with an image, these wrapper parameters get no gradient by design: {', '.join(wglobs)}")
-    write(smoke or None, comment or None)
-    return out
+
+def _declare_no_grad(out: Path, write, smoke: dict, comment: list[str], globs: list[str]) -> bool:
+    """``no_grad_ok`` for the parameters without a gradient by design; False where the installed smoke
+    check has no such knob (then the suite keeps it as a comment, final)."""
+    from harness.suite.loader import SuiteError, load_suite
+
+    comment.append(f"by design these parameters get no gradient from the LM loss (found by one backward at init): "
+                   f"{', '.join(globs)}; anything else without a gradient still fails")
+    smoke["no_grad_ok"] = globs
+    write(smoke, comment)
+    try:
+        load_suite(out)
+    except SuiteError:  # a harness whose smoke check has no no_grad_ok knob: keep it as a comment
+        write(None, comment + [f"no_grad_ok = {globs!r}  (needs the smoke check's no_grad_ok knob)"])
+        return False
+    return True
+
+
+def _declare_wrapper(out: Path, write, smoke: dict, comment: list[str]) -> None:
+    """The smoke check's wrapper variant, with what one backward of the wrapper finds."""
+    smoke["wrapper"] = True
+    comment.append("wrapper = true: variant smoke[...-wrapper] runs the multimodal wrapper end to end (tiny "
+                   "vision tower, synthetic image; harness/models/wrapper.py)")
+    write(smoke, comment)
+    wglobs, why = wrapper_probe(out)
+    if why:
+        comment.append(f"the wrapper variant at init: {why}")
+    elif wglobs:
+        smoke["wrapper_no_grad_ok"] = wglobs
+        comment.append(f"with an image, these wrapper parameters get no gradient by design: {', '.join(wglobs)}")
 
 
 def record_suites_dir(out_dir: Path) -> None:

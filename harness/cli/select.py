@@ -33,7 +33,6 @@ def main(args) -> int:
     from harness.inspect.trace import suite_op_names
     from harness.run.select import SelectError, changed_paths, git, select
     from harness.settings import load_settings
-    from harness.suite.loader import SuiteError, discover, load_suite
 
     settings = load_settings()
     try:
@@ -42,12 +41,7 @@ def main(args) -> int:
     except SelectError as e:
         print(f"harness select: {e}", file=sys.stderr)
         return 2
-    suites, broken = [], []
-    for path in discover(settings.suites_dir):
-        try:
-            suites.append(load_suite(path))
-        except SuiteError as e:
-            broken.append(f"{path}: {str(e).splitlines()[0]}")
+    suites, broken = _load_suites(settings.suites_dir)
 
     def ops(ls) -> set[str]:
         names = suite_op_names(ls, list(ls.suite.dtypes), realistic=ls.suite.checks.ops.realistic)
@@ -74,7 +68,25 @@ def main(args) -> int:
         a = sel.run_arguments()
         print("none" if a is None else " ".join(a))
         return 0
-    print(f"{len(changed)} changed path(s) between {args.base} and {args.head}")
+    _print_selection(sel, changed, args.base, args.head)
+    return 0
+
+
+def _load_suites(suites_dir) -> tuple[list, list[str]]:
+    """The suites that load, and a line for each one that does not."""
+    from harness.suite.loader import SuiteError, discover, load_suite
+
+    suites, broken = [], []
+    for path in discover(suites_dir):
+        try:
+            suites.append(load_suite(path))
+        except SuiteError as e:
+            broken.append(f"{path}: {str(e).splitlines()[0]}")
+    return suites, broken
+
+
+def _print_selection(sel, changed: list, base: str, head: str) -> None:
+    print(f"{len(changed)} changed path(s) between {base} and {head}")
     if sel.everything:
         print("every item: " + "; ".join(sel.everything[:5]) + (" ..." if len(sel.everything) > 5 else ""))
     for s, why in sorted(sel.suites.items()):
@@ -84,4 +96,3 @@ def main(args) -> int:
     if sel.empty:
         print("nothing: no changed path can affect an item"
               + (f" ({', '.join(sel.ignored[:5])} ignored)" if sel.ignored else ""))
-    return 0

@@ -174,13 +174,7 @@ def forward(argv: list[str]) -> int | None:
         return None
     if s is None:
         return None
-    fds = []
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-            fds.append(fd)
-        except OSError:  # closed (`harness ... <&-`): the child gets /dev/null there
-            fds.append(-1)
+    fds = _open_streams()
     umask = os.umask(0)
     os.umask(umask)
     request = {"op": "run", "key": key, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
@@ -200,7 +194,24 @@ def forward(argv: list[str]) -> int | None:
     if not started or "pid" not in started:
         s.close()
         return None
-    pid = started["pid"]
+    return _await_exit(s, replies, started["pid"])
+
+
+def _open_streams() -> list[int]:
+    """Standard input, output and error: each one's fd, -1 where it is closed (`harness ... <&-`:
+    the child gets /dev/null there)."""
+    fds = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            fds.append(-1)
+    return fds
+
+
+def _await_exit(s: socket.socket, replies, pid: int) -> int:
+    """The command's exit status from the server, relaying this process's signals to its fork."""
 
     def relay(sig, _frame):
         try:
@@ -306,33 +317,41 @@ class _Server:
             if not self.children and timeout <= 0:
                 break
             for k, _ in sel.select(timeout):
-                if k.data == "wake":
-                    try:
-                        while os.read(wake_r, 512):
-                            pass
-                    except BlockingIOError:
-                        pass
-                elif k.data == "accept" and not self.stopping:
-                    try:
-                        conn, _ = listener.accept()
-                    except OSError:
-                        continue
-                    self._serve(conn, sel)
-                elif isinstance(k.data, int):  # a command's connection: only its end is news
-                    pid, conn = k.data, k.fileobj
-                    try:
-                        gone = conn.recv(1, socket.MSG_DONTWAIT) == b""
-                    except BlockingIOError:
-                        gone = False
-                    except OSError:
-                        gone = True
-                    if gone:  # the command died (SIGKILL, a closed terminal): its run goes with it
-                        sel.unregister(conn)
-                        self._kill(pid)
+                self._event(k, sel, listener, wake_r)
             self._reap(sel)
             if self.children:
                 last = time.monotonic()
         listener.close()
+
+    def _event(self, k, sel, listener: socket.socket, wake_r: int) -> None:
+        """One ready file of the loop: the signal wakeup pipe (drained), the listener (a command to
+        serve), or a command's connection (only its end is news)."""
+        if k.data == "wake":
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        elif k.data == "accept" and not self.stopping:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            self._serve(conn, sel)
+        elif isinstance(k.data, int):
+            self._drop_if_gone(k.data, k.fileobj, sel)
+
+    def _drop_if_gone(self, pid: int, conn: socket.socket, sel) -> None:
+        """The command died (SIGKILL, a closed terminal): its run goes with it."""
+        try:
+            gone = conn.recv(1, socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            sel.unregister(conn)
+            self._kill(pid)
 
     def _kill(self, pid: int) -> None:
         for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):

@@ -4,5 +4,9 @@ about it (the ``compile`` check's library; docs/compile.md).
 * ``dynamo``  which compiler a backend has (or why none is usable), compiling, graph breaks with
   their reasons and user frames, recompiles across shapes with dynamo's guard-failure reasons;
 * ``bisect``  the smallest region whose compiled version alone diverges from eager: decoder layers,
-  then their submodules, each compiled on its own while the rest of the model runs eagerly.
+  then their submodules, each compiled on its own while the rest of the model runs eagerly;
+* ``numerics``  compiled logits against the golden and eager, the LM loss bound, MoE routing forced
+  to the golden's choices;
+* ``sweep``  the recompile sweep over prompt lengths and a decode step, with its backend fallbacks;
+* ``gradients``  the compiled backward's parameter gradients against the golden's training section.
 """

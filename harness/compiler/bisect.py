@@ -94,3 +94,18 @@ def localize(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
         if not names:
             break
     return out
+
+
+def describe(b: Bisection) -> str:
+    """Every region tried, in order, with its logits' distance from eager (the check's detail)."""
+    return "bisection, one region compiled at a time, logits against eager:\n" + "\n".join(
+        f"  {r.name}: rel_rmse {r.rel_rmse:.3g}" + (" (diverges)" if r.diverges else "") for r in b.tried)
+
+
+def where(b: Bisection | None, eager_budget: float) -> str:
+    """Where the compiled numerics diverge, as the failure names it."""
+    if b is None:
+        return "not bisected ([checks.compile] bisect = false)"
+    if b.region:
+        return f"{b.region} compiled alone diverges from eager (rel_rmse {b.path[-1].rel_rmse:.3g} > {eager_budget:.3g})"
+    return "no single region compiled alone diverges (a fusion across region boundaries, or the whole graph)"

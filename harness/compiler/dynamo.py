@@ -231,3 +231,15 @@ def emulated_precision():
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(emulate_precision_casts=True)
+
+
+def breaks_over_expected(module: torch.nn.Module, kwargs: dict, breaks: Counter, want: int) -> tuple[list[str], str, dict]:
+    """More graph breaks than committed: each break's reason and user frame (``explain_breaks``: it
+    traces the forward again and resets dynamo), and the failure's message and fields."""
+    located = explain_breaks(module, kwargs)
+    lines = [str(b) for b in located] or [f"{n} x {r}" for r, n in breaks.most_common()]
+    new = located[0] if located else Break(next(iter(breaks)))
+    n = sum(breaks.values())
+    return lines, f"{n} graph break(s), {want} expected: {new}", dict(
+        metric="compile_graph_breaks", expected=f"<= {want}", observed=n,
+        details="graph breaks (torch._dynamo.explain):\n" + "\n".join(f"  {x}" for x in lines))

@@ -469,6 +469,18 @@ def _kind(dtype_name: str) -> str:
 def validate(g: Golden) -> None:
     """Every tensor the check will read agrees with the manifest (shape, storage dtype, finite) and
     every entry it needs is present; a disagreement is the golden's fault (GoldenError)."""
+    spec = _check_manifest_order(g)
+    _check_tensor(g, "inputs.safetensors", "input_ids", g.inputs, [spec.get("batch_size"), spec.get("seq_len")], "int")
+    _check_modules(g)
+    _check_module_inputs(g)
+    _check_generation(g, spec)
+    _check_ranges(g)
+    _check_sections(g)
+    _check_budgets(g)
+
+
+def _check_manifest_order(g: Golden) -> dict:
+    """The manifest's order, tensors and input spec are of the right types and agree; returns the spec."""
     mf = g.manifest
     spec = mf["input_spec"]
     order, meta = mf["order"], mf["tensors"]
@@ -479,9 +491,13 @@ def validate(g: Golden) -> None:
             raise _bad(g, "manifest.json", f"{name!r} is in the order but has no tensors entry")
     if "logits" not in order:
         raise _bad(g, "manifest.json", "no logits entry")
-    shape_ids = [spec.get("batch_size"), spec.get("seq_len")]
-    _check_tensor(g, "inputs.safetensors", "input_ids", g.inputs, shape_ids, "int")
-    for name in order:
+    return spec
+
+
+def _check_modules(g: Golden) -> None:
+    """Each module output in the order (a sampled one: its sample and in-range indices)."""
+    meta = g.manifest["tensors"]
+    for name in g.manifest["order"]:
         m = meta[name]
         kind = _kind(str(m.get("dtype", "")))
         shape = [m["sampled"]] if m.get("sampled") else m.get("shape")
@@ -490,6 +506,11 @@ def validate(g: Golden) -> None:
             _check_tensor(g, "modules.safetensors", name + IDX, g.indices.get(name), [m["sampled"]], "int")
             if int(g.indices[name].max()) >= math.prod(m["shape"]) or int(g.indices[name].min()) < 0:
                 raise _bad(g, "modules.safetensors", f"{name + IDX} points outside the tensor")
+
+
+def _check_module_inputs(g: Golden) -> None:
+    """Each stored module input is in the manifest, and every input a structure refers to is stored."""
+    meta = g.manifest["tensors"]
     for key, t in g.module_inputs.items():
         m = meta.get(key + IN)
         if m is None:
@@ -504,19 +525,25 @@ def validate(g: Golden) -> None:
             ok = leaf.get("t") in g.module_inputs if "t" in leaf else leaf.get("o") in g.modules
             if not ok:
                 raise _bad(g, "manifest.json", f"module_inputs of {mod} refer to {leaf}, which the golden lacks")
+
+
+def _check_generation(g: Golden, spec: dict) -> None:
+    """The generated tokens and their log-probabilities, where the golden generated any."""
     n_gen = spec.get("generate_tokens") or 0
-    if n_gen:
-        b = spec.get("batch_size")
-        k = g.generation.get("top_ids").shape[-1] if g.generation.get("top_ids") is not None else None
-        for key, shape, kind in (("tokens", [b, n_gen], "int"), ("logprobs", [b, n_gen], "float"),
-                                 ("top_ids", [b, n_gen, k], "int"), ("top_logprobs", [b, n_gen, k], "float")):
-            t = g.generation.get(key)
-            if t is not None and t.dtype == torch.float64 and kind == "float":
-                t = t.float()  # generation logprobs are stored in float64
-            _check_tensor(g, "generation.safetensors", key, t, shape, kind)
-    _check_ranges(g)
-    _check_sections(g)
-    for dtype, b in (mf.get("budgets") or {}).items():
+    if not n_gen:
+        return
+    b = spec.get("batch_size")
+    k = g.generation.get("top_ids").shape[-1] if g.generation.get("top_ids") is not None else None
+    for key, shape, kind in (("tokens", [b, n_gen], "int"), ("logprobs", [b, n_gen], "float"),
+                             ("top_ids", [b, n_gen, k], "int"), ("top_logprobs", [b, n_gen, k], "float")):
+        t = g.generation.get(key)
+        if t is not None and t.dtype == torch.float64 and kind == "float":
+            t = t.float()  # generation logprobs are stored in float64
+        _check_tensor(g, "generation.safetensors", key, t, shape, kind)
+
+
+def _check_budgets(g: Golden) -> None:
+    for dtype, b in (g.manifest.get("budgets") or {}).items():
         for mod, e in (b.get("modules") or {}).items() if isinstance(b, dict) else ():
             v = e.get("budget") if isinstance(e, dict) else None
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -274,58 +274,25 @@ def _config_error(e: Exception, d: dict, cfg_name: str) -> ConfigBuildError:
 def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: str | None = None,
                  trust_remote_code: bool = False, keep_quantization: bool = False) -> ModelConfig:
     """Turn a published config.json dict (unchanged by this call) into a transformers config."""
-    tf = _transformers()
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     check_config_ranges(raw)
     arch, via, notes = resolve_architecture(raw, architecture)
     cls = architecture_class(arch)
-    d = copy.deepcopy(raw)
     part = _text_part_for(raw, cls)
+    d = _text_part(raw, part) if part else copy.deepcopy(raw)
     if part:
-        # A multimodal wrapper's language decoder: the causal LM built from text_config alone.
-        outer = d
-        d = copy.deepcopy(raw[part])
-        for k in ("tie_word_embeddings", "quantization_config"):
-            if k in outer and k not in d:
-                d[k] = outer[k]
         notes.append(f"builds the language decoder {arch} from the config's {part}")
     if not trust_remote_code and d.pop("auto_map", None) is not None:
         notes.append("auto_map ignored (trust_remote_code is off)")
-    quant = None if keep_quantization else d.pop("quantization_config", None)
-    if quant is None and not keep_quantization and isinstance(d.get("text_config"), dict):
-        quant = d["text_config"].pop("quantization_config", None)
+    quant = None if keep_quantization else _pop_quantization(d)
     if quant is not None:
         notes.append(f"quantization_config dropped for a random-weight build: {describe_quantization(quant)}")
     if prune is not None:
         notes += apply_prune(d, prune)
     sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
     if not part and "text_config" in sub and not isinstance(raw.get("text_config"), dict):
-        # A flat (remote-code format) config for a wrapper transformers registers (Step-3.7's step3p7):
-        # its keys describe the language model; without this they would be ignored for the defaults.
-        # Nested here, after pruning, so that [prune] keys reach the text model and "vision_config.*"
-        # overrides the wrapper's default vision tower.
-        keep = {"architectures", "model_type", "tie_word_embeddings", *sub}
-        d = {**{k: v for k, v in d.items() if k in keep}, "text_config": {k: v for k, v in d.items() if k not in keep}}
-        text_cls = sub["text_config"]
-        known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set(d["text_config"])
-        unread = sorted(k for k in d["text_config"] if k not in known and k not in ("torch_dtype", "auto_map"))
-        notes.append(f"flat config read as {arch}'s text_config; its other parts "
-                     f"({', '.join(k for k in sub if k != 'text_config')}) are transformers' defaults"
-                     + (f"; keys {text_cls.__name__} does not read (its defaults stand instead): {', '.join(unread)}"
-                        if unread else ""))
-
+        d = _nest_flat_config(d, sub, arch, notes)
     model_type = d.pop("model_type", None) or ""
-    cfg_cls = getattr(cls, "config_class", None)
-    if model_type in CONFIG_MAPPING and (cfg_cls is None or CONFIG_MAPPING[model_type] is cfg_cls
-                                         or not part and via == "architectures"):
-        config_cls = CONFIG_MAPPING[model_type]
-    else:
-        config_cls = cfg_cls
-        if model_type not in CONFIG_MAPPING:
-            # Day-0: an unregistered model_type on a known architecture runs as that architecture.
-            notes.append(f"model_type {model_type!r} is not registered in transformers {tf.__version__}; "
-                         f"running it as {arch} ({config_cls.__name__})")
+    config_cls = _config_class(cls, model_type, part, via, arch, notes)
     try:
         cfg = config_cls(**d)
     except Exception as e:  # transformers validates configs with ValueError/TypeError/AttributeError...
@@ -338,6 +305,57 @@ def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: 
             if not hasattr(cfg, k) and hasattr(cfg.get_text_config(), k):
                 setattr(cfg, k, getattr(cfg.get_text_config(), k))
     return ModelConfig(cfg, arch, raw.get("model_type") or model_type, via, quant, notes, part)
+
+
+def _text_part(raw: dict, part: str) -> dict:
+    """A multimodal wrapper's language decoder: the causal LM built from text_config alone (with the
+    wrapper's tie_word_embeddings and quantization_config where it has none)."""
+    d = copy.deepcopy(raw[part])
+    for k in ("tie_word_embeddings", "quantization_config"):
+        if k in raw and k not in d:
+            d[k] = copy.deepcopy(raw[k])
+    return d
+
+
+def _pop_quantization(d: dict) -> dict | None:
+    """The config's quantization_config (or its text_config's), removed from it."""
+    quant = d.pop("quantization_config", None)
+    if quant is None and isinstance(d.get("text_config"), dict):
+        quant = d["text_config"].pop("quantization_config", None)
+    return quant
+
+
+def _nest_flat_config(d: dict, sub: dict, arch: str, notes: list[str]) -> dict:
+    """A flat (remote-code format) config for a wrapper transformers registers (Step-3.7's step3p7):
+    its keys describe the language model; without this they would be ignored for the defaults.
+    Nested here, after pruning, so that [prune] keys reach the text model and "vision_config.*"
+    overrides the wrapper's default vision tower."""
+    keep = {"architectures", "model_type", "tie_word_embeddings", *sub}
+    d = {**{k: v for k, v in d.items() if k in keep}, "text_config": {k: v for k, v in d.items() if k not in keep}}
+    text_cls = sub["text_config"]
+    known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set(d["text_config"])
+    unread = sorted(k for k in d["text_config"] if k not in known and k not in ("torch_dtype", "auto_map"))
+    notes.append(f"flat config read as {arch}'s text_config; its other parts "
+                 f"({', '.join(k for k in sub if k != 'text_config')}) are transformers' defaults"
+                 + (f"; keys {text_cls.__name__} does not read (its defaults stand instead): {', '.join(unread)}"
+                    if unread else ""))
+    return d
+
+
+def _config_class(cls, model_type: str, part: str | None, via: str, arch: str, notes: list[str]):
+    """The transformers config class for ``model_type``, else the architecture's own (Day-0: an
+    unregistered model_type on a known architecture runs as that architecture)."""
+    tf = _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg_cls = getattr(cls, "config_class", None)
+    if model_type in CONFIG_MAPPING and (cfg_cls is None or CONFIG_MAPPING[model_type] is cfg_cls
+                                         or not part and via == "architectures"):
+        return CONFIG_MAPPING[model_type]
+    if model_type not in CONFIG_MAPPING:
+        notes.append(f"model_type {model_type!r} is not registered in transformers {tf.__version__}; "
+                     f"running it as {arch} ({cfg_cls.__name__})")
+    return cfg_cls
 
 
 def describe_quantization(q: dict) -> str:

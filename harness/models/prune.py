@@ -35,6 +35,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import tomlkit
+
 from harness.anatomy.moe import EXPERT_KEYS, TOPK_KEYS
 
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
@@ -293,14 +295,46 @@ def _rescale_sections(sec: list[int], total: int) -> list[int]:
 
 
 def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool = False) -> tuple[dict, list[str]]:
+    """The width rules (module docstring, **widths**) over one config dict, as named steps in the order
+    their keys are written (the order ``init`` writes them)."""
     up: dict = {}
     why: list[str] = []
+    _shrink_hidden(d, up, width, vision)
+    _shrink_attention_heads(d, up, why, vision)
+    if not vision:
+        lists, lw = _per_layer_heads(d, up)
+        up.update(lists)
+        why += lw
+    if vision and "num_heads" in d and isinstance(d["num_heads"], int):
+        up["num_heads"] = 2
+    _shrink_other_heads(d, up)
+    hd_keys = _shrink_head_dims(d, up, why, vision)
+    if vision:
+        for k, v in d.items():
+            if k.endswith("num_attention_heads") and isinstance(v, int):
+                up[k] = 2
+    if not hd_keys and "num_attention_heads" in up and "hidden_size" in d and not vision:
+        # head dim implied by hidden / heads: hidden >= width, divisible by the heads, even head dim
+        q = up["num_attention_heads"]
+        hd = max(2, math.ceil(width / q))
+        up["hidden_size"] = q * (hd + hd % 2)
+    _rescale_mrope(d, up, why, width)
+    for k, v in d.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and k not in up:
+            _shrink_size(k, v, up, why, mlp=mlp, expert_mlp=expert_mlp, vision=vision)
+    return up, why
+
+
+def _shrink_hidden(d: dict, up: dict, width: int, vision: bool) -> None:
+    """Hidden widths to ``width`` (a vision tower's text-side projections to the text width)."""
     for k, v in d.items():
         if isinstance(v, int) and not isinstance(v, bool) and v > width and (
                 k in WIDTH_KEYS or vision and k.endswith("hidden_size") and "intermediate" not in k):
             up[k] = TEXT_WIDTH if vision and k.startswith(("text_", "out_")) else width
-    # attention flavours: <prefix>num_attention_heads with <prefix>num_key_value_heads
-    q_scale = None
+
+
+def _shrink_attention_heads(d: dict, up: dict, why: list[str], vision: bool) -> None:
+    """Every attention flavour: <prefix>num_attention_heads with <prefix>num_key_value_heads, GQA ratio kept."""
     for k, v in d.items():
         if not (k.endswith("num_attention_heads") and isinstance(v, int) and v > 0):
             continue
@@ -311,18 +345,14 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
         up[k] = q
         if kv_key in d and d[kv_key] is not None:
             up[kv_key] = kvn
-        q_scale = q_scale or (v, q)
         if not vision:
             why.append(f"{k}: {v}:{kv} ({ratio}:1 GQA) -> {q} query / {kvn} KV heads" +
                        (f" (ratio capped at {MAX_GQA_RATIO}:1)" if ratio > MAX_GQA_RATIO else "")
                        + ("" if v % kv == 0 else f" ({v}:{kv} is not a whole ratio: kept as 1:1)"))
-    if not vision:
-        lists, lw = _per_layer_heads(d, up)
-        up.update(lists)
-        why += lw
-    if vision and "num_heads" in d and isinstance(d["num_heads"], int):
-        up["num_heads"] = 2
-    # every other head count / group count shrinks by one common factor (keeps e.g. linear k:v = 1:2)
+
+
+def _shrink_other_heads(d: dict, up: dict) -> None:
+    """Every other head count / group count shrinks by one common factor (keeps e.g. linear k:v = 1:2)."""
     others = {k: v for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1
               and k not in up and (re.search(r"(^|_)(n_heads|num_heads|heads)$", k) or k.endswith("_num_heads")
                                    or re.fullmatch(r"(linear|mamba|ssm|index)_num_\w+_heads", k)
@@ -331,7 +361,10 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
         f = max(1, max(others.values()) // 4)
         for k, v in others.items():
             up[k] = max(1, v // f)
-    # head dims: one power-of-two factor for all of them, so splits stay consistent
+
+
+def _shrink_head_dims(d: dict, up: dict, why: list[str], vision: bool) -> list[str]:
+    """Head dims: one power-of-two factor for all of them, so splits stay consistent. Returns their keys."""
     hd_keys = _head_dim_keys(d)
     explicit = [d[k] for k in hd_keys]
     implied = None
@@ -347,47 +380,43 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
         up["qk_head_dim"] = up["qk_nope_head_dim"] + up["qk_rope_head_dim"]
     if hd_keys and not vision:
         why.append("head dims / " + str(s) + ": " + ", ".join(f"{k} {d[k]} -> {up[k]}" for k in hd_keys))
-    if vision:
-        for k, v in d.items():
-            if k.endswith("num_attention_heads") and isinstance(v, int):
-                up[k] = 2
-    if not hd_keys and "num_attention_heads" in up and "hidden_size" in d and not vision:
-        # head dim implied by hidden / heads: hidden >= width, divisible by the heads, even head dim
-        q = up["num_attention_heads"]
-        hd = max(2, math.ceil(width / q))
-        up["hidden_size"] = q * (hd + hd % 2)
+    return hd_keys
+
+
+def _rescale_mrope(d: dict, up: dict, why: list[str], width: int) -> None:
+    """``mrope_section`` rescaled to the new rotary half-width."""
     rp = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
     sec = rp.get("mrope_section") or (d.get("rope_scaling") or {}).get("mrope_section")
-    if _is_ints(sec) and sec:
-        hd_new = up.get("head_dim") or (up.get("hidden_size", width) // max(1, up.get("num_attention_heads", 1)))
-        prf = rp.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0
-        half = max(len(sec), int(hd_new * prf) // 2)
-        where = "rope_parameters.mrope_section" if rp.get("mrope_section") else "rope_scaling.mrope_section"
-        up[where] = _rescale_sections(sec, half)
-        why.append(f"{where} {sec} -> {up[where]} (sums to the new rotary half-width {half})")
-    # ranks, MLP widths, SSM state
-    for k, v in d.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or k in up:
-            continue
-        if k.endswith("lora_rank"):
-            up[k] = min(v, 32)
-        elif "intermediate_size" in k or k.endswith(("ffn_dim", "ff_dim", "ffn_hidden_size", "expert_dim", "latent_size")):
-            up[k] = min(v, expert_mlp if re.search(r"moe|expert|shared", k) else mlp)
-        elif k in ("ssm_state_size", "state_size", "mamba_d_state", "d_state", "time_step_rank"):
-            up[k] = min(v, 16)
-        elif k == "vocab_size" or k.startswith("vocab_size"):
-            up[k] = min(v, 512)
-        elif k.endswith("index_topk") or k in ("topk_tokens", "sparse_topk"):
-            # Above the 16-20 token test sequences: the sparse-attention indexer's top-k then selects every
-            # token. Its selection is discrete, so bf16/fp8 noise in the scores would otherwise flip which
-            # tokens attend and the precision/quantization checks would fail on noise, not on a bug.
-            up[k] = min(v, 64)
-            if not vision:
-                why.append(f"{k} {v} -> {up[k]}: more than the test sequence length, so the indexer's discrete "
-                           "top-k keeps every token (bf16/fp8 noise cannot flip the selection)")
-        elif k in ("out_hidden_size", "projection_dim", "text_hidden_size") and vision:
-            up[k] = TEXT_WIDTH
-    return up, why
+    if not (_is_ints(sec) and sec):
+        return
+    hd_new = up.get("head_dim") or (up.get("hidden_size", width) // max(1, up.get("num_attention_heads", 1)))
+    prf = rp.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0
+    half = max(len(sec), int(hd_new * prf) // 2)
+    where = "rope_parameters.mrope_section" if rp.get("mrope_section") else "rope_scaling.mrope_section"
+    up[where] = _rescale_sections(sec, half)
+    why.append(f"{where} {sec} -> {up[where]} (sums to the new rotary half-width {half})")
+
+
+def _shrink_size(k: str, v: int, up: dict, why: list[str], *, mlp: int, expert_mlp: int, vision: bool) -> None:
+    """One positive integer not yet planned: ranks, MLP widths, SSM state, vocabulary, indexer top-k."""
+    if k.endswith("lora_rank"):
+        up[k] = min(v, 32)
+    elif "intermediate_size" in k or k.endswith(("ffn_dim", "ff_dim", "ffn_hidden_size", "expert_dim", "latent_size")):
+        up[k] = min(v, expert_mlp if re.search(r"moe|expert|shared", k) else mlp)
+    elif k in ("ssm_state_size", "state_size", "mamba_d_state", "d_state", "time_step_rank"):
+        up[k] = min(v, 16)
+    elif k == "vocab_size" or k.startswith("vocab_size"):
+        up[k] = min(v, 512)
+    elif k.endswith("index_topk") or k in ("topk_tokens", "sparse_topk"):
+        # Above the 16-20 token test sequences: the sparse-attention indexer's top-k then selects every
+        # token. Its selection is discrete, so bf16/fp8 noise in the scores would otherwise flip which
+        # tokens attend and the precision/quantization checks would fail on noise, not on a bug.
+        up[k] = min(v, 64)
+        if not vision:
+            why.append(f"{k} {v} -> {up[k]}: more than the test sequence length, so the indexer's discrete "
+                       "top-k keeps every token (bf16/fp8 noise cannot flip the selection)")
+    elif k in ("out_hidden_size", "projection_dim", "text_hidden_size") and vision:
+        up[k] = TEXT_WIDTH
 
 
 # --- MoE --------------------------------------------------------------------------------------------
@@ -500,18 +529,26 @@ def choose_prune(raw: dict) -> tuple[dict, list[str]]:
     return plan.prune, plan.why
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)
+def _toml_ready(v, where: str):
+    """``v`` as TOML can hold it: tuples as arrays, None-valued table keys left out (TOML has no null:
+    an absent key reads back as unset), None inside an array a one-line error naming ``where``."""
+    if isinstance(v, dict):
+        return {str(k): _toml_ready(x, f"{where}.{k}") for k, x in v.items() if x is not None}
+    if isinstance(v, (list, tuple)):
+        if any(x is None for x in v):
+            raise ValueError(f"{where}: an array cannot hold None in TOML: {list(v)!r}")
+        return [_toml_ready(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return v
 
 
-def _toml_key(k: str) -> str:
-    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
+def _toml_table(keys: dict, comments: list[str] | None, where: str):
+    """A TOML table of ``keys`` (nested dicts become sub-tables) under its comment lines."""
+    t = tomlkit.table()
+    for c in comments or []:
+        for line in str(c).splitlines() or [""]:  # a comment is one line: each line of a text its own
+            t.add(tomlkit.comment(line))
+    t.update(_toml_ready(keys, where))
+    return t
 
 
 def suite_toml(config_rel: str, raw: dict, prune: dict, why: list[str], *, title: str | None = None,
@@ -519,29 +556,29 @@ def suite_toml(config_rel: str, raw: dict, prune: dict, why: list[str], *, title
                smoke: dict | None = None, smoke_comments: list[str] | None = None,
                checks: dict[str, tuple[dict, list[str]]] | None = None) -> str:
     """The suite file `harness init` writes; ``checks``: other ``[checks.<name>]`` tables, each (keys,
-    comment lines)."""
+    comment lines). Written by tomlkit (it writes comments; quoting, escapes, multi-line strings, nested
+    tables and arrays are its, so what is written is what tomllib reads back)."""
     arch = (raw.get("architectures") or ["?"])[0]
-    lines = [f"# {title or config_rel}: generated by `harness init` from {config_rel}",
-             f"# architecture {arch}, model_type {raw.get('model_type', '?')!s}. Pruning:"]
-    lines += [f"#   - {w}" for w in why]
-    lines += [f"# note: {n}" for n in notes or []]
-    lines += ["[model]", f"config = {_toml_value(config_rel)}"]
-    if architecture:
-        lines.append(f"architecture = {_toml_value(architecture)}")
-    lines += ["", "[prune]"]
-    overrides = prune.get("overrides") or {}
-    for k, v in prune.items():
-        if k != "overrides":
-            lines.append(f"{k} = {_toml_value(v)}")
-    if overrides:
-        lines += ["", "[prune.overrides]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in overrides.items()]
+    doc = tomlkit.document()
+    head = [f"{title or config_rel}: generated by `harness init` from {config_rel}",
+            f"architecture {arch}, model_type {raw.get('model_type', '?')!s}. Pruning:"]
+    for c in head + [f"  - {w}" for w in why] + [f"note: {n}" for n in notes or []]:
+        for line in str(c).splitlines() or [""]:
+            doc.add(tomlkit.comment(line))
+    model = {"config": config_rel} | ({"architecture": architecture} if architecture else {})
+    doc.add("model", _toml_table(model, None, "model"))
+    doc.add("prune", _toml_table({k: v for k, v in prune.items() if k != "overrides" or v}, None, "prune"))
+    tables = {}
     if smoke or smoke_comments:
-        lines += ["", "[checks.smoke]"] + [f"# {c}" for c in smoke_comments or []]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in (smoke or {}).items()]
+        tables["smoke"] = _toml_table(smoke or {}, smoke_comments, "checks.smoke")
     for name, (keys, comments) in (checks or {}).items():
-        lines += ["", f"[checks.{_toml_key(name)}]"] + [f"# {c}" for c in comments]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
-    return "\n".join(lines) + "\n"
+        tables[name] = _toml_table(keys, comments, f"checks.{name}")
+    if tables:
+        sup = tomlkit.table(is_super_table=True)
+        for name, t in tables.items():
+            sup.add(name, t)
+        doc.add("checks", sup)
+    return doc.as_string()
 
 
 # --- the wrapper variant's vision part ------------------------------------------------------------
@@ -572,16 +609,32 @@ def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
     vc = getattr(full, "vision_config", None)
     if vc is None:
         return {}, ["no vision_config"]
+    d, unread = _vision_keys(vc)
+    up = plan_vision(d)
+    _vision_width_and_heads(d, up, full.get_text_config().hidden_size, text_hidden)
+    _vision_projector(d, up)
+    _vision_tables(d, up)
+    out = {f"vision_config.{k}": v for k, v in up.items() if d.get(k) != v}
+    top = full.to_dict()
+    if isinstance(top.get("projection_hidden_size"), int):
+        out["projection_hidden_size"] = up.get("hidden_size", d.get("hidden_size"))
+    return out, _vision_reasons(type(vc).__name__, d, top, out, unread)
+
+
+def _vision_keys(vc) -> tuple[dict, list[str]]:
+    """The vision config's keys transformers reads (defaults included), and the published ones it does not."""
     try:
         known = set(type(vc)().to_dict())
     except Exception:  # a config class that needs arguments: read everything
         known = set(vc.to_dict())
     d = {k: v for k, v in vc.to_dict().items() if k not in _GENERIC and k in known}
     unread = sorted(k for k in vc.to_dict() if k not in known and not k.startswith("_"))
-    full_text = full.get_text_config().hidden_size
-    up = plan_vision(d)
-    heads = 2
-    width = VISION_WIDTH
+    return d, unread
+
+
+def _vision_width_and_heads(d: dict, up: dict, full_text: int, text_hidden: int) -> None:
+    """Width 32, 2 heads, head dims = width / heads; keys equal to the text hidden size follow the pruned one."""
+    heads, width = 2, VISION_WIDTH
     for k in ("hidden_size", "vt_hidden_size", "mm_hidden_size"):
         if isinstance(d.get(k), int) and d[k] > width:
             up[k] = width
@@ -595,6 +648,11 @@ def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
     for k, v in d.items():
         if isinstance(v, int) and not isinstance(v, bool) and v == full_text and k not in ("hidden_size",):
             up[k] = text_hidden  # out_hidden_size / text_hidden_size: what the decoder reads
+
+
+def _vision_projector(d: dict, up: dict) -> None:
+    """Projector dims one common value; the pixel shuffle's intermediate size = hidden / ratio²."""
+    width = VISION_WIDTH
     proj = [k for k in ("projector_input_dim", "projector_output_dim", "vision_output_dim", "projection_dim")
             if isinstance(d.get(k), int)]
     for k in proj:
@@ -604,6 +662,10 @@ def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
         up["intermediate_size"] = int(round(width / ratio ** 2))
     elif "intermediate_size" in d:
         up["intermediate_size"] = 2 * width
+
+
+def _vision_tables(d: dict, up: dict) -> None:
+    """Image and position tables small but covering the synthetic image; one layer."""
     if isinstance(d.get("image_size"), int) and isinstance(d.get("patch_size"), int):
         up["image_size"] = 4 * d["patch_size"]
     if isinstance(d.get("num_position_embeddings"), int):
@@ -615,16 +677,15 @@ def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
         up["position_embedding_size"] = 64
     if isinstance(d.get("num_hidden_layers"), int):
         up["num_hidden_layers"] = 1
-    out = {f"vision_config.{k}": v for k, v in up.items() if d.get(k) != v}
-    top = full.to_dict()
-    if isinstance(top.get("projection_hidden_size"), int):
-        out["projection_hidden_size"] = up.get("hidden_size", d.get("hidden_size"))
+
+
+def _vision_reasons(cls: str, d: dict, top: dict, out: dict, unread: list[str]) -> list[str]:
     changed = ", ".join(f"{k.split('.', 1)[-1]} {(d.get(k.split('.', 1)[-1]) if k.startswith('vision_config.') else top.get(k))}"
                         f" -> {v}" for k, v in out.items())
-    why = [f"vision part from {type(vc).__name__} (defaults included): {changed}"]
+    why = [f"vision part from {cls} (defaults included): {changed}"]
     if unread:
-        why.append(f"published vision keys {type(vc).__name__} does not read (left as published): {', '.join(unread)}")
-    return out, why
+        why.append(f"published vision keys {cls} does not read (left as published): {', '.join(unread)}")
+    return why
 
 
 class PlanRefused(Exception):

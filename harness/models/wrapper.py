@@ -280,50 +280,63 @@ def tokens_per_image(cfg, architecture: str, image_inputs: dict, n: int) -> int:
         torch.manual_seed(0)
         model = architecture_class(architecture)(copy.deepcopy(cfg)).float().eval()
     inputs = {k: (v.float() if v.is_floating_point() else v) for k, v in image_inputs.items()}
+    total = _placeholder_tokens(model, cfg, inputs, n)
+    if total is None:
+        total = _image_feature_rows(model, inputs)
+    if total % n:
+        raise WrapperNotApplicable(f"{total} image tokens for {n} images: not the same number per image")
+    return total // n
+
+
+def _placeholder_tokens(model, cfg, inputs: dict, n: int) -> int | None:
+    """The image features' rows its get_placeholder_mask receives in a forward of ``n`` prompts with
+    one image token each; None where the model has none or the forward fails before it."""
+    import inspect
+
+    owner = next((m for m in model.modules() if "get_placeholder_mask" in type(m).__dict__), None)
+    if owner is None:
+        return None
     hidden = model.get_input_embeddings().embedding_dim
     seen: list[int] = []
-    owner = next((m for m in model.modules() if "get_placeholder_mask" in type(m).__dict__), None)
-    if owner is not None:
-        import inspect
+    orig = owner.get_placeholder_mask
+    sig = inspect.signature(orig)
 
-        orig = owner.get_placeholder_mask
-        sig = inspect.signature(orig)
+    def spy(*a, **kw):
+        f = sig.bind_partial(*a, **kw).arguments.get("image_features")
+        if f is not None:
+            seen.append(f.numel() // hidden)
+            raise _Counted
+        return orig(*a, **kw)
 
-        def spy(*a, **kw):
-            f = sig.bind_partial(*a, **kw).arguments.get("image_features")
-            if f is not None:
-                seen.append(f.numel() // hidden)
-                raise _Counted
-            return orig(*a, **kw)
-
-        owner.get_placeholder_mask = spy
-        image_id = getattr(cfg, "image_token_id", None)
-        image_id = getattr(cfg, "image_token_index", None) if image_id is None else image_id
-        ids = torch.full((n, 4), 0, dtype=torch.long)
-        ids[:, 1] = image_id
-        fwd = set(inspect.signature(model.forward).parameters)
-        try:
-            with torch.no_grad():
-                model(input_ids=ids, **{k: v for k, v in inputs.items() if k in fwd})
-        except _Counted:
-            pass
-        except Exception:  # the forward fails before the check (Llama 4 in 5.24): count below
-            pass
-        finally:
-            del owner.get_placeholder_mask
-    if not seen:
-        import inspect
-
-        params = set(inspect.signature(model.get_image_features).parameters)
+    owner.get_placeholder_mask = spy
+    image_id = getattr(cfg, "image_token_id", None)
+    image_id = getattr(cfg, "image_token_index", None) if image_id is None else image_id
+    ids = torch.full((n, 4), 0, dtype=torch.long)
+    ids[:, 1] = image_id
+    fwd = set(inspect.signature(model.forward).parameters)
+    try:
         with torch.no_grad():
-            out = model.get_image_features(**{k: v for k, v in inputs.items() if k in params})
-        f = getattr(out, "pooler_output", None)
-        f = f if f is not None else getattr(out, "last_hidden_state", out)
-        total = sum(x.numel() for x in f) if isinstance(f, (list, tuple)) else f.numel()
-        seen.append(total // f[0].shape[-1] if isinstance(f, (list, tuple)) else total // f.shape[-1])
-    if seen[0] % n:
-        raise WrapperNotApplicable(f"{seen[0]} image tokens for {n} images: not the same number per image")
-    return seen[0] // n
+            model(input_ids=ids, **{k: v for k, v in inputs.items() if k in fwd})
+    except _Counted:
+        pass
+    except Exception:  # the forward fails before the check (Llama 4 in 5.24): count below
+        pass
+    finally:
+        del owner.get_placeholder_mask
+    return seen[0] if seen else None
+
+
+def _image_feature_rows(model, inputs: dict) -> int:
+    """The rows of get_image_features over all images."""
+    import inspect
+
+    params = set(inspect.signature(model.get_image_features).parameters)
+    with torch.no_grad():
+        out = model.get_image_features(**{k: v for k, v in inputs.items() if k in params})
+    f = getattr(out, "pooler_output", None)
+    f = f if f is not None else getattr(out, "last_hidden_state", out)
+    total = sum(x.numel() for x in f) if isinstance(f, (list, tuple)) else f.numel()
+    return total // f[0].shape[-1] if isinstance(f, (list, tuple)) else total // f.shape[-1]
 
 
 def _special_ids(cfg) -> set[int]:

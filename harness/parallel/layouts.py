@@ -147,17 +147,32 @@ def default_layouts(facts: ArchFacts) -> list[Layout]:
 
 def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_size: int | None = None,
              seq_lens: tuple[int, ...] = ()) -> str | None:
-    """Why ``lay`` cannot run on this pruned model (and batch), or None."""
+    """Why ``lay`` cannot run on this pruned model (and batch), or None: the first of its ZeRO stage,
+    the batch split, the model's shape, and the strategy combinations checked so far."""
+    return (_zero_refusal(lay) or _batch_refusal(lay, batch_size) or _model_refusal(lay, facts, heads, kv_heads)
+            or _combination_refusal(lay, facts, seq_lens))
+
+
+def _zero_refusal(lay: Layout) -> str | None:
     if lay.zero not in (0, 1, 2):
         return f"zero = {lay.zero}: ZeRO stage 1 or 2 with dp (ZeRO-3 is fsdp)"
     if lay.zero and (lay.dp < 2 or lay.world != lay.dp):
         return (f"zero = {lay.zero} shards over the dp dimension alone: it needs dp >= 2 and no other strategy "
                 f"(ZeRO-3 is fsdp)")
+    return None
+
+
+def _batch_refusal(lay: Layout, batch_size: int | None) -> str | None:
     slices = lay.data_degree * (lay.microbatches if lay.pp > 1 else 1)
     if batch_size is not None and batch_size % slices:
         # Every data rank (and microbatch) must see as many sequences as the others: the reference's
         # mean loss is their mean only then, and each rank is compared with its equal slice.
         return f"batch_size {batch_size} does not split into {slices} equal slices (data ranks x microbatches)"
+    return None
+
+
+def _model_refusal(lay: Layout, facts: ArchFacts, heads: int, kv_heads: int) -> str | None:
+    """What the pruned model's layers, embeddings, experts and heads allow."""
     if lay.pp > 1 and facts.num_layers < lay.pp:
         return f"pp{lay.pp} needs at least {lay.pp} decoder layers (the pruned model has {facts.num_layers})"
     if lay.pp > 1 and facts.tied_embeddings:
@@ -168,6 +183,11 @@ def validate(lay: Layout, facts: ArchFacts, *, heads: int, kv_heads: int, batch_
         return f"ep{lay.ep} does not divide the {facts.num_experts} experts"
     if lay.tp > 1 and (heads % lay.tp or (kv_heads % lay.tp and kv_heads != 1)):
         return f"tp{lay.tp} does not divide {heads} query / {kv_heads} key-value heads"
+    return None
+
+
+def _combination_refusal(lay: Layout, facts: ArchFacts, seq_lens: tuple[int, ...]) -> str | None:
+    """Context parallelism's own limits, and the strategy combinations not checked yet."""
     if lay.cp > 1 and (lay.pp > 1 or lay.fsdp > 1 or lay.ep > 1 or lay.zero):
         return "context parallelism combines with dp and tp only so far (cp x pp / fsdp / ep / ZeRO are not checked)"
     if lay.cp > 1:

@@ -153,40 +153,16 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Checkpoi
     if not path.exists():
         raise WeightsError(f"checkpoint not found: {path}")
     root = path if path.is_dir() else path.parent
-    config = None
-    if (root / "config.json").is_file():
-        try:
-            config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        except ValueError:
-            config = None
+    config = _read_config(root)
     index = None
     if path.is_file():
-        if path.suffix in PICKLE_SUFFIXES:
-            shards, pickled = [path.name], True
-        else:
-            shards, pickled = [path.name], False
+        shards, pickled = [path.name], path.suffix in PICKLE_SUFFIXES
     elif (root / INDEX_NAME).is_file():
-        try:
-            index = json.loads((root / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(index, dict):
-                raise TypeError("weight_map is not a table")
-        except (ValueError, KeyError, TypeError) as e:
-            raise WeightsError(f"{root / INDEX_NAME}: not a safetensors index ({e})") from None
-        for tname, shard in index.items():  # every shard name is data: it must stay in the checkpoint
-            shard_path(root, shard, source=root / INDEX_NAME, field=f"weight_map[{tname!r}]")
+        index = _read_index(root)
         shards, pickled = sorted(set(index.values())), False
-        missing = [s for s in shards if not (root / s).is_file()]
-        if missing:
-            raise WeightsError(f"{root}: the index names {len(missing)} shard(s) that are not there, "
-                               f"first {missing[0]}")
+        _require_shards(root, shards)
     else:
-        shards = sorted(p.name for p in root.glob("*.safetensors"))
-        pickled = False
-        if not shards:
-            pick = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
-            if not pick:
-                raise WeightsError(f"{root}: no *.safetensors (and no index) in this directory")
-            shards, pickled = pick, True
+        shards, pickled = _glob_shards(root)
     if pickled and not allow_pickle:
         raise WeightsError(f"{root}: only pickle weights ({shards[0]}{', ...' if len(shards) > 1 else ''}); harness "
                            "reads safetensors only. Convert them, or set model.weights_allow_pickle = true to read "
@@ -198,11 +174,56 @@ def open_checkpoint(path: str | Path, *, allow_pickle: bool = False) -> Checkpoi
     for s in shards:
         ck.tensors.update(_pickle_infos(root, s) if pickled else _infos(root, s))
     if index is not None:
-        # The index is what from_pretrained trusts; a shard that lacks what the index promises is corrupt.
-        for name, shard in index.items():
-            info = ck.tensors.get(name)
-            if info is None:
-                raise WeightsError(f"{shard}: the index maps {name} to this shard but the shard has no such tensor")
-            if info.shard != shard:
-                raise WeightsError(f"{name}: the index says {shard}, the tensor is in {info.shard}")
+        _check_index_kept(ck, index)
     return ck
+
+
+def _read_config(root: Path) -> dict | None:
+    """The checkpoint's config.json, None where there is none readable."""
+    if not (root / "config.json").is_file():
+        return None
+    try:
+        return json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+
+
+def _read_index(root: Path) -> dict:
+    """The safetensors index's weight_map, every shard name in it kept inside the checkpoint."""
+    try:
+        index = json.loads((root / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(index, dict):
+            raise TypeError("weight_map is not a table")
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightsError(f"{root / INDEX_NAME}: not a safetensors index ({e})") from None
+    for tname, shard in index.items():  # every shard name is data: it must stay in the checkpoint
+        shard_path(root, shard, source=root / INDEX_NAME, field=f"weight_map[{tname!r}]")
+    return index
+
+
+def _require_shards(root: Path, shards: list[str]) -> None:
+    missing = [s for s in shards if not (root / s).is_file()]
+    if missing:
+        raise WeightsError(f"{root}: the index names {len(missing)} shard(s) that are not there, "
+                           f"first {missing[0]}")
+
+
+def _glob_shards(root: Path) -> tuple[list[str], bool]:
+    """A folder without an index: its *.safetensors, else its pickle files (shards, pickled)."""
+    shards = sorted(p.name for p in root.glob("*.safetensors"))
+    if shards:
+        return shards, False
+    pick = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not pick:
+        raise WeightsError(f"{root}: no *.safetensors (and no index) in this directory")
+    return pick, True
+
+
+def _check_index_kept(ck: Checkpoint, index: dict) -> None:
+    """The index is what from_pretrained trusts; a shard that lacks what the index promises is corrupt."""
+    for name, shard in index.items():
+        info = ck.tensors.get(name)
+        if info is None:
+            raise WeightsError(f"{shard}: the index maps {name} to this shard but the shard has no such tensor")
+        if info.shard != shard:
+            raise WeightsError(f"{name}: the index says {shard}, the tensor is in {info.shard}")

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from harness.proc import available_memory_bytes
 from harness.weights.layout import WeightsError
 
 
@@ -162,23 +162,13 @@ def build_placed(ls, mc, dtype: torch.dtype, placement: Placement, ckpt) -> tupl
     return model, kinds
 
 
-def _meminfo_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def device_budgets(backend, fraction: float, limit: int | None = None, first=None) -> list[tuple[str, int]]:
     """[(device, usable bytes)] for the devices of ``backend``: ``fraction`` of what each reports free,
     the device ``first`` first (an item's own device: a sharded CI gives each worker its own), at most
     ``limit`` of them. The CPU backend is one device: the host's available memory."""
     t = backend.device_type
     if t == "cpu":
-        avail = _meminfo_available()
+        avail = available_memory_bytes()  # psutil: MemAvailable on Linux, the platform's own elsewhere
         return [("cpu", int(fraction * avail))] if avail else []
     mod = getattr(torch, t, None)
     order = list(range(int(getattr(mod, "device_count", lambda: 1)())))

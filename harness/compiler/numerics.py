@@ -1,0 +1,144 @@
+"""Compiled logits against the golden and eager (the compile check's ``numerics`` step): the
+whole-model forward on the CPU, the divergence rule, the LM loss bound, and MoE routing forced to
+the golden's choices (a near-tie router flip under a compiler's different rounding is no compiler
+fault; forced, compiled and eager compute the same experts)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from harness.compiler import dynamo as dyn
+
+
+def logits(model, ids) -> torch.Tensor:
+    """The model's logits on ``ids``, on the CPU (whole-model outputs only: hooks would break graphs)."""
+    from harness.anatomy.capture import forward_logits
+
+    return forward_logits(model, ids).to("cpu")
+
+
+def golden_routes(g) -> dict[str, torch.Tensor]:
+    """router -> the golden's chosen experts [T, k] on its own ids (a sampled golden stores a sample
+    of each tensor only: none usable)."""
+    from harness.anatomy.capture import EXPERTS_SUFFIX
+
+    n = len(EXPERTS_SUFFIX)
+    return {k[:-n]: v for k, v in g.modules.items() if k.endswith(EXPERTS_SUFFIX) and k not in g.indices}
+
+
+@contextlib.contextmanager
+def forced_routing(model: torch.nn.Module, routes: dict[str, torch.Tensor]):
+    """Every router of ``model`` forced to ``routes`` (``harness.precision.routing.ForcedRouting``) and
+    run eagerly: dynamo does not trace the wrapped router (its top-k replacement is a Python-level
+    mode), so the compiled graphs end and restart around each router. Yields the ForcedRouting (its
+    ``calls`` hold each router's own choice of the last forward, ``unforced`` those it could not force)."""
+    from harness.precision.routing import ForcedRouting
+
+    forced = ForcedRouting({"step": routes}, phase="step")
+    handles = forced.attach(model)
+    for mod in model.modules():
+        if "forward" in mod.__dict__:
+            mod.forward = torch._dynamo.disable(mod.forward)  # recursive: the router and all it calls
+    try:
+        yield forced
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routed(model: torch.nn.Module, routes: dict[str, torch.Tensor] | None):
+    """``forced_routing`` where there are routes to force, else nothing (a context)."""
+    return forced_routing(model, routes) if routes else contextlib.nullcontext()
+
+
+@dataclass
+class Judgement:
+    vs_golden: dict  # tensor_metrics of the compiled logits against the golden's
+    vs_eager: dict  # ... against eager's (same backend and dtype)
+    eager_vs_golden: dict
+    golden_bound: float  # what compiled vs golden was held to
+    diverged: str | None  # why the compiled logits diverge, or None
+
+
+def judge(compiled: torch.Tensor, eager: torch.Tensor, view, ref: torch.Tensor, golden_bound: float,
+          eager_budget: float, backend_name: str, widen_from: float | None = None) -> Judgement:
+    """Compiled logits against the golden (``view``: the golden's stored sample of them) and against
+    eager. ``widen_from``: routing forced with an older golden (no forced budget): compiled vs golden is
+    held to at least eager's distance from it + ``eager_budget`` (the triangle inequality)."""
+    from harness.precision.compare import tensor_metrics
+
+    vs_golden, vs_eager = tensor_metrics(view(compiled), ref), tensor_metrics(compiled, eager)
+    eager_vs_golden = tensor_metrics(view(eager), ref)
+    if widen_from is not None:
+        golden_bound = max(widen_from, eager_vs_golden["rel_rmse"] + eager_budget)
+    return Judgement(vs_golden, vs_eager, eager_vs_golden, golden_bound,
+                     divergence(vs_golden, vs_eager, eager_vs_golden, golden_bound, eager_budget, backend_name))
+
+
+def divergence(vs_golden: dict, vs_eager: dict, eager_vs_golden: dict, golden_bound: float, eager_budget: float,
+               backend_name: str) -> str | None:
+    """Why the compiled logits diverge (from the golden first, else from eager), or None."""
+    if not vs_golden["rel_rmse"] <= golden_bound:
+        return (f"compiled logits diverge from the golden (rel_rmse {vs_golden['rel_rmse']:.3g} > budget "
+                f"{golden_bound:.3g}; eager {eager_vs_golden['rel_rmse']:.3g})")
+    if not vs_eager["rel_rmse"] <= eager_budget:
+        return (f"compiled logits diverge from eager on {backend_name} (rel_rmse "
+                f"{vs_eager['rel_rmse']:.3g} > {eager_budget:.3g})")
+    return None
+
+
+def loss_error(ids: torch.Tensor, compiled: torch.Tensor, ref: torch.Tensor, budget: float) -> tuple[float, float]:
+    """|loss(compiled) - loss(golden)| and its bound from the logits budget: the mean cross-entropy's
+    gradient in the logits has norm <= sqrt(2 / tokens), so |d loss| <= that x ||d logits||."""
+    labels = ids.to("cpu")[:, 1:].reshape(-1)
+
+    def loss(lg):
+        lg = lg[:, :-1].double()
+        return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels).item()
+
+    bound = math.sqrt(2 / labels.numel()) * budget * ref[:, :-1].double().norm().item()
+    return abs(loss(compiled) - loss(ref)), bound
+
+
+def forced_forward(model: torch.nn.Module, routes: dict[str, torch.Tensor], ids: torch.Tensor, compile_kw: dict):
+    """Eager and freshly compiled logits with every router forced to ``routes``; with each router's own
+    choice in the compiled run (``calls``) and the routers that could not be forced."""
+    with forced_routing(model, routes) as fr:
+        eager = logits(model, ids)
+        with dyn.fresh():
+            compiled = logits(dyn.compile_module(model, **compile_kw), ids)
+        calls = dict(fr.calls["step"])
+        unforced = sorted(set(fr.unforced))
+    return eager, compiled, calls, unforced
+
+
+def router_flips(calls: dict, routes: dict[str, torch.Tensor]) -> int:
+    """Token choices of the routers' own (``calls``: ``ForcedRouting``'s) that differ from ``routes``."""
+    flips = 0
+    for r, c in calls.items():
+        want = routes[r].reshape(c.natural.shape).long()
+        flips += int((c.natural.sort(-1).values != want).any(-1).sum())
+    return flips
+
+
+def unforceable_note(unforced: list[str]) -> str:
+    return (f"compile: {len(unforced)} router(s) could not be forced to the golden's choices "
+            f"({', '.join(unforced[:3])}): numerics judged on the model's own routing, under "
+            "the golden's unforced logits budget")
+
+
+# An older golden: the forced eager model may already use most of the unforced budget (judge's widen_from).
+NO_FORCED_BUDGET_NOTE = ("compile: the golden has no logits budget measured with the routers forced (made before "
+                         "2026-12-04): compiled vs golden held to the forced eager model's distance + the "
+                         "compiled-vs-eager budget; `harness golden generate` measures it")
+
+
+def forced_text(flips: int, routers: int, first: str, compiled_rel: float, eager_rel: float) -> str:
+    """What the forced rerun says: the flips, the unforced divergence, the forced distances."""
+    return (f"{flips} token choice(s) of {routers} router(s) in the compiled run differ from the "
+            f"golden's; with the model's own routing: {first}; judged with every router forced to the golden's "
+            f"choices (routers eager): compiled {compiled_rel:.3g}, eager {eager_rel:.3g} against the golden")
