@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from harness.run.rows import counts
-from harness.run.table import summary_table
+from harness.run.table import summary_table, warnings_block
 from harness.settings import set_env
 
 
@@ -58,6 +58,19 @@ class RunObserver:
             self.console.print(f"[{self.done}/{self.total}] {row.outcome:<7} {report.nodeid} ({row.duration:.2f} s)"
                                + (f"  {row.message}" if row.outcome in ("failed", "error") else ""),
                                highlight=False, markup=False)
+
+    def pytest_warning_recorded(self, warning_message, when, nodeid, location) -> None:
+        """harness's own warnings, which an item in this process (``--no-isolate``, or an xdist
+        worker's, forwarded) hands to pytest's recorder: shown, as the isolated worker shows them
+        on its stderr. Library warnings never get here from an item (execute counts them); pytest's
+        and the imports' own are left to pytest, as before."""
+        from harness.run.execute import is_harness_warning
+
+        if is_harness_warning(warning_message.category, warning_message.filename):
+            self.console.print(f"{warning_message.filename}:{warning_message.lineno}: "
+                               f"{getattr(warning_message.category, '__name__', warning_message.category)}: "
+                               f"{warning_message.message}",
+                               style="yellow", markup=False, highlight=False)
 
     def pytest_sessionfinish(self) -> None:
         if self.task is not None:
@@ -158,6 +171,8 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
     say = dict(markup=False, highlight=False)
     try:
         console.print(summary_table(rows))
+        for text in warnings_block(rows, results / "junit.xml"):  # what libraries warned: once, here
+            console.print(text, style="yellow" if text[:1] != " " else "", **say)
         c = counts(rows)
         line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
                 + (f", {c['xfailed']} xfailed" if c.get("xfailed") else "")

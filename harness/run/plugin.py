@@ -316,6 +316,8 @@ def pytest_runtest_makereport(item, call):
         report.harness_message = result.message
         if hasattr(report, "wasxfail") and result.report:
             report.harness_report = result.report  # a quarantined failure's full text, for the JUnit XML
+    if result is not None and report.when == "call" and result.warnings:
+        report.harness_warnings = result.warnings  # what libraries warned (plain JSON: xdist carries it)
     return report
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from harness.files import atomic
 from harness.messages import first_line
-from harness.run.rows import Row, counts
-from harness.run.table import render_table
+from harness.run.rows import Row, counts, warning_line
+from harness.run.table import render_table, warnings_block
 from harness.settings import results_root  # noqa: F401 - where a run's files go (re-exported)
 
 QUARANTINED = "harness.detail.quarantined"  # the item is in the quarantine (harness.compare.quarantine)
@@ -85,6 +85,8 @@ def scrub_row(row: Row) -> None:
 
     row.message, row.longrepr = scrub_secrets(row.message), scrub_secrets(row.longrepr)
     row.props = {k: scrub_secrets(v) if isinstance(v, str) else v for k, v in row.props.items()}
+    row.warnings = [{**w, "message": scrub_secrets(str(w.get("message", ""))),
+                     "source": scrub_secrets(str(w.get("source", "")))} for w in row.warnings]
 
 
 
@@ -195,6 +197,8 @@ class ResultsWriter:
             row = self.rows.setdefault(report.nodeid, Row(report.nodeid, "running"))
         row.props.update(dict(report.user_properties))
         row.duration += report.duration
+        if getattr(report, "harness_warnings", None):  # harness.run.plugin: what libraries warned
+            row.warnings = list(report.harness_warnings)
         if report.failed:
             row.outcome = "failed" if report.when == "call" else "error"
             row.longrepr = report.longreprtext
@@ -280,6 +284,7 @@ class ResultsWriter:
         rows = self.finished_rows()
         not_run = self.not_run() if self.status != "complete" else []
         text = render_table(rows)
+        text += "".join(line + "\n" for line in warnings_block(rows, self.dir / "junit.xml"))
         if self.status != "complete":  # also when every item ran: an incomplete run says so
             text += f"\nrun {self.status} ({self.reason}): {len(not_run)} item(s) not run\n"
         summary = {"status": self.status, "reason": self.reason, "counts": counts(rows),
@@ -333,6 +338,8 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float, 
         elif r.outcome == "xfailed":
             ET.SubElement(tc, "skipped", type="pytest.xfail", message=r.message).text = r.message
         _reruns(tc, r)
+        if r.warnings:  # what libraries warned during the item, one line per kind (harness report shows it)
+            ET.SubElement(tc, "system-err").text = "\n".join(warning_line(w) for w in r.warnings)
     for nodeid in not_run:
         cls, name = junit_names(nodeid)
         tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time="0")

@@ -21,6 +21,9 @@ class ItemResult:
     properties: list[tuple[str, str]] = field(default_factory=list)  # JUnit properties recorded by the check
     notes: list[str] = field(default_factory=list)
     phase: str = ""  # the step the item was in when it ended
+    # what libraries warned while it ran, counted: [{category, message, source, count}]
+    # (harness.run.execute.LibraryWarnings); plain JSON, so it crosses the worker's pipe as it is
+    warnings: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -40,10 +43,17 @@ class Row:
     message: str = ""
     duration: float = 0.0
     longrepr: str = ""
+    warnings: list[dict] = field(default_factory=list)  # ItemResult.warnings: in junit.xml's <system-err>
 
     @property
     def parsed(self) -> dict:
         return metrics.parse_properties(self.props)
+
+
+def warning_line(w: dict) -> str:
+    """One distinct warning as junit.xml's ``<system-err>`` has it (one line each; the HTML report
+    shows that text): ``3 x UserWarning: message [torch/_dynamo/eval_frame.py:502]``."""
+    return f"{w.get('count', 1)} x {w.get('category', '')}: {w.get('message', '')} [{w.get('source', '')}]"
 
 
 def counts(rows: list[Row]) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -72,6 +73,33 @@ def _fmt(v: float | None, unit: str) -> str:
     if unit == "B":
         return f"{v / 2**20:.0f} MiB"
     return f"{v:.2f} s"
+
+
+TOP_WARNINGS = 5
+
+
+def warnings_block(rows: list[Row], junit: Path | str) -> list[str]:
+    """The end of a run's console, once: how many library warnings its items raised and the most
+    frequent kinds (category + the first 100 characters), instead of each printed between the
+    progress lines. Empty when there were none."""
+    kinds: dict[tuple[str, str], int] = {}
+    items = 0
+    for r in rows:
+        items += bool(r.warnings)
+        for w in r.warnings:
+            key = (str(w.get("category", "")), str(w.get("message", ""))[:100])
+            kinds[key] = kinds.get(key, 0) + int(w.get("count", 1))
+    if not kinds:
+        return []
+    total = sum(kinds.values())
+    out = [f"{total} library warning{'s' * (total != 1)} in {items} item{'s' * (items != 1)} ({len(kinds)} "
+           f"kind{'s' * (len(kinds) != 1)}), recorded with each item in {junit}:"]
+    ranked = sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))
+    width = len(str(ranked[0][1]))
+    out += [f"  {n:>{width}} x {cat}: {msg}" for (cat, msg), n in ranked[:TOP_WARNINGS]]
+    if len(ranked) > TOP_WARNINGS:
+        out.append(f"  ... and {len(ranked) - TOP_WARNINGS} more")
+    return out
 
 
 def render_table(rows: list[Row]) -> str:
