@@ -22,10 +22,16 @@ The test id is ``<suite file>::<check>[<backend>-<dtype>]`` (plus ``-<variant>``
 A metric's *direction* tells the comparator which way is a regression: ``lower`` means lower is
 better (time, memory, error), ``higher`` means higher is better (throughput, cosine similarity),
 ``none`` means informational only.
+
+The results carry each metric's meaning themselves: the run that wrote them adds one testsuite-level
+property ``harness.meaning.<name>`` per metric used in that file (:func:`meaning_property`; JSON
+``{"unit", "direction", "description"}``), so the comparator judges a metric by what the run that
+measured it declared, never by which check modules the comparing process happens to have imported.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +42,8 @@ PREFIX_META = "harness."
 PREFIX_DETAIL = "harness.detail."
 PREFIX_METRIC = "metric."
 PREFIX_TOLERANCE = "tolerance."
+PREFIX_MEANING = "harness.meaning."  # testsuite-level: one per metric used in the file
+DIRECTIONS = ("lower", "higher", "none")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,11 @@ def direction(name: str) -> Direction:
     s = _REGISTRY.get(name)
     if s is not None:
         return s.direction
+    return guess_direction(name)
+
+
+def guess_direction(name: str) -> Direction:
+    """The name-suffix rule alone (for metrics nobody declared)."""
     # "_per_s" before "_s": tokens_per_s is a throughput, not a time.
     if name.endswith(("_per_s", "_cosine", "_agreement")):
         return "higher"
@@ -78,6 +91,77 @@ def direction(name: str) -> Direction:
 
 def all_specs() -> dict[str, MetricSpec]:
     return dict(_REGISTRY)
+
+
+def meaning_of(name: str) -> MetricSpec:
+    """What the results say ``name`` means: its declaration, or for a metric no loaded module
+    declared, the name-suffix guess, saying so (so a reader knows the direction is not the check's)."""
+    return _REGISTRY.get(name) or _guessed(name, "not declared; direction guessed from the name")
+
+
+def _guessed(name: str, description: str) -> MetricSpec:
+    unit = "s" if name.endswith("_s") and not name.endswith("_per_s") else \
+        "bytes" if name.endswith("_bytes") else ""
+    return MetricSpec(name, unit, guess_direction(name), description)
+
+
+class Meanings:
+    """Each metric's meaning as the results recorded it (``harness.meaning.*``; the first mapping
+    given wins: the current run's over the baseline's). A metric the results say nothing about
+    (XML written before they carried meanings) falls back to this process's registry, else the
+    name-suffix rule, and is kept in ``fallback`` so the comparator says so instead of guessing
+    silently: that answer depends on which checks this process imported."""
+
+    def __init__(self, *recorded: dict[str, MetricSpec]):
+        self._known: dict[str, MetricSpec] = {}
+        for r in recorded:
+            for k, v in r.items():
+                self._known.setdefault(k, v)
+        self.fallback: set[str] = set()
+
+    def spec(self, name: str) -> MetricSpec:
+        s = self._known.get(name)
+        if s is None:
+            self.fallback.add(name)
+            s = self._known[name] = _REGISTRY.get(name) or _guessed(name, "")
+        return s
+
+    def direction(self, name: str) -> Direction:
+        return self.spec(name).direction
+
+    def is_time(self, name: str) -> bool:
+        return self.spec(name).unit == "s"
+
+    def fallback_note(self) -> str:
+        """One line naming the metrics judged without a recorded meaning; '' when there were none."""
+        if not self.fallback:
+            return ""
+        names = sorted(self.fallback)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return (f"{len(names)} metric(s) have no meaning (unit, direction) recorded in the results, which an "
+                f"older harness wrote: judged by this process's declarations or the name's suffix: {shown}")
+
+
+def meaning_property(s: MetricSpec) -> tuple[str, str]:
+    # compact JSON: a description may hold any character, and one value keeps the three together
+    value = json.dumps({"unit": s.unit, "direction": s.direction, "description": s.description},
+                       separators=(",", ":"), ensure_ascii=False)
+    return (PREFIX_MEANING + s.name, value)
+
+
+def parse_meaning(prop: str, value: str) -> MetricSpec | str:
+    """``harness.meaning.<name>`` and its JSON back to a spec, or a one-line reason it is not one."""
+    name = prop[len(PREFIX_MEANING):] if prop.startswith(PREFIX_MEANING) else ""
+    if not name:
+        return f"{prop!r} is not a metric meaning"
+    try:
+        d = json.loads(value)
+    except ValueError:
+        d = None
+    if not isinstance(d, dict) or d.get("direction") not in DIRECTIONS:
+        shown = value if len(value) <= 60 else value[:60] + "..."
+        return f"metric {name!r}: meaning {shown!r} is not {{unit, direction (lower|higher|none), description}}"
+    return MetricSpec(name, str(d.get("unit", "")), d["direction"], str(d.get("description", "")))
 
 
 def meta_properties(suite: str, check: str, backend: str, dtype: str, device: str,

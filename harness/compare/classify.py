@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import partial
 
 from harness.compare import changepoint as cpt
 from harness.compare import perfverdict
 from harness.compare.history import History, SeriesView
 from harness.compare.junit import Case, Results, attempt_counts
-from harness.metrics import direction, spec
+from harness.metrics import Meanings
 
 REGRESSIONS = {"new_failure", "still_failing", "vanished", "precision_drift", "metric_regression"}
 _BAD = ("failed", "error")
@@ -118,6 +118,9 @@ def classify(current: Results, baseline: Results | None, history: History | None
     # how often each flaky item flaked before (the history keeps every run's reruns)
     flaky_now = [k for k, c in current.cases.items() if c.flaky or c.details.get("confirm") == "flaky"]
     flaked = history.flaky_runs([r.id for r in runs]) if history and runs and flaky_now else {}
+    # each metric judged by what the run that measured it declared (its results say), never by
+    # which checks this process imported; older XML falls back, in one warning line
+    meanings = Meanings(current.meanings, baseline.meanings if baseline is not None else {})
     for key, case in current.cases.items():
         verdict, why = perfverdict.read(case.details) if "perf_verdict" in case.details else (None, "")
         if why:
@@ -127,7 +130,7 @@ def classify(current: Results, baseline: Results | None, history: History | None
                           f"; flaky in {1 + flaked.get(key, 0)} of the last {len(runs) + 1} runs" if runs else "")
         if case.outcome == "passed" or by_verdict:
             _metric_findings(out, case, base.get(key), series, config,
-                             perfverdict.SKIPPED if verdict is not None else frozenset())
+                             perfverdict.SKIPPED if verdict is not None else frozenset(), meanings)
         if verdict is not None:
             _verdict_findings(out, case, verdict)
     _missing_findings(out, current, base, prev, config)
@@ -138,6 +141,8 @@ def classify(current: Results, baseline: Results | None, history: History | None
             out.findings.append(Finding("infrastructure", "infrastructure", f"run:{path}", "*", backend,
                                         note=f"the run was {status}" + (f" ({reason})" if reason else "")
                                         + f": {n} item(s) not run ({path})"))
+    if meanings.fallback_note():
+        out.warnings.append(meanings.fallback_note())
     return out
 
 
@@ -224,21 +229,23 @@ def _verdict_findings(out: Classification, case: Case, verdict: perfverdict.Verd
 
 
 def _metric_findings(out: Classification, case: Case, base: Case | None, series: SeriesView,
-                     config: Config, skip: frozenset[str] = frozenset()) -> None:
-    """``skip``: metrics another judge decided (the perf check's timings)."""
+                     config: Config, skip: frozenset[str] = frozenset(), meanings: Meanings | None = None) -> None:
+    """``skip``: metrics another judge decided (the perf check's timings). ``meanings``: each
+    metric's unit and direction (:class:`harness.metrics.Meanings`)."""
+    meanings = meanings if meanings is not None else Meanings()
     for name, value in case.metrics.items():
-        d = _direction(name)
         if name in skip:
             continue
+        d = meanings.direction(name)
         if not math.isfinite(value):
-            _non_finite(out, case, base, series, name, value, config)
+            _non_finite(out, case, base, series, name, value, config, meanings.is_time(name))
             continue
         if d == "none":
             continue
         if f"tolerance.{name}" in case.invalid:
             continue  # its tolerance is not a number (an input warning): it cannot be judged
         base_v = base.metrics.get(name) if base is not None else None
-        floor = config.time_floor_s if _is_time(name) else 0.0
+        floor = config.time_floor_s if meanings.is_time(name) else 0.0
         thr = config.threshold_for(case.suite, name)
         if name in case.tolerances and base_v is not None:
             # Precision metrics are judged against their tolerance, not a relative threshold.
@@ -282,7 +289,7 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
 
 
 def _non_finite(out: Classification, case: Case, base: Case | None, series: SeriesView, name: str,
-                value: float, config: Config) -> None:
+                value: float, config: Config, is_time: bool) -> None:
     """A metric that was a number and now is NaN or inf is a change whatever its direction (a NaN
     compares false with everything, so the threshold tests would call it "unchanged")."""
     base_v = base.metrics.get(name) if base is not None else None
@@ -290,7 +297,7 @@ def _non_finite(out: Classification, case: Case, base: Case | None, series: Seri
     old = base_v if base_v is not None and math.isfinite(base_v) else (earlier[-1] if earlier else None)
     if old is None:
         return  # never a number: nothing turned (a check may record NaN on purpose)
-    out.findings.append(Finding("metric_regression", "performance" if _is_time(name) else "precision",
+    out.findings.append(Finding("metric_regression", "performance" if is_time else "precision",
                                 case.key, case.suite, case.backend, case, metric=name, baseline=old,
                                 current=value, change=math.inf, threshold="finite", confirmed=True,
                                 bad_runs=max(config.min_bad_runs, 1),
@@ -310,17 +317,6 @@ def _may_change(lo: float, hi: float, value: float, d: str, thr: float, floor: f
     best, worst = (lo, hi) if d == "lower" else (hi, lo)
     return ((cpt.is_worse(best, value, d, thr) and abs(value - best) >= floor)
             or (cpt.is_better(worst, value, d, thr) and abs(value - worst) >= floor))
-
-
-@lru_cache(maxsize=1024)
-def _is_time(name: str) -> bool:
-    s = spec(name)
-    return s.unit == "s" if s is not None else name.endswith("_s") and not name.endswith("_per_s")
-
-
-@lru_cache(maxsize=1024)
-def _direction(name: str) -> str:
-    return direction(name)
 
 
 def _drifted(v: float, base: float, direction: str, limit: float) -> bool:

@@ -1,8 +1,9 @@
 """The history of earlier runs: one SQLite file that CI carries between runs (cache or artifact).
 
-Kept per run: every test's outcome and every metric that has a direction, whether each issue
-group was bad, and (across runs) which GitHub issue number belongs to which group fingerprint, so
-a closed issue can be reopened without searching GitHub for it.
+Kept per run: every test's outcome and every metric that has a direction (as the run's own results
+declare it: ``Results.meanings``), whether each issue group was bad, and (across runs) which GitHub
+issue number belongs to which group fingerprint, so a closed issue can be reopened without
+searching GitHub for it.
 
 Layout, chosen for 100,000-test runs: tests are numbered once (``tests``), and a run stores one
 array per column -- outcomes as bytes, each metric as float64 -- indexed by test number. Writing a
@@ -39,7 +40,7 @@ except ImportError:  # Windows: no advisory lock (CI runners that compare are Li
 import numpy as np
 
 from harness.compare.junit import Case, Results, attempt_counts
-from harness.metrics import direction
+from harness.metrics import Meanings
 
 SCHEMA_VERSION = "2"
 _SCHEMA = """
@@ -285,11 +286,12 @@ class History:
         codes = np.zeros(width, dtype=np.uint8)
         columns: dict[str, np.ndarray] = {}
         wanted: dict[str, bool] = {}
+        meanings = Meanings(results.meanings)  # the run's own word on each metric (classify notes fallbacks)
         for k, c in results.cases.items():
             i = ids[k]
             codes[i] = _CODE.get(c.outcome, 0)
             for name, value in c.metrics.items():
-                if wanted.setdefault(name, direction(name) != "none"):
+                if wanted.setdefault(name, meanings.direction(name) != "none"):
                     col = columns.get(name)
                     if col is None:
                         col = columns[name] = np.full(width, np.nan)

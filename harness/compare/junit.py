@@ -9,6 +9,10 @@ JUnit properties every harness item records at setup, before any skip. Only old 
 falls back to reading the test id (``suites.<suite>.toml::<check>[<backend>-<dtype>]``); the dtype
 is the part after the *last* hyphen, so a backend named ``my-npu`` survives that too.
 
+What each metric means (unit, direction) comes from the files too: the ``harness.meaning.*``
+testsuite properties the run wrote (``Results.meanings``), so no check needs importing to judge it.
+Shards that disagree, or a meaning that does not parse, are warnings.
+
 Text from a run (failure messages, logs, captured output) is scrubbed of secrets *before* it is
 cut to size: a cut must never leave the tail of a token behind.
 
@@ -34,7 +38,14 @@ from dataclasses import dataclass, field
 from junitparser import JUnitXml, JUnitXmlError, TestCase, TestSuite
 
 from harness.compare.scrub import scrub
-from harness.metrics import PREFIX_METRIC, PREFIX_TOLERANCE, parse_properties
+from harness.metrics import (
+    PREFIX_MEANING,
+    PREFIX_METRIC,
+    PREFIX_TOLERANCE,
+    MetricSpec,
+    parse_meaning,
+    parse_properties,
+)
 
 # Surefire-style rerun children (pytest-rerunfailures and others use them): the case was retried.
 _RERUN_TAGS = {"rerunFailure", "rerunError", "flakyFailure", "flakyError"}
@@ -66,6 +77,8 @@ class Case:
     # property name -> its value, for metric./tolerance. properties that are not numbers: left out
     # of ``metrics``/``tolerances`` and reported as a warning by the reader.
     invalid: dict[str, str] = field(default_factory=dict)
+    # the item's <system-err> (its captured library warnings), scrubbed and cut: `harness report` shows it
+    stderr: str = ""
 
 
 @dataclass
@@ -85,6 +98,9 @@ class Results:
     # Input that was read but is wrong in one place (a metric that is not a number): named, shown
     # in the summary, and *not* a reason to call the input partial.
     warnings: list[str] = field(default_factory=list)
+    # what each metric means (unit, direction), as the run that measured it wrote it into its files
+    # (``harness.meaning.*`` testsuite properties, harness/metrics.py); empty for older XML
+    meanings: dict[str, MetricSpec] = field(default_factory=dict)
 
     def suites(self) -> set[str]:
         return {c.suite for c in self.cases.values()}
@@ -147,7 +163,9 @@ def _read_all(files: list[str], res: Results) -> None:
         res.files.append(path)
         before = len(res.problems)
         run: dict[str, str] = {}
-        cases = _read_file(path, res.problems, res.stack, run)
+        meanings: dict[str, str] = {}
+        cases = _read_file(path, res.problems, res.stack, run, meanings)
+        _add_meanings(res, path, meanings)
         if run.get("status") in ("interrupted", "incomplete"):
             ran = {c.backend for c in cases if c.outcome != "skipped"}  # not-run items carry no identity
             res.cut_off.append((path, run["status"], run.get("reason", ""), int(run.get("not_run", "0") or 0),
@@ -161,14 +179,14 @@ def _read_all(files: list[str], res: Results) -> None:
 
 
 def _read_file(path: str, problems: list[str], stack: dict[str, set[str]] | None = None,
-               run: dict[str, str] | None = None) -> list[Case]:
+               run: dict[str, str] | None = None, meanings: dict[str, str] | None = None) -> list[Case]:
     if not os.path.exists(path):
         problems.append(f"{path}: shard missing (file does not exist); its tests count as not run")
         return []
     try:
         xml = JUnitXml.fromfile(path)
     except ET.ParseError as e:
-        cases = _salvage(path)
+        cases = _salvage(path, meanings)
         problems.append(f"{path}: malformed or truncated XML ({e}); kept the {len(cases)} complete "
                         "test cases before the damage")
         return cases
@@ -187,7 +205,24 @@ def _read_file(path: str, problems: list[str], stack: dict[str, set[str]] | None
                 stack.setdefault(name.removeprefix("harness.stack."), set()).add(str(p.value))
             elif run is not None and name.startswith("harness.run."):
                 run[name.removeprefix("harness.run.")] = str(p.value)
+            elif meanings is not None and name.startswith(PREFIX_MEANING):
+                meanings[name] = str(p.value)
     return [_case(tc) for s in suites for tc in s]
+
+
+def _add_meanings(res: Results, path: str, raw: dict[str, str]) -> None:
+    """The file's metric meanings into ``res.meanings``. The first file to declare a metric wins;
+    shards that disagree (run by different harness versions) or a meaning that does not parse is
+    one warning each, never a problem: every number in the file was still read."""
+    for prop, value in raw.items():
+        s = parse_meaning(prop, value)
+        if isinstance(s, str):
+            res.warnings.append(f"{path}: {scrub(s)}; judged as if the file said nothing about it")
+            continue
+        old = res.meanings.setdefault(s.name, s)
+        if (old.unit, old.direction) != (s.unit, s.direction):
+            res.warnings.append(f"{path}: metric '{s.name}' means {s.direction} ({s.unit or 'no unit'}) here but "
+                                f"{old.direction} ({old.unit or 'no unit'}) in an earlier file; the earlier one is used")
 
 
 def invalid_value_warning(path: str, key: str, prop: str, value: str) -> str:
@@ -200,13 +235,17 @@ def invalid_value_warning(path: str, key: str, prop: str, value: str) -> str:
             "left out of the comparison, the test's other metrics are compared")
 
 
-def _salvage(path: str) -> list[Case]:
-    """Keep every ``<testcase>`` that closed before the parse error."""
+def _salvage(path: str, meanings: dict[str, str] | None = None) -> list[Case]:
+    """Keep every ``<testcase>`` that closed before the parse error (and the metric meanings, which
+    the writer puts before them)."""
     out: list[Case] = []
     try:
         for _event, elem in ET.iterparse(path, events=("end",)):
             if elem.tag == "testcase":
                 out.append(_case(TestCase.fromelem(elem)))
+            elif meanings is not None and elem.tag == "property" and \
+                    elem.get("name", "").startswith(PREFIX_MEANING):
+                meanings[elem.get("name")] = elem.get("value", "")
     except ET.ParseError:
         pass
     return out
@@ -218,7 +257,7 @@ def _case(tc: TestCase) -> Case:
     # more than the XML parse itself at 100,000 cases (see benchmarks/bench_compare.py).
     elem = tc._elem
     props: list[tuple[str, str]] = []
-    outcome, message, log, output, reruns = "passed", "", "", "", 0
+    outcome, message, log, output, reruns, err = "passed", "", "", "", 0, ""
     for child in elem:
         tag = child.tag
         if tag == "properties":
@@ -231,6 +270,8 @@ def _case(tc: TestCase) -> Case:
             reruns += 1
         elif tag in ("system-out", "system-err") and child.text:
             output += child.text + "\n"  # pytest -o junit_logging=...
+            if tag == "system-err":
+                err += child.text
     parsed = parse_properties(props)
     invalid = _not_numbers(parsed, props)
     meta = parsed["meta"]
@@ -253,6 +294,7 @@ def _case(tc: TestCase) -> Case:
         metrics=parsed["metrics"], tolerances=parsed["tolerances"], details=parsed["details"],
         message=message, time=duration, log=text,
         flaky=reruns > 0 and outcome == "passed", attempts=1 + reruns, invalid=invalid,
+        stderr=scrub(err)[:_LOG_LIMIT] if err.strip() else "",
     )
 
 

@@ -319,6 +319,8 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float, 
         ET.SubElement(sp, "property", name="harness.run.reason", value=reason)
     for pkg, version in stack_versions().items():  # what the upstream canary compares (docs/ci.md)
         ET.SubElement(sp, "property", name=f"harness.stack.{pkg}", value=version)
+    for name, value in meaning_properties(rows):  # what each metric means (harness/metrics.py)
+        ET.SubElement(sp, "property", name=name, value=value)
     for r in rows:
         cls, name = junit_names(r.nodeid)
         tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time=f"{r.duration:.3f}")
@@ -363,6 +365,47 @@ def _reruns(tc: ET.Element, r: Row) -> None:
     for a in failed:
         tag = "rerunError" if a.get("outcome") == "error" else "rerunFailure"
         ET.SubElement(tc, tag, message=str(a.get("message", ""))).text = str(a.get("message", ""))
+
+
+# Metric names no module declared (a check that builds names at run time) also get their guessed
+# meaning, up to this many per file; past it they are left to the comparator's fallback (one note).
+MAX_UNDECLARED_MEANINGS = 256
+
+
+def meaning_properties(rows: list[Row]) -> list[tuple[str, str]]:
+    """``harness.meaning.<metric>`` (unit, direction, description) for every metric the rows
+    recorded, so the file alone says how to judge them (``harness compare`` run anywhere, with no
+    check imported, reads the same regressions).
+
+    Testsuite-level, one per distinct metric, not per test case: the meaning belongs to the metric,
+    not to an item, and repeating it in each of 100,000 cases would add megabytes; this way the size
+    is bounded by the declarations (plus :data:`MAX_UNDECLARED_MEANINGS`). Yet it is inside each
+    shard's own file, never a sidecar that a merge or an artifact upload can lose."""
+    from harness import metrics
+
+    names = sorted({k[len(metrics.PREFIX_METRIC):] for r in rows for k in r.props
+                    if isinstance(k, str) and k.startswith(metrics.PREFIX_METRIC)})
+    if any(metrics.spec(n) is None for n in names):
+        _load_declarations()
+    out, undeclared = [], 0
+    for n in names:
+        if metrics.spec(n) is None:
+            undeclared += 1
+            if undeclared > MAX_UNDECLARED_MEANINGS:
+                continue
+        out.append(metrics.meaning_property(metrics.meaning_of(n)))
+    return out
+
+
+def _load_declarations() -> None:
+    """Checks declare their metrics when imported. The controlling process has already loaded every
+    check (the plugin lists them as options), so this is a lookup there; elsewhere (a caller of
+    :func:`junit_xml` that never loaded them) it imports them, so no declared metric is written as
+    a guess."""
+    import harness.run.isolation  # noqa: F401 - declares leaked_bytes
+    from harness.checks import registry
+
+    registry()
 
 
 STACK = ("torch", "transformers", "accelerate", "harness")
