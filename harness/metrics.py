@@ -220,3 +220,9 @@ def _to_float(v: str) -> float:
 declare("wall_time_s", "s", "lower", "wall time of the whole check item")
 declare("peak_memory_bytes", "bytes", "lower",
         "peak device memory (allocator high-water mark; on CPU the process peak RSS since the item started)")
+
+
+def budget_use_json(pairs) -> str:
+    """``[[name, use], ...]`` with 3 significant digits: a compact ``harness.detail`` for plots
+    (precision, training and decode record their per-module / per-step budget use with it)."""
+    return json.dumps([[n, float(f"{u:.3g}")] for n, u in pairs], separators=(",", ":"))

@@ -329,6 +329,11 @@ class DecodeCheck(Check):
                 ctx.tolerance("decode_prefill_logits_rel_rmse", st.budgets["prefill"])
         ctx.metric("decode_rows_over_budget", sum(not r.ok for r in st.rows))
         ctx.detail("decode_kind_budget_use", _kind_use(st.rows, st.section.entry))
+        # each step's worst budget use, compact: `harness report` plots the decode step by step
+        steps: dict[int, float] = {}
+        for r in st.rows:
+            steps[r.step] = max(steps.get(r.step, 0.0), r.value / r.budget)
+        ctx.detail("step_budget_use", metrics.budget_use_json((f"step {s}", u) for s, u in sorted(steps.items())))
 
     def verdict(self, ctx: CheckContext, st) -> None:
         bad = [r for r in st.rows if not r.ok]

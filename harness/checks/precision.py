@@ -243,6 +243,10 @@ class PrecisionCheck(Check):
             ctx.metric("worst_module_rel_rmse", max(r.metrics["rel_rmse"] for r in res.rows))
             ctx.metric("min_module_cosine", min(r.metrics["cosine"] for r in res.rows))
         ctx.metric("modules_over_tolerance", sum(not r.ok for r in res.rows))
+        # every module's error over its budget, compact, on a pass too (the full layer_table is kept for
+        # failures): what `harness report` plots for each item
+        ctx.detail("module_budget_use", metrics.budget_use_json(
+            (r["module"], r["rel_rmse"] / r["tolerance"] if r["tolerance"] else 0.0) for r in align.layer_table(res, st.tol)))
         if res.generation:
             ctx.metric("generation_top1_agreement", res.generation["top1_agreement"])
             ctx.metric("generation_logprob_max_abs_diff", res.generation["logprob_max_abs_diff"])

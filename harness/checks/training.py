@@ -16,6 +16,7 @@ measured envelope; the weight change per group) -> ``record`` -> ``verdict``.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -292,6 +293,17 @@ class TrainingCheck(Check):
         use = max((d / e if e else math.inf) for k in st.devs for d, e in zip(st.devs[k], st.env[k], strict=True))
         ctx.metric("training_trajectory_worst_envelope_use", use)
         ctx.metric("training_trajectory_first_step_out", st.traj_out[0] if st.traj_out else -1)
+        # what `harness report` plots: each module's worst backward budget use (backward order) and each
+        # step's deviation with its envelope, compact
+        order = {m: i for i, m in enumerate(st.entry["backward_order"])}
+        per: dict[str, float] = {}
+        for r in st.rows:
+            if r.kind in ("gin", "gout", "param", "replay_gin", "replay_param") and r.budget is not None:
+                m = _owner(r.name, order)
+                per[m] = max(per.get(m, 0.0), r.use if math.isfinite(r.err) else math.inf)
+        ctx.detail("module_budget_use", metrics.budget_use_json(sorted(per.items(), key=lambda kv: order.get(kv[0], len(order)))))
+        ctx.detail("trajectory", json.dumps({k: [[float(f"{d:.3g}"), float(f"{e:.3g}")] for d, e in zip(st.devs[k], st.env[k], strict=True)]
+                                             for k in st.devs}, separators=(",", ":")))
         ctx.metric("training_loss_abs_err", abs(st.run.loss - st.entry["loss"]))
         gn = math.sqrt(sum(g.double().pow(2).sum().item() for g in st.run.grads.values()))
         ref_gn = math.sqrt(sum(p["norm"] ** 2 for p in st.entry["params"].values()))

@@ -1,8 +1,10 @@
 """``harness report RESULTS``: a static HTML page with the tables and the plots.
 
-Reads the same inputs as ``harness compare`` (and the history, read-only) and writes one
-self-contained HTML file: findings, error per layer of failing precision items, and the history
-of every metric that moved, with its change point.
+Reads the same inputs as ``harness compare`` (one run's results folder or many JUnit files, and the
+history, read-only) and writes one self-contained HTML file: the suite x check x backend x dtype
+matrix, every failure with its message and the module it names, the precision / training / decode
+budget use as plots, the findings against the baseline, perf items against their baseline and
+history, and each item's captured library warnings.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sqlite3
 import sys
 
-from harness.cli.compare import add_common, config_from
+from harness.cli.compare import add_common, check_headlines, config_from
 
 
 def register(subparsers) -> None:
@@ -49,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
 
     from harness.files import atomic
 
-    atomic.write_text(args.output, html_report(outcome, series, args.title))
+    atomic.write_text(args.output, html_report(outcome, series, args.title, headlines=check_headlines()))
     for p in outcome.problems:
         print(f"harness report: {p}", file=sys.stderr)
     print(f"harness report: wrote {args.output} ({len(outcome.current.cases)} test cases)")
