@@ -18,7 +18,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", "-d", action="append", default=[], choices=list(DTYPES),
                    help="dtype (repeatable); replaces the suites' own dtype lists")
     p.add_argument("--check", "-c", action="append", default=[], help="check (repeatable)")
-    p.add_argument("--workers", "-n", default=None, help="pytest-xdist workers (a number or 'auto')")
+    p.add_argument("--workers", "-n", default=None,
+                   help="pytest-xdist workers (a number or 'auto'; 0: one process). Default: one per core (at "
+                        "most 4) when the chosen suites' recorded durations add up to a minute or more, else one")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     p.add_argument("--results", type=Path, default=None, help="results directory (default: results/)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -52,6 +54,7 @@ def main(args) -> int:
     from harness.run import driver
 
     settings = load_settings()
+    args.workers = _workers(args, settings)
     early = None
     if driver.wants_early_worker(not args.no_isolate, args.workers, args.passthrough):
         # first thing: its imports overlap with ours below (the checks, torch) and with collection
@@ -127,6 +130,25 @@ def _main(args, settings, early) -> int:
         console.print("selection: no selected item in this run (other shards run them)", markup=False)
         return 0
     return code
+
+
+def _workers(args, settings):
+    """-n as given (0: one process, as xdist reads it), else the default from the recorded durations
+    (harness.run.schedule.default_workers). Decided before anything starts: the early isolated worker
+    is for a one-process run only. Cheap: suite paths and a JSON file, no torch."""
+    if args.workers is not None:
+        return None if str(args.workers) == "0" else args.workers
+    if {"-n", "--numprocesses"} & {a.split("=")[0] for a in args.passthrough}:
+        return None  # pytest's own -n after --
+    from harness.run import durations
+    from harness.run.schedule import default_workers
+    from harness.suite.loader import SuiteError, discover, resolve_names
+
+    try:
+        suites = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)
+    except SuiteError:
+        return None  # _main says why
+    return default_workers(suites, args.backend, durations.load(settings.durations_file))
 
 
 def _selection(args, suites: list[Path], console):

@@ -19,6 +19,7 @@ keeps xdist's own scheduling.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from itertools import cycle
 
@@ -69,3 +70,28 @@ class LongestFirst(LoadScheduling):
             for node in self.nodes:
                 node.shutdown()
         return None
+
+
+# `harness run` without -n: a second process pays ~3-5 s of interpreter start and imports, so it is
+# worth starting only when the recorded work of the chosen suites is well above that. The README's
+# first command (the bundled suites: ~250 s of recorded work on one core) runs on every core of the
+# machine; a test's or a new suite's short run (nothing recorded) stays in one process.
+PARALLEL_FROM_S = 60.0
+MAX_DEFAULT_WORKERS = 4  # each worker and its isolated child hold torch and a model: ~1-2 GiB
+
+
+def default_workers(suites: list, backends: list[str], recorded: dict[str, float]) -> int | None:
+    """Workers for a run that named none: one per usable core (at most MAX_DEFAULT_WORKERS) when the
+    recorded durations of these suites' items on these backends (none named: any) add up to
+    PARALLEL_FROM_S or more; None (one process) otherwise, or on a single core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    names = {getattr(p, "name", str(p)) for p in suites}
+    tags = tuple(f"[{b}-" for b in backends) or ("[",)  # no --backend: every backend's record counts
+    work = sum(s for item, s in recorded.items()
+               if item.partition("::")[0].rsplit("/", 1)[-1] in names and any(t in item for t in tags))
+    return min(cores, MAX_DEFAULT_WORKERS) if work >= PARALLEL_FROM_S else None

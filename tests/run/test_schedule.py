@@ -53,3 +53,25 @@ def test_longest_expected_items_start_first_on_different_workers(tmp_path):
     for worker, nodeid in starts:
         first.setdefault(worker, nodeid)
     assert sorted(first) == ["gw0", "gw1"] and sorted(first.values()) == sorted(long), starts
+
+
+def test_a_run_without_n_uses_the_cores_only_when_the_recorded_work_is_worth_a_second_process(monkeypatch):
+    """`harness run` on the bundled suites (minutes of recorded work) takes every core, up to 4; a
+    short or unrecorded run (a test's, a new suite's) stays in one process; one core: one process."""
+    from pathlib import Path
+
+    from harness.run import schedule
+
+    monkeypatch.setattr(schedule.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    rec = {"suites/a.toml::compile[cpu-float32]": 50.0, "suites/a.toml::smoke[cpu-float32]": 15.0,
+           "suites/b.toml::smoke[cpu-float32]": 5.0, "suites/a.toml::smoke[cuda-float32]": 100.0}
+    a, b = Path("suites/a.toml"), Path("suites/b.toml")
+    assert schedule.default_workers([a, b], ["cpu"], rec) == 2  # 70 s on the cpu
+    assert schedule.default_workers([b], ["cpu"], rec) is None  # 5 s: not worth a second process
+    assert schedule.default_workers([Path("new.toml")], ["cpu"], rec) is None  # nothing recorded
+    assert schedule.default_workers([b], [], rec) is None
+    assert schedule.default_workers([a], [], rec) == 2  # no --backend: every backend's record counts
+    monkeypatch.setattr(schedule.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert schedule.default_workers([a], ["cpu"], rec) == schedule.MAX_DEFAULT_WORKERS
+    monkeypatch.setattr(schedule.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert schedule.default_workers([a], ["cpu"], rec) is None
