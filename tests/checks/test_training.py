@@ -3,12 +3,12 @@ at the dispatcher (tests/precision/backward_faults.py), fails it at the right mo
 forward precision check passes with the same fault.
 
 Goldens are generated once per process into a temporary folder (backward_faults.golden_root). The
-default run: the clean matrix on two suites (a dense and an MoE one) in float32 and bfloat16 and one
-suite per fault; every bundled suite with ``HARNESS_TRAINING_FULL=1``."""
+clean matrix takes every bundled suite but kimi-k2 in float32 and bfloat16, and one suite per fault.
+kimi-k2 is DeepseekV3ForCausalLM, deepseek-v3's architecture (the same modules, backward kernels and
+optimizer groups): covered by deepseek-v3, and its golden alone costs what the rest of a suite's run
+does. The matrix once ran on two suites unless an environment variable CI never set (issue #44)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 from precision import backward_faults as bf
@@ -18,8 +18,7 @@ from harness.backends import get
 from harness.checks import CheckContext, CheckFailure, CouldNotRun, NotApplicable, registry
 from harness.checks.training import TrainingConfig, run_training
 
-FULL = os.environ.get("HARNESS_TRAINING_FULL") == "1"
-CLEAN = SUITES if FULL else ["llama-3.1-8b", "qwen3-30b-a3b"]
+CLEAN = [n for n in SUITES if n != "kimi-k2"]  # kimi-k2: deepseek-v3's architecture (see the docstring)
 
 
 def _run(name_or_ls, dtype, variant=None, knobs=None, **kw):

@@ -2,14 +2,16 @@
 
 The faults (tests/precision/faults.py) are kernels registered with torch.library for the CPU key that
 misbehave only in bfloat16/float16 (softmax/SDPA scale off 3%, SiLU slope off 3%, RMSNorm and matmul
-accumulating in bf16), and at model level a 1% residual scale in one layer. The default run checks
-each fault kind on one suite; the full matrix (every bundled suite, each uses every operator) is
-``HARNESS_PRECISION_FULL=1`` (about two minutes). Each of these passes with the old check (propagated comparison, one tolerance per dtype).
+accumulating in bf16), and at model level a 1% residual scale in one layer. Each of these passes with
+the old check (propagated comparison, one tolerance per dtype).
+
+Every fault runs on every bundled suite but kimi-k2 (30 cases; each suite uses every operator):
+kimi-k2 is DeepseekV3ForCausalLM, deepseek-v3's architecture, so the same modules dispatch the same
+kernels and its cases are covered by deepseek-v3's. The matrix once ran only under an environment
+variable CI never set and the default run took one suite per fault, a subset of it (issue #44).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -35,8 +37,8 @@ FAULTS = {
     # caught where a deployment's positions are (the golden's 16 positions alone do not show it)
     "rotary_bf16": ({"transform": faults.rotary_low_precision}, "model.rotary_emb@positions"),
 }
-FAST = {"sdpa_scale": "llama-3.1-8b", "silu_slope": "mixtral-8x7b", "matmul_bf16_acc": "qwen3-8b",
-        "rmsnorm_bf16_acc": "deepseek-v3", "residual_scale": "kimi-k2", "rotary_bf16": "qwen3-30b-a3b"}
+# kimi-k2: deepseek-v3's architecture (see the docstring)
+MATRIX_SUITES = [n for n in SUITES if n != "kimi-k2"]
 
 
 def _run_fault(kind: str, name: str, tmp_path) -> tuple[str, str, set[str]]:
@@ -58,19 +60,9 @@ def _assert_caught(message: str, named: str, where: set[str]) -> None:
     assert "isolated" in message  # localized by the module run on the golden's own inputs
 
 
-@pytest.mark.parametrize("kind", sorted(FAST))
-def test_kernel_fault_caught_in_bf16(kind, tmp_path):
-    message, named, where = _run_fault(kind, FAST[kind], tmp_path)
-    assert message, f"{kind} not caught on {FAST[kind]}"
-    _assert_caught(message, named, where)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HARNESS_PRECISION_FULL"),
-                    reason="the full fault x suite matrix (~2 min): set HARNESS_PRECISION_FULL=1")
-@pytest.mark.parametrize("name", SUITES)
+@pytest.mark.parametrize("name", MATRIX_SUITES)
 @pytest.mark.parametrize("kind", sorted(FAULTS))
-def test_kernel_fault_caught_on_every_suite(kind, name, tmp_path):
+def test_kernel_fault_caught_in_bf16(kind, name, tmp_path):
     message, named, where = _run_fault(kind, name, tmp_path)
     assert message, f"{kind} not caught on {name}"
     _assert_caught(message, named, where)

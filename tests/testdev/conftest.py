@@ -9,8 +9,10 @@ sessions; pip would copy the sources and force a rebuild) beside a ``.dist-info`
 ``entry_points.txt`` is generated from testdev/pyproject.toml itself, so the shared venv is not
 changed. ``pip install -e testdev --no-deps --no-build-isolation`` declares it the same way.
 
-Skipped, with the reason, where there is no C++ compiler or the build fails. ``HARNESS_TESTDEV_FULL=1``
-runs the long device runs too (every bundled suite, nightly parallel and perf; CI's ``testdev`` job).
+Skipped, with the reason, where there is no C++ compiler or the build fails. Every test here runs in
+.ci/run, the long device runs included (issue #44: they once ran only under HARNESS_TESTDEV_FULL=1, in
+CI's ``testdev`` job); that job adds what is no test: every bundled suite's items and the nightly
+perf items on the device, and ``harness certify`` on it (.ci/testdev).
 """
 
 from __future__ import annotations

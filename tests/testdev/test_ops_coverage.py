@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from testdev_support import TESTDEV, device_env, fallback_totals, full_only, harness_cli, run_items
+from testdev_support import TESTDEV, device_env, fallback_totals, harness_cli, run_items
 
 sys.path.insert(0, str(TESTDEV))  # the plugin module (no device import): where its op list is
 from harness_testdev_plugin import OP_LIST  # noqa: E402
@@ -34,7 +34,6 @@ def test_the_shipped_op_list_is_what_the_device_registers(env, tmp_path):
     assert listed.get("aten.histc.default") == NATIVE and "aten.mm.out" not in listed  # a native kernel; a fallback op
 
 
-@full_only  # ~50-100 s: CI's testdev run (HARNESS_TESTDEV_FULL=1)
 def test_op_coverage_agrees_with_the_fallback_counters(meta, tmp_path):
     """Every op of the ``ops`` items of an MoE suite on the device: an op classified ``cpu-fallback``
     was counted by the fallback while its item ran (itself, or the out= overload its structured
@@ -69,7 +68,6 @@ def test_op_coverage_agrees_with_the_fallback_counters(meta, tmp_path):
     assert not wrong, f"counted by the fallback, yet not cpu-fallback by the shipped op list: {wrong}"
 
 
-@full_only
 def test_a_stale_op_list_is_named_by_the_ops_check(meta, tmp_path):
     """An op list that claims a kernel the device does not have (``aten.mm.default`` native): the ops
     item of ``mm`` says the dispatcher disagrees and how to regenerate the list."""

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from testdev_support import ROOT, full_only, run_items
+from testdev_support import ROOT, run_items
 
 # --- (a) the collective itself ----------------------------------------------------------------------
 COLLECTIVES = """
@@ -163,7 +163,6 @@ def test_parallel_check_passes_every_world2_layout_on_hdev_over_hdccl(env, tmp_p
     assert float(tp["metric.comm_all_reduce_count"]) > 0  # harness's own CommCounter saw hdccl's collectives
 
 
-@full_only
 def test_parallel_check_moe_suite_on_hdev_expert_parallel(env, tmp_path):
     """The MoE default matrix at world 2 (ep2 with its all_to_all_single, tp2, pp2, dp2, fsdp2-ac) on
     the device; world-4 layouts skipped (2 devices)."""

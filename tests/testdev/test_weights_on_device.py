@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import torch
-from testdev_support import ROOT, full_only, run_items
+from testdev_support import ROOT, run_items
 
 from harness.models.config import architecture_class, build_config
 
@@ -38,7 +38,7 @@ def _weights(env, suite, results):
     return {v: i for (b, c, v), i in items.items() if c == "weights"}
 
 
-@full_only  # 13-25 s; its device-free half (the placement's mem_get_info) is in tests/weights/test_place.py
+# its device-free half (the placement's mem_get_info) is in tests/weights/test_place.py
 def test_weights_stream_on_the_device_passes_and_names_a_wrong_kernels_layer(env, tmp_path):
     suite, ckpt = _checkpoint(tmp_path)
     got = _weights(env, suite, tmp_path / "clean")

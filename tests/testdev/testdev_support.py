@@ -9,8 +9,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from harness.toml import loads as toml_loads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +47,6 @@ def py(env, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def harness_cli(env, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(Path(sys.executable).parent / "harness"), *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
-
-
-FULL = os.environ.get("HARNESS_TESTDEV_FULL") == "1"
-full_only = pytest.mark.skipif(not FULL, reason="a long device run: HARNESS_TESTDEV_FULL=1 (CI's testdev job)")
 
 
 def run_items(env, results: Path, *args: str, timeout: float = 600) -> dict:
