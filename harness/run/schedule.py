@@ -80,9 +80,10 @@ PARALLEL_FROM_S = 60.0
 MAX_DEFAULT_WORKERS = 4  # each worker and its isolated child hold torch and a model: ~1-2 GiB
 
 
-def default_workers(suites: list, backends: list[str], recorded: dict[str, float]) -> int | None:
+def default_workers(suites: list, backends: list[str], recorded: dict[str, float],
+                    checks: list[str] | None = None) -> int | None:
     """Workers for a run that named none: one per usable core (at most MAX_DEFAULT_WORKERS) when the
-    recorded durations of these suites' items on these backends (none named: any) add up to
+    recorded durations of these suites' items of these checks on these backends (none named: any) add up to
     PARALLEL_FROM_S or more; None (one process) otherwise, or on a single core."""
     try:
         cores = len(os.sched_getaffinity(0))
@@ -93,5 +94,6 @@ def default_workers(suites: list, backends: list[str], recorded: dict[str, float
     names = {getattr(p, "name", str(p)) for p in suites}
     tags = tuple(f"[{b}-" for b in backends) or ("[",)  # no --backend: every backend's record counts
     work = sum(s for item, s in recorded.items()
-               if item.partition("::")[0].rsplit("/", 1)[-1] in names and any(t in item for t in tags))
+               if item.partition("::")[0].rsplit("/", 1)[-1] in names and any(t in item for t in tags)
+               and (not checks or check_of(item) in checks))
     return min(cores, MAX_DEFAULT_WORKERS) if work >= PARALLEL_FROM_S else None

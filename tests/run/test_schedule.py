@@ -71,6 +71,7 @@ def test_a_run_without_n_uses_the_cores_only_when_the_recorded_work_is_worth_a_s
     assert schedule.default_workers([Path("new.toml")], ["cpu"], rec) is None  # nothing recorded
     assert schedule.default_workers([b], [], rec) is None
     assert schedule.default_workers([a], [], rec) == 2  # no --backend: every backend's record counts
+    assert schedule.default_workers([a, b], ["cpu"], rec, ["smoke"]) is None  # --check smoke: 20 s
     monkeypatch.setattr(schedule.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert schedule.default_workers([a], ["cpu"], rec) == schedule.MAX_DEFAULT_WORKERS
     monkeypatch.setattr(schedule.os, "sched_getaffinity", lambda pid: {0}, raising=False)
