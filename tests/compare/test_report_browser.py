@@ -36,7 +36,9 @@ def _missing(what: str) -> None:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    # Debian's chromium; a GitHub-hosted Ubuntu runner ships Google Chrome with its chromedriver instead
+    chromium = next(filter(None, map(shutil.which, ("chromium", "google-chrome", "google-chrome-stable"))), None)
+    driver = shutil.which("chromedriver")
     if not (chromium and driver):
         _missing("chromium or chromedriver not on PATH")
     try:
