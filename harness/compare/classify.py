@@ -236,7 +236,7 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
     for name, value in case.metrics.items():
         if name in skip:
             continue
-        d = meanings.direction(name)
+        d = meanings.direction(name)  # before the finite test: it records a metric with no meaning
         if not math.isfinite(value):
             _non_finite(out, case, base, series, name, value, config, meanings.is_time(name))
             continue
@@ -245,47 +245,67 @@ def _metric_findings(out: Classification, case: Case, base: Case | None, series:
         if f"tolerance.{name}" in case.invalid:
             continue  # its tolerance is not a number (an input warning): it cannot be judged
         base_v = base.metrics.get(name) if base is not None else None
-        floor = config.time_floor_s if meanings.is_time(name) else 0.0
-        thr = config.threshold_for(case.suite, name)
         if name in case.tolerances and base_v is not None:
             # Precision metrics are judged against their tolerance, not a relative threshold.
-            tol = case.tolerances[name]
-            limit = config.drift_fraction * abs(tol - base_v)
-            if _drifted(value, base_v, d, limit):
-                bad = partial(_drifted, base=base_v, direction=d, limit=limit)
-                out.findings.append(_finding(
-                    case, "precision_drift", "precision", name, value, base_v,
+            finding = _precision_drift(case, series, name, value, base_v, d, config)
+        else:
+            floor = config.time_floor_s if meanings.is_time(name) else 0.0
+            thr = config.threshold_for(case.suite, name)
+            finding = _against_baseline(case, series, name, value, base_v, d, thr, floor, config)
+            if finding is None:
+                # In line with the baseline (or none): let the history speak.
+                finding = _history_change(case, series, name, value, d, thr, floor, config)
+        if finding is not None:
+            out.findings.append(finding)
+
+
+def _precision_drift(case: Case, series: SeriesView, name: str, value: float, base_v: float, d: str,
+                     config: Config) -> Finding | None:
+    """Drift past ``drift_fraction`` of the headroom between the baseline and the tolerance."""
+    tol = case.tolerances[name]
+    limit = config.drift_fraction * abs(tol - base_v)
+    if not _drifted(value, base_v, d, limit):
+        return None
+    bad = partial(_drifted, base=base_v, direction=d, limit=limit)
+    return _finding(case, "precision_drift", "precision", name, value, base_v,
                     _streak(series.get((case.key, name), []), bad),
-                    f"{config.drift_fraction:.0%} of headroom to tol {tol:g}", config))
-            continue
-        sign = "+" if d == "lower" else "-"
-        if base_v is not None:
-            if abs(value - base_v) < floor:
-                category = ""  # below the timing noise floor: never a finding, whatever the history
-            elif cpt.is_worse(base_v, value, d, thr):
-                category, kind, test = "metric_regression", "performance", cpt.is_worse
-            elif cpt.is_better(base_v, value, d, thr):
-                category, kind, test = "improvement", "improvement", cpt.is_better
-            else:
-                category = ""
-            if category:
-                bad = partial(_against, test, base_v, direction=d, threshold=thr, floor=floor)
-                out.findings.append(_finding(case, category, kind, name, value, base_v,
-                                             _streak(series.get((case.key, name), []), bad),
-                                             f"{sign}{thr:.0%}", config))
-                continue
-        # In line with the baseline (or none): let the history speak -- but only fetch the series
-        # when its range says a change is possible at all (most metrics are flat).
-        lo, hi, n = series.bounds((case.key, name))
-        if n < 2 + config.min_bad_runs or not _may_change(lo, hi, value, d, thr, floor):  # 3 before + bad runs
-            continue
-        cp = cpt.detect(series.get((case.key, name), []) + [value], d, thr, config.min_bad_runs)
-        if cp is not None and abs(cp.after - cp.before) >= floor and abs(value - cp.before) >= floor:
-            regression = cp.regression
-            out.findings.append(_finding(
-                case, "metric_regression" if regression else "improvement",
-                "performance" if regression else "improvement", name, value, cp.before, cp.runs_after,
-                f"{sign}{thr:.0%}", config, note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})"))
+                    f"{config.drift_fraction:.0%} of headroom to tol {tol:g}", config)
+
+
+def _against_baseline(case: Case, series: SeriesView, name: str, value: float, base_v: float | None, d: str,
+                      thr: float, floor: float, config: Config) -> Finding | None:
+    """A regression or improvement past the relative threshold against the baseline; None when
+    there is no baseline or the value is in line with it (the history may still speak)."""
+    if base_v is None or abs(value - base_v) < floor:
+        return None  # below the timing noise floor: never a finding, whatever the history
+    if cpt.is_worse(base_v, value, d, thr):
+        category, kind, test = "metric_regression", "performance", cpt.is_worse
+    elif cpt.is_better(base_v, value, d, thr):
+        category, kind, test = "improvement", "improvement", cpt.is_better
+    else:
+        return None
+    bad = partial(_against, test, base_v, direction=d, threshold=thr, floor=floor)
+    sign = "+" if d == "lower" else "-"
+    return _finding(case, category, kind, name, value, base_v, _streak(series.get((case.key, name), []), bad),
+                    f"{sign}{thr:.0%}", config)
+
+
+def _history_change(case: Case, series: SeriesView, name: str, value: float, d: str, thr: float,
+                    floor: float, config: Config) -> Finding | None:
+    """A change point in the metric's history ending at today's value. Only fetches the series
+    when its range says a change is possible at all (most metrics are flat)."""
+    lo, hi, n = series.bounds((case.key, name))
+    if n < 2 + config.min_bad_runs or not _may_change(lo, hi, value, d, thr, floor):  # 3 before + bad runs
+        return None
+    cp = cpt.detect(series.get((case.key, name), []) + [value], d, thr, config.min_bad_runs)
+    if not (cp is not None and abs(cp.after - cp.before) >= floor and abs(value - cp.before) >= floor):
+        return None  # written as the test it negates: a NaN compares false both ways
+    regression = cp.regression
+    sign = "+" if d == "lower" else "-"
+    return _finding(
+        case, "metric_regression" if regression else "improvement",
+        "performance" if regression else "improvement", name, value, cp.before, cp.runs_after,
+        f"{sign}{thr:.0%}", config, note=f"change point {cp.runs_after} runs ago (t={cp.t:.1f})")
 
 
 def _non_finite(out: Classification, case: Case, base: Case | None, series: SeriesView, name: str,

@@ -198,8 +198,7 @@ def _md_matrix(cur, headlines) -> list[str]:
 
 def summary_markdown(outcome, headlines: dict | None = None) -> str:
     """``headlines``: check name -> the metric names of its ``headline`` (harness.cli passes them)."""
-    cls, cur = outcome.classification, outcome.current
-    counts = Counter(f.category for f in cls.findings)
+    cur = outcome.current
     outcomes = Counter(c.outcome for c in cur.cases.values())
     lines = ["## harness compare", "",
              f"{len(cur.cases)} test cases from {len(cur.files)} files: "
@@ -207,12 +206,33 @@ def summary_markdown(outcome, headlines: dict | None = None) -> str:
     if cur.cases:
         lines += _md_matrix(cur, headlines)
     lines += ["### Against the baseline and history", ""]
+    lines += _md_input_notes(outcome)
+    lines += _md_findings(outcome)
+    from harness.compare.triage import markdown as triage_markdown
+
+    lines += triage_markdown(getattr(outcome, "triage", []))
+    lines += _md_quarantine(outcome)
+    lines += _md_issue_actions(outcome)
+    return "\n".join(lines) + "\n"
+
+
+def _md_input_notes(outcome) -> list[str]:
+    """The input problems (the report is partial) and warnings (values left out)."""
+    lines: list[str] = []
     if outcome.problems:
         lines += ["### Input problems (this report is partial)", ""]
         lines += [f"- {md_text(p)}" for p in outcome.problems] + [""]
     if getattr(outcome, "warnings", None):
         lines += ["### Input warnings (read whole; these values were left out)", ""]
         lines += [f"- {md_text(w)}" for w in outcome.warnings] + [""]
+    return lines
+
+
+def _md_findings(outcome) -> list[str]:
+    """Counts per category, the findings table, and the notes on improvements and muted findings."""
+    cls = outcome.classification
+    counts = Counter(f.category for f in cls.findings)
+    lines: list[str] = []
     nonzero = [c for c in _ORDER if counts.get(c)]
     if nonzero:
         lines += ["| category | count |", "|---|---|"]
@@ -233,25 +253,34 @@ def summary_markdown(outcome, headlines: dict | None = None) -> str:
                   "so later regressions are measured from the new level.", ""]
     if outcome.muted:
         lines += [f"{len(outcome.muted)} findings muted by the mute file.", ""]
-    from harness.compare.triage import markdown as triage_markdown
+    return lines
 
-    lines += triage_markdown(getattr(outcome, "triage", []))
+
+def _md_quarantine(outcome) -> list[str]:
+    """Quarantine changes, and the quarantined items that ran clean (towards re-enabling them)."""
     changes = [c for c in getattr(outcome, "quarantine", []) if c.op != "clean"]
     clean = [c for c in getattr(outcome, "quarantine", []) if c.op == "clean"]
-    if changes or clean:
-        lines += ["### Quarantine", ""]
-        lines += [f"- {md_text(c.key)}: {md_text(c.text)}" for c in changes]
-        if clean:
-            lines += [f"- {len(clean)} quarantined item(s) ran clean: "
-                      + ", ".join(md_text(f"{c.key} ({c.text})") for c in clean[:10])]
-        lines.append("")
-    if outcome.actions or outcome.log:
-        lines += ["### Issue actions", ""]
-        lines += [f"- {e['op']} {('#' + str(e['number'])) if e.get('number') else ''} "
-                  f"{md_text(e['title'])}: {e['status']}" for e in outcome.log]
-        if outcome.api_calls:
-            lines += ["", f"{outcome.api_calls} GitHub API calls."]
-    return "\n".join(lines) + "\n"
+    if not (changes or clean):
+        return []
+    lines = ["### Quarantine", ""]
+    lines += [f"- {md_text(c.key)}: {md_text(c.text)}" for c in changes]
+    if clean:
+        lines += [f"- {len(clean)} quarantined item(s) ran clean: "
+                  + ", ".join(md_text(f"{c.key} ({c.text})") for c in clean[:10])]
+    lines.append("")
+    return lines
+
+
+def _md_issue_actions(outcome) -> list[str]:
+    """What was done on GitHub: each issue action with its status, and the API calls spent."""
+    if not (outcome.actions or outcome.log):
+        return []
+    lines = ["### Issue actions", ""]
+    lines += [f"- {e['op']} {('#' + str(e['number'])) if e.get('number') else ''} "
+              f"{md_text(e['title'])}: {e['status']}" for e in outcome.log]
+    if outcome.api_calls:
+        lines += ["", f"{outcome.api_calls} GitHub API calls."]
+    return lines
 
 
 def write_step_summary(text: str) -> str | None:

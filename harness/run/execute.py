@@ -191,37 +191,54 @@ def _execute(suite, check_name: str, backend, dtype: str, variant: str | None) -
         ctx.detail("certify_fault", fault)  # a result produced under a fault says so
     backend.reset_peak_memory()
     t = time.perf_counter()
-    result: ItemResult
+    try:
+        result = _run_check(check, ctx, where)
+    finally:  # also for what escapes _run_check (KeyboardInterrupt): the cost is measured either way
+        _record_cost(ctx, backend, t)
+    _attach_context(result, ctx)
+    return result
+
+
+def _run_check(check, ctx: CheckContext, where: tuple[str, str, str, str]) -> ItemResult:
+    """Run the check and map how it ended to an outcome: each harness exception to its own, any
+    other exception to ``failed`` (the model or the backend raised: the check ran and the answer is no)."""
     try:
         check.run(ctx)
-        result = ItemResult("passed")
+        return ItemResult("passed")
     except CheckFailure as e:
-        result = ItemResult("failed", e.message, e.report(describe("failed", *where)))
+        return ItemResult("failed", e.message, e.report(describe("failed", *where)))
     except KnownGap as e:
-        result = ItemResult("xfailed", e.message, e.message)
+        return ItemResult("xfailed", e.message, e.message)
     except NotApplicable as e:
-        result = ItemResult("skipped", e.message, e.message)
+        return ItemResult("skipped", e.message, e.message)
     except CouldNotRun as e:
         step = e.step or ctx.phase
         cause = "".join(traceback.format_exception(e.__cause__)) if e.__cause__ is not None else ""
-        result = ItemResult("error", f"could not run ({step}): {e.message}" if step else f"could not run: {e.message}",
-                            describe("could not run", *where) + (f" (step {step!r})" if step else "") + f": {e.message}"
-                            + (f"\n\n{cause}" if cause else ""))
+        return ItemResult("error", f"could not run ({step}): {e.message}" if step else f"could not run: {e.message}",
+                          describe("could not run", *where) + (f" (step {step!r})" if step else "") + f": {e.message}"
+                          + (f"\n\n{cause}" if cause else ""))
     except Exception as e:  # the model or the backend raised: the check ran and the answer is no
         step = getattr(e, "_harness_step", None) or ctx.phase
         msg = f"{type(e).__name__}: {first_line(e, 500)}"
-        result = ItemResult("failed", f"{msg} (in step {step})" if step else msg,
-                            describe("failed", *where) + f": step {step!r} raised {msg}\n\n"
-                            + "".join(traceback.format_exception(e)))
-    finally:
-        try:
-            backend.synchronize()
-        except Exception:  # a dead device must not hide the result we already have
-            pass
-        ctx.metric("wall_time_s", time.perf_counter() - t)
-        peak = backend.peak_memory()
-        if peak is not None:
-            ctx.metric("peak_memory_bytes", peak)
+        return ItemResult("failed", f"{msg} (in step {step})" if step else msg,
+                          describe("failed", *where) + f": step {step!r} raised {msg}\n\n"
+                          + "".join(traceback.format_exception(e)))
+
+
+def _record_cost(ctx: CheckContext, backend, t: float) -> None:
+    """Wall time since ``t`` and the backend's peak memory, after the device finished its work."""
+    try:
+        backend.synchronize()
+    except Exception:  # a dead device must not hide the result we already have
+        pass
+    ctx.metric("wall_time_s", time.perf_counter() - t)
+    peak = backend.peak_memory()
+    if peak is not None:
+        ctx.metric("peak_memory_bytes", peak)
+
+
+def _attach_context(result: ItemResult, ctx: CheckContext) -> None:
+    """What the check recorded on its context (properties, notes, the phase it reached) onto the result."""
     if ctx.notes:
         ctx.detail("notes", "; ".join(ctx.notes))
     if result.outcome in ("failed", "error") and ctx.phase:
@@ -229,7 +246,6 @@ def _execute(suite, check_name: str, backend, dtype: str, variant: str | None) -
     result.properties = list(ctx.properties)
     result.notes = list(ctx.notes)
     result.phase = ctx.phase
-    return result
 
 
 def identity_properties(suite: str, check: str, backend: str, dtype: str, variant: str | None,

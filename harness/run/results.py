@@ -312,36 +312,9 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float, 
                        failures=str(c["failed"] + c.get("quarantined", 0)), errors=str(c["error"]),
                        skipped=str(c["skipped"] + c.get("xfailed", 0) + len(not_run)), time=f"{elapsed:.3f}",
                        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    sp = ET.SubElement(suite, "properties")
-    ET.SubElement(sp, "property", name="harness.run.status", value=status)
-    ET.SubElement(sp, "property", name="harness.run.not_run", value=str(len(not_run)))
-    if reason:
-        ET.SubElement(sp, "property", name="harness.run.reason", value=reason)
-    for pkg, version in stack_versions().items():  # what the upstream canary compares (docs/ci.md)
-        ET.SubElement(sp, "property", name=f"harness.stack.{pkg}", value=version)
-    for name, value in meaning_properties(rows):  # what each metric means (harness/metrics.py)
-        ET.SubElement(sp, "property", name=name, value=value)
+    _suite_properties(suite, rows, len(not_run), status, reason)
     for r in rows:
-        cls, name = junit_names(r.nodeid)
-        tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time=f"{r.duration:.3f}")
-        if r.props:
-            props = ET.SubElement(tc, "properties")
-            for k, v in r.props.items():
-                ET.SubElement(props, "property", name=str(k), value=str(v))
-        if r.outcome == "failed":
-            ET.SubElement(tc, "failure", message=r.message).text = r.longrepr
-        elif r.outcome == "error":
-            ET.SubElement(tc, "error", message=r.message).text = r.longrepr
-        elif r.outcome == "quarantined":  # still a failure for anyone reading the XML
-            tag = "error" if r.props.get("harness.detail.quarantined_outcome") == "error" else "failure"
-            ET.SubElement(tc, tag, type="harness.quarantined", message=r.message).text = r.longrepr
-        elif r.outcome == "skipped":
-            ET.SubElement(tc, "skipped", type="pytest.skip", message=r.message).text = r.message
-        elif r.outcome == "xfailed":
-            ET.SubElement(tc, "skipped", type="pytest.xfail", message=r.message).text = r.message
-        _reruns(tc, r)
-        if r.warnings:  # what libraries warned during the item, one line per kind (harness report shows it)
-            ET.SubElement(tc, "system-err").text = "\n".join(warning_line(w) for w in r.warnings)
+        _testcase(suite, r)
     for nodeid in not_run:
         cls, name = junit_names(nodeid)
         tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time="0")
@@ -351,6 +324,48 @@ def junit_xml(rows: list[Row], not_run: list[str], status: str, elapsed: float, 
     buf = io.BytesIO()
     ET.ElementTree(root).write(buf, encoding="utf-8", xml_declaration=True)
     return buf.getvalue().decode("utf-8")
+
+
+def _suite_properties(suite: ET.Element, rows: list[Row], not_run: int, status: str, reason: str) -> None:
+    """The testsuite's <properties>: run status, the software stack, and what each metric means."""
+    sp = ET.SubElement(suite, "properties")
+    ET.SubElement(sp, "property", name="harness.run.status", value=status)
+    ET.SubElement(sp, "property", name="harness.run.not_run", value=str(not_run))
+    if reason:
+        ET.SubElement(sp, "property", name="harness.run.reason", value=reason)
+    for pkg, version in stack_versions().items():  # what the upstream canary compares (docs/ci.md)
+        ET.SubElement(sp, "property", name=f"harness.stack.{pkg}", value=version)
+    for name, value in meaning_properties(rows):  # what each metric means (harness/metrics.py)
+        ET.SubElement(sp, "property", name=name, value=value)
+
+
+def _testcase(suite: ET.Element, r: Row) -> None:
+    """One finished item as a <testcase>: its properties, outcome element, reruns and warnings."""
+    cls, name = junit_names(r.nodeid)
+    tc = ET.SubElement(suite, "testcase", classname=cls, name=name, time=f"{r.duration:.3f}")
+    if r.props:
+        props = ET.SubElement(tc, "properties")
+        for k, v in r.props.items():
+            ET.SubElement(props, "property", name=str(k), value=str(v))
+    _outcome_element(tc, r)
+    _reruns(tc, r)
+    if r.warnings:  # what libraries warned during the item, one line per kind (harness report shows it)
+        ET.SubElement(tc, "system-err").text = "\n".join(warning_line(w) for w in r.warnings)
+
+
+def _outcome_element(tc: ET.Element, r: Row) -> None:
+    """<failure> / <error> / <skipped> as pytest's junitxml writes them; nothing for a pass."""
+    if r.outcome == "failed":
+        ET.SubElement(tc, "failure", message=r.message).text = r.longrepr
+    elif r.outcome == "error":
+        ET.SubElement(tc, "error", message=r.message).text = r.longrepr
+    elif r.outcome == "quarantined":  # still a failure for anyone reading the XML
+        tag = "error" if r.props.get("harness.detail.quarantined_outcome") == "error" else "failure"
+        ET.SubElement(tc, tag, type="harness.quarantined", message=r.message).text = r.longrepr
+    elif r.outcome == "skipped":
+        ET.SubElement(tc, "skipped", type="pytest.skip", message=r.message).text = r.message
+    elif r.outcome == "xfailed":
+        ET.SubElement(tc, "skipped", type="pytest.xfail", message=r.message).text = r.message
 
 
 def _reruns(tc: ET.Element, r: Row) -> None:

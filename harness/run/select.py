@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import fnmatch
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -148,9 +149,38 @@ def select(changed: list[str], settings: Settings, root: Path, suites: list, op_
     check's inventory). Paths are relative to ``root`` (the repository root)."""
     root = root.resolve()
     out = Selection(changed=list(changed))
-    suites_dir = _rel(root, Path(settings.suites_dir))
-    golden_dir = _rel(root, Path(settings.golden_dir))
-    quiet = [_rel(root, Path(settings.durations_file)), _rel(root, Path(settings.quarantine_file))]
+    layout = _layout(settings, root, suites, op_names)
+    out.files = {n: f for f, n in layout.by_file.items()}
+    for path in changed:
+        # The rules of the module docstring's table, in its order: the first that applies decides.
+        if not any(rule(path, PurePosixPath(path), layout, out) for rule in _RULES):
+            out.everything.append(f"{path} is not mapped to suites, checks or ops (harness.toml [select])")
+    return out
+
+
+@dataclass
+class _Layout:
+    """Where each kind of changed path leads: the settings' paths and the loaded suites, indexed."""
+    settings: Settings
+    suites: list
+    op_names: Callable  # ls -> the op names of its inventory (the ops check's)
+    suites_dir: str
+    golden_dir: str
+    quiet: list[str]  # harness's own bookkeeping files: changing them changes no item
+    by_config: dict[str, list[str]]  # model config (or its folder, ending in /) -> suite names
+    by_file: dict[str, str]  # suite file -> suite name
+    names: set[str]
+    check_names: set[str]
+    inventories: dict[str, set[str]] = field(default_factory=dict)  # filled on first use: each costs a trace
+
+    def inventory(self, ls) -> set[str]:
+        if ls.name not in self.inventories:
+            self.inventories[ls.name] = set(self.op_names(ls))
+        return self.inventories[ls.name]
+
+
+def _layout(settings: Settings, root: Path, suites: list, op_names) -> _Layout:
+    """The settings' paths as repository paths, and the suites indexed by their file and model config."""
     by_config: dict[str, list[str]] = {}
     for ls in suites:
         cfg = _rel(root, ls.config_path)
@@ -158,53 +188,77 @@ def select(changed: list[str], settings: Settings, root: Path, suites: list, op_
         if PurePosixPath(cfg).name == "config.json":  # a model folder (HF layout): its tokenizer, sidecars
             by_config.setdefault(str(PurePosixPath(cfg).parent) + "/", []).append(ls.name)
     by_file = {_rel(root, ls.path): ls.name for ls in suites}
-    out.files = {n: f for f, n in by_file.items()}
-    names = {ls.name for ls in suites}
     from harness.checks import registry as checks
 
-    check_names = set(checks().names())
-    inventories: dict[str, set[str]] = {}
+    return _Layout(settings, suites, op_names,
+                   suites_dir=_rel(root, Path(settings.suites_dir)),
+                   golden_dir=_rel(root, Path(settings.golden_dir)),
+                   quiet=[_rel(root, Path(settings.durations_file)), _rel(root, Path(settings.quarantine_file))],
+                   by_config=by_config, by_file=by_file, names={ls.name for ls in suites},
+                   check_names=set(checks().names()))
 
-    def add(suite: str, why: str) -> None:
-        out.suites.setdefault(suite, []).append(why)
 
-    for path in changed:
-        pp = PurePosixPath(path)
-        if _matches(path, settings.select.ignore) or path in quiet:
-            out.ignored.append(path)
-            continue
-        if path in by_file:
-            add(by_file[path], f"suite file {path} changed")
-            continue
-        if suites_dir and str(pp.parent) == suites_dir and pp.suffix == ".toml":
-            out.ignored.append(path)  # a suite file that no longer exists (deleted or renamed away)
-            continue
-        if path in by_config or str(pp.parent) + "/" in by_config:
-            for s in by_config.get(path) or by_config[str(pp.parent) + "/"]:
-                add(s, f"its model config {'' if path in by_config else 'folder '}{path} changed")
-            continue
-        if golden_dir and pp.is_relative_to(golden_dir) and len(pp.relative_to(golden_dir).parts) > 1:
-            suite = pp.relative_to(golden_dir).parts[0]
-            if suite in names:
-                add(suite, f"its golden {path} changed")
-            else:
-                out.ignored.append(path)  # the golden of a suite that does not exist here
-            continue
-        if pp.parts[:2] == ("harness", "checks") and pp.stem in check_names and len(pp.parts) == 3:
-            out.checks.setdefault(pp.stem, []).append(f"check code {path} changed")
-            continue
-        maps = [m for m in settings.select.kernels if _matches(path, m.paths)]
-        if maps:
-            pats = [o for m in maps for o in m.ops]
-            for ls in suites:
-                if ls.name not in inventories:
-                    inventories[ls.name] = set(op_names(ls))
-                hit = sorted(op for op in inventories[ls.name] if any(_op_matches(op, p) for p in pats))
-                if hit:
-                    add(ls.name, f"kernel path {path} -> {', '.join(hit[:4])}" + (" ..." if len(hit) > 4 else ""))
-            continue
-        out.everything.append(f"{path} is not mapped to suites, checks or ops (harness.toml [select])")
-    return out
+def _add(out: Selection, suite: str, why: str) -> None:
+    out.suites.setdefault(suite, []).append(why)
+
+
+def _ignored_path(path: str, pp: PurePosixPath, lay: _Layout, out: Selection) -> bool:
+    if _matches(path, lay.settings.select.ignore) or path in lay.quiet:
+        out.ignored.append(path)
+        return True
+    return False
+
+
+def _suite_file(path: str, pp: PurePosixPath, lay: _Layout, out: Selection) -> bool:
+    if path in lay.by_file:
+        _add(out, lay.by_file[path], f"suite file {path} changed")
+        return True
+    if lay.suites_dir and str(pp.parent) == lay.suites_dir and pp.suffix == ".toml":
+        out.ignored.append(path)  # a suite file that no longer exists (deleted or renamed away)
+        return True
+    return False
+
+
+def _model_config(path: str, pp: PurePosixPath, lay: _Layout, out: Selection) -> bool:
+    if not (path in lay.by_config or str(pp.parent) + "/" in lay.by_config):
+        return False
+    for s in lay.by_config.get(path) or lay.by_config[str(pp.parent) + "/"]:
+        _add(out, s, f"its model config {'' if path in lay.by_config else 'folder '}{path} changed")
+    return True
+
+
+def _golden(path: str, pp: PurePosixPath, lay: _Layout, out: Selection) -> bool:
+    golden_dir = lay.golden_dir
+    if not (golden_dir and pp.is_relative_to(golden_dir) and len(pp.relative_to(golden_dir).parts) > 1):
+        return False
+    suite = pp.relative_to(golden_dir).parts[0]
+    if suite in lay.names:
+        _add(out, suite, f"its golden {path} changed")
+    else:
+        out.ignored.append(path)  # the golden of a suite that does not exist here
+    return True
+
+
+def _check_code(path: str, pp: PurePosixPath, lay: _Layout, out: Selection) -> bool:
+    if pp.parts[:2] == ("harness", "checks") and pp.stem in lay.check_names and len(pp.parts) == 3:
+        out.checks.setdefault(pp.stem, []).append(f"check code {path} changed")
+        return True
+    return False
+
+
+def _kernel_path(path: str, pp: PurePosixPath, lay: _Layout, out: Selection) -> bool:
+    maps = [m for m in lay.settings.select.kernels if _matches(path, m.paths)]
+    if not maps:
+        return False
+    pats = [o for m in maps for o in m.ops]
+    for ls in lay.suites:
+        hit = sorted(op for op in lay.inventory(ls) if any(_op_matches(op, p) for p in pats))
+        if hit:
+            _add(out, ls.name, f"kernel path {path} -> {', '.join(hit[:4])}" + (" ..." if len(hit) > 4 else ""))
+    return True
+
+
+_RULES = (_ignored_path, _suite_file, _model_config, _golden, _check_code, _kernel_path)
 
 
 def _rel(root: Path, p: Path) -> str:

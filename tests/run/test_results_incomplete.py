@@ -94,13 +94,7 @@ def test_a_disk_that_fills_mid_run_leaves_an_incomplete_readable_run(tmp_path, h
     if how == "tmpfs" and not mounted:
         pytest.skip("cannot mount a tmpfs here (not root); the injected case covers the same path")
     results = disk / "results"
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "250",
-                        "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if not mounted:
-        inject = tmp_path / "inject"
-        inject.mkdir()
-        (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env |= {"INJECT_ENOSPC_AFTER": "1", "PYTHONPATH": f"{inject}{os.pathsep}{env['PYTHONPATH']}"}
+    env = _run_env(tmp_path, inject_enospc=not mounted)
     stop = threading.Event()
     filler = threading.Thread(target=_fill_when_journaled, args=(results, stop), daemon=True)
     if mounted:
@@ -110,34 +104,58 @@ def test_a_disk_that_fills_mid_run_leaves_an_incomplete_readable_run(tmp_path, h
         r = subprocess.run([str(exe), "run", "--check", "smoke", "--no-isolate", "--results", str(results)],
                            cwd=project, env=env, capture_output=True, text=True, timeout=240)
         stop.set()
-        out = r.stdout + r.stderr
-        assert r.returncode != 0, out
-        assert "Traceback" not in out and "OSError" not in out, out
-        errors = [line for line in out.splitlines() if line.startswith("error: run incomplete: ")]
-        assert len(errors) == 1 and "No space left on device (ENOSPC)" in errors[0], out
-        run = json.loads((results / "run.json").read_text())
-        assert run["status"] == "incomplete", run
-        assert re.search(r"cannot write results: [\w.-]+: No space left on device \(ENOSPC\)", run["reason"]), run
-        summary = json.loads((results / "summary.json").read_text())
-        assert summary["status"] == "incomplete" and summary["reason"] == run["reason"]
-        finished = {i["nodeid"] for i in summary["items"]}
-        assert finished and len(finished) + len(summary["not_run"]) == 4
-        if how == "injected":  # the run stopped at once: the rest is listed as not run, never as passed
-            assert "journal.jsonl: No space left on device (ENOSPC) after 2 item(s)" in run["reason"], run
-            assert len(finished) == 2 and len(summary["not_run"]) == 2, summary
-        root = ET.parse(results / "junit.xml").getroot()
-        props = {p.get("name"): p.get("value") for p in root.iter("property")}
-        assert props["harness.run.status"] == "incomplete"
-        assert len(root.findall(".//skipped[@type='harness.not-run']")) == len(summary["not_run"])
-        # the journal holds whole lines only, each a finished item the summary also lists
-        lines = (results / "journal.jsonl").read_text().splitlines()
-        assert {json.loads(line)["nodeid"] for line in lines} <= finished
-        assert "incomplete" in (results / "summary.txt").read_text()
-        assert not (results / ".harness-reserve").exists()
+        _assert_one_error_line(r)
+        _assert_incomplete_results(results, how)
     finally:
         stop.set()
         if mounted:
             subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _run_env(tmp_path: Path, inject_enospc: bool) -> dict[str, str]:
+    """The `harness run` environment; with ``inject_enospc`` the journal's fsync after one whole
+    line fails as a full disk makes it fail (SITECUSTOMIZE)."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "250",
+                        "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if inject_enospc:
+        inject = tmp_path / "inject"
+        inject.mkdir()
+        (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env |= {"INJECT_ENOSPC_AFTER": "1", "PYTHONPATH": f"{inject}{os.pathsep}{env['PYTHONPATH']}"}
+    return env
+
+
+def _assert_one_error_line(r: subprocess.CompletedProcess) -> None:
+    """A non-zero exit with one error line naming ENOSPC, never a traceback."""
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "Traceback" not in out and "OSError" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error: run incomplete: ")]
+    assert len(errors) == 1 and "No space left on device (ENOSPC)" in errors[0], out
+
+
+def _assert_incomplete_results(results: Path, how: str) -> None:
+    """run.json, summary.json, junit.xml and summary.txt agree that the run is incomplete and why;
+    the journal holds whole lines of finished items only; the reserve file is gone."""
+    run = json.loads((results / "run.json").read_text())
+    assert run["status"] == "incomplete", run
+    assert re.search(r"cannot write results: [\w.-]+: No space left on device \(ENOSPC\)", run["reason"]), run
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["status"] == "incomplete" and summary["reason"] == run["reason"]
+    finished = {i["nodeid"] for i in summary["items"]}
+    assert finished and len(finished) + len(summary["not_run"]) == 4
+    if how == "injected":  # the run stopped at once: the rest is listed as not run, never as passed
+        assert "journal.jsonl: No space left on device (ENOSPC) after 2 item(s)" in run["reason"], run
+        assert len(finished) == 2 and len(summary["not_run"]) == 2, summary
+    root = ET.parse(results / "junit.xml").getroot()
+    props = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert props["harness.run.status"] == "incomplete"
+    assert len(root.findall(".//skipped[@type='harness.not-run']")) == len(summary["not_run"])
+    # the journal holds whole lines only, each a finished item the summary also lists
+    lines = (results / "journal.jsonl").read_text().splitlines()
+    assert {json.loads(line)["nodeid"] for line in lines} <= finished
+    assert "incomplete" in (results / "summary.txt").read_text()
+    assert not (results / ".harness-reserve").exists()
 
 
 @pytest.mark.parametrize("how", ["plugin"])
