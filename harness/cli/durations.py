@@ -1,7 +1,8 @@
 """`harness durations update RESULTS...`: record item durations from a results run.
 
-The recorded durations (settings ``durations_file``, default ``durations.json``) set the time
-limit of isolated items (10x the record, at least 60 s) and balance shards. RESULTS are results
+The recorded durations (settings ``durations_file``, default ``durations.json``) set the wall-clock
+backstop of isolated items (30x the record, at least 900 s) and balance shards. A value that is not a
+duration (NaN, Infinity, negative, over a day) is left out with a line naming the item. RESULTS are results
 directories (their ``summary.json``) or JUnit XML files; items that did not run (skipped, not run)
 keep their old record.
 """
@@ -29,19 +30,50 @@ def read(path: Path) -> dict[str, float]:
         path = path / "summary.json" if (path / "summary.json").exists() else path / "junit.xml"
     if path.suffix == ".json":
         data = json.loads(path.read_text(encoding="utf-8"))
-        for r in data.get("items", []):
-            if r.get("outcome") in ("passed", "failed", "error") and "::" in r.get("nodeid", ""):
-                out[r["nodeid"]] = float(r.get("duration", 0.0))
+        items = data.get("items", []) if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ValueError("not a harness summary.json (no items list)")
+        for r in items:
+            if (isinstance(r, dict) and r.get("outcome") in ("passed", "failed", "error")
+                    and "::" in str(r.get("nodeid", ""))):
+                _put(out, str(r["nodeid"]), r.get("duration", 0.0))
         return out
     for tc in ET.parse(path).getroot().iter("testcase"):
         if tc.find("skipped") is not None:
             continue
-        cls, name = tc.get("classname", ""), tc.get("name", "")
-        # pytest's mangling: suites.x.toml -> suites/x.toml (the last two dots are the file name's)
-        head, _, file = cls.rpartition(".toml")[0].rpartition(".")
-        nodeid = f"{head.replace('.', '/')}/{file}.toml::{name}" if head else f"{file}.toml::{name}"
-        out[nodeid] = float(tc.get("time", 0.0))
+        _put(out, _nodeid(tc), _number(tc.get("time", "0")))
     return out
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _put(out: dict, nodeid: str, seconds) -> None:
+    from harness.run.durations import MAX_RECORD_S, valid
+
+    s = valid(seconds)
+    if s is None:  # NaN, Infinity, 1e308, negative: not a duration (it would switch the time limit off)
+        print(f"harness durations: {nodeid}: {seconds!r} is not a duration (0-{MAX_RECORD_S:g} s); left out")
+        return
+    out[nodeid] = s
+
+
+def _nodeid(tc: ET.Element) -> str:
+    """The item id back from pytest's JUnit mangling (suites/x.toml -> classname suites.x.toml). The
+    file name is the suite's, which the item records (harness.suite), so a suite named with dots
+    (llama-3.1-8b) keeps them; without that property, the last dot before .toml splits."""
+    cls, name = tc.get("classname", ""), tc.get("name", "")
+    stem = next((p.get("value") for p in tc.iter("property") if p.get("name") == "harness.suite"), None)
+    if stem and (cls == f"{stem}.toml" or cls.endswith(f".{stem}.toml")):
+        head = cls[: -len(f"{stem}.toml")].rstrip(".")
+        file = stem
+    else:
+        head, _, file = cls.rpartition(".toml")[0].rpartition(".")
+    return f"{head.replace('.', '/')}/{file}.toml::{name}" if head else f"{file}.toml::{name}"
 
 
 def main(args) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 1800.0  # no record, no suite or command-line limit: 30 minutes
@@ -24,18 +25,50 @@ FACTOR, FLOOR_S = 30.0, 900.0  # a recorded item may take 30x its record, and at
 STALL_S = 60.0  # no progress for a minute is a hang (the suite's stall_s wins)
 
 
+MAX_RECORD_S = 86400.0  # a day: more is no item's duration (1e308 once switched the time limit off)
+_SAID: set[str] = set()  # files already said to be unusable (load runs in several places of one run)
+
+
+def valid(seconds) -> float | None:
+    """A recorded duration as harness may use it: a finite number of seconds in [0, MAX_RECORD_S]."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return None
+    s = float(seconds)
+    return s if math.isfinite(s) and 0 <= s <= MAX_RECORD_S else None
+
+
 def load(path: str | Path) -> dict[str, float]:
+    """The recorded durations; a missing file is no record. A file of another shape, or entries that
+    are not durations, are left out with one line on stderr naming the file: a bad durations file
+    costs the time limits and shard balance it would have given, never an item's result."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError:
         return {}
-    if not isinstance(data, dict):
-        return {}
-    out = {}
-    for k, v in (data.get("durations", data) or {}).items():
-        if isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0:
-            out[k] = float(v)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        return _unusable(path, f"not JSON ({e})")
+    table = data.get("durations", data) if isinstance(data, dict) else None
+    if not isinstance(table, dict):
+        return _unusable(path, 'not {"durations": {item id: seconds}}')
+    out, bad = {}, 0
+    for k, v in table.items():
+        s = valid(v)
+        if isinstance(k, str) and "::" in k and s is not None:
+            out[k] = s
+        else:
+            bad += 1
+    if bad:
+        _unusable(path, f"{bad} entr{'y' if bad == 1 else 'ies'} left out (not an item id with 0-{MAX_RECORD_S:g} s)")
     return out
+
+
+def _unusable(path, why: str) -> dict:
+    if str(path) not in _SAID:
+        _SAID.add(str(path))
+        print(f"harness: {path}: {why}; items without a record get the default time limit", file=sys.stderr)
+    return {}
 
 
 def timeout_for(item_id: str, recorded: dict[str, float], override: float | None = None) -> float:
@@ -47,6 +80,8 @@ def timeout_for(item_id: str, recorded: dict[str, float], override: float | None
 
 
 def save(path: str | Path, durations: dict[str, float]) -> None:
+    """Only valid records are written (JSON has no NaN or Infinity)."""
     from harness.files import atomic
 
-    atomic.write_json(path, {"durations": dict(sorted(durations.items()))})
+    kept = {k: s for k, v in durations.items() if (s := valid(v)) is not None}
+    atomic.write_json(path, {"durations": dict(sorted(kept.items()))})
