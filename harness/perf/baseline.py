@@ -19,6 +19,7 @@ and never meet. Updating merges: items of the run replace the same items, others
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from harness.files import atomic
@@ -167,6 +168,24 @@ def read_sidecars(results_dir: str | Path, refused: list | None = None) -> list[
     return out
 
 
+def bad_samples(item: dict) -> str | None:
+    """Why an item's samples cannot be a baseline (None: they can). Every sample is a time in seconds:
+    a NaN, an infinity, a zero or a negative one made every later verdict read "unchanged" (a NaN
+    median compares false both ways), so a perf issue could close on no evidence (issue #49)."""
+    groups = [("", item.get("samples")), ("calibration ", (item.get("calibration") or {}).get("samples"))]
+    for label, samples in groups:
+        if samples is None and not label:
+            return "no samples"
+        for metric, values in (samples or {}).items():
+            if not isinstance(values, list):
+                return f"{label}samples of {metric} are not a list"
+            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))
+                   or not math.isfinite(v) or v <= 0]
+            if bad:
+                return f"{label}samples of {metric} hold {len(bad)} value(s) that are not times ({bad[0]!r})"
+    return None
+
+
 def baseline_path(suite: str, cls_key: str, golden_root: str | Path | None = None, source="perf baseline") -> Path:
     return _under(perf_golden_root(golden_root), suite, f"{cls_key}.json", source=source,
                   fields=("suite", "fingerprint (machine class)"))
@@ -181,6 +200,8 @@ def find_baseline(suite: str, key: str, fp: dict, golden_root: str | Path | None
         item = data.get("items", {}).get(key)
         if item is None:
             return None, f"no baseline for {key} in {p}"
+        if (why_bad := bad_samples(item)) is not None:  # a hand edit: never compared, said
+            return None, f"{p}: baseline {key} not used: {why_bad}"
         ok, why = fpmod.compare(item.get("fingerprint", {}), fp)
         if not ok:  # a hand-edited or colliding file: never compare silently
             return None, f"{p}: {why}"
@@ -252,6 +273,9 @@ def update(results_dir: str | Path, golden_root: str | Path | None = None,
         base, took, refused = by_file[p]
         if not any(rec["samples"].get(m) for m in rec["samples"]):
             refused.append(f"{rec['key']}: no samples ({rec.get('why_no_samples') or 'not measured'})")
+            continue
+        if (why := bad_samples(rec)) is not None:
+            refused.append(f"{rec['key']}: {why}")
             continue
         keep = {k: rec[k] for k in ("suite", "key", "backend", "dtype", "variant", "fingerprint", "class",
                                      "calibration", "reference", "samples", "summary", "roofline", "memory",

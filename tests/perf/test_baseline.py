@@ -158,3 +158,27 @@ def test_documented_workflow_end_to_end_in_a_project_named_perf(tmp_path):
     junit = (project / "results" / "junit.xml").read_text()
     verdict = next(line for line in junit.split("<property ") if "perf_verdict" in line)
     assert "golden/perf/tiny/" in verdict and "no baseline" not in verdict
+
+
+def test_samples_that_are_not_times_are_refused_and_a_hand_edited_baseline_is_not_used(tmp_path, capsys):
+    """Issue #49: NaN or negative samples were taken as a baseline, after which every perf verdict read
+    "unchanged" (a NaN median compares false both ways) and a perf issue could close."""
+    fp = fpmod.fingerprint(get("cpu"), threads=1)
+    for i, prefill in enumerate([(float("nan"), 0.1, 0.1), (-0.1, 0.1, 0.1), (0.0, 0.1, 0.1), (float("inf"), 0.1, 0.1)]):
+        r = tmp_path / f"r{i}"
+        store.write_sidecar(record(prefill=prefill), r)
+        assert main(["baseline", "update", str(r), "--golden-dir", str(tmp_path / "g")]) == 1
+        err = capsys.readouterr().err
+        assert "refused cpu-float32-b1-s128: samples of prefill_s hold 1 value(s) that are not times" in err, err
+    assert not (tmp_path / "g" / "perf").exists() or not list((tmp_path / "g" / "perf").rglob("*.json"))
+    # a calibration sample too
+    store.write_sidecar({**record(), "calibration": {"samples": {"calib_matmul_s": [float("nan")]}}}, tmp_path / "rc")
+    assert main(["baseline", "update", str(tmp_path / "rc"), "--golden-dir", str(tmp_path / "g")]) == 1
+    assert "calibration samples of calib_matmul_s" in capsys.readouterr().err
+    # a good baseline, then hand-edited to NaN: never compared, and the reason says so
+    store.write_sidecar(record(), tmp_path / "ok")
+    assert main(["baseline", "update", str(tmp_path / "ok"), "--golden-dir", str(tmp_path / "g")]) == 0
+    path = tmp_path / "g" / "perf" / "llama-3.1-8b" / f"{fpmod.class_key(fp)}.json"
+    path.write_text(path.read_text().replace("0.11", "NaN"))
+    item, why = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, tmp_path / "g")
+    assert item is None and "baseline cpu-float32-b1-s128 not used: samples of prefill_s" in why, why
