@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harness.cli.numbers import DAY_S, amount
+
 
 def register(sub) -> None:
     p = sub.add_parser("bisect", help="the first bad commit of failing items (a run per step, only those items)",
@@ -28,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
                    help="an argument for pip (repeatable): --pip-arg=--index-url=URL, --pip-arg=--find-links=DIR")
     p.add_argument("--repo", type=Path, default=Path("."), help="the repository (default: the current directory's)")
-    p.add_argument("--step-timeout", type=float, default=3600.0, metavar="SECONDS",
+    p.add_argument("--step-timeout", type=amount(0, 7 * DAY_S, low_open=True), default=3600.0, metavar="SECONDS",
                    help="time limit of one step's harness run (default 3600)")
     p.add_argument("--json", type=Path, default=None, help="also write the bisection (every step's verdicts) here")
     p.add_argument("--items", dest="items_str", default="", metavar="'ITEM ...'",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+from harness.cli.numbers import DAY_S, amount
+
 DEFAULT_SUITE = "llama-3.1-8b"  # small, dense, every fault's op on its path
 
 
@@ -23,7 +25,7 @@ def register(sub) -> None:
                    help="run this check for every fault instead of each fault's own (which checks see what)")
     p.add_argument("--list", action="store_true", help="the fault catalogue; runs nothing")
     p.add_argument("--results", default=None, help="where each run's results are kept: DIR/baseline, DIR/<fault> (default: the results directory's certify/)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="time limit of one item")
+    p.add_argument("--timeout", type=amount(0, 7 * DAY_S, low_open=True), default=None, metavar="SECONDS", help="time limit of one item")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=main)
 

@@ -24,6 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from harness.cli.numbers import count
+
 DEFAULT_OUT = ".harness/ci-local"
 
 
@@ -31,8 +33,8 @@ def register(sub) -> None:
     p = sub.add_parser("ci-local", help="rehearse ci.yml here: the shards, the merged comparison, file-sink issues",
                        description=__doc__.split("\n\n")[0] + " Every option defaults to what ci.yml does.")
     p.add_argument("suites", nargs="*", help="suite names or paths (default: every suite, as CI)")
-    p.add_argument("--shards", type=int, default=4, metavar="N", help="shard jobs (default 4, as ci.yml)")
-    p.add_argument("--parallel", type=int, default=1, metavar="P",
+    p.add_argument("--shards", type=count(1, 1024), default=4, metavar="N", help="shard jobs (default 4, as ci.yml)")
+    p.add_argument("--parallel", type=count(1, 256), default=1, metavar="P",
                    help="shards run at once (default 1: one after the other; each also runs -n workers)")
     p.add_argument("--workers", "-n", default="2", help="pytest-xdist workers per shard (default 2, as ci.yml)")
     p.add_argument("--backend", "-b", default="cpu", help="backend (default cpu, as ci.yml)")
@@ -40,12 +42,12 @@ def register(sub) -> None:
     p.add_argument("--check", "-c", action="append", default=[], help="only this check (repeatable)")
     p.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
                    help=f"folder for results, history, baseline, issues and logs (default {DEFAULT_OUT})")
-    p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes (default 2)")
+    p.add_argument("--close-after", type=count(1, 1000), default=2, help="clean runs before an issue closes (default 2)")
     p.add_argument("--base", default=None, metavar="REF",
                    help="rehearse a pull request: `harness select --base REF --sample 1` first, the shards run its "
                         "selection, the comparison reads copies of the history and quarantine and never makes the "
                         "baseline (default: every item, as main)")
-    p.add_argument("--reenable-after", type=int, default=3,
+    p.add_argument("--reenable-after", type=count(1, 1000), default=3,
                    help="clean runs before a quarantined item counts again (default 3, as ci.yml)")
     p.add_argument("--sink", default=None,
                    help="issue sink of the comparison (default file: OUT/issues, or with --base stdout, as "

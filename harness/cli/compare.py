@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from harness.cli.numbers import DAY_S, amount, count, pull_request
 from harness.compare.issues import FILED_KINDS, GROUP_BY
 
 if TYPE_CHECKING:
@@ -28,20 +29,20 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="JUnit XML of the baseline run (file, folder or glob; repeatable)")
     p.add_argument("--history", default=DEFAULT_HISTORY, metavar="DB",
                    help=f"SQLite history of earlier runs (default {DEFAULT_HISTORY}; '' for none)")
-    p.add_argument("--threshold", type=float, default=0.10,
+    p.add_argument("--threshold", type=amount(0, 1e6), default=0.10,
                    help="relative change that counts as a metric regression (default 0.10)")
     p.add_argument("--metric-threshold", action="append", default=[], metavar="[SUITE:]METRIC=REL",
                    help="a suite's or metric's own threshold, e.g. kimi-k2:wall_time_s=0.25")
-    p.add_argument("--drift-fraction", type=float, default=0.5,
+    p.add_argument("--drift-fraction", type=amount(0, 1), default=0.5,
                    help="precision drift: share of the baseline's headroom to the tolerance used up")
-    p.add_argument("--time-floor", type=float, default=0.05, metavar="SECONDS",
+    p.add_argument("--time-floor", type=amount(0, DAY_S), default=0.05, metavar="SECONDS",
                    help="changes of timing metrics smaller than this are noise, never findings (default 0.05)")
-    p.add_argument("--min-bad-runs", type=int, default=2,
+    p.add_argument("--min-bad-runs", type=count(1, 1000), default=2,
                    help="consecutive bad runs before a metric regression is confirmed (default 2)")
     p.add_argument("--collected", metavar="FILE",
                    help="test ids the suites define now (pytest --collect-only -q); a vanished "
                         "test missing from it was dropped on purpose")
-    p.add_argument("--expect-shards", type=int, help="number of shard files expected")
+    p.add_argument("--expect-shards", type=count(1, 100000), help="number of shard files expected")
 
 
 def junit_key(nodeid: str) -> str:
@@ -110,17 +111,17 @@ def register(subparsers) -> None:
     p.add_argument("--api-url", help="REST API root (default: from --github-url, else $GITHUB_API_URL, "
                                      "else api.github.com)")
     p.add_argument("--github-url", help="GitHub Enterprise base URL, e.g. https://ghe.example.com")
-    p.add_argument("--max-api-calls", type=int, default=100)
+    p.add_argument("--max-api-calls", type=count(1, 1000000), default=100)
     p.add_argument("--run-id", help="key of this run in the history (default from GitHub Actions)")
     p.add_argument("--commit", default="", help="commit under test (default: $GITHUB_SHA)")
     p.add_argument("--baseline-commit", default="")
     p.add_argument("--run-url", default="", help="default: built from GitHub Actions' environment")
     p.add_argument("--mute-file", default=DEFAULT_MUTES, help=f"default {DEFAULT_MUTES} if present")
-    p.add_argument("--close-after", type=int, default=2, help="clean runs before an issue closes")
+    p.add_argument("--close-after", type=count(1, 1000), default=2, help="clean runs before an issue closes")
     p.add_argument("--quarantine", metavar="FILE", default=None,
                    help="maintain this quarantine file: flaky items go in, and come out after --reenable-after "
                         "clean runs in a row (harness run reads the same file; docs/ci.md)")
-    p.add_argument("--reenable-after", type=int, default=3, metavar="K",
+    p.add_argument("--reenable-after", type=count(1, 1000), default=3, metavar="K",
                    help="clean runs in a row before a quarantined item counts again (default 3)")
     p.add_argument("--file-kinds", default=",".join(FILED_KINDS),
                    help="kinds that open issues (also: flaky, improvement)")
@@ -132,7 +133,7 @@ def register(subparsers) -> None:
                    help="the upstream canary: RESULTS ran the next stack (pre-release torch / transformers), "
                         "--baseline the pinned one; regressions are filed as kind 'upstream' naming the "
                         "package versions that changed")
-    p.add_argument("--pr-comment", default=None, metavar="N|auto",
+    p.add_argument("--pr-comment", default=None, type=pull_request, metavar="N|auto",
                    help="keep one comment on pull request N ('auto': the one this GitHub Actions run is for) "
                         "saying whose each failure is: new in the change, already failing on main, flaky, "
                         "the runner's (needs GITHUB_TOKEN with pull-requests: write; without, one line and "

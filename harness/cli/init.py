@@ -29,6 +29,7 @@ import re
 import sys
 from pathlib import Path
 
+from harness.cli.numbers import count
 from harness.files import atomic
 
 DEFAULT_MAX_PARAMS = 5_000_000
@@ -54,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suites-dir", help="where to write the suite (default: suites_dir of harness.toml)")
     p.add_argument("--force", action="store_true", help="overwrite an existing suite file")
     p.add_argument("--no-validate", action="store_true", help="write the suite without running its smoke check")
-    p.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+    p.add_argument("--max-params", type=count(1, 10**13), default=DEFAULT_MAX_PARAMS,
                    help=f"refuse a pruned model larger than this (default {DEFAULT_MAX_PARAMS:,})")
     p.set_defaults(func=run)
 

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from harness.cli.numbers import count
 from harness.files import atomic
 
 
@@ -33,10 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "same operators), or nothing")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16", "float64"),
                    help="dtype of the traced model (default bfloat16, the checkpoints' dtype)")
-    p.add_argument("--seq", type=int, default=16, help="tokens per sequence in the trace")
-    p.add_argument("--batch", type=int, default=1, help="sequences in the trace")
-    p.add_argument("--prefill-len", type=int, default=4096, help="prompt length for prefill FLOPs")
-    p.add_argument("--context", type=int, default=4096, help="context length for decode FLOPs")
+    p.add_argument("--seq", type=count(1, 2**24), default=16, help="tokens per sequence in the trace")
+    p.add_argument("--batch", type=count(1, 2**20), default=1, help="sequences in the trace")
+    p.add_argument("--prefill-len", type=count(1, 2**27), default=4096, help="prompt length for prefill FLOPs")
+    p.add_argument("--context", type=count(1, 2**27), default=4096, help="context length for decode FLOPs")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON ('-' for stdout)")
     p.add_argument("--inventory-json", metavar="PATH", help="write the op inventory as JSON")
     p.add_argument("--no-table", action="store_true", help="omit the per-op inventory table")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime as dt
 import sys
 
+from harness.cli.numbers import count
+
 
 def register(sub) -> None:
     p = sub.add_parser("quarantine", help="list, add or remove quarantined (flaky) items",
@@ -20,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("tests", nargs="*", metavar="TEST", help="node ids or JUnit keys (add, remove)")
     p.add_argument("--reason", default="", help="why (add); shown in the run's report and the issue")
     p.add_argument("--owner", default="", help="who answers for it (add; default: $USER)")
-    p.add_argument("--days", type=int, default=None,
+    p.add_argument("--days", type=count(1, 3650), default=None,
                    help="it expires after this many days (add; default 30): nothing stays quarantined for good")
     p.add_argument("--file", default=None, help="quarantine file (default: quarantine_file in harness.toml)")
     p.set_defaults(func=main)

@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from harness.cli.numbers import count
+
 
 def register(sub) -> None:
     p = sub.add_parser("select", help="the suites and checks a change (BASE...HEAD) can affect",
@@ -21,7 +23,7 @@ def register(sub) -> None:
     p.add_argument("--format", choices=("text", "args"), default="text")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the selection as JSON "
                    "(harness run --selection FILE runs it)")
-    p.add_argument("--sample", type=int, default=0, metavar="K",
+    p.add_argument("--sample", type=count(0, 10**6), default=0, metavar="K",
                    help="add K suites the change did not select, rotating with --seed (default 0)")
     p.add_argument("--seed", default=None, help="the rotation's seed (default: the pull request number in "
                    "GitHub Actions, else the head commit)")

@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness.cli.numbers import amount
+
 # Variables a shell changes by itself (cd, nesting, the last command): no import reads them.
 VOLATILE_ENV = frozenset({"PWD", "OLDPWD", "_", "SHLVL"})
 DEFAULT_IDLE_MIN = 30.0
@@ -549,7 +551,7 @@ def serve(idle_min: float) -> int:
 def register(sub) -> None:
     p = sub.add_parser("server", help="a warm process that runs later commands without their imports (start/stop/status)")
     p.add_argument("action", choices=("start", "stop", "status"))
-    p.add_argument("--idle", type=float, default=DEFAULT_IDLE_MIN, metavar="MIN",
+    p.add_argument("--idle", type=amount(0, 7 * 24 * 60, low_open=True), default=DEFAULT_IDLE_MIN, metavar="MIN",
                    help=f"minutes without a command before the server ends (default {DEFAULT_IDLE_MIN:g})")
     p.set_defaults(func=main)
 
@@ -607,5 +609,5 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m harness.cli.server")
-    ap.add_argument("--idle", type=float, default=DEFAULT_IDLE_MIN)
+    ap.add_argument("--idle", type=amount(0, 7 * 24 * 60, low_open=True), default=DEFAULT_IDLE_MIN)
     sys.exit(serve(ap.parse_args().idle))
