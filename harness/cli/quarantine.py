@@ -33,21 +33,37 @@ def main(args) -> int:
     from harness.settings import load_settings
 
     path = args.file or load_settings().quarantine_file
+    if args.action == "list":
+        return _list(quarantine, path, args)
+    from harness.files.atomic import locked
+
+    with locked(path):  # load, change, save: concurrent adds each keep their entry
+        return _edit(quarantine, path, args)
+
+
+def _list(quarantine, path, args) -> int:
     try:
         q = quarantine.load(path)
     except quarantine.QuarantineError as e:
         print(f"harness quarantine: {e}", file=sys.stderr)
         return 2
-    if args.action == "list":
-        if args.tests:
-            print("harness quarantine: list takes no TEST", file=sys.stderr)
-            return 2
-        if not q.items:
-            print(f"{path}: nothing is quarantined")
-        for key, e in sorted(q.items.items()):
-            state = "" if e.active() else "EXPIRED "
-            print(f"{key}\t{state}since {e.since}, expires {e.expiry()}\tclean runs {e.clean}\towner {e.by}\t{e.reason}")
-        return 0
+    if args.tests:
+        print("harness quarantine: list takes no TEST", file=sys.stderr)
+        return 2
+    if not q.items:
+        print(f"{path}: nothing is quarantined")
+    for key, e in sorted(q.items.items()):
+        state = "" if e.active() else "EXPIRED "
+        print(f"{key}\t{state}since {e.since}, expires {e.expiry()}\tclean runs {e.clean}\towner {e.by}\t{e.reason}")
+    return 0
+
+
+def _edit(quarantine, path, args) -> int:
+    try:
+        q = quarantine.load(path)
+    except quarantine.QuarantineError as e:
+        print(f"harness quarantine: {e}", file=sys.stderr)
+        return 2
     if not args.tests:
         print(f"harness quarantine: {args.action} needs at least one TEST", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ agree on one pattern.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -76,8 +77,12 @@ def _mode_for(path: Path) -> int:
 
 def write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:
     """Write ``data`` to ``path`` atomically (see the module docstring). ``mode``: the file's
-    permission bits (default: the existing file's, else 0666 minus the umask)."""
+    permission bits (default: the existing file's, else 0666 minus the umask). A symlink stays a
+    symlink: the file it points to is the one replaced (a quarantine file kept in another folder
+    and linked into the checkout was replaced by a regular file, issue #49)."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     tmp = tmp_name(path)
     want = _mode_for(path) if mode is None else mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -187,3 +192,31 @@ def check_writable(folder: str | os.PathLike, what: str = "folder") -> None:
 class NotWritable(OSError):
     """An output folder that cannot take this command's files (``str()``: one line). An OSError,
     so that every handler of disk errors also handles this early, clearer form of one."""
+
+
+@contextlib.contextmanager
+def locked(path: str | os.PathLike):
+    """Hold an exclusive lock for a read-modify-write of ``path`` (load, change, write back): two
+    processes doing it at once would each write their own change over the other's (eight concurrent
+    ``harness quarantine add`` kept one entry, issue #49). The lock is ``flock`` on a sibling
+    ``.<name>.lock`` (the file itself is replaced by every write, so it cannot hold the lock); it is
+    released when the block ends or the process dies. Where ``flock`` is missing, no lock."""
+    target = Path(path)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    lock = target.with_name(f".{target.name}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666 & ~_umask())
+    except OSError:  # a folder we cannot write: nothing will be written there either, the write says why
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
