@@ -162,6 +162,8 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
            "phase and module in.", internal=True),
     EnvVar("HARNESS_PREFETCH_PARENT", "int", None, "Process id of the `harness compare` that started a "
            "baseline prefetch child.", internal=True),
+    EnvVar("HARNESS_LAUNCH_GROUP", "str", None, "Space-separated tokens of the supervised launches "
+           "(harness.launch) a process belongs to: the group kill finds escaped descendants by it.", internal=True),
 )}
 
 

@@ -7,9 +7,9 @@ compared with the baseline of this machine class by the perf check's rule (harne
 threshold *and* one-sided Mann-Whitney), per collective and size. A collective that is slower at at
 least half its sizes is a regression named by collective, with its bandwidth then and now.
 
-Steps: ``setup`` -> ``launch`` (torch.distributed.run; results written before teardown) ->
-``bandwidth`` (algbw / busbw per collective and size; metrics) -> ``compare`` -> ``record`` (samples
-sidecar, `harness baseline update` takes it like a perf one) -> ``verdict``.
+Steps: ``setup`` -> ``launch`` (torchrun through harness.launch, the whole tree killed at ``timeout_s``;
+results written before teardown) -> ``bandwidth`` (algbw / busbw per collective and size; metrics) ->
+``compare`` -> ``record`` (samples sidecar, `harness baseline update` takes it like a perf one) -> ``verdict``.
 
 Off by default (``[checks.comm] enabled = true``: the bundled llama-3.1-8b suite has it) and nightly:
 the measurement is the backend's, not a model's, so one suite carrying it is enough.
@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
@@ -123,7 +120,7 @@ class CommCheck(Check):
 
     def launch(self, ctx: CheckContext, st) -> None:
         from harness.files import atomic
-        from harness.parallel.launcher import rank_env
+        from harness.launch.group import LaunchSpec, torchrun
 
         cfg = st.cfg
         with tempfile.TemporaryDirectory(prefix="harness-comm-") as d:
@@ -131,23 +128,21 @@ class CommCheck(Check):
                     "collectives": list(cfg.collectives), "sizes": list(cfg.sizes), "warmup": cfg.warmup,
                     "repeats": cfg.repeats, "out": str(Path(d) / "comm.json"), "delay": st.delay or {}}
             atomic.write_json(Path(d) / "spec.json", spec)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc-per-node", str(st.world), "--max-restarts", "0", "-m", "harness.perf.comm",
-                   str(Path(d) / "spec.json")]
-            t = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=cfg.timeout_s)
-            except subprocess.TimeoutExpired:
-                raise CouldNotRun(f"the {st.world}-rank launch did not finish in {cfg.timeout_s:g} s "
-                                  "(a rank hung in a collective)", step="launch") from None
-            ctx.metric("comm_launch_s", time.perf_counter() - t)
+            # Through the launch layer: at the time limit the whole tree is killed. torchrun puts its
+            # ranks in sessions of their own, so killing torchrun alone (subprocess.run's timeout, before)
+            # left ranks hung in a collective running past the item, on the cores the next item timed.
+            group = torchrun(LaunchSpec(["-m", "harness.perf.comm", str(Path(d) / "spec.json")], Path(d),
+                                        procs_per_node=st.world))
+            end = group.wait(deadline_s=cfg.timeout_s)
+            if end.how == "timeout":
+                raise CouldNotRun(f"the {st.world}-rank launch did not finish in {cfg.timeout_s:g} s (a rank hung "
+                                  f"in a collective); {group.describe()}", step="launch")
+            ctx.metric("comm_launch_s", end.wall_s)
             out = Path(spec["out"])
             if not out.exists():  # results are written before teardown: none means the ranks failed
-                tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-                raise CouldNotRun(f"the {st.world}-rank launch failed (exit {p.returncode}): " + " | ".join(tail),
-                                  step="launch")
-            if p.returncode != 0:  # a teardown abort after complete results (gloo/DTensor): said, not failed
-                ctx.notes.append(f"ranks exited {p.returncode} after writing complete results (teardown)")
+                raise CouldNotRun(f"the {st.world}-rank launch failed: {group.describe()}", step="launch")
+            if end.code != 0:  # a teardown abort after complete results (gloo/DTensor): said, not failed
+                ctx.notes.append(f"ranks exited {end.code} after writing complete results (teardown)")
             st.raw = json.loads(out.read_text())
 
     def bandwidth(self, ctx: CheckContext, st) -> None:

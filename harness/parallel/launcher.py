@@ -3,12 +3,13 @@
 Why torchrun (``python -m torch.distributed.run``) rather than ``torch.multiprocessing.spawn``: it
 is what a vendor runs on a cluster, and the same launch reaches several nodes for the nightly runs
 by swapping ``--standalone`` for a c10d rendezvous (``HARNESS_TORCHRUN_ARGS``, docs/parallel.md);
-spawn only forks one host's processes. torchrun's own report of a dead rank is log text, so each
-rank runs under ``harness.parallel.rank``, which records the exit status or signal as a file.
+spawn only forks one host's processes. The launch goes through the launch layer
+(``harness.launch.group.torchrun``): each rank runs under its wrapper, which records the exit status
+or signal as a file.
 
-The ideas of ``harness.run.isolation``, per rank: the launch gets its own session (one ``killpg``
-takes torchrun, the wrappers and the ranks), every process dies with its parent
-(PR_SET_PDEATHSIG), and each rank keeps a status file (layout, step, collective, module) that is
+The launch layer's guarantees, per rank: the launch gets its own session, every process dies with its
+parent (PR_SET_PDEATHSIG), a kill takes the whole tree (the ranks torchrun put in sessions of their
+own included), and each rank keeps a status file (layout, step, collective, module) that is
 read after a kill. Layouts run one after another; a layout that makes no progress within
 ``timeout_s`` is a hang: the group is killed and the ranks' statuses name who was computing and who
 waited in which collective. After a hang, a crash or an error, the layouts not yet run are launched
@@ -22,20 +23,16 @@ limit.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
+from harness.launch.group import LaunchSpec, Rendezvous, rank_env, torchrun
+from harness.launch.status import read_exits, status_path
 from harness.parallel.layouts import Layout, layout_dir
 from harness.parallel.status import RankStatus, read_status
-from harness.proc import die_with_parent
 
 
 @dataclass
@@ -60,38 +57,8 @@ class LaunchReport:
     wall_s: float
 
 
-def _torchrun_cmd(world: int, spec_path: Path) -> list[str]:
-    extra = settings.env("HARNESS_TORCHRUN_ARGS")
-    rdzv = shlex.split(extra) if extra else ["--standalone", "--nnodes", "1"]
-    return [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(world),
-            "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "harness.parallel.rank", str(spec_path)]
-
-
-def rank_env() -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"  # one thread per rank: the machine is shared
-    # The ranks import fault hooks and vendor modules from the working directory, as pytest does.
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    settings.unset_env("HARNESS_ISOLATION_FDS", env)
-    settings.unset_env("HARNESS_ISOLATION_STATUS", env)
-    return env
-
-
 def _done(run_dir: Path, lay: Layout, world: int) -> bool:
     return all((layout_dir(run_dir, lay) / f"rank{r}.json").exists() for r in range(world))
-
-
-def _exits(run_dir: Path, world: int) -> dict[int, dict]:
-    out = {}
-    for r in range(world):
-        p = run_dir / f"exit-{r}.json"
-        if p.exists():
-            try:
-                out[r] = json.loads(p.read_text())
-            except ValueError:
-                pass
-    return out
 
 
 def _errors(run_dir: Path, lay: Layout, world: int) -> dict[int, dict]:
@@ -103,15 +70,8 @@ def _errors(run_dir: Path, lay: Layout, world: int) -> dict[int, dict]:
     return out
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+def _statuses(run_dir: Path, world: int) -> list[RankStatus]:
+    return [read_status(status_path(run_dir, r), r) for r in range(world)]
 
 
 def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, timeout_s: float,
@@ -124,39 +84,25 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
     from harness.files import atomic
 
     atomic.write_json(spec_path, spec, indent=None, newline=False)
-    t0 = time.monotonic()
-    with open(run_dir / "torchrun.log", "wb") as log:
-        # Own session (one killpg ends the launch) and death with our process: an item killed by the
-        # run-integrity launcher must not leave torchrun and its ranks running.
-        proc = subprocess.Popen(_torchrun_cmd(world, spec_path), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=rank_env(), start_new_session=True,
-                                preexec_fn=die_with_parent)
-        try:
-            last_key, since = None, time.monotonic()
-            published = 0
-            while proc.poll() is None:
-                time.sleep(0.1)
-                if stop is not None and stop.is_set():
-                    raise LaunchCancelled("the launch was cancelled")
-                sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
-                idx = min(s.index for s in sts)
-                done = sum(_done(run_dir, lay, world) for lay in layouts)
-                while on_done is not None and published < len(layouts) and _done(run_dir, layouts[published], world):
-                    on_done(layouts[published], time.monotonic() - t0)
-                    published += 1
-                key = (idx, done)
-                if key != last_key:
-                    last_key, since = key, time.monotonic()
-                limit = startup_s if idx < 0 else timeout_s
-                if time.monotonic() - since > limit:
-                    sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
-                    _kill(proc)
-                    return "hung", sts, _exits(run_dir, world), time.monotonic() - t0
-        except BaseException:
-            _kill(proc)
-            raise
-    sts = [read_status(str(run_dir / f"status-{r}"), r) for r in range(world)]
-    return "exited", sts, _exits(run_dir, world), time.monotonic() - t0
+    group = torchrun(LaunchSpec(["-m", "harness.parallel.worker", str(spec_path)], run_dir, procs_per_node=world,
+                                rdzv=Rendezvous.from_text(settings.env("HARNESS_TORCHRUN_ARGS")), env=rank_env()))
+    published = 0
+
+    def progress():
+        # Progress: the last rank entered another layout, or every rank finished one. Until every rank
+        # entered its first layout (None), start-up's own limit applies.
+        nonlocal published
+        if stop is not None and stop.is_set():
+            raise LaunchCancelled("the launch was cancelled")
+        idx = min(s.index for s in _statuses(run_dir, world))
+        while on_done is not None and published < len(layouts) and _done(run_dir, layouts[published], world):
+            on_done(layouts[published], time.monotonic() - group.t0)
+            published += 1
+        return None if idx < 0 else (idx, sum(_done(run_dir, lay, world) for lay in layouts))
+
+    end = group.wait(stall_s=timeout_s, startup_s=startup_s, progress=progress)
+    how = "exited" if end.how == "exited" else "hung"
+    return how, _statuses(run_dir, world), read_exits(run_dir, world), end.wall_s
 
 
 def _hang_message(lay: Layout, sts: list[RankStatus], timeout_s: float) -> str:

@@ -1,17 +1,17 @@
-"""Per-rank status files: what each rank was doing, for the report when it hangs or dies.
+"""What each rank of a parallel launch was doing, for the report when it hangs or dies.
 
-One fixed-size file per rank (``status-<rank>``), rewritten in place (``pwrite``) whenever the
-rank changes layout, step or collective, or enters another module: ``index\\tlayout\\tstep\\t
-collective\\tmodule``. The launcher reads them after killing a hung launch, and the rank wrapper
-(``harness.parallel.rank``) adds the worker's exit status in ``exit-<rank>.json``.
+The record of the launch layer's per-rank status file (``harness.launch.status``: ``status-<rank>``,
+fixed size, rewritten in place) with the parallel check's fields, rewritten whenever the rank changes
+layout, step or collective, or enters another module: ``index, layout, step, collective, module``.
+The launcher reads them after killing a hung launch; the launch layer's rank wrapper adds the
+worker's exit status in ``exit-<rank>.json``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-STATUS_BYTES = 1024
+from harness.launch.status import StatusRecord, read_record
 
 
 @dataclass
@@ -23,12 +23,11 @@ class RankStatus:
     collective: str = ""
     module: str = ""
 
-    def line(self) -> str:
-        return "\t".join([str(self.index), self.layout, self.step, self.collective, self.module])
+    def fields(self) -> list[str]:
+        return [str(self.index), self.layout, self.step, self.collective, self.module]
 
     @classmethod
-    def parse(cls, rank: int, raw: str) -> RankStatus:
-        parts = (raw.strip("\x00 \n").split("\t") + [""] * 5)[:5]
+    def from_fields(cls, rank: int, parts: list[str]) -> RankStatus:
         try:
             idx = int(parts[0])
         except ValueError:
@@ -46,13 +45,12 @@ class RankStatus:
 
 class StatusWriter:
     def __init__(self, path: str, rank: int):
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self.rec = StatusRecord(path)
         self.st = RankStatus(rank)
         self._write()
 
     def _write(self) -> None:
-        rec = self.st.line().encode()[:STATUS_BYTES]
-        os.pwrite(self.fd, rec + b" " * (STATUS_BYTES - len(rec)), 0)
+        self.rec.write(self.st.fields())
 
     def layout(self, index: int, name: str) -> None:
         self.st.index, self.st.layout, self.st.step, self.st.collective, self.st.module = index, name, "build", "", ""
@@ -74,8 +72,5 @@ class StatusWriter:
 
 
 def read_status(path: str, rank: int) -> RankStatus:
-    try:
-        with open(path, "rb") as f:
-            return RankStatus.parse(rank, f.read(STATUS_BYTES).decode("utf-8", "replace"))
-    except OSError:
-        return RankStatus(rank)
+    parts = read_record(path, 5)
+    return RankStatus(rank) if parts is None else RankStatus.from_fields(rank, parts)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from harness.launch.status import status_path
 from harness.parallel import cp as cp_mod
 from harness.parallel import ep as ep_mod
 from harness.parallel.apply import (
@@ -612,7 +613,7 @@ def main(spec_path: str) -> int:
     run_dir = os.path.dirname(spec_path)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    status = StatusWriter(os.path.join(run_dir, f"status-{rank}"), rank)
+    status = StatusWriter(status_path(run_dir, rank), rank)
     status.step("init_process_group")
     device = rank_device(spec, int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(spec["collective"], timeout=timedelta(seconds=spec["pg_timeout_s"]))

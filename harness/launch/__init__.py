@@ -1,0 +1,13 @@
+"""The launch layer: every group of processes harness starts and must be able to end (docs/parallel.md,
+"The launch layer").
+
+* ``group``  - ``LaunchSpec`` (nodes x processes per node, rendezvous, what each rank runs) and
+  ``ProcessGroup``: its own session, death with its parent, a time limit and a no-progress limit,
+  the group kill; ``torchrun(spec)`` starts torchrun with every rank under the ``rank`` wrapper;
+* ``rank``   - the per-rank wrapper torchrun starts: the rank's log, its exit status or signal as a file;
+* ``status`` - per-rank files: fixed-size status records rewritten in place, exit records, log tails;
+* ``tree``   - the whole-tree kill: the session, every descendant, and whatever carries the launch's marker;
+* ``ready``  - readiness of a server: a TCP port on 127.0.0.1 accepts, or a ready-line in its log.
+
+Standard library and psutil only (no torch): a rank wrapper importing it starts in milliseconds.
+"""

@@ -1,0 +1,52 @@
+"""What torchrun starts on every rank: ``python -m harness.launch.rank RUN_DIR ARGS...`` runs
+``python ARGS...`` (the real rank) as its child and records how it ended - exit status, or the signal
+that killed it - in ``exit-<rank>.json``; the child's stdout and stderr go to ``rank<rank>.log``.
+torchrun itself only reports "exitcode -6" in its log text; the wrapper makes the signal a fact the
+launcher reads. It imports no torch: it costs milliseconds per rank.
+
+The wrapper dies with torchrun and the rank with the wrapper (PR_SET_PDEATHSIG; torchrun puts each
+rank in a session of its own, so a killpg of torchrun's session alone would miss them), and a SIGTERM
+from torchrun (stopping the other ranks after one failed) is passed on to the rank and recorded as such.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from harness.launch.status import log_path, write_exit
+from harness.proc import die_with_parent, signal_name
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent()
+    run_dir, args = argv[0], argv[1:]
+    rank = int(os.environ.get("RANK", "0"))
+    log = open(log_path(run_dir, rank), "ab")
+    # PR_SET_PDEATHSIG set before exec (preexec_fn): the rank dies with this wrapper even while it is
+    # still importing torch, long before its own code could ask for it.
+    proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    stopped = []
+
+    def forward(signum, _frame):
+        stopped.append(signal_name(signum))
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = proc.wait()
+    write_exit(run_dir, rank, {"rank": rank, "code": code, "time": time.time(), "pid": proc.pid,
+                               "signal": signal_name(-code) if code < 0 else None,
+                               "stopped_by_launcher": stopped[0] if stopped else None})
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
