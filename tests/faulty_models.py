@@ -160,3 +160,23 @@ def busy_child(config, dtype, device):
 
     m.model.layers[1].mlp.register_forward_pre_hook(wait_for_child)
     return m
+
+
+def hang_with_escaped_child(config, dtype, device):
+    """Layer 1's MLP starts a helper that leaves the item's session (setsid, as a compile pool or a
+    server's helper may), writes its pid to $ESCAPED_PID_FILE, then hangs: the kill at the item's
+    limit must take the helper too."""
+    import subprocess
+    import sys
+
+    m = LlamaForCausalLM(config)
+
+    def escape_then_hang(mod, args):
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        with open(os.environ["ESCAPED_PID_FILE"], "w") as f:
+            f.write(str(p.pid))
+        while True:
+            time.sleep(0.05)
+
+    m.model.layers[1].mlp.register_forward_pre_hook(escape_then_hang)
+    return m

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 
 from harness import metrics
+from harness.launch import tree
 from harness.proc import die_with_parent, rss_bytes, signal_name
 from harness.run.rows import ItemResult
 from harness.settings import env as setting
@@ -242,6 +243,9 @@ class Worker:
         os.write(fd, b" " * STATUS_BYTES)
         os.close(fd)
         env = dict(os.environ if self.env is None else self.env)
+        # everything the child starts carries this token, so a kill finds what escaped its session
+        self.token = tree.new_token()
+        tree.mark(env, self.token)
         set_env("HARNESS_ISOLATION_FDS", f"{cmd_r},{res_w}", env)
         set_env("HARNESS_ISOLATION_STATUS", self.status_path, env)
         # Its own session: a kill of the process group takes the child's own children (a
@@ -268,12 +272,11 @@ class Worker:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
+        """The child, its session and everything it started, what escaped the session included (a
+        compile pool, a launcher's ranks, a daemon that double-forked: harness.launch.tree)."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        tree.kill_tree(self.proc.pid, getattr(self, "token", None))
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -292,6 +295,7 @@ class Worker:
                 while (line := self._readline(max(0.0, deadline - time.monotonic()))) is not None:
                     if json.loads(line).get("bye"):
                         self._close()  # it is leaving; the kernel reaps it once this process ends
+                        tree.sweep(self.token, wait_s=2.0)  # a stray an item left running ends with it
                         return
                 self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except (OSError, subprocess.TimeoutExpired, ValueError):

@@ -95,3 +95,31 @@ def test_the_progress_window_needs_both_signals_quiet():
     p.t_next = 0
     p.sample(t + 0.1, "forward\tm2")  # a module entered: progress
     assert not p.stalled(t + 0.1)
+
+
+@pytest.mark.slow
+def test_a_killed_item_takes_what_escaped_its_session(project, tmp_path):
+    """The item's worker is killed at the hang; a helper it started in a session of its own (killpg of
+    the worker's session misses it) goes too: found by the worker's launch token (harness.launch.tree)."""
+    import psutil
+
+    (project / "suites" / "a-escapes.toml").write_text(suite("hang_with_escaped_child", "stall_s = 5\n"))
+    pid_file = tmp_path / "escaped.pid"
+    cmd, env = harness_cmd("run", "--check", "smoke", "--results", "res")
+    # (before: the helper held the run's output pipes open, so this waited out its timeout)
+    r = subprocess.run(cmd, cwd=project, env=env | {"ESCAPED_PID_FILE": str(pid_file)}, capture_output=True,
+                       text=True, timeout=120)
+    row = items(project / "res")["a-escapes.toml::smoke[cpu-float32]"]
+    assert row["message"].startswith("hung: no progress for 5 s"), (row, r.stdout[-2000:])
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        psutil.Process(pid).kill()
+        pytest.fail(f"the escaped helper {pid} outlived its item")
