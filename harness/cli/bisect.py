@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.cli.numbers import DAY_S, amount
+from harness.numbers import DAY_S, amount
 
 
 def register(sub) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from harness.cli.numbers import DAY_S, amount
+from harness.numbers import DAY_S, amount
 
 DEFAULT_SUITE = "llama-3.1-8b"  # small, dense, every fault's op on its path
 

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.cli.numbers import count
+from harness.numbers import count
 
 DEFAULT_OUT = ".harness/ci-local"
 

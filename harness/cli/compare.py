@@ -11,8 +11,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from harness.cli.numbers import DAY_S, amount, count, pull_request
 from harness.compare.issues import FILED_KINDS, GROUP_BY
+from harness.numbers import DAY_S, amount, count, pull_request
 
 if TYPE_CHECKING:
     from harness.compare.classify import Config

@@ -29,8 +29,8 @@ import re
 import sys
 from pathlib import Path
 
-from harness.cli.numbers import count
 from harness.files import atomic
+from harness.numbers import count
 
 DEFAULT_MAX_PARAMS = 5_000_000
 # A new config's compiled code generation runs nightly: cold, it is most of the first run (DeepSeek-V4-Flash

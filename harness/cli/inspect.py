@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
-from harness.cli.numbers import count
 from harness.files import atomic
+from harness.numbers import count
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from harness.cli.numbers import amount, count
+from harness.numbers import amount, count
 
 
 def register(sub: argparse._SubParsersAction) -> None:

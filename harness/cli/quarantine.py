@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import sys
 
-from harness.cli.numbers import count
+from harness.numbers import count
 
 
 def register(sub) -> None:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.cli.numbers import count
+from harness.numbers import count
 
 
 def register(sub) -> None:

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.cli.numbers import amount
+from harness.numbers import amount
 
 # Variables a shell changes by itself (cd, nesting, the last command): no import reads them.
 VOLATILE_ENV = frozenset({"PWD", "OLDPWD", "_", "SHLVL"})

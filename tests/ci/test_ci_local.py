@@ -116,11 +116,11 @@ def test_a_breaking_commit_fails_its_shard_files_an_issue_and_two_clean_runs_clo
 
 
 def test_bad_shard_count_is_one_line(tmp_path, capsys):
-    from harness.cli import main
-
     import pytest
 
-    with pytest.raises(SystemExit) as e:  # refused where it enters: argparse's one line (harness.cli.numbers)
+    from harness.cli import main
+
+    with pytest.raises(SystemExit) as e:  # refused where it enters: argparse's one line (harness.numbers)
         main(["ci-local", "--shards", "0", "--out", str(tmp_path / "o")])
     assert e.value.code == 2
     assert "argument --shards: must be >= 1" in capsys.readouterr().err
