@@ -30,6 +30,7 @@ from harness.checks.base import (
     remove_phase_listener,
 )
 from harness.checks.outcomes import CheckFailure, CheckOutcome, CouldNotRun, KnownGap, NotApplicable
+from harness.golden.sections import GoldenSection
 from harness.registry import NamedRegistry, of_group
 
 __all__ = ["Check", "CheckConfig", "CheckContext", "CheckFailure", "CheckOutcome", "CheckRegistry",
@@ -53,7 +54,22 @@ class CheckRegistry(NamedRegistry[Check]):
         if not (isinstance(model, type) and issubclass(model, CheckConfig)):
             raise ValueError(f"check {name!r}: config_model must be a harness.checks.CheckConfig subclass, "
                              f"got {model!r}")
+        self._check_sections(item, replace)
         return super().add(item, replace=replace)
+
+    def _check_sections(self, item: Check, replace: bool) -> None:
+        """Golden sections are declared, one owner each: two checks producing one section would
+        overwrite each other's data at `harness golden generate`."""
+        owners = {s.name: c.name for c in self._items.values() if not (replace and c.name == item.name)
+                  for s in c.golden_sections}
+        for sec in item.golden_sections:
+            if not isinstance(sec, GoldenSection):
+                raise ValueError(f"check {item.name!r}: golden_sections must hold harness.golden.sections."
+                                 f"GoldenSection, got {type(sec).__name__}")
+            if sec.name in owners:
+                raise ValueError(f"check {item.name!r}: golden section {sec.name!r} is already declared by "
+                                 f"check {owners[sec.name]!r}")
+            owners[sec.name] = item.name
 
     def load_entry_points(self, group: str | None = None) -> CheckRegistry:
         super().load_entry_points(group)

@@ -11,7 +11,11 @@ A check is a class with
   (``new_state``). ``setup_steps`` are the ones where an unexpected exception means "could not
   run" (error) rather than "the model failed";
 * optionally ``variants(suite, backend)`` (one item per variant: an op, a parallel layout),
-  ``headline`` (metric names for ``harness run``'s table), ``exclusive`` and ``order``.
+  ``headline`` (metric names for ``harness run``'s table), ``exclusive`` and ``order``;
+* optionally ``golden_sections`` - the golden sections it compares against
+  (:class:`harness.golden.sections.GoldenSection`: name, the suite's spec of it, its producer):
+  ``harness golden generate`` makes the sections the registered checks declare, so a check's
+  golden data is declared in its own module like its config table and its metrics.
 
 The runner (plugin, driver, table) uses a check only through this class's attributes and methods,
 all of which have defaults here: it never probes a check with ``getattr``/``hasattr``.
@@ -23,6 +27,7 @@ launcher reports it when an item hangs or crashes, and an exception is annotated
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +41,7 @@ from harness.suite.schema import CheckConfig  # the [checks.<name>] table's base
 
 if TYPE_CHECKING:
     from harness.backends.base import Backend
+    from harness.golden.sections import GoldenSection
     from harness.suite.loader import LoadedSuite
 
 
@@ -129,6 +135,9 @@ class Check:
     # pruned test models; None leaves the process's count (perf pins its own, weights loads real
     # checkpoints). $HARNESS_CPU_THREADS overrides it.
     cpu_threads: ClassVar[int | None] = None
+    # The golden sections this check reads, and produces at `harness golden generate`
+    # (harness.golden.sections; the reference run calls each one's ``build``).
+    golden_sections: ClassVar[tuple[GoldenSection, ...]] = ()
     source: str = "builtin"  # where it was registered from: "<distribution> (<module:attr>)" for a vendor's
 
     def config(self, suite: LoadedSuite) -> CheckConfig:
@@ -173,7 +182,20 @@ class Check:
             except CheckOutcome:
                 raise
             except Exception as e:
+                unusable = _golden_unusable(ctx, e, name)
+                if unusable is not None:
+                    raise unusable from None
                 if name in self.setup_steps:
                     raise CouldNotRun(f"{type(e).__name__}: {first_line(e)}", step=name) from e
                 raise
 
+
+def _golden_unusable(ctx: CheckContext, e: Exception, step: str) -> CouldNotRun | None:
+    """A golden that cannot be used (missing, corrupt, made by another config, a section made with other
+    knobs), in any step of any check: "could not run", the reason as the ``golden_error`` detail. It is
+    the golden's problem (regenerate it), never a verdict on the target."""
+    store = sys.modules.get("harness.golden.store")  # not imported: no golden was read (and torch stays out)
+    if store is None or not isinstance(e, store.GoldenError):
+        return None
+    ctx.detail("golden_error", str(e))
+    return CouldNotRun(f"golden unusable: {e}", step=step)

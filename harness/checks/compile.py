@@ -33,11 +33,11 @@ from pydantic import Field, field_validator
 
 from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
-from harness.checks.precision import load_golden_for
 from harness.compiler import bisect as bis
 from harness.compiler import dynamo as dyn
 from harness.compiler import numerics as num
 from harness.compiler import sweep
+from harness.golden.sections import load_golden_for
 from harness.suite.schema import DTYPES
 
 SPEED = "speed"  # the nightly variant: compiled / eager speed and memory

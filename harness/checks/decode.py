@@ -34,14 +34,30 @@ from harness.checks import (
     CheckContext,
     CheckFailure,
     CheckRegistry,
-    CouldNotRun,
     NotApplicable,
 )
-from harness.checks.precision import load_golden_for
-from harness.golden.store import GoldenError
+from harness.golden.sections import GoldenSection, load_golden_for
 
 WHAT_ORDER = {"attn": 0, "hidden": 1, "logits": 2, "logprob": 3}
 VARIANTS = ("dynamic", "static", "offloaded", "quantized-fp8", "quantized-quanto", "quantized-hqq", "padded")
+
+
+def _section_spec(ls) -> dict | None:
+    # deferred, as in every step: registering the check stays cheap
+    from harness.precision import decode as dec
+
+    return dec.spec(ls)
+
+
+def _section_build(ref) -> tuple[dict, dict]:
+    from harness.precision import decode as dec
+
+    return dec.build(ref)
+
+
+# The golden's decode section: the float64 reference's cached decode, step by step (its producer is
+# harness/precision/decode.py; `harness golden generate` makes it for every suite that enables this check).
+SECTION = GoldenSection("decode", _section_spec, _section_build)
 
 metrics.declare("decode_worst_budget_use", "", "lower", "largest decode error / its budget over steps, layers "
                 "and both comparisons (fails > 1)")
@@ -188,6 +204,7 @@ class DecodeCheck(Check):
     headline = ("decode_worst_budget_use", "decode_logits_rel_rmse")
     steps = ("golden", "budgets", "cache", "build", "decode", "compare", "record", "verdict")
     setup_steps = ("golden", "budgets", "build")
+    golden_sections = (SECTION,)
 
     def variants(self, suite, backend) -> list[str | None]:
         return list(VARIANTS)
@@ -196,14 +213,8 @@ class DecodeCheck(Check):
         return SimpleNamespace(transform=None, context=None, golden_root=None, results_dir=None, rows=None)
 
     def golden(self, ctx: CheckContext, st) -> None:
-        from harness.precision import decode as dec
-
         st.g = load_golden_for(ctx, st.golden_root)
-        try:
-            st.section = st.g.section("decode", dec.spec(ctx.suite))
-        except GoldenError as e:
-            ctx.detail("golden_error", str(e))
-            raise CouldNotRun(f"golden unusable: {e}", step="golden") from None
+        st.section = SECTION.read(st.g, ctx.suite)
         st.variant = ctx.variant or "dynamic"
         ctx.metric("decode_steps", st.section.tensors["tokens"].shape[1])
 

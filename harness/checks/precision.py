@@ -29,9 +29,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from harness import metrics
-from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, CouldNotRun
-from harness.golden.store import GoldenError, load_golden
-from harness.precision import align
+from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry
+from harness.golden.sections import GoldenSection, load_golden_for
+from harness.precision import align, signed
 from harness.precision.runner import (
     budgets_for,
     build_target,
@@ -150,16 +150,6 @@ def results_path(ls: LoadedSuite, backend: str, dtype: str, results_dir: str | P
                       source=ls.path, field="model.name")
 
 
-def load_golden_for(ctx: CheckContext, golden_root=None):
-    """The suite's golden, or "could not run": a missing or bad golden is the golden's problem
-    (regenerate it), never a verdict on the target."""
-    try:
-        return load_golden(ctx.suite, golden_root)
-    except GoldenError as e:
-        ctx.detail("golden_error", str(e))
-        raise CouldNotRun(f"golden unusable: {e}", step="golden") from None
-
-
 def run_precision(ctx: CheckContext, *, transform=None, context=None, golden_root=None, results_dir=None,
                   force_report: bool = False):
     """The check with options: ``transform``/``context`` inject faults (tests, bisection),
@@ -180,6 +170,9 @@ class PrecisionCheck(Check):
     headline = ("isolated_worst_budget_use", "logits_rel_rmse")  # `harness run`'s table (budget use > 1 fails)
     steps = ("golden", "tolerances", "budgets", "compare", "isolate", "routing", "record", "report", "verdict")
     setup_steps = ("golden", "tolerances", "budgets")
+    # the clean dtype runs' signed row errors, for the isolated comparison's sign test (read by
+    # harness.precision.runner)
+    golden_sections = (GoldenSection(signed.SECTION, signed.spec, signed.build),)
 
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, results_dir=None,

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, KnownGap
-from harness.checks.precision import load_golden_for
+from harness.golden.sections import load_golden_for
 from harness.precision.compare import tensor_metrics
 from harness.precision.quantization import (
     SIMULATED,

@@ -34,8 +34,7 @@ from harness.checks import (
     CouldNotRun,
     NotApplicable,
 )
-from harness.checks.precision import load_golden_for
-from harness.golden.store import GoldenError
+from harness.golden.sections import GoldenSection, load_golden_for
 from harness.precision import backward as bw
 
 metrics.declare("training_backward_worst_budget_use", "", "lower", "largest module/parameter gradient error "
@@ -96,6 +95,9 @@ class TrainingConfig(CheckConfig):
 
 
 MASTER_VARIANT = "master_fp32"  # item training[<backend>-<dtype>-master_fp32]
+# The golden's training section: the float64 reference's gradients, optimizer steps and loss trajectory,
+# with the budgets measured in each dtype (its producer is harness/precision/backward.py).
+SECTION = GoldenSection(bw.SECTION, bw.spec, bw.build)
 
 
 @dataclass
@@ -135,6 +137,7 @@ class TrainingCheck(Check):
     headline = ("training_backward_worst_budget_use", "training_trajectory_worst_envelope_use")
     steps = ("golden", "budgets", "backward", "localize", "replay", "optimizer", "trajectory", "record", "verdict")
     setup_steps = ("golden", "budgets")
+    golden_sections = (SECTION,)
 
     def variants(self, suite, backend) -> list[str | None]:
         return [None, MASTER_VARIANT] if self.config(suite).master_fp32 else [None]
@@ -150,11 +153,7 @@ class TrainingCheck(Check):
             raise NotApplicable(f"float32 master weights of {ctx.dtype} parameters are the plain run")
         st.g = load_golden_for(ctx, st.golden_root)
         st.spec = bw.spec(ctx.suite)
-        try:
-            sec = st.g.section(bw.SECTION, st.spec)
-        except GoldenError as e:
-            ctx.detail("golden_error", str(e))
-            raise CouldNotRun(f"golden unusable: {e}", step="golden") from None
+        sec = SECTION.read(st.g, ctx.suite)
         st.entry, st.t = sec.entry, sec.tensors
         st.rows, st.notes = [], []
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harness.run import options
 from harness.settings import load_settings
-from harness.suite.schema import DTYPES
 
 
 def register(sub) -> None:
@@ -14,39 +14,8 @@ def register(sub) -> None:
                        epilog="Arguments after -- go to pytest, e.g. harness run kimi-k2 -- -x --maxfail 1.",
                        description="Run suites (default: all) on backends (default: every available one).")
     p.add_argument("suites", nargs="*", help="suite names (kimi-k2) or paths; default: every suite")
-    p.add_argument("--backend", "-b", action="append", default=[], help="backend (repeatable)")
-    p.add_argument("--dtype", "-d", action="append", default=[], choices=list(DTYPES),
-                   help="dtype (repeatable); replaces the suites' own dtype lists")
-    p.add_argument("--check", "-c", action="append", default=[], help="check (repeatable)")
-    p.add_argument("--workers", "-n", default=None,
-                   help="pytest-xdist workers (a number or 'auto'; 0: one process). Default: one per core (at "
-                        "most 4) when the chosen suites' recorded durations add up to a minute or more, else one")
-    p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
-    p.add_argument("--results", type=Path, default=None, help="results directory (default: results/)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="wall-clock limit of one item, the backstop for what keeps spinning (default: the "
-                        "suite's timeout_s, else 30x its recorded duration and >= 900 s, else 1800 s); an item that "
-                        "makes no progress (no CPU, no module entered) for the suite's stall_s (60 s) is hung and "
-                        "killed whatever this says")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
-                   help="host RSS limit of one item (default: the suite's memory_limit_gib, else none)")
-    p.add_argument("--shard", default=None, metavar="I/N",
-                   help="run only shard I of N (1-based), balanced by recorded durations (harness durations)")
-    p.add_argument("--scope", choices=("commit", "nightly"), default="commit",
-                   help="commit (default): what every commit runs; nightly: plus real weights, full-size "
-                        "shapes and the full parallel matrix")
-    p.add_argument("--confirm", type=int, default=None, metavar="N",
-                   help="rerun a failed item N more times in fresh workers and classify it deterministic / flaky / "
-                        "infrastructure before reporting (default: confirm_reruns in harness.toml, else 0)")
-    p.add_argument("--quarantine", default=None, metavar="FILE",
-                   help="quarantine file: its items run and report but do not fail the run "
-                        "(default: quarantine_file in harness.toml, quarantine.json)")
-    p.add_argument("--selection", default=None, metavar="FILE",
-                   help="run only what `harness select --json FILE` selected (a pull request's change); a "
-                        "missing FILE: every item, said in one line")
-    p.add_argument("--no-isolate", action="store_true",
-                   help="run items in this process (faster on trusted CPU runs; a hang or crash then costs "
-                        "the run; device backends stay isolated)")
+    # The options are declared once, with their pytest flags (harness/run/options.py).
+    options.add_to_argparse(p)
     p.set_defaults(func=main)
 
 
@@ -55,10 +24,11 @@ def main(args) -> int:
 
     settings = load_settings()
     args.workers = _workers(args, settings)
+    args.results = args.results or Path(settings.results_dir)
     early = None
-    if driver.wants_early_worker(not args.no_isolate, args.workers, args.passthrough):
+    if driver.wants_early_worker(args.isolate == "on", args.workers, args.passthrough):
         # first thing: its imports overlap with ours below (the checks, torch) and with collection
-        early = driver.start_worker(args.results or Path(settings.results_dir))
+        early = driver.start_worker(args.results)
     driver.later_workers_start_fresh()
     try:
         return _main(args, settings, early)
@@ -68,68 +38,93 @@ def main(args) -> int:
 
 
 def _main(args, settings, early) -> int:
+    """Named steps: the suites, the names asked for, the selection, the values pytest gets, the run.
+    Each refusal is one red line and exit status 2."""
     from rich.console import Console
 
-    from harness.backends import registry
     from harness.run import driver
-    from harness.suite.loader import SuiteError, discover, resolve_names
 
     # Not a terminal (CI logs): rich would wrap the table at 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
+        suites = _suites(args, settings)
+        backends = _backends(args)
+        _checks(args)
+        selected, suites = _select(args, suites, console)
+        _values(args)
+    except _Refused as e:
+        if e.message:
+            console.print(e.message, style="red", markup=False)
+        return e.code
+    code = driver.run(suites, options={**options.values(args), "backend": backends}, results=args.results,
+                      extra=list(args.passthrough), console=console, early=early)
+    if selected and code == 5:  # pytest's "no tests collected": the selection's items are in other shards
+        console.print("selection: no selected item in this run (other shards run them)", markup=False)
+        return 0
+    return code
+
+
+class _Refused(Exception):
+    """A step of ``_main`` that ends the command: ``message`` (printed red; empty: said already), ``code``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def _suites(args, settings) -> list[Path]:
+    from harness.suite.loader import SuiteError, discover, resolve_names
+
+    try:
         suites = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)
     except SuiteError as e:
-        console.print(f"{e}", style="red", markup=False)
-        return 2
+        raise _Refused(str(e)) from None
     if not suites:
-        console.print(f"no suites found in {settings.suites_dir}/", style="red", markup=False)
-        return 2
+        raise _Refused(f"no suites found in {settings.suites_dir}/")
+    return suites
+
+
+def _backends(args) -> list[str]:
+    """The backends asked for, all known; none asked: every available one."""
+    from harness.backends import registry
+
     reg = registry()
     unknown = [b for b in args.backend if b not in reg]
     if unknown:
-        console.print(f"unknown backend(s) {', '.join(unknown)} (registered: {', '.join(reg.names())})", style="red", markup=False)
-        return 2
+        raise _Refused(f"unknown backend(s) {', '.join(unknown)} (registered: {', '.join(reg.names())})")
+    return args.backend or [b.name for b in reg if b.available()]
+
+
+def _checks(args) -> None:
     from harness.checks import registry as check_registry
 
     checks = check_registry().names()
     unknown = [c for c in args.check if c not in checks]
     if unknown:  # a typo would otherwise select nothing and exit 0
-        console.print(f"unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})", style="red", markup=False)
-        return 2
-    selected = False
-    if args.selection:
-        picked = _selection(args, suites, console)
-        if isinstance(picked, int):
-            return picked
-        if picked is not None:
-            suites, selected = picked, True
-    backends = args.backend or [b.name for b in reg if b.available()]
-    extra = list(args.passthrough)
+        raise _Refused(f"unknown check(s) {', '.join(unknown)} (registered: {', '.join(checks)})")
+
+
+def _select(args, suites: list[Path], console) -> tuple[bool, list[Path]]:
+    """(whether a selection chose the suites, the suites) under ``--selection``."""
+    if not args.selection:
+        return False, suites
+    picked = _selection(args, suites, console)
+    if isinstance(picked, int):
+        raise _Refused("", picked)
+    return (True, picked) if picked is not None else (False, suites)
+
+
+def _values(args) -> None:
+    """What argparse cannot check: the shard spec, a non-negative number of reruns."""
     if args.shard:
         from harness.run import shard
 
         try:
             shard.parse(args.shard)
         except ValueError as e:
-            console.print(f"{e}", style="red", markup=False)
-            return 2
-        extra += [f"--harness-shard={args.shard}"]
-    extra += [f"--harness-scope={args.scope}"]
-    if args.confirm is not None:
-        if args.confirm < 0:
-            console.print(f"--confirm: {args.confirm} is not a number of reruns (0 or more)", style="red", markup=False)
-            return 2
-        extra += [f"--harness-confirm={args.confirm}"]
-    if args.quarantine:
-        extra += [f"--harness-quarantine={args.quarantine}"]
-    code = driver.run(suites, backends=backends, dtypes=args.dtype, checks=args.check,
-                      results=args.results or Path(settings.results_dir), workers=args.workers,
-                      keyword=args.keyword, extra=extra, console=console, isolate=not args.no_isolate,
-                      timeout=args.timeout, memory_limit_gib=args.memory_limit, early=early)
-    if selected and code == 5:  # pytest's "no tests collected": the selection's items are in other shards
-        console.print("selection: no selected item in this run (other shards run them)", markup=False)
-        return 0
-    return code
+            raise _Refused(str(e)) from None
+    if args.confirm is not None and args.confirm < 0:
+        raise _Refused(f"--confirm: {args.confirm} is not a number of reruns (0 or more)")
 
 
 def _workers(args, settings):
@@ -148,7 +143,7 @@ def _workers(args, settings):
         suites = resolve_names(args.suites, settings.suites_dir) if args.suites else discover(settings.suites_dir)
     except SuiteError:
         return None  # _main says why
-    return default_workers(suites, args.backend, durations.load(settings.durations_file))
+    return default_workers(suites, args.backend, durations.load(settings.durations_file), args.check)
 
 
 def _selection(args, suites: list[Path], console):
@@ -190,9 +185,8 @@ def _selection(args, suites: list[Path], console):
 def _empty_results(args, console) -> int:
     """A run of nothing that still leaves complete (empty) results: the comparison reads every shard."""
     from harness.run.results import ResultsError, ResultsWriter
-    from harness.settings import load_settings
 
-    writer = ResultsWriter(args.results or Path(load_settings().results_dir))
+    writer = ResultsWriter(args.results)  # main: the setting's folder unless given
     try:
         writer.open()
     except ResultsError as e:

@@ -16,7 +16,7 @@ Format 2 also stores, for the isolated comparison, what each captured module was
 
 Format 3 adds *sections*: what a check beyond the forward pass compares against (``training``:
 gradients, optimizer steps, loss trajectory; ``decode``: the cached decode step by step). Each is
-``manifest["sections"][name]`` - a dict owned by its producer (``harness.precision.generate.SECTIONS``)
+``manifest["sections"][name]`` - a dict owned by its producer (the check that declares it: ``harness.golden.sections``)
 with at least ``spec`` (the suite knobs it was made with) and ``tensors`` (shape and storage dtype of
 each tensor) - and the file ``<name>.safetensors``. A check reads its section with
 :meth:`Golden.section`, which refuses a section made with other knobs, so changing a training knob

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import platform
 import time
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ import torch
 
 from harness.anatomy.capture import capture_forward, greedy
 from harness.golden import store
+from harness.golden.sections import GoldenSection
 from harness.messages import display
 from harness.suite.loader import LoadedSuite
 from harness.weights import weights_provenance
@@ -71,13 +71,6 @@ def budget_draws(ls: LoadedSuite, ids: torch.Tensor) -> list[torch.Tensor]:
                     for d in range(1, p.budget_draws)]
 
 
-# The golden's sections beyond the forward pass (harness.golden.store, format 3): name -> the module
-# that produces it, with ``spec(ls) -> dict | None`` (the suite's knobs for it; None: the suite does
-# not want it) and ``build(ref: ReferenceRun) -> (entry, tensors)``.
-SECTIONS = {"signed_error": "harness.precision.signed", "training": "harness.precision.backward",
-            "decode": "harness.precision.decode"}
-
-
 @dataclass
 class ReferenceRun:
     """What a section producer gets: the float64 reference and what the forward golden already made
@@ -96,28 +89,33 @@ class ReferenceRun:
     notes: list[str] = field(default_factory=list)
 
 
-def section_modules(ls: LoadedSuite) -> dict[str, tuple[object, dict]]:
-    """name -> (producer module, the suite's spec) of the sections this suite wants."""
+def registered_sections() -> dict[str, GoldenSection]:
+    """name -> section, of the golden's sections beyond the forward pass (harness.golden.store, format
+    3): those the registered checks declare (``Check.golden_sections``), in the checks' order. Asked
+    through the entry-point registry, not an import: the checks sit above this layer, and a vendor's
+    check brings its own section without an edit here (docs/adding-a-check.md)."""
+    from harness.registry import of_group
+
+    return {sec.name: sec for check in of_group("harness.checks") for sec in check.golden_sections}
+
+
+def section_modules(ls: LoadedSuite) -> dict[str, tuple[GoldenSection, dict]]:
+    """name -> (section, the suite's spec of it) of the sections this suite wants (a spec of None:
+    the suite does not want it, e.g. its check is disabled)."""
     out = {}
-    for name, modname in SECTIONS.items():
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name != modname:  # the producer exists but something it imports does not
-                raise
-            continue  # a harness without that check
-        spec = mod.spec(ls)
+    for name, sec in registered_sections().items():
+        spec = sec.spec(ls)
         if spec is not None:
-            out[name] = (mod, spec)
+            out[name] = (sec, spec)
     return out
 
 
 def build_sections(ref: ReferenceRun) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """({name: manifest entry}, {name: tensors to store}) of every section the suite wants."""
     entries, files = {}, {}
-    for name, (mod, spec) in section_modules(ref.ls).items():
+    for name, (sec, spec) in section_modules(ref.ls).items():
         t = time.perf_counter()
-        entry, tensors = mod.build(ref)
+        entry, tensors = sec.build(ref)
         packed, meta = store.pack_section(tensors)
         entries[name] = {**entry, "spec": store.jsonable(spec), "tensors": meta,
                          "seconds": round(time.perf_counter() - t, 3)}

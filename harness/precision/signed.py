@@ -94,7 +94,7 @@ def reachable(rows: int, modules: int) -> bool:
     return rows > 0 and 2.0 ** (1 - rows) < ALPHA / max(modules, 1)
 
 
-# --- the golden's section (harness.precision.generate.SECTIONS) ---------------------------------------
+# --- the golden's section (declared by the precision check: harness.golden.sections) ----------------
 def spec(ls) -> dict | None:
     """Made with every full-mode golden that measures budgets (it needs the recorded module inputs)."""
     p = ls.suite.checks.precision

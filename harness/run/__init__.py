@@ -1,6 +1,7 @@
 """The run machinery: suite files to pytest items and back to results.
 
 * ``plugin``     the pytest plugin (``pytest11`` entry point): suites -> items -> JUnit properties;
+* ``options``    the run's options, declared once: ``harness run``'s flags, the plugin's ``--harness-*``;
 * ``execute``    one item: a check's named steps -> an ``ItemResult`` (the one mapping to outcomes);
 * ``isolation``  each item in a long-lived child process with a time limit (hangs, crashes, leaks);
 * ``confirm``    a failed item rerun in fresh workers: deterministic / flaky / infrastructure;

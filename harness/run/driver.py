@@ -8,12 +8,15 @@ pytest does the work in-process; ``RunObserver`` is a small pytest plugin that f
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from harness.run import options as run_options
 from harness.run.rows import counts
 from harness.run.table import summary_table, warnings_block
 from harness.settings import set_env
@@ -77,19 +80,13 @@ class RunObserver:
             self.progress.stop()
 
 
-def build_args(suites: list[Path], backends: list[str], dtypes: list[str], checks: list[str],
-               workers: int | None, keyword: str | None, extra: list[str]) -> list[str]:
+def build_args(suites: list[Path], options: Mapping[str, Any], extra: list[str]) -> list[str]:
+    """pytest's command line of a run: the suite files, then each option's pytest flags as declared
+    in harness/run/options.py (``options``: name -> value; ``--harness-backend`` etc.: items of
+    backends that are not asked for are not generated at all, not skipped), then ``extra``."""
     # The results plugin (harness.run.results) is registered by run(); JUnit XML comes from its journal.
     args = [str(p) for p in suites] + ["-p", "no:cacheprovider", "-p", "no:terminal"]
-    # Items of backends that are not asked for are not generated at all (not skipped).
-    args += [f"--harness-backend={b}" for b in backends]
-    args += [f"--harness-dtype={d}" for d in dtypes]
-    args += [f"--harness-check={c}" for c in checks]
-    if workers:
-        args += ["-n", str(workers)]
-    if keyword:
-        args += ["-k", keyword]
-    return args + extra
+    return args + run_options.pytest_args(options) + extra
 
 
 def wants_early_worker(isolate: bool, workers, extra: list[str] | None) -> bool:
@@ -129,49 +126,64 @@ def start_worker(results: Path):
     return worker
 
 
-def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: list[str], results: Path,
-        workers: int | None = None, keyword: str | None = None, extra: list[str] | None = None,
-        console: Console | None = None, isolate: bool = True, timeout: float | None = None,
-        memory_limit_gib: float | None = None, early=None) -> int:
-    """``early``: a worker from :func:`start_worker`, handed to pytest (its plugin closes it at the end)."""
+def run(suites: list[Path], *, options: Mapping[str, Any], results: Path, extra: list[str] | None = None,
+        console: Console | None = None, early=None) -> int:
+    """pytest over ``suites`` with ``options`` (name -> value of harness/run/options.py: backend, dtype,
+    check, workers, isolate, timeout, ...; a missing name: pytest's default). ``early``: a worker from
+    :func:`start_worker`, handed to pytest (its plugin closes it at the end)."""
+    console = console or Console()
+    writer = _open_results(results, console)
+    if writer is None:
+        return 2
+    extra = extra or []
+    isolate, workers = options.get("isolate", "on") == "on", options.get("workers")
+    if early is None and wants_early_worker(isolate, workers, extra):
+        early = start_worker(results)
+    observer = RunObserver(console, writer, show_progress=console.is_terminal)
+    code = _pytest_main(build_args(suites, options, extra), [writer, observer], writer, early)
+    rows = writer.finished_rows()
+    _print_summary(console, rows, results)
+    return _exit_code(console, writer, code, rows, results)
+
+
+def _open_results(results: Path, console: Console):
+    """The results writer, open: writable, enough space, previous run's files gone - before any model
+    is built. None (said in one line) when the folder cannot take them."""
     from harness.run.results import ResultsError, ResultsWriter
 
-    console = console or Console()
     writer = ResultsWriter(results)
     try:
-        writer.open()  # writable, enough space, previous run's files gone: before any model is built
+        writer.open()
     except ResultsError as e:
         console.print(f"error: {e}", style="red", markup=False, highlight=False)
-        return 2
+        return None
     # Checks that write files (precision plots, perf samples) put them beside this run's results,
     # in this process and in the isolated workers, which inherit the environment.
     set_env("HARNESS_RESULTS_DIR", Path(results).resolve())
-    observer = RunObserver(console, writer, show_progress=console.is_terminal)
-    args = build_args(suites, backends, dtypes, checks, workers, keyword, extra or [])
-    args += [f"--harness-isolate={'on' if isolate else 'off'}"]
-    if timeout:
-        args += [f"--harness-timeout={timeout}"]
-    if memory_limit_gib:
-        args += [f"--harness-memory-limit={memory_limit_gib}"]
-    plugins: list = [writer, observer]
-    if early is None and wants_early_worker(isolate, workers, extra):
-        early = start_worker(results)
+    return writer
+
+
+def _pytest_main(args: list[str], plugins: list, writer, early) -> int:
+    """pytest in this process; the results writer closed and the early worker released whatever happens."""
     if early is not None:
         from harness.run.plugin import AdoptWorker
 
-        plugins.append(AdoptWorker(early))
+        plugins = [*plugins, AdoptWorker(early)]
     try:
-        code = pytest.main(args, plugins=plugins)
+        return pytest.main(args, plugins=plugins)
     finally:
         writer.close()
         if early is not None:
             early.close()  # pytest_unconfigure closed it already unless pytest never configured
-    rows = writer.finished_rows()
+
+
+def _print_summary(console: Console, rows, results: Path) -> None:
+    """The table, what libraries warned (once, here) and the counts line."""
     # Paths, reasons and messages come from the run: printed as text, never read as console markup.
     say = dict(markup=False, highlight=False)
     try:
         console.print(summary_table(rows))
-        for text in warnings_block(rows, results / "junit.xml"):  # what libraries warned: once, here
+        for text in warnings_block(rows, results / "junit.xml"):
             console.print(text, style="yellow" if text[:1] != " " else "", **say)
         c = counts(rows)
         line = (f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped"
@@ -182,6 +194,11 @@ def run(suites: list[Path], *, backends: list[str], dtypes: list[str], checks: l
         console.print(line + f" -> {results / 'junit.xml'}", **say)
     except OSError:  # stdout itself on the full disk (a redirected log): the results still decide
         pass
+
+
+def _exit_code(console: Console, writer, code, rows, results: Path) -> int:
+    """pytest's exit status, unless the run did not finish (3: incomplete), said in one line."""
+    say = dict(markup=False, highlight=False)
     if writer.status == "incomplete":
         console.print(f"error: run incomplete: {writer.reason}; {len(writer.not_run())} item(s) not run, the "
                       f"{len(rows)} finished item(s) are in {results}", style="red", **say)

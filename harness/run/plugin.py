@@ -37,35 +37,10 @@ def _split(values: list[str] | None) -> set[str] | None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    g = parser.getgroup("harness", "model bring-up harness")
-    g.addoption("--harness-backend", action="append", metavar="NAME",
-                help="only generate items for these backends (repeat or comma-separate)")
-    g.addoption("--harness-dtype", action="append", metavar="DTYPE", help="only these dtypes")
-    g.addoption("--harness-check", action="append", metavar="CHECK", help="only these checks")
-    g.addoption("--harness-isolate", choices=("on", "off"), default="on",
-                help="run each item in a child process with a time limit (default on; 'off' trades "
-                     "hang/crash safety for speed on trusted CPU runs; device backends are always isolated)")
-    g.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
-                help="wall-clock limit of one item, the backstop for what keeps spinning (default: the "
-                     "suite's timeout_s, else 30x its recorded duration and >= 900 s, else 1800 s); an item "
-                     "that makes no progress for the suite's stall_s (60 s) is hung whatever this says")
-    g.addoption("--harness-shard", default=None, metavar="I/N",
-                help="keep only shard I of N (1-based), balanced by recorded durations (harness/run/shard.py)")
-    g.addoption("--harness-scope", choices=("commit", "nightly"), default="commit",
-                help="commit: the items every commit runs (default); nightly: those plus the nightly-only "
-                     "items (real weights, full-size shapes, the full parallel matrix)")
-    g.addoption("--harness-results", default=None, metavar="DIR",
-                help="journal each finished item to DIR/journal.jsonl and write DIR/junit.xml, summary.json "
-                     "and summary.txt atomically at the end and on SIGTERM/SIGINT (harness run passes it)")
-    g.addoption("--harness-confirm", type=int, default=None, metavar="N",
-                help="rerun a failed or erroring item N more times, each in a fresh worker, and classify it "
-                     "deterministic / flaky / infrastructure before reporting (default: confirm_reruns in "
-                     "harness.toml, else 0; harness/run/confirm.py)")
-    g.addoption("--harness-quarantine", default=None, metavar="FILE",
-                help="the quarantine file (default: quarantine_file in harness.toml, quarantine.json): its "
-                     "items run and report, and their failures do not fail the run")
-    g.addoption("--harness-memory-limit", type=float, default=None, metavar="GIB",
-                help="host RSS limit of one isolated item (default: the suite's memory_limit_gib, else none)")
+    # Declared once with `harness run`'s own flags (harness/run/options.py): one help text, one default.
+    from harness.run.options import add_to_pytest
+
+    add_to_pytest(parser.getgroup("harness", "model bring-up harness"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

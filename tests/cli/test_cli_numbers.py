@@ -28,6 +28,9 @@ BAD = [
     (["certify", "--backend", "cpu", "--timeout", "-1"], "--timeout", "must be > 0"),
     (["ci-local", "--shards", "0"], "--shards", "must be >= 1"),
     (["init", "c.json", "--max-params", "-3"], "--max-params", "must be >= 1"),
+    (["run", "--confirm", "1000000"], "--confirm", "must be >= 0 and <= 20"),
+    (["run", "--timeout", "nan"], "--timeout", "expected a finite number"),
+    (["run", "--memory-limit", "-1"], "--memory-limit", "must be > 0"),
 ]
 
 
@@ -43,7 +46,7 @@ def test_a_bad_number_is_one_line_naming_the_option(argv, option, why, capsys):
 
 
 def test_good_numbers_still_parse():
-    from harness.cli.numbers import amount, count, pull_request
+    from harness.numbers import amount, count, pull_request
 
     assert count(1, 3650)("30") == 30 and amount(0, 1, low_open=True)("0.9") == 0.9
     assert pull_request("auto") == "auto" and pull_request("12") == "12"
