@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
+from harness.files import paths
 from harness.launch import ready, tree
 from harness.launch.status import log_path, log_tail, read_exits
 from harness.proc import die_with_parent, signal_name
@@ -134,7 +135,7 @@ class ProcessGroup:
         env = dict(os.environ if env is None else env)
         token = tree.new_token()
         tree.mark(env, token)
-        log = run_dir / log_name
+        log = paths.join(run_dir, log_name, source="launch", field="log_name")  # a caller's constant, checked
         with open(log, "ab") as out:
             # Own session (one killpg) and death with this thread: a killed item must not leave the
             # group running.

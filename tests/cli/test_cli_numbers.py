@@ -19,7 +19,6 @@ BAD = [
     (["compare", "r.xml", "--threshold", "nan"], "--threshold", "expected a finite number"),
     (["compare", "r.xml", "--drift-fraction", "2"], "--drift-fraction", "must be >= 0 and <= 1"),
     (["compare", "r.xml", "--min-bad-runs", "1_000"], "--min-bad-runs", "expected a whole number"),
-    (["plan", "llama-3.1-8b", "--devices", "0"], "--devices", "must be >= 1"),
     (["plan", "llama-3.1-8b", "--devices", "8", "--usable", "1.5"], "--usable", "must be > 0 and <= 1"),
     (["inspect", "llama-3.1-8b", "--context", "1e9"], "--context", "expected a whole number"),
     (["select", "--sample", "-1"], "--sample", "must be >= 0"),
