@@ -15,7 +15,7 @@ against the golden, graph breaks, recompiles, compile time), ``decode`` (the KV-
 by step against the golden's), ``training`` (gradients module by module, optimizer steps and the
 loss trajectory against the golden's), ``quantization`` (quantized weights' error budget), ``ops`` (per-operator conformance), ``parallel`` (layouts on real process groups),
 ``perf`` (throughput, latency, memory against baselines), ``comm`` (collective bandwidth against baselines),
-``weights`` (real checkpoints).
+``weights`` (real checkpoints), ``serve`` (the model through a serving engine against float64).
 ``collection`` is what the plugin and ``harness validate`` both refuse when items are generated
 (unknown backends, variants).
 """

@@ -3,7 +3,7 @@
 Subcommands (one module each): ``run``, ``validate``, ``init``, ``backends``, ``inspect``, ``plan``,
 ``golden``, ``precision``, ``weights``, ``oplist``, ``compare``, ``report``, ``baseline``,
 ``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``, ``select``,
-``server``.
+``server``, ``engine``, ``export``.
 
 Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
 ``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
@@ -37,6 +37,8 @@ SUBCOMMANDS = [
     "harness.cli.quarantine",
     "harness.cli.select",
     "harness.cli.server",
+    "harness.cli.engine",
+    "harness.cli.export",
 ]
 
 

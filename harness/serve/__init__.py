@@ -1,0 +1,14 @@
+"""Serving engines checked against float64 (docs/serving.md).
+
+* ``engine``  - the engines harness can drive (name, pins, runner script, the architectures it
+  checks), their environments under ``.harness/engines/<name>/`` and ``setup`` / ``status``;
+* ``export``  - a suite's pruned, seeded model as a checkpoint an engine loads (save_pretrained),
+  keeping what engine kernels dispatch on (the published head_dim);
+* ``launch``  - one engine run: a request file in, a result file out, the runner script in the
+  engine's own venv as a supervised process (harness.launch);
+* ``judge``   - the float64 transformers reference on the same checkpoint, and the verdict: prompt
+  log-probabilities position by position, the greedy continuation teacher-forced.
+
+``engines/`` holds data the engine's environment uses: the pins and the standalone runner scripts
+(they run in the engine's venv, which has no harness: they import nothing from it).
+"""

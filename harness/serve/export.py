@@ -1,0 +1,145 @@
+"""A suite's pruned model as a checkpoint a serving engine loads.
+
+The model is the one the checks build (``harness.models.build.build_model``, the precision golden's
+seed), with two changes an engine needs and ``README.txt`` beside the files says:
+
+* **the published head_dim is kept.** An engine's attention kernel is chosen by head size (vLLM's CPU
+  attention refuses 16 - "Unsupported CPU attention configuration" - and its kernels are specialised
+  for 64, 128, ...). The pruned widths (hidden, heads, MLP, vocab, layers) stay, so the model stays
+  small, but the attention runs the real model's kernel path: config ``head_dim`` is the published
+  one (its ``head_dim``, else hidden_size / num_attention_heads of the real config).
+* **realistic numerics are baked into the weights.** The checks rescale seeded weights so attention is
+  peaky and the residual stream grows (harness.models.numerics); the attention gain is a temperature
+  (``scaling``) an engine does not read, so it is folded into the query projection (or the query norm's
+  weight, where a norm follows the projection). Without it attention is near uniform and a positional
+  fault (a wrong rotary position) barely moves the output.
+
+Written with ``save_pretrained``: safetensors, config.json, generation_config.json, in the dtype the
+engine will run (so engine and reference read the same rounded weights). trust_remote_code stays off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+README = "README.txt"
+VERSION = 1  # of what export writes: a cached export made by another version is remade
+
+
+def published_head_dim(cfg) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
+
+
+def serving_config(ls):
+    """(ModelConfig of the pruned model with the published head_dim, notes on what was kept)."""
+    from harness.models.build import model_config
+
+    mc = model_config(ls)
+    real = published_head_dim(model_config(ls, pruned=False).config)
+    pruned = published_head_dim(mc.config)
+    kept = []
+    if pruned != real:
+        mc.config.head_dim = real
+        kept.append(f"head_dim {real} (published; the pruned model's is {pruned}): engines choose their "
+                    f"attention kernel by head size")
+    else:
+        kept.append(f"head_dim {real} (the pruned model's is already the published one)")
+    return mc, kept
+
+
+def fingerprint(ls, dtype: str) -> str:
+    """What an export depends on: a cached one with another fingerprint is remade."""
+    p = ls.suite.checks.precision
+    text = json.dumps({"v": VERSION, "config": ls.raw_config, "prune": ls.suite.prune.model_dump(mode="json"),
+                       "seed": p.seed, "numerics": p.numerics, "std": p.attention_logit_std,
+                       "growth": p.residual_growth, "dtype": dtype}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _bake_attention_gain(model, gains: dict) -> None:
+    """Fold each layer's attention temperature gain into its weights: attention logits are q.k x
+    scaling, and q is linear in q_proj's weight (RoPE rotates it, linearly) - or in the q norm's
+    weight where one follows q_proj (Qwen3) - so scaling those by g scales the logits by g exactly."""
+    import torch
+
+    from harness.anatomy.layers import attention, indexed_layers
+
+    for idx, _name, layer in indexed_layers(model):
+        a = attention(layer)
+        g = gains.get(str(idx))
+        if a is None or g is None:
+            continue
+        target = getattr(a, "q_norm", None)
+        target = a.q_proj if target is None else target
+        with torch.no_grad():
+            target.weight.mul_(g)
+            if getattr(target, "bias", None) is not None and target is a.q_proj:
+                target.bias.mul_(g)
+        a.scaling = float(a.scaling) / g  # the module as it was (the gain is in the weights now)
+
+
+def export(ls, out: str | Path, dtype: str = "float32") -> dict:
+    """Write the suite's serving checkpoint into ``out``; returns the info README.txt records."""
+    import torch
+
+    from harness.models import numerics
+    from harness.models.build import build_model, cast_model, seeded_tokens, torch_dtype
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    p = ls.suite.checks.precision
+    mc, kept = serving_config(ls)
+    # float64 to calibrate, as the golden does; then the dtype the engine serves
+    model, mc = build_model(ls, "float64", "cpu", seed=p.seed, mc=mc)
+    model.eval()
+    gains = {}
+    if p.numerics == "realistic" and ls.weights_path is None:
+        ids = seeded_tokens(mc.config.vocab_size, p.batch_size, p.seq_len, p.seed)
+        with torch.no_grad():
+            num = numerics.calibrate(model, ids, p.attention_logit_std, p.residual_growth)
+        gains = num["attention_gain"]
+        _bake_attention_gain(model, gains)
+        kept.append(f"realistic numerics baked in: attention gains {gains} folded into the query weights, "
+                    f"residual gains {num['residual_gain']} in the output projections")
+    model = cast_model(model, torch_dtype(dtype))
+    model.config.dtype = torch_dtype(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    info = {"suite": ls.name, "architecture": mc.architecture, "dtype": dtype, "seed": p.seed,
+            "fingerprint": fingerprint(ls, dtype), "kept": kept,
+            "vocab_size": int(mc.config.vocab_size), "head_dim": int(mc.config.head_dim)}
+    (out / README).write_text(
+        f"harness export {ls.name} ({dtype}): the suite's pruned model, seeded weights (seed {p.seed}, as the\n"
+        "precision golden), written with save_pretrained for a serving engine (docs/serving.md).\n"
+        "Where it differs from the checks' pruned model, and why (engine kernels dispatch on the head size;\n"
+        "an engine does not read harness's attention temperature):\n"
+        + "".join(f"  - {k}\n" for k in kept)
+        + "Every other width is the pruned one. trust_remote_code is off.\n"
+        + "harness-export: " + json.dumps(info, sort_keys=True) + "\n")
+    return info
+
+
+def read_info(out: str | Path) -> dict | None:
+    """The info line of an export's README.txt (None: no export there, or an unreadable one)."""
+    try:
+        for line in (Path(out) / README).read_text().splitlines():
+            if line.startswith("harness-export: "):
+                return json.loads(line.split(": ", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def cached_export(ls, root: str | Path, dtype: str) -> tuple[Path, dict, bool]:
+    """The suite's export for ``dtype`` under ``root`` (made when absent or stale): (dir, info, made)."""
+    d = Path(root) / f"{ls.name}-{dtype}"
+    info = read_info(d)
+    if info is not None and info.get("fingerprint") == fingerprint(ls, dtype) and any(d.glob("*.safetensors")):
+        return d, info, False
+    if d.exists():
+        import shutil
+
+        shutil.rmtree(d)
+    return d, export(ls, d, dtype), True

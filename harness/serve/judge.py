@@ -1,0 +1,120 @@
+"""The float64 reference of an engine run, and the verdict.
+
+The reference is transformers on the same exported checkpoint, in float64, teacher-forced on the
+prompt followed by the engine's own continuation: at every position it gives the log-probabilities the
+engine should have produced given what the engine had actually seen.
+
+Rows (one per position, first to last):
+
+* ``prompt`` rows (positions 0 .. n-2, predicting prompt token p+1) and ``step`` rows (position
+  n-1+s, predicting the s-th generated token): |engine logprob - reference logprob| of the
+  *reference's* top-1 token, against the dtype's budget. The engine reports its top k and the token it
+  was given or chose; a reference top-1 outside them is a failure of its own (the engine ranks it
+  below k others);
+* on ``step`` rows, the greedy choice: the engine's token against the reference's argmax. A different
+  token whose reference logit is within ``tie_margin`` of the argmax is a near tie (a note: float32 may
+  round either way), further than that a failure naming the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    kind: str  # "prompt" | "step"
+    prompt: int  # which prompt of the request
+    index: int  # prompt position, or decode step
+    position: int  # sequence position whose output this is
+    ref_token: int  # the reference's top-1 token here
+    err: float | None  # |engine - reference| logprob of ref_token (None: not among the engine's reported tokens)
+    budget: float
+    chosen: int | None = None  # step rows: the engine's greedy token
+    margin: float = 0.0  # step rows: reference logprob(argmax) - logprob(chosen), >= 0
+    tie: bool = False  # a different token within the tie margin
+
+    @property
+    def ok(self) -> bool:
+        return self.err is not None and self.err <= self.budget and (self.chosen in (None, self.ref_token) or self.tie)
+
+
+@dataclass
+class Verdict:
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def bad(self) -> list[Row]:
+        # the earliest position first, whichever prompt: a positional fault shows where it starts
+        return sorted((r for r in self.rows if not r.ok), key=lambda r: (r.position, r.prompt))
+
+    @property
+    def ties(self) -> list[Row]:
+        return [r for r in self.rows if r.tie]
+
+    def worst(self, kind: str) -> float:
+        return max((r.err for r in self.rows if r.kind == kind and r.err is not None), default=0.0)
+
+
+def reference_logprobs(model_dir, sequences: list[list[int]]):
+    """float64 log-probabilities [len(seq), vocab] for each sequence, from the checkpoint in
+    ``model_dir`` through transformers (eager attention: the plainest float64 path)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64, attn_implementation="eager",
+                                                 trust_remote_code=False)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logits = model(torch.tensor([seq])).logits[0].double()
+            out.append(torch.log_softmax(logits, -1))
+    return out
+
+
+def _err(engine: dict | None, token: int, ref: float) -> float | None:
+    if engine is None or str(token) not in engine:
+        return None
+    return abs(float(engine[str(token)]) - ref)
+
+
+def judge(prompts: list[list[int]], results: list[dict], ref: list, budget: float, tie_margin: float) -> Verdict:
+    """Rows of every prompt (``ref[i]``: reference logprobs of prompt i followed by the engine's tokens)."""
+    v = Verdict()
+    for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
+        lp, n = ref[i], len(prompt)
+        plp = res["prompt_logprobs"]
+        for p in range(n - 1):  # position p predicts prompt token p+1: vLLM's prompt_logprobs[p+1]
+            t = int(lp[p].argmax())
+            v.rows.append(Row("prompt", i, p, p, t, _err(plp[p + 1], t, float(lp[p, t])), budget))
+        for s, (chosen, got) in enumerate(zip(res["tokens"], res["logprobs"], strict=True)):
+            pos = n - 1 + s
+            t = int(lp[pos].argmax())
+            margin = float(lp[pos, t] - lp[pos, chosen])
+            v.rows.append(Row("step", i, s, pos, t, _err(got, t, float(lp[pos, t])), budget, chosen, margin,
+                              tie=chosen != t and margin <= tie_margin))
+    return v
+
+
+def describe(r: Row) -> str:
+    """What differs at one row, in one phrase."""
+    where = (f"prompt {r.prompt} position {r.position} (predicting prompt token {r.position + 1})" if r.kind == "prompt"
+             else f"prompt {r.prompt} decode step {r.index} (position {r.position})")
+    if r.chosen is not None and r.chosen != r.ref_token and not r.tie:
+        return (f"{where}: the engine's greedy token {r.chosen} is not the reference's {r.ref_token} "
+                f"(reference margin {r.margin:.3g} nats > tie margin)")
+    if r.err is None:
+        return f"{where}: the reference's top-1 token {r.ref_token} is not among the engine's top-k"
+    return f"{where}: |logprob diff| of the reference's top-1 token {r.ref_token} {r.err:.3g} > budget {r.budget:.3g}"
+
+
+def table(rows: list[Row], limit: int = 30) -> str:
+    lines = ["prompt  kind    index  position  ref_token  chosen  err         budget"]
+    for r in rows[:limit]:
+        err = "missing" if r.err is None else f"{r.err:.4g}"
+        lines.append(f"{r.prompt:<7} {r.kind:<7} {r.index:<6} {r.position:<9} {r.ref_token:<10} "
+                     f"{'' if r.chosen is None else r.chosen!s:<7} {err:<11} {r.budget:.3g}")
+    if len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more")
+    return "\n".join(lines)

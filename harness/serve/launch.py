@@ -1,0 +1,61 @@
+"""One engine run: the runner script in the engine's venv, supervised.
+
+The runner runs as a ``harness.launch.ProcessGroup`` (its own session, death with the item, the whole
+tree killed at the time limit, nothing left behind after it exits) and talks through two files in the
+run directory: ``request.json`` in, ``result.json`` out; its output goes to ``engine.log``, whose tail
+is in every error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from harness.launch.group import ProcessGroup
+from harness.launch.status import log_tail
+from harness.serve.engine import Engine, python
+
+
+class EngineRunError(Exception):
+    """The engine did not produce a result: how it ended and its log's tail, one line."""
+
+
+def engine_env(run_dir: Path) -> dict:
+    """The runner's environment. vLLM on CPU: KV cache space in GiB (its default is sized for a server),
+    its OpenMP threads left unbound (the machine is shared; binding pins them to cores others use),
+    the engine core in this process (one process to supervise, and a preloaded file's patches apply to
+    the model that runs), no usage statistics, the hub offline. Its caches live in the run directory
+    (never the user's ~/.cache), and its compile cache is off: a compiled graph from another run (made
+    before a kernel changed, or with a fault injected) must never stand in for this run's."""
+    env = dict(os.environ)
+    env["VLLM_CACHE_ROOT"] = str(run_dir / "vllm-cache")
+    env["VLLM_CONFIG_ROOT"] = str(run_dir / "vllm-config")
+    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("VLLM_DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.pop("PYTHONPATH", None)  # harness's own path must not leak into the engine's venv
+    return env
+
+
+def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: float, root=None) -> dict:
+    """Write ``request``, run the engine on it, return its result (EngineRunError when there is none)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    req, res = run_dir / "request.json", run_dir / "result.json"
+    res.unlink(missing_ok=True)
+    (run_dir / "engine.log").unlink(missing_ok=True)
+    req.write_text(json.dumps(request))
+    cmd = [str(python(engine, root)), str(engine.runner_path), str(req), str(res)]
+    with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir), log_name="engine.log") as group:
+        ended = group.wait(deadline_s=timeout_s)
+        if not ended.ok or not res.is_file():
+            tail = " / ".join(log_tail(group.log, 4))
+            how = (f"killed at its time limit ({timeout_s:g} s)" if ended.how == "timeout" else
+                   f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
+            raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
+    return json.loads(res.read_text())

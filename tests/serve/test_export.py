@@ -1,0 +1,62 @@
+"""`harness export SUITE DIR` (issue #46): the suite's pruned, seeded model as a checkpoint a serving
+engine loads, keeping the published head_dim, realistic numerics baked into the weights: transformers
+reloads it and computes what harness's own build computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.cli import main
+from harness.models import numerics
+from harness.models.build import build_model, seeded_tokens
+from harness.serve.export import cached_export, read_info, serving_config
+from harness.suite.loader import load_suite
+from tests_support import REPO
+
+
+@pytest.mark.parametrize("suite, pruned_hd", [("llama-3.1-8b", 16), ("qwen3-8b", 16)])
+def test_export_keeps_head_dim_and_reloads_to_the_same_model(tmp_path, suite, pruned_hd):
+    out = tmp_path / suite
+    assert main(["export", suite, str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    ls = load_suite(REPO / "suites" / f"{suite}.toml")
+    assert cfg["head_dim"] == 128 and cfg["hidden_size"] == ls.suite.prune.hidden_size
+    assert cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == 512
+    assert (out / "model.safetensors").is_file() and (out / "generation_config.json").is_file()
+    readme = (out / "README.txt").read_text()
+    assert f"head_dim 128 (published; the pruned model's is {pruned_hd})" in readme
+    # the same model as harness builds it (seed, realistic numerics' gains applied as a temperature)
+    p = ls.suite.checks.precision
+    mc, _ = serving_config(ls)
+    ref, _ = build_model(ls, "float64", "cpu", seed=p.seed, mc=mc)
+    ids = seeded_tokens(512, p.batch_size, p.seq_len, p.seed)
+    with torch.no_grad():
+        numerics.calibrate(ref.eval(), ids, p.attention_logit_std, p.residual_growth)
+        want = ref(ids).logits
+    from transformers import AutoModelForCausalLM
+
+    got_model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64).eval()
+    with torch.no_grad():
+        got = got_model(ids).logits
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-5, rel  # float32 weights against float64 ones
+
+
+def test_cached_export_is_reused_and_remade_when_stale(tmp_path):
+    ls = load_suite(REPO / "suites" / "llama-3.1-8b.toml")
+    d, info, made = cached_export(ls, tmp_path, "bfloat16")
+    assert made and info["dtype"] == "bfloat16" and read_info(d) == info
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
+    assert cached_export(ls, tmp_path, "bfloat16")[2] is False
+    text = (d / "README.txt").read_text()
+    (d / "README.txt").write_text(text.replace(info["fingerprint"], "0" * 16))
+    assert cached_export(ls, tmp_path, "bfloat16")[2] is True
+
+
+def test_unknown_suite_is_one_line(tmp_path, capsys):
+    assert main(["export", "nosuch", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("harness: error:") and len(err.strip().splitlines()) == 1, err
