@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.files import atomic
+
 DATA = Path(__file__).resolve().parent / "engines"
 DEFAULT_ROOT = Path(".harness") / "engines"
 STAMP = "harness-engine.json"
@@ -115,7 +117,7 @@ def setup(engine: Engine, root: str | Path | None = None, say=print) -> bool:
     d.parent.mkdir(parents=True, exist_ok=True)
     (d / STAMP).unlink(missing_ok=True)  # from here on the env is half-built until the stamp is back
     log = d.parent / f"{engine.name}-setup.log"
-    log.write_text("")
+    atomic.write_text(log, "")
     t0 = time.monotonic()
     say(f"harness engine setup {engine.name}: creating {d} from {engine.pins_path.name} (log {log})")
     _run([sys.executable, "-m", "venv", "--clear", d], log, "python -m venv")
@@ -123,7 +125,7 @@ def setup(engine: Engine, root: str | Path | None = None, say=print) -> bool:
     _run([pip, "install", "-q", "-r", engine.pins_path], log, f"pip install -r {engine.pins_path.name}")
     if engine.remove:
         _run([pip, "uninstall", "-q", "-y", *engine.remove], log, "pip uninstall")
-    (d / STAMP).write_text(json.dumps({"engine": engine.name, "pins": engine.pins, "pins_hash": pins_hash(engine),
-                                       "seconds": round(time.monotonic() - t0, 1)}, indent=1) + "\n")
+    atomic.write_json(d / STAMP, {"engine": engine.name, "pins": engine.pins, "pins_hash": pins_hash(engine),
+                                  "seconds": round(time.monotonic() - t0, 1)})
     say(f"harness engine setup {engine.name}: ready in {time.monotonic() - t0:.0f} s")
     return True

@@ -24,6 +24,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from harness.files import atomic
+
 README = "README.txt"
 VERSION = 1  # of what export writes: a cached export made by another version is remade
 
@@ -110,7 +112,7 @@ def export(ls, out: str | Path, dtype: str = "float32") -> dict:
     info = {"suite": ls.name, "architecture": mc.architecture, "dtype": dtype, "seed": p.seed,
             "fingerprint": fingerprint(ls, dtype), "kept": kept,
             "vocab_size": int(mc.config.vocab_size), "head_dim": int(mc.config.head_dim)}
-    (out / README).write_text(
+    atomic.write_text(out / README,
         f"harness export {ls.name} ({dtype}): the suite's pruned model, seeded weights (seed {p.seed}, as the\n"
         "precision golden), written with save_pretrained for a serving engine (docs/serving.md).\n"
         "Where it differs from the checks' pruned model, and why (engine kernels dispatch on the head size;\n"

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from harness.files import atomic
 from harness.launch.group import ProcessGroup
 from harness.launch.status import log_tail
 from harness.serve.engine import Engine, python
@@ -49,7 +50,7 @@ def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: fl
     req, res = run_dir / "request.json", run_dir / "result.json"
     res.unlink(missing_ok=True)
     (run_dir / "engine.log").unlink(missing_ok=True)
-    req.write_text(json.dumps(request))
+    atomic.write_json(req, request)
     cmd = [str(python(engine, root)), str(engine.runner_path), str(req), str(res)]
     with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir), log_name="engine.log") as group:
         ended = group.wait(deadline_s=timeout_s)

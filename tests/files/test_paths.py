@@ -200,6 +200,12 @@ ALLOWED = {
     ("harness/weights/manifest.py", "ckpt.root / f"): "ckpt.shards passed shard_path() in open_checkpoint",
     ("harness/parallel/worker.py", "os.path.join(run_dir, lay.label)"): "Layout() refuses a name that is "
                                                                         "not plain (layouts.py __post_init__)",
+    ("harness/checks/serve.py", 'root / "runs" / f"{ctx.suite.name}-{ctx.backend.name}-{ctx.dtype}"'):
+        "a loaded suite's name (its file's stem), a registered backend and a DTYPES value",
+    ("harness/serve/engine.py", "Path(root or DEFAULT_ROOT) / engine.name"): "an engine of the ENGINES table",
+    ("harness/serve/engine.py", 'd.parent / f"{engine.name}-setup.log"'): "an engine of the ENGINES table",
+    ("harness/serve/export.py", 'Path(root) / f"{ls.name}-{dtype}"'):
+        "a loaded suite's name (its file's stem) and a DTYPES value",
     ("harness/backends/__init__.py", "Path.cwd() / p"): "an op-list location from harness.toml (settings)",
     ("harness/compare/junit.py", 'os.path.join(p, "**", "*.xml")'): "p is a command-line argument",
     ("harness/cli/server.py", "os.path.join(root, f)"): "os.walk of harness's own package folder (the server's "
