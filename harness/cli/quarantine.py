@@ -41,11 +41,17 @@ def main(args) -> int:
         return _edit(quarantine, path, args)
 
 
-def _list(quarantine, path, args) -> int:
+def _load(quarantine, path):
+    """The quarantine file, or None after its one-line error."""
     try:
-        q = quarantine.load(path)
+        return quarantine.load(path)
     except quarantine.QuarantineError as e:
         print(f"harness quarantine: {e}", file=sys.stderr)
+        return None
+
+
+def _list(quarantine, path, args) -> int:
+    if (q := _load(quarantine, path)) is None:
         return 2
     if args.tests:
         print("harness quarantine: list takes no TEST", file=sys.stderr)
@@ -59,10 +65,7 @@ def _list(quarantine, path, args) -> int:
 
 
 def _edit(quarantine, path, args) -> int:
-    try:
-        q = quarantine.load(path)
-    except quarantine.QuarantineError as e:
-        print(f"harness quarantine: {e}", file=sys.stderr)
+    if (q := _load(quarantine, path)) is None:
         return 2
     if not args.tests:
         print(f"harness quarantine: {args.action} needs at least one TEST", file=sys.stderr)
