@@ -90,6 +90,10 @@ def run_variant(variant: str, load: int) -> dict:
 
 
 def main() -> int:
+    import signal
+
+    # a SIGTERM (`timeout`, a cancelled job) unwinds through run_variant's finally: no spinner outlives us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["now", "before"], choices=["now", "before"])
     ap.add_argument("--load", type=int, default=0, help="processes spinning on the CPU meanwhile")
