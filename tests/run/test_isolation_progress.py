@@ -30,6 +30,9 @@ def project(tmp_path) -> Path:
 def _load(n: int) -> list[subprocess.Popen]:
     """n processes that spin on the CPU, each stopping by itself after 5 minutes at the latest."""
     code = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass\n"
+    # In this test's own session: with the kernel's autogroup scheduling they then share one CPU share,
+    # a bounded load that keeps the test's time predictable in CI; the harsher load (each spinner a
+    # session of its own) is benchmarks/bench_first_run.py's --load, over the bundled suites.
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
