@@ -64,7 +64,7 @@ def test_the_rule_is_pytests(tmp_path):
 
 # --- no environment-variable gates (issue #44) -------------------------------------------------------
 
-# An environment variable named like the old gates (HARNESS_PRECISION_FULL, ...) read in any form.
+# An environment variable named like the old gates (HARNESS_<MATRIX>_FULL) read in any form.
 FULL_VAR = re.compile(r"""(environ\b[^\n]{0,40}|getenv\s*\(\s*)["'][A-Z0-9_]*_FULL["']""")
 
 
@@ -179,7 +179,7 @@ NOT_GATED = (
     'import os, subprocess, sys, pytest\nENV = os.environ | {"HF_HUB_OFFLINE": "1"}\n\n\n'
     'def run(*a):\n    return subprocess.run([sys.executable, *a], env={**os.environ, "A": "1"})\n\n\n'
     '@pytest.mark.skipif(sys.platform == "win32", reason="posix")\n@pytest.mark.parametrize("n", [1, 2])\n'
-    'def test_d(n, monkeypatch):\n    monkeypatch.setenv("HARNESS_X_FULL_NAME_OK", "1")\n'
+    'def test_d(n, monkeypatch):\n    monkeypatch.setenv("HARNESS_X_" "FULL_NAME_OK", "1")\n'
     '    assert os.environ.get("HF_HUB_OFFLINE") == "1"\n    if sys.maxsize < 2:\n        pytest.skip("32-bit")\n'
 )
 

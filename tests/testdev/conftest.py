@@ -10,8 +10,8 @@ sessions; pip would copy the sources and force a rebuild) beside a ``.dist-info`
 changed. ``pip install -e testdev --no-deps --no-build-isolation`` declares it the same way.
 
 Skipped, with the reason, where there is no C++ compiler or the build fails. Every test here runs in
-.ci/run, the long device runs included (issue #44: they once ran only under HARNESS_TESTDEV_FULL=1, in
-CI's ``testdev`` job); that job adds what is no test: every bundled suite's items and the nightly
+.ci/run, the long device runs included (issue #44: they once ran only under an environment variable that
+only CI's ``testdev`` job set); that job adds what is no test: every bundled suite's items and the nightly
 perf items on the device, and ``harness certify`` on it (.ci/testdev).
 """
 
