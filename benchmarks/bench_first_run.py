@@ -22,8 +22,9 @@ Measured (2 cores, 2026-12-05, empty inductor cache, no engine environment):
   now, quiet:                       169.5 s, exit 0, 216 passed, 38 skipped, 0 hung
   now, --load 8 in one session:     223.8 s, exit 0, 0 hung (the kernel's autogroup gave the spinners
                                     one share between them: a mild load)
-  now, --load 8, a session each:    not finished at the 14-minute cap: 200 of 254 items, 164 passed,
-                                    36 skipped, 0 failed, 0 hung
+  now, --load 8, a session each:    1261.6 s (21 min), exit 0, 216 passed, 38 skipped, 0 failed, 0 hung;
+                                    slowest items llama-3.1-8b compile bf16 299 s, fp32 286 s (load
+                                    average 12-13: other work on the machine besides the 8 spinners)
   before (issue #52's measurement): 7.7 minutes quiet; 25.5 minutes at load average 7-11, with 2
                                     compile items falsely killed as hung
 """
