@@ -16,6 +16,10 @@ eager forward time through the perf check's timing and statistics, peak memory) 
 (diverging numerics: the smallest region whose compiled version alone diverges) -> ``record`` ->
 ``verdict``.
 
+Each step is a call of harness/compiler's library (``bounds``: the logits bounds and the numerics;
+``counts``: graph breaks and recompiles against the committed counts; ``backward``: the compiled
+backward; ``bisect``) whose results the step records.
+
 Whole-model outputs only: hooks on modules would force graph breaks (and change what is compiled),
 so per-module comparisons are the bisection's, one compiled region at a time.
 """
@@ -33,10 +37,11 @@ from pydantic import Field, field_validator
 
 from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+from harness.compiler import backward, bounds, counts, sweep
 from harness.compiler import bisect as bis
 from harness.compiler import dynamo as dyn
 from harness.compiler import numerics as num
-from harness.compiler import sweep
+from harness.compiler.backward import Backward
 from harness.golden.sections import load_golden_for
 from harness.suite.schema import DTYPES
 
@@ -47,7 +52,6 @@ SPEED = "speed"  # the nightly variant: compiled / eager speed and memory
 # still checks the graph capture, graph breaks, recompiles and the forward and backward numerics of
 # the graphs the compiler is handed, and the nightly item adds what its code generation does to them.
 FRONTEND = "frontend"
-DECODE = "decode step (length 1)"
 
 metrics.declare("compile_time_s", "s", "lower", "compile: wall time of the first compiled forward on the golden's "
                 "ids (dynamo + the compiler + one run)")
@@ -79,24 +83,9 @@ metrics.declare("compile_grad_vs_eager_worst_budget_use", "", "none", "compile: 
 metrics.declare("compile_backward_time_s", "s", "lower", "compile: first compiled forward + backward (its compile)")
 
 
-def _per_dtype(v: int | dict[str, int] | None, dtype: str) -> int | None:
-    """The committed count for ``dtype``; None where the suite commits none (for that dtype)."""
-    return v if v is None or isinstance(v, int) else v.get(dtype)
-
-
-def _uncommitted(ctx, what: str, key: str, n: int) -> None:
-    """No count committed (a suite ``harness init`` just wrote, a new dtype): the measurement is the
-    result - recorded as a metric and said in a note, never a verdict against a number nobody chose."""
-    ctx.notes.append(f"compile: {n} {what} measured, no expectation committed: add `{key} = {n}` (or "
-                     f"{{{ctx.dtype} = {n}}}) to [checks.compile] of {ctx.suite.name} to hold it")
-    ctx.detail(f"compile_{key}_uncommitted", str(n))
-
-
 TOL_GOLDEN = metrics.tolerance_property("compile_logits_rel_rmse", 0.0)[0]
 TOL_EAGER = metrics.tolerance_property("compile_vs_eager_rel_rmse", 0.0)[0]
 SRC = metrics.detail_property("compile_budget_source", "")[0]
-FORCED_SOURCE = "the golden's propagated logits budget in this dtype, measured with the routers forced to the reference's choices"
-UNFORCED_SOURCE = "the golden's propagated logits budget in this dtype"
 
 
 class CompileConfig(CheckConfig):
@@ -195,23 +184,35 @@ class CompileCheck(Check):
 
     def new_state(self, ctx: CheckContext):
         return SimpleNamespace(transform=None, context=None, golden_root=None, problems=[], bisection=None,
-                               diverged=None, routing_forced=False, router_flips=0, recompiled=[], speed={},
-                               bisect_text=None, grad_rows=[])
+                               num=None, recompiled=[], speed={}, bisect_text=None, grad=Backward())
 
     def run_steps(self, ctx: CheckContext, st) -> None:
         ctx_mgr = st.context() if st.context is not None else contextlib.nullcontext()
         with ctx_mgr, torch.no_grad(), dyn.fresh():
             super().run_steps(ctx, st)
 
-    # --- steps -------------------------------------------------------------------------------
+    # --- steps: each a call of harness/compiler's library, what it returns recorded --------------
     def golden(self, ctx: CheckContext, st) -> None:
         st.g = load_golden_for(ctx, st.golden_root)
 
     def setup(self, ctx: CheckContext, st) -> None:
+        """The compiler the item runs (the front end's for the ``frontend`` variant; NotApplicable if
+        none is usable) and the bounds of its logits (harness/compiler/bounds.py)."""
         cfg = st.cfg = ctx.config
-        st.compiler = self._usable_compiler(ctx, cfg.backend or ctx.backend.compile_backend or dyn.DEFAULT)
-        self._resolve_budgets(ctx, st)
-        st.compile_kw = {"backend": st.compiler, "mode": cfg.mode, "dynamic": cfg.dynamic}
+        compiler = cfg.backend or ctx.backend.compile_backend or dyn.DEFAULT
+        if ctx.variant == FRONTEND:
+            fe, why = dyn.frontend(compiler)
+            ok, compiler = fe is not None, fe
+        else:
+            ok, why = dyn.usable(compiler, ctx.backend.device_type)
+        ctx.detail("compile_backend", f"{compiler}: {why}")
+        if not ok:
+            raise NotApplicable(f"no usable compiler on {ctx.backend.name}: {why}")
+        st.compiler, st.compile_kw = compiler, {"backend": compiler, "mode": cfg.mode, "dynamic": cfg.dynamic}
+        st.bounds = bounds.resolve(ctx.suite, ctx.backend, ctx.dtype, st.g, cfg.eager_k)
+        ctx.tolerance("compile_logits_rel_rmse", st.bounds.budget)
+        ctx.tolerance("compile_vs_eager_rel_rmse", st.bounds.eager)
+        ctx.detail("compile_budget_source", st.bounds.source)
 
     def build(self, ctx: CheckContext, st) -> None:
         from harness.precision.runner import build_target
@@ -236,160 +237,88 @@ class CompileCheck(Check):
     def numerics(self, ctx: CheckContext, st) -> None:
         if ctx.variant == SPEED:
             return
-        ref = st.g.modules["logits"]
-        idx = st.g.indices.get("logits")  # sampled golden: its stored sample of the logits
-        view = (lambda t: t.reshape(-1)[idx]) if idx is not None else (lambda t: t)
-        routes = num.golden_routes(st.g)
-        if routes and st.forced_budget is not None:
-            # A MoE golden that measured its logits with the routers forced: the model's own routing
-            # is held to that budget first too (the unforced one sits at the tolerance's cap wherever
-            # the draws' routing flipped: mixtral-8x7b, kimi-k2 bfloat16 0.04 against 0.021, 0.024
-            # forced). Over it - a flip or a fault - the forced rerun decides, under the same budget.
-            self._bounds(ctx, st, st.forced_budget, FORCED_SOURCE)
-        self._judge(ctx, st, view, ref)
-        st.routing_forced = False
-        if st.diverged is not None and routes:
-            self._forced_rerun(ctx, st, routes, view, ref)
-        st.loss_err = None
-        if st.cfg.loss and idx is None and st.ids.shape[1] > 1:
-            self._judge_loss(ctx, st, ref)
+        st.num = n = bounds.numerics(st.g, st.model, st.ids, st.logits, st.eager_logits, st.compile_kw, st.bounds,
+                                     ctx.backend.name, st.cfg.loss)
+        ctx.notes.extend(n.notes)
+        if n.source is not None:  # the bounds replaced: the recorded source and tolerances with them
+            ctx.properties[:] = [p for p in ctx.properties if p[0] != SRC]
+            ctx.detail("compile_budget_source", n.source)
+        if n.rebound:
+            ctx.properties[:] = [p for p in ctx.properties if p[0] not in (TOL_GOLDEN, TOL_EAGER)]
+            ctx.tolerance("compile_logits_rel_rmse", n.golden_bound)
+            ctx.tolerance("compile_vs_eager_rel_rmse", n.eager_budget)
+        if n.routing is not None:
+            ctx.detail("compile_routing", n.routing)
+        if n.loss_bound is not None:
+            ctx.tolerance("compile_loss_abs_err", n.loss_bound)
 
     def breaks(self, ctx: CheckContext, st) -> None:
-        if ctx.variant == SPEED:
-            return
-        st.expected_breaks = want = _per_dtype(st.cfg.expected_graph_breaks, ctx.dtype)
-        reasons = "; ".join(f"{n} x {r}" for r, n in st.breaks.most_common())
-        if reasons:
-            ctx.detail("compile_graph_break_reasons", reasons)
-        if want is None:
-            _uncommitted(ctx, "graph break(s)", "expected_graph_breaks", st.n_breaks)
-            return
-        if st.n_breaks < want:
-            ctx.notes.append(f"compile: {st.n_breaks} graph break(s), fewer than the {want} expected: lower "
-                             f"[checks.compile] expected_graph_breaks for {ctx.dtype} to {st.n_breaks}")
-            ctx.detail("compile_graph_breaks_expectation", f"can be lowered to {st.n_breaks} (expected {want})")
-        if st.n_breaks > want:
-            lines, message, fields = dyn.breaks_over_expected(st.model, {"input_ids": st.ids, "use_cache": False},
-                                                              st.breaks, want)
-            ctx.detail("compile_graph_break_frames", "\n".join(lines))
-            st.problems.append(CheckFailure(message, **fields))
+        if ctx.variant != SPEED:
+            self._said(ctx, st, counts.breaks(st.breaks, st.cfg.expected_graph_breaks, ctx.suite.name, ctx.dtype,
+                                              st.model, st.ids))
 
     def recompiles(self, ctx: CheckContext, st) -> None:
         if ctx.variant == SPEED:
             return
-        cfg = st.cfg
-        vocab = int(st.g.inputs.max().item()) + 1
-        calls = sweep.shapes(st.ids.shape[1], cfg.prompt_lens, cfg.decode_step, DECODE)
         try:
-            res = sweep.sweep_with_fallback(st.model, num.logits, sweep.ids_maker(st.ids, vocab), calls,
-                                            sweep.first_kw(st.compile_kw, cfg.sweep_backend, st.compiler),
-                                            st.compile_kw, st.compiler)
+            res = counts.run_sweep(st.model, st.g, st.ids, st.cfg, st.compile_kw, st.compiler)
         except sweep.CompilerRaised as e:
-            raise CheckFailure(f"the compiled model ({st.compiler}) raised at the {e.error}",
-                               metric="compile_recompiles", expected="every shape runs",
-                               observed=type(e.error.error).__name__,
-                               details="\n".join(f"  {b} raised at the {x}" for b, x in e.fell)) from e.error
-        st.recompiled, st.sweep_s = res.recompiled, res.seconds
-        self._record_sweep(ctx, st, res)
-        self._judge_recompiles(ctx, st)
+            message, fields = counts.raised(e, st.compiler)
+            raise CheckFailure(message, **fields) from e.error
+        st.recompiled = res.recompiled
+        self._said(ctx, st, counts.recompiles(res, st.cfg.expected_recompiles, st.cfg.dynamic, ctx.suite.name,
+                                              ctx.dtype))
 
     def gradients(self, ctx: CheckContext, st) -> None:
-        """The compiled backward against the golden's training section (harness/compiler/gradients.py)."""
-        st.grad_rows = []
-        if ctx.variant == SPEED or not st.cfg.gradients:
-            return
-        # deferred, as the backward's library is: only an item that compares gradients loads it
-        from harness.compiler import gradients as grd
-
-        ref, why = grd.reference(st.g, ctx.suite, ctx.dtype, st.model, ctx.device)
-        if ref is None:
-            if why:
-                ctx.notes.append(f"compile: {why}")
-            return
-        eager = grd.eager_grads(ref, st.model)
-        k, grad_k = ctx.suite.suite.checks.training.budget_k, st.cfg.grad_k
-        t0 = time.perf_counter()
-        st.grad_rows = grd.rows(ref, grd.compiled_grads(ref, st.model, st.compile_kw), eager, ctx.dtype, k, grad_k)
-        st.grad_compile_s = time.perf_counter() - t0
-        bad = grd.over_budget(st.grad_rows)
-        if bad and ctx.dtype in ("bfloat16", "float16") and dyn.can_emulate_precision(st.compiler):
-            emulated, text = grd.with_precision_casts(ref, st.model, st.compile_kw, eager, bad, ctx.dtype, k, grad_k)
-            if emulated is not None:
-                ctx.detail("compile_grad_precision_casts", text)
-                ctx.notes.append(f"compile: {text}")
-                st.grad_rows, bad = emulated, []
-        if bad:
-            message, fields = grd.failure(grd.in_backward_order(bad, ref.order))
-            st.problems.append(CheckFailure(message, **fields))
+        """The compiled backward against the golden's training section (harness/compiler/backward.py)."""
+        if ctx.variant != SPEED and st.cfg.gradients:
+            st.grad = backward.judge(st.g, ctx.suite, ctx.dtype, st.model, ctx.device, st.compile_kw, st.compiler,
+                                     st.cfg.grad_k)
+            self._said(ctx, st, st.grad)
 
     def speed(self, ctx: CheckContext, st) -> None:
-        """Nightly: compiled and eager forwards interleaved (perf's timing), medians (perf's statistics);
-        on a CPU with one intra-op thread and on the process CPU clock, as the perf check decides."""
-        from harness.perf import stats
-        from harness.perf.timing import interleaved, memory_support, pinned, timed_both, timer_safety
+        """Nightly: compiled and eager forwards interleaved, medians and peak memory (perf's timing and
+        statistics: harness/perf/measure.py)."""
+        # deferred: only a nightly speed item loads the perf library
+        from harness.perf.measure import interleaved_medians, peak_memory
+        from harness.perf.timing import memory_support, timer_safety
 
         if ctx.variant != SPEED:
             return
         ok, why = timer_safety(ctx.backend)
         if not ok:
             raise NotApplicable(f"no compile speed figures: {why}")
-        cpu = ctx.backend.device_type == "cpu"
-        sync = ctx.backend.synchronize
-
-        def sampler(model):
-            def sample():
-                wall, proc = timed_both(lambda: num.logits(model, st.ids), sync)
-                return {"s": proc if cpu else wall}
-
-            return sample
-
-        with pinned(1 if cpu else 0):
-            eager, compiled = interleaved([sampler(st.model), sampler(st.compiled)], st.cfg.speed_repeats)
-        e, c = stats.summarize(eager["s"]).median, stats.summarize(compiled["s"]).median
-        ctx.detail("compile_speed_clock", "process CPU time, 1 thread" if cpu else "wall time, synchronized")
+        forwards = {"compile_eager_peak_memory_bytes": lambda: num.logits(st.model, st.ids),
+                    "compile_peak_memory_bytes": lambda: num.logits(st.compiled, st.ids)}
+        (e, c), clock = interleaved_medians(ctx.backend, list(forwards.values()), st.cfg.speed_repeats)
+        ctx.detail("compile_speed_clock", clock)
         st.speed = {"compile_eager_forward_s": e, "compile_forward_s": c, "compile_speedup": e / c if c else math.nan}
         if memory_support(ctx.backend)[0]:
-            self._peak_memory(ctx, st)
+            st.speed.update(peak_memory(ctx.backend, forwards))
 
     def bisect(self, ctx: CheckContext, st) -> None:
-        if ctx.variant == SPEED or st.diverged is None or not st.cfg.bisect:
+        if ctx.variant == SPEED or st.num.diverged is None or not st.cfg.bisect:
             return
-        routes = num.golden_routes(st.g) if st.routing_forced else None
+        routes = num.golden_routes(st.g) if st.num.routing_forced else None
         with num.routed(st.model, routes):
-            st.bisection = bis.localize(st.model, lambda m: num.logits(m, st.ids), st.eager_logits,
-                                        st.eager_budget, st.compile_kw, st.cfg.bisect_depth)
+            st.bisection = bis.localize(st.model, lambda m: num.logits(m, st.ids), st.num.eager_logits,
+                                        st.num.eager_budget, st.compile_kw, st.cfg.bisect_depth)
         st.bisect_text = bis.describe(st.bisection)
         ctx.detail("compile_bisection", st.bisect_text)
 
     def record(self, ctx: CheckContext, st) -> None:
-        ctx.metric("compile_time_s", st.compile_s)
-        ctx.metric("compile_graph_breaks", st.n_breaks)
-        ctx.metric("compile_graphs", st.n_graphs)
+        figures = {"compile_time_s": st.compile_s, "compile_graph_breaks": st.n_breaks, "compile_graphs": st.n_graphs}
         if ctx.variant == SPEED:
-            for k, v in st.speed.items():
-                ctx.metric(k, v)
-            return
-        ctx.metric("compile_recompiles", len(st.recompiled))
-        ctx.metric("compile_logits_rel_rmse", st.vs_golden["rel_rmse"])
-        ctx.metric("compile_logits_budget_use", st.vs_golden["rel_rmse"] / st.golden_bound if st.golden_bound else math.inf)
-        ctx.metric("compile_vs_eager_rel_rmse", st.vs_eager["rel_rmse"])
-        if st.routing_forced:
-            ctx.metric("compile_router_flips", st.router_flips)
-        if st.loss_err is not None:
-            ctx.metric("compile_loss_abs_err", st.loss_err)
-        judged = [r for r in st.grad_rows if r.budget]
-        if judged:
-            ctx.metric("compile_grad_worst_budget_use", max(r.compiled / r.budget for r in judged))
-            ctx.metric("compile_grad_vs_eager_worst_budget_use", max(r.eager / r.budget for r in judged))
-            ctx.metric("compile_backward_time_s", st.grad_compile_s)
+            figures |= st.speed
+        else:
+            figures |= {"compile_recompiles": len(st.recompiled)} | st.num.figures() | st.grad.figures()
+        for k, v in figures.items():
+            ctx.metric(k, v)
 
     def verdict(self, ctx: CheckContext, st) -> None:
-        if ctx.variant != SPEED and st.diverged is not None:
-            raise CheckFailure(
-                f"{bis.where(st.bisection, st.eager_budget)}: {st.diverged}", metric="compile_logits_rel_rmse",
-                expected=f"<= {st.golden_bound:.3g}",
-                observed=f"{st.vs_golden['rel_rmse']:.4g} (vs eager {st.vs_eager['rel_rmse']:.4g})",
-                tolerance=st.golden_bound, details=st.bisect_text)
+        if ctx.variant != SPEED and st.num.diverged is not None:
+            message, fields = st.num.failure(bis.where(st.bisection, st.num.eager_budget), st.bisect_text)
+            raise CheckFailure(message, **fields)
         if st.problems:
             first = st.problems[0]
             also = [f"also: {p.message}" for p in st.problems[1:]]
@@ -397,131 +326,14 @@ class CompileCheck(Check):
                 first.details = "\n".join([first.details or "", "", *also])
             raise first
 
-    # --- setup: the compiler and the bounds ----------------------------------------------------
-    def _usable_compiler(self, ctx: CheckContext, compiler: str) -> str:
-        """The compiler the item runs (the front end's for the ``frontend`` variant); NotApplicable if none."""
-        if ctx.variant == FRONTEND:
-            fe, why = dyn.frontend(compiler)
-            ok, compiler = fe is not None, fe
-        else:
-            ok, why = dyn.usable(compiler, ctx.backend.device_type)
-        ctx.detail("compile_backend", f"{compiler}: {why}")
-        if not ok:
-            raise NotApplicable(f"no usable compiler on {ctx.backend.name}: {why}")
-        return compiler
-
-    def _resolve_budgets(self, ctx: CheckContext, st) -> None:
-        """Tolerances and the logits budget as the precision check resolves them."""
-        from harness.precision.runner import budgets_for, tolerances_for
-
-        tol, src = tolerances_for(ctx.suite, ctx.backend, ctx.dtype)
-        bud = budgets_for(st.g, ctx.dtype, tol, ctx.suite.suite.checks.precision.budget_k, src)
-        st.budget = bud.logits if bud.logits is not None else tol["rel_rmse"]
-        st.golden_bound = st.budget  # compiled vs golden (widened only with routing forced: _forced_rerun)
-        st.eager_budget = st.cfg.eager_k * st.budget
-        st.forced_budget = bud.logits_forced  # a MoE model's, measured with its routers forced (golden generate)
-        ctx.tolerance("compile_logits_rel_rmse", st.budget)
-        ctx.tolerance("compile_vs_eager_rel_rmse", st.eager_budget)
-        ctx.detail("compile_budget_source", UNFORCED_SOURCE if bud.logits is not None
-                   else f"no logits measurement in the golden: tolerance {src['rel_rmse']}")
-
-    def _bounds(self, ctx: CheckContext, st, budget: float, source: str) -> None:
-        """Compiled vs golden held to ``budget``, compiled vs eager to eager_k x it; the recorded
-        tolerances and budget source replaced."""
-        st.golden_bound, st.eager_budget = budget, st.cfg.eager_k * budget
-        ctx.properties[:] = [p for p in ctx.properties if p[0] != SRC]
-        ctx.detail("compile_budget_source", source)
-        self._record_bounds(ctx, st)
-
-    def _record_bounds(self, ctx: CheckContext, st) -> None:
-        """The recorded tolerances replaced by the bounds now applied (each recorded once)."""
-        ctx.properties[:] = [p for p in ctx.properties if p[0] not in (TOL_GOLDEN, TOL_EAGER)]
-        ctx.tolerance("compile_logits_rel_rmse", st.golden_bound)
-        ctx.tolerance("compile_vs_eager_rel_rmse", st.eager_budget)
-
-    # --- numerics ---------------------------------------------------------------------------------
-    def _judge(self, ctx: CheckContext, st, view, ref: torch.Tensor) -> None:
-        widen = st.budget if st.routing_forced and st.forced_budget is None else None  # why: _forced_rerun
-        j = num.judge(st.logits, st.eager_logits, view, ref, st.golden_bound, st.eager_budget, ctx.backend.name, widen)
-        st.vs_golden, st.vs_eager, st.eager_vs_golden = j.vs_golden, j.vs_eager, j.eager_vs_golden
-        st.golden_bound, st.diverged = j.golden_bound, j.diverged
-
-    def _forced_rerun(self, ctx: CheckContext, st, routes: dict[str, torch.Tensor], view, ref: torch.Tensor) -> None:
-        """A MoE model whose compiled logits diverge: judged again with every router forced to the
-        golden's choices, as the precision check replays them. In bfloat16 a compiled attention rounds
-        differently from eager (inductor keeps float32 intermediates), so a router near a tie flips
-        its top-k and that token's output differs by far more than rounding (measured on gpt-oss-20b:
-        0.065 logits rel_rmse from compiling layer 0's attention alone, against a 0.04 budget) - no
-        compiler fault. Forced, compiled and eager compute the same experts: what is left is the
-        compiler's arithmetic. The routers themselves run eagerly (on the compiled model's hidden
-        states); each one's own choice in the compiled run is counted against the golden's."""
-        first, unforced_rel = st.diverged, st.vs_golden["rel_rmse"]
-        eager, compiled, calls, unforced = num.forced_forward(st.model, routes, st.ids, st.compile_kw)
-        if unforced:
-            self._judge_unforceable(ctx, st, unforced, view, ref)
-            return
-        st.router_flips = num.router_flips(calls, routes)
-        st.routing_forced = True
-        st.logits, st.eager_logits = compiled, eager
-        # Forced, the golden's unforced logits budget is no fair bound: measured on draws whose
-        # routing flipped it sits at the tolerance's cap (mixtral-8x7b, kimi-k2 bfloat16: 0.04), where
-        # a compiled fault of a few percent hides. A golden made since 2026-12-04 measured the same
-        # draws with the routers forced (``logits_forced``): both bounds are then that budget.
-        # An older golden: the forced eager model may already use most of the unforced budget
-        # (gemma-4-26B-A4B bf16: 0.037 of 0.04); by the triangle inequality, compiled within
-        # eager_budget of eager and eager at its distance from the golden put compiled within their
-        # sum; so compiled vs eager decides, and compiled vs golden is held to at least that sum.
-        if st.forced_budget is None:
-            ctx.notes.append(num.NO_FORCED_BUDGET_NOTE)
-        self._judge(ctx, st, view, ref)  # an older golden: sets golden_bound from the forced eager model's distance
-        self._record_bounds(ctx, st)
-        text = num.forced_text(st.router_flips, len(calls), first, st.vs_golden["rel_rmse"],
-                               st.eager_vs_golden["rel_rmse"])
-        ctx.detail("compile_routing", text)
-        ctx.notes.append(f"compile: MoE routing forced to the golden's: {text} (unforced compiled {unforced_rel:.3g})")
-
-    def _judge_unforceable(self, ctx: CheckContext, st, unforced: list[str], view, ref: torch.Tensor) -> None:
-        """Routers that could not be forced: the model's own routing, under the golden's unforced budget."""
-        ctx.notes.append(num.unforceable_note(unforced))
-        if st.golden_bound != st.budget:  # held to the forced budget first: flips need the unforced one
-            self._bounds(ctx, st, st.budget, UNFORCED_SOURCE)
-            self._judge(ctx, st, view, ref)
-
-    def _judge_loss(self, ctx: CheckContext, st, ref: torch.Tensor) -> None:
-        st.loss_err, bound = num.loss_error(st.ids, st.logits, ref, st.golden_bound)
-        ctx.tolerance("compile_loss_abs_err", bound)
-        if st.diverged is None and not st.loss_err <= bound:
-            st.diverged = f"compiled LM loss differs from the golden's by {st.loss_err:.3g} nats (bound {bound:.3g})"
-
-    # --- graph breaks and recompiles ---------------------------------------------------------------
-    def _record_sweep(self, ctx: CheckContext, st, res) -> None:
-        if res.fell:
-            text = sweep.fallback_text(res.fell)
-            ctx.notes.append(f"compile: the recompile sweep's {text}: swept with {res.kw['backend']}")
-            ctx.detail("compile_sweep_fallback", text)
-        ctx.detail("compile_sweep", sweep.timings(res, st.cfg.dynamic))
-        if st.recompiled:
-            ctx.detail("compile_recompile_reasons", "\n".join(str(r) for r in st.recompiled))
-
-    def _judge_recompiles(self, ctx: CheckContext, st) -> None:
-        want, n = _per_dtype(st.cfg.expected_recompiles, ctx.dtype), len(st.recompiled)
-        if want is None:
-            _uncommitted(ctx, "recompile(s)", "expected_recompiles", n)
-        elif n < want:
-            ctx.notes.append(f"compile: {n} recompile(s), fewer than the {want} expected: lower [checks.compile] "
-                             f"expected_recompiles for {ctx.dtype} to {n}")
-        elif n > want:
-            message, fields = sweep.over_expected(st.recompiled, want, st.cfg.dynamic, DECODE)
+    def _said(self, ctx: CheckContext, st, out) -> None:
+        """A library step's notes and details recorded, its failure kept for the verdict."""
+        ctx.notes.extend(out.notes)
+        for k, v in out.details.items():
+            ctx.detail(k, v)
+        if out.failure is not None:
+            message, fields = out.failure
             st.problems.append(CheckFailure(message, **fields))
-
-    # --- speed ----------------------------------------------------------------------------------
-    def _peak_memory(self, ctx: CheckContext, st) -> None:
-        for key, model in (("compile_eager_peak_memory_bytes", st.model), ("compile_peak_memory_bytes", st.compiled)):
-            ctx.backend.reset_peak_memory()
-            num.logits(model, st.ids)
-            peak = ctx.backend.peak_memory()
-            if peak is not None:
-                st.speed[key] = peak
 
 
 def register(registry: CheckRegistry) -> None:

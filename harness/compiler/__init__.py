@@ -8,5 +8,7 @@ about it (the ``compile`` check's library; docs/compile.md).
 * ``numerics``  compiled logits against the golden and eager, the LM loss bound, MoE routing forced
   to the golden's choices;
 * ``sweep``  the recompile sweep over prompt lengths and a decode step, with its backend fallbacks;
-* ``gradients``  the compiled backward's parameter gradients against the golden's training section.
+* ``gradients``  the compiled backward's parameter gradients against the golden's training section;
+* ``bounds``, ``counts``, ``backward``  the compile check's numerics, breaks / recompiles and
+  gradients steps as library calls (the bounds logits are held to; counts against the committed ones).
 """

@@ -1,0 +1,60 @@
+"""The compile check's ``gradients`` step as one library call: the compiled backward's parameter
+gradients against the golden's training section (harness/compiler/gradients.py), with the eager
+backward beside them; harness/checks/compile.py records what comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from harness.compiler import dynamo as dyn
+
+
+@dataclass
+class Backward:
+    rows: list = field(default_factory=list)  # gradients.GradRow per sketched parameter
+    seconds: float | None = None  # the first compiled forward + backward (its compile)
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, str] = field(default_factory=dict)
+    failure: tuple[str, dict] | None = None  # message and fields of the first diverging gradient
+
+    def figures(self) -> dict[str, float]:
+        """The worst gradient's budget use, compiled and eager, and the backward's compile time (none
+        where no gradient was judged)."""
+        judged = [r for r in self.rows if r.budget]
+        if not judged:
+            return {}
+        return {"compile_grad_worst_budget_use": max(r.compiled / r.budget for r in judged),
+                "compile_grad_vs_eager_worst_budget_use": max(r.eager / r.budget for r in judged),
+                "compile_backward_time_s": self.seconds}
+
+
+def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, grad_k: float) -> Backward:
+    """One compiled forward + backward of the LM loss against the golden's sketches under grad_k x the
+    training check's budgets. In half precision, a compiler that can emulate eager's rounding
+    (``dyn.can_emulate_precision``) gets a second try with precision casts before anything fails."""
+    # deferred, as the backward's library is: only an item that compares gradients loads it
+    from harness.compiler import gradients as grd
+
+    out = Backward()
+    ref, why = grd.reference(g, suite, dtype, model, device)
+    if ref is None:
+        if why:
+            out.notes.append(f"compile: {why}")
+        return out
+    eager = grd.eager_grads(ref, model)
+    k = suite.suite.checks.training.budget_k
+    t0 = time.perf_counter()
+    out.rows = grd.rows(ref, grd.compiled_grads(ref, model, compile_kw), eager, dtype, k, grad_k)
+    out.seconds = time.perf_counter() - t0
+    bad = grd.over_budget(out.rows)
+    if bad and dtype in ("bfloat16", "float16") and dyn.can_emulate_precision(compiler):
+        emulated, text = grd.with_precision_casts(ref, model, compile_kw, eager, bad, dtype, k, grad_k)
+        if emulated is not None:
+            out.details["compile_grad_precision_casts"] = text
+            out.notes.append(f"compile: {text}")
+            out.rows, bad = emulated, []
+    if bad:
+        out.failure = grd.failure(grd.in_backward_order(bad, ref.order))
+    return out

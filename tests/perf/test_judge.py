@@ -1,0 +1,43 @@
+"""The perf check's judging steps as library functions, on figures built here: a memory regression
+is recorded as a finding shaped like the timing decisions and fails with the module that grew; no
+baseline is said, not judged."""
+
+from __future__ import annotations
+
+from harness.perf import judge
+from harness.perf.decide import decide
+
+MEM = {"change": 0.25, "module": "model.layers.0.mlp", "module_bytes": 4096, "peak_bytes": 5 * 2**20,
+       "base_peak_bytes": 4 * 2**20}
+ROOF = {"fractions": {"prefill_mfu": 0.1}}
+
+
+def test_a_memory_regression_is_a_finding_and_the_failure_names_the_module():
+    c = judge.Comparison(baseline_why="baseline of class x", memory={"prefill": MEM})
+    verdict, figures = judge.verdict(c, {}, "cpu", {"backend": "cpu"}, ROOF, 0.01)
+    entry = verdict["metrics"]["prefill_tensor_peak_bytes"]
+    assert entry["verdict"] == "regression" and entry["calibrated_ratio"] == 1.25 and figures == {}
+    assert verdict["memory"] == {"prefill": MEM} and verdict["roofline"] == ROOF["fractions"]
+    f = judge.failure(c, verdict, "cpu", ROOF, {}, 0.01)
+    assert f.message == "prefill tensor-memory peak grew +25.0% (4.00 -> 5.00 MiB): model.layers.0.mlp holds +4.0 KiB more at the peak"
+    assert f.fields["metric"] == "prefill_tensor_peak_bytes" and "baseline of class x" in f.fields["details"]
+    assert f.where is None
+
+
+def test_a_confirmed_timing_regression_fails_with_its_table_and_an_unchanged_one_passes():
+    now, then = [2.0 + i * 0.01 for i in range(8)], [1.0 + i * 0.01 for i in range(8)]
+    c = judge.Comparison(status="regression", baseline_why="b")
+    c.decisions["prefill_s"] = decide("prefill_s", now, then, threshold=0.05, alpha=0.01)
+    c.decided["prefill_s"] = ("prefill_s", now, then)
+    verdict, figures = judge.verdict(c, {}, "wall", {}, ROOF, 0.01)
+    assert set(figures) == {"prefill_s_p_value", "prefill_s_change"} and figures["prefill_s_change"] > 0.9
+    f = judge.failure(c, verdict, "wall", ROOF, {}, 0.01)
+    assert f.message.startswith("prefill_s regressed +")
+    assert "medians on the wall clock" in f.fields["details"] and "prefill_mfu 10.0%" in f.fields["details"]
+    assert judge.failure(judge.Comparison(), verdict, "wall", ROOF, {}, 0.01) is None
+
+
+def test_no_baseline_is_said(tmp_path):
+    c = judge.compare("no-such-suite", "cpu-float32-b1-s8", {"backend": "cpu"}, tmp_path, {}, "cpu", None, {}, {}, {},
+                      None, None)
+    assert c.status == "no-baseline" and c.note == c.baseline_why and "harness baseline update" in c.note
