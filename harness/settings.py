@@ -141,6 +141,14 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
            "to the item's notes even when it passes."),
     EnvVar("HARNESS_TORCHRUN_ARGS", "str", None, "Rendezvous arguments for the parallel check's torchrun "
            "launches, replacing `--standalone --nnodes 1` (shell-split; docs/parallel.md)."),
+    EnvVar("HARNESS_NODES", "int", 1, "Nodes the parallel check's launches span (`harness run --nodes`; set "
+           "for the run's workers by the pytest plugin)."),
+    EnvVar("HARNESS_NODE_LAUNCHER", "str", None, "How a multi-node launch reaches its nodes: netns or srun "
+           "(`harness run --launcher`; harness/launch/nodes.py)."),
+    EnvVar("HARNESS_LAUNCH_STORE", "str", None, "host:port of a multi-node launch's coordinator store, for its "
+           "ranks' wrappers (harness/launch/channel.py).", internal=True),
+    EnvVar("HARNESS_LAUNCH_NODE", "int", None, "The node index of a multi-node launch's agent (netns; under "
+           "srun SLURM_NODEID says it).", internal=True),
     EnvVar("HARNESS_LEAK_BYTES", "int", None, "Host memory an isolated worker may keep growing by per item "
            "before it is replaced (default: harness.run.isolation.Limits.leak_bytes)."),
     EnvVar("HARNESS_CERTIFY_FAULT", "str", None, "A known kernel fault (`harness certify --list`) that every "

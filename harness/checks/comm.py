@@ -46,6 +46,8 @@ for _c in COLLECTIVES:
     metrics.declare(f"comm_{_c}_busbw", "bytes/s", "higher", f"comm: {_c} bus bandwidth at the largest size (nccl-tests)")
     metrics.declare(f"comm_{_c}_latency_s", "s", "lower", f"comm: {_c} median time at the smallest size")
 
+metrics.declare("comm_pair_round_trip_s", "s", "lower", "comm: the slowest pair of ranks' median round trip "
+                "(pair_bytes each way): a slow link between nodes")
 metrics.declare("comm_launch_s", "s", "none", "comm: wall time of the launch (ranks' start, measurement, teardown)")
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"]
@@ -66,6 +68,8 @@ class CommConfig(CheckConfig):
     threshold: float = Field(0.25, gt=0, description="Relative slowdown that may count as a regression: a shared "
                              "CPU's collectives vary more than its matmuls.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Mann-Whitney significance level.")
+    pair_bytes: int = Field(65536, ge=0, le=1 << 30, description="Round trips of this many bytes between every "
+                            "pair of ranks (pair/<i>-<j>): a slow link between two nodes is named by its pair; 0: off.")
     timeout_s: float = Field(300.0, gt=0, description="Limit of the launch.")
     fail_on_regression: bool = Field(True, description="A regression fails the item.")
 
@@ -102,7 +106,8 @@ class CommCheck(Check):
     def new_state(self, ctx: CheckContext):
         # Options: results_dir / golden_root redirect files; delay {collective: seconds} slows one
         # collective inside the ranks (tests).
-        return SimpleNamespace(results_dir=None, golden_root=None, delay=None)
+        # link_rate {node: Mbit/s}: that node's link of a multi-node rehearsal throttled (tests).
+        return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None)
 
     def setup(self, ctx: CheckContext, st) -> None:
         st.cfg = ctx.config
@@ -120,27 +125,29 @@ class CommCheck(Check):
 
     def launch(self, ctx: CheckContext, st) -> None:
         from harness.files import atomic
-        from harness.launch.group import LaunchSpec, torchrun
+        from harness.launch.nodes import launched, spans
 
         cfg = st.cfg
+        st.nodes = spans(st.world)
         with tempfile.TemporaryDirectory(prefix="harness-comm-") as d:
             spec = {"backend": ctx.backend.collective, "device_type": ctx.backend.device_type, "dtype": ctx.dtype,
                     "collectives": list(cfg.collectives), "sizes": list(cfg.sizes), "warmup": cfg.warmup,
-                    "repeats": cfg.repeats, "out": str(Path(d) / "comm.json"), "delay": st.delay or {}}
+                    "repeats": cfg.repeats, "out": "out/rank0.json", "delay": st.delay or {},
+                    "pair_bytes": cfg.pair_bytes}
             atomic.write_json(Path(d) / "spec.json", spec)
-            # Through the launch layer: at the time limit the whole tree is killed. torchrun puts its
-            # ranks in sessions of their own, so killing torchrun alone (subprocess.run's timeout, before)
-            # left ranks hung in a collective running past the item, on the cores the next item timed.
-            group = torchrun(LaunchSpec(["-m", "harness.perf.comm", str(Path(d) / "spec.json")], Path(d),
-                                        procs_per_node=st.world))
-            end = group.wait(deadline_s=cfg.timeout_s)
+            # Through the launch layer: at the time limit the whole tree is killed (torchrun puts its
+            # ranks in sessions of their own: killing torchrun alone, before, left ranks hung in a
+            # collective running past the item). With `harness run --nodes N` the ranks span N nodes.
+            with launched("harness.perf.comm", Path(d) / "spec.json", st.world, link_rate_mbit=st.link_rate) as group:
+                end = group.wait(deadline_s=cfg.timeout_s)
+                why = group.describe()
             if end.how == "timeout":
                 raise CouldNotRun(f"the {st.world}-rank launch did not finish in {cfg.timeout_s:g} s (a rank hung "
-                                  f"in a collective); {group.describe()}", step="launch")
+                                  f"in a collective); {why}", step="launch")
             ctx.metric("comm_launch_s", end.wall_s)
-            out = Path(spec["out"])
+            out = Path(d) / spec["out"]
             if not out.exists():  # results are written before teardown: none means the ranks failed
-                raise CouldNotRun(f"the {st.world}-rank launch failed: {group.describe()}", step="launch")
+                raise CouldNotRun(f"the {st.world}-rank launch failed: {why}", step="launch")
             if end.code != 0:  # a teardown abort after complete results (gloo/DTensor): said, not failed
                 ctx.notes.append(f"ranks exited {end.code} after writing complete results (teardown)")
             st.raw = json.loads(out.read_text())
@@ -148,7 +155,14 @@ class CommCheck(Check):
     def bandwidth(self, ctx: CheckContext, st) -> None:
         n = st.raw["world"]
         st.table = {}
+        st.pairs = {k: statistics.median(v) for k, v in st.raw["samples"].items() if k.startswith("pair/")}
+        if st.pairs:
+            ctx.metric("comm_pair_round_trip_s", max(st.pairs.values()))
+            ctx.detail("comm_pairs", json.dumps({k: {"median_s": t, "link": self._link(st, k)} for k, t in
+                                                 st.pairs.items()}, separators=(",", ":")))
         for key, samples in st.raw["samples"].items():
+            if key.startswith("pair/"):
+                continue
             coll, size = key.split("/")
             med = statistics.median(samples)
             alg, bus = bandwidths(coll, int(size), med, n)
@@ -160,7 +174,7 @@ class CommCheck(Check):
                 ctx.metric(f"comm_{coll}_latency_s", rows[0]["median_s"])
 
     def compare(self, ctx: CheckContext, st) -> None:
-        st.decisions, st.regressed, st.status = {}, {}, "unchanged"
+        st.decisions, st.regressed, st.slow_pairs, st.status = {}, {}, {}, "unchanged"
         base, why = store.find_baseline(ctx.suite.name, st.key, st.fp, st.golden_root)
         st.baseline_why = why
         if base is None:
@@ -181,12 +195,26 @@ class CommCheck(Check):
             bad = {k: d for k, d in mine.items() if d.verdict == "regression"}
             if mine and len(bad) * 2 >= len(mine):  # at half its sizes or more: the collective, not one blip
                 st.regressed[coll] = bad
-        st.status = "regression" if st.regressed else "unchanged"
+        st.slow_pairs = {k: d for k, d in st.decisions.items() if k.startswith("pair/") and d.verdict == "regression"}
+        st.status = "regression" if st.regressed or st.slow_pairs else "unchanged"
 
     @staticmethod
     def _shape(st) -> dict:
-        return {"world": st.world, "collectives": list(st.cfg.collectives), "sizes": list(st.cfg.sizes),
-                "repeats": st.cfg.repeats}
+        shape = {"world": st.world, "collectives": list(st.cfg.collectives), "sizes": list(st.cfg.sizes),
+                 "repeats": st.cfg.repeats}
+        if st.cfg.pair_bytes:
+            shape["pair_bytes"] = st.cfg.pair_bytes
+        if getattr(st, "nodes", 1) > 1:  # a link between nodes is another machine than one host's
+            shape["nodes"] = st.nodes
+        return shape
+
+    @staticmethod
+    def _link(st, key: str) -> str:
+        """``pair/1-2`` -> ``rank 1 (host a) - rank 2 (host b)``."""
+        hosts = st.raw.get("hosts") or []
+        i, j = (int(x) for x in key.split("/")[1].split("-"))
+        at = lambda r: f"rank {r}" + (f" ({hosts[r]})" if r < len(hosts) else "")  # noqa: E731
+        return f"{at(i)} - {at(j)}"
 
     def record(self, ctx: CheckContext, st) -> None:
         verdict = {"status": st.status, "baseline": st.baseline_why, "class": fpmod.class_key(st.fp),
@@ -205,8 +233,42 @@ class CommCheck(Check):
         ctx.detail("comm_verdict", json.dumps(verdict, separators=(",", ":"), default=str))
 
     def verdict(self, ctx: CheckContext, st) -> None:
-        if not st.regressed or not st.cfg.fail_on_regression:
+        if not st.cfg.fail_on_regression:
             return
+        if st.slow_pairs:  # the more precise finding: the collectives that cross that link slow with it
+            self._link_verdict(st)
+        if st.regressed:
+            self._collective_verdict(st)
+
+    def _link_verdict(self, st) -> None:
+        """Slower round trips between some pairs of ranks: the link they cross, named by its ranks and
+        hosts; when every slow pair shares one host, that host's link."""
+        slow = sorted(st.slow_pairs.items(), key=lambda kv: -kv[1].change)
+        hosts = st.raw.get("hosts") or []
+        # where: from the pairs slowed like the worst one (a noisy pair's +30 % beside a link's +1000 %
+        # does not hide the link)
+        ends = [frozenset(hosts[int(r)] for r in k.split("/")[1].split("-")) if hosts else frozenset()
+                for k, d in slow if d.change >= slow[0][1].change / 2]
+        common = frozenset.intersection(*ends) if ends else frozenset()
+        where = ""
+        if len(ends) > 1 and len(common) == 1:
+            where = f"; every slow pair crosses the link of {next(iter(common))}"
+        elif len(ends) > 1 and len(set(ends)) == 1 and len(common) == 2:
+            where = f"; every slow pair joins {' and '.join(sorted(common))}: the link between them"
+        lines = [f"{'pair':<10} {'link':<40} {'round trip':>12} {'change':>8} {'p':>8}"]
+        for k, d in slow:
+            lines.append(f"{k[5:]:<10} {self._link(st, k):<40} {st.pairs[k] * 1e3:>10.3f}ms {d.change:>+8.1%} "
+                         f"{d.p_value:>8.2g}")
+        k, d = slow[0]
+        raise CheckFailure(
+            f"slow link: {self._link(st, k)} round trips {d.change:+.1%} against the baseline (p={d.p_value:.2g}); "
+            f"{len(slow)} of {len(st.pairs)} pairs slower{where}"
+            + (f"; collectives slower with it: {', '.join(st.regressed)}" if st.regressed else ""),
+            metric="comm_pair_round_trip_s",
+            expected=f"<= {1 + st.cfg.threshold:.2f}x baseline time", observed=f"{d.ratio:.3f}x",
+            tolerance=st.cfg.threshold, details="\n".join(lines + ["", f"baseline: {st.baseline_why}"]))
+
+    def _collective_verdict(self, st) -> None:
         lines = [f"{'collective':<15} {'size':>8} {'busbw now':>12} {'baseline':>12} {'change':>8} {'p':>8}"]
         worst = None
         for coll, bad in st.regressed.items():

@@ -62,6 +62,7 @@ metrics.declare("parallel_layout_time_s", "s", "lower", "wall time of the layout
 metrics.declare("parallel_launch_time_s", "s", "lower", "wall time of the launch that ran the layout, from its start "
                 "to the layout's results (to its end for the last layout)")
 metrics.declare("parallel_launch_layouts", "", "none", "layouts sharing the launch")
+metrics.declare("parallel_nodes", "", "none", "nodes a multi-node launch spread the layout's ranks over (harness run --nodes)")
 metrics.declare("parallel_peak_bytes", "bytes", "lower", "peak tracked tensor memory of a rank (MemTracker; "
                 "pipeline stages: harness.parallel.memory.StoragePeak)")
 metrics.declare("parallel_step_time_s", "s", "lower", "forward + backward + gradient reductions of the layout: per "
@@ -479,6 +480,9 @@ class ParallelCheck(Check):
         st.outcome = out
         ctx.metric("parallel_launch_time_s", out.launch_wall_s)
         ctx.metric("parallel_launch_layouts", len(st.peers))
+        if out.placement:  # a multi-node launch: which node each rank ran on (harness.launch.nodes)
+            ctx.metric("parallel_nodes", len({p.split(" (")[0] for p in out.placement.values()}))
+            ctx.detail("placement", "; ".join(f"rank {r}: {p}" for r, p in sorted(out.placement.items())))
         ctx.notes.extend(out.warnings)
         if out.status == "not_run":  # the launch failed the same way twice: no verdict on this layout
             raise CouldNotRun(out.message, step="launch")

@@ -81,15 +81,20 @@ class LaunchSpec:
     rdzv: Rendezvous = field(default_factory=Rendezvous)
     env: dict | None = None  # default: rank_env()
     log_name: str = "torchrun.log"
+    stage: tuple[str, ...] = ()  # files of run_dir every node needs (a multi-node launch hands them over)
 
     @property
     def world(self) -> int:
         return self.nodes * self.procs_per_node
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", *self.rdzv.torchrun_args(self.nodes),
+    def command(self, run_dir: str | None = None, nodes: int | None = None,
+                rdzv: list[str] | None = None) -> list[str]:
+        """The agent's command; a multi-node launch (``harness.launch.nodes``) gives each node its
+        own run folder and rendezvous arguments."""
+        return [sys.executable, "-m", "torch.distributed.run",
+                *(rdzv if rdzv is not None else self.rdzv.torchrun_args(nodes or self.nodes)),
                 "--nproc-per-node", str(self.procs_per_node), "--max-restarts", "0", "--monitor-interval", "0.1",
-                "-m", "harness.launch.rank", str(self.run_dir), *self.args]
+                "-m", "harness.launch.rank", run_dir or str(self.run_dir), *self.args]
 
 
 def rank_env() -> dict:

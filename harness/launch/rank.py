@@ -15,8 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
+from harness.launch import channel
 from harness.launch.status import log_path, write_exit
 from harness.proc import die_with_parent, signal_name
 
@@ -25,6 +27,14 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     run_dir, args = argv[0], argv[1:]
     rank = int(os.environ.get("RANK", "0"))
+    if run_dir.startswith("@tmp/"):
+        run_dir = os.path.join(tempfile.gettempdir(), run_dir[len("@tmp/"):])
+    os.makedirs(run_dir, exist_ok=True)
+    pub = channel.publisher_from_env(run_dir, rank)
+    if pub is not None:
+        pub.fetch_stage()
+        pub.start()
+    args = [os.path.join(run_dir, a[len("@run/"):]) if a.startswith("@run/") else a for a in args]
     log = open(log_path(run_dir, rank), "ab")
     # PR_SET_PDEATHSIG set before exec (preexec_fn): the rank dies with this wrapper even while it is
     # still importing torch, long before its own code could ask for it.
@@ -45,6 +55,9 @@ def main(argv: list[str]) -> int:
     write_exit(run_dir, rank, {"rank": rank, "code": code, "time": time.time(), "pid": proc.pid,
                                "signal": signal_name(-code) if code < 0 else None,
                                "stopped_by_launcher": stopped[0] if stopped else None})
+    if pub is not None:
+        log.flush()
+        pub.stop()
     return 128 - code if code < 0 else code
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
-from harness.launch.group import LaunchSpec, Rendezvous, rank_env, torchrun
+from harness.launch.group import Rendezvous
+from harness.launch.nodes import launched
 from harness.launch.status import read_exits, status_path
 from harness.parallel.layouts import Layout, layout_dir
 from harness.parallel.status import RankStatus, read_status
@@ -44,6 +45,7 @@ class LayoutOutcome:
     warnings: list[str] = field(default_factory=list)
     launch_wall_s: float = 0.0
     ranks: list[RankStatus] = field(default_factory=list)
+    placement: dict = field(default_factory=dict)  # rank -> "node <i> (<host>)" of a multi-node launch
 
 
 class LaunchCancelled(Exception):
@@ -75,17 +77,23 @@ def _statuses(run_dir: Path, world: int) -> list[RankStatus]:
 
 
 def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, timeout_s: float,
-                startup_s: float, on_done=None, stop=None) -> tuple[str, list[RankStatus], dict[int, dict], float]:
-    """Returns ('exited' | 'hung', statuses at the end, exit records, wall seconds). ``on_done(layout,
-    wall)`` is called as soon as every rank wrote a layout's results (in layout order)."""
+                startup_s: float, on_done=None, stop=None) -> tuple[str, list[RankStatus], dict[int, dict], float, str]:
+    """Returns ('exited' | 'hung', statuses at the end, exit records, wall seconds, what went wrong with
+    the nodes of a multi-node launch: '' when nothing). ``on_done(layout,
+    wall, placement)`` is called as soon as every rank wrote a layout's results (in layout order)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, layouts=[lay.to_dict() for lay in layouts])
     spec_path = run_dir / "spec.json"
     from harness.files import atomic
 
     atomic.write_json(spec_path, spec, indent=None, newline=False)
-    group = torchrun(LaunchSpec(["-m", "harness.parallel.worker", str(spec_path)], run_dir, procs_per_node=world,
-                                rdzv=Rendezvous.from_text(settings.env("HARNESS_TORCHRUN_ARGS")), env=rank_env()))
+    with launched("harness.parallel.worker", spec_path, world,
+                  rdzv=Rendezvous.from_text(settings.env("HARNESS_TORCHRUN_ARGS"))) as group:
+        return _wait(group, layouts, world, run_dir, timeout_s, startup_s, on_done, stop)
+
+
+def _wait(group, layouts: list[Layout], world: int, run_dir: Path, timeout_s: float, startup_s: float, on_done,
+          stop) -> tuple[str, list[RankStatus], dict[int, dict], float, str]:
     published = 0
 
     def progress():
@@ -96,13 +104,17 @@ def _one_launch(spec: dict, layouts: list[Layout], world: int, run_dir: Path, ti
             raise LaunchCancelled("the launch was cancelled")
         idx = min(s.index for s in _statuses(run_dir, world))
         while on_done is not None and published < len(layouts) and _done(run_dir, layouts[published], world):
-            on_done(layouts[published], time.monotonic() - group.t0)
+            on_done(layouts[published], time.monotonic() - group.t0,
+                    group.placement() if hasattr(group, "placement") else {})
             published += 1
         return None if idx < 0 else (idx, sum(_done(run_dir, lay, world) for lay in layouts))
 
     end = group.wait(stall_s=timeout_s, startup_s=startup_s, progress=progress)
+    # (a multi-node launch has mirrored every node's files into run_dir by now)
     how = "exited" if end.how == "exited" else "hung"
-    return how, _statuses(run_dir, world), read_exits(run_dir, world), end.wall_s
+    infra = group.infrastructure() if hasattr(group, "infrastructure") else ""
+    placement = group.placement() if hasattr(group, "placement") else {}
+    return how, _statuses(run_dir, world), read_exits(run_dir, world), end.wall_s, infra, placement
 
 
 def _hang_message(lay: Layout, sts: list[RankStatus], timeout_s: float) -> str:
@@ -146,6 +158,8 @@ class _Ended:
     sts: list[RankStatus]
     exits: dict[int, dict]
     wall: float
+    infra: str = ""  # a node's failure (harness.launch.nodes): the launch's, not the layout's
+    placement: dict = field(default_factory=dict)  # rank -> "node <i> (<host>)" of a multi-node launch
 
 
 def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeout_s: float = 120.0,
@@ -164,8 +178,9 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
         run_dir = run_root / f"w{world}-launch{n}"
         n += 1
 
-        def done(lay: Layout, wall: float, run_dir=run_dir) -> None:
-            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=layout_dir(run_dir, lay), launch_wall_s=wall)
+        def done(lay: Layout, wall: float, placement: dict, run_dir=run_dir) -> None:
+            outcomes[lay.label] = LayoutOutcome(lay, "ok", dir=layout_dir(run_dir, lay), launch_wall_s=wall,
+                                                placement=placement)
             publish(outcomes[lay.label])
 
         end = _Ended(run_dir, *_one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s,
@@ -176,10 +191,19 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
                 break
             finished.append(lay)
             if lay.label not in outcomes:  # written in the poll's last interval
-                done(lay, end.wall)
+                done(lay, end.wall, end.placement)
         rest = remaining[len(finished):]
         if not rest:
             _warn_teardown([outcomes[lay.label] for lay in finished], end)
+            break
+        if end.infra:
+            # A node failed (lost, late, or running other packages): no layout left has a verdict on
+            # this launch, and launching again would meet the same nodes.
+            for lay in rest:
+                outcomes[lay.label] = LayoutOutcome(lay, "not_run", f"not run, a failure of the launch's nodes (the "
+                                                    f"infrastructure's, not the model's): {end.infra}", launch_wall_s=end.wall,
+                                                    ranks=end.sts)
+                publish(outcomes[lay.label])
             break
         # The layout the launch stopped at failed; the ones after it run in the next launch (unless
         # nothing started at all: then every layout left failed with it).

@@ -13,8 +13,11 @@ rank's send buffer; send/recv: the message), ``algbw = size / time`` and ``busbw
 with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for
 broadcast and send/recv: the rate each link carries, comparable across world sizes and collectives.
 
+With ``pair_bytes``, every pair of ranks also times round trips of that many bytes (``pair/<i>-<j>``,
+one pair at a time): a slow link between two nodes shows there, named by the ranks and their hosts.
+
 Run as ``python -m torch.distributed.run ... -m harness.perf.comm SPEC.json``; rank 0 writes the
-samples to the spec's ``out`` before the process group is torn down (a teardown abort after that is
+samples (and every rank's host) to the spec's ``out`` before the process group is torn down (a teardown abort after that is
 told apart from a failure by the caller).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -94,6 +98,37 @@ def _pin(device_type: str, local_rank: int, n: int) -> int | None:
     return cores[local_rank]
 
 
+def _pairs(nbytes: int, warmup: int, repeats: int, dtype, device, sync, rank: int, n: int) -> dict[str, list[float]]:
+    """Round trips of ``nbytes`` between every pair of ranks (``pair/<i>-<j>``), one pair at a time (the
+    others wait at the barrier): a slow link shows in the pairs that cross it, which the collectives,
+    each over every rank, average away. Times are the first rank's; the others record zeros (the
+    caller's MAX over ranks keeps the first's)."""
+    import torch
+    import torch.distributed as dist
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    x = torch.ones(max(1, nbytes // elem), dtype=dtype, device=device)
+    out: dict[str, list[float]] = {}
+    for i in range(n):
+        for j in range(i + 1, n):
+            ts = []
+            for k in range(warmup + repeats):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                if rank == i:
+                    dist.send(x, dst=j)
+                    dist.recv(x, src=j)
+                elif rank == j:
+                    dist.recv(x, src=i)
+                    dist.send(x, dst=i)
+                sync()
+                if k >= warmup:
+                    ts.append(time.perf_counter() - t0 if rank == i else 0.0)
+            out[f"pair/{i}-{j}"] = ts
+    return out
+
+
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -128,14 +163,23 @@ def worker(spec: dict) -> None:
             sync()
             if i >= spec["warmup"]:
                 times[key].append(time.perf_counter() - t0)
+    if spec.get("pair_bytes"):
+        times.update(_pairs(int(spec["pair_bytes"]), spec["warmup"], spec["repeats"], dtype, device, sync, rank, n))
     for key, ts in times.items():
         t = torch.tensor(ts, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a call lasts as long as its slowest rank
         out["samples"][key] = t.tolist()
+    hosts: list = [None] * n
+    dist.all_gather_object(hosts, socket.gethostname())
+    out["hosts"] = hosts
     if rank == 0:
         from harness.files import atomic
 
-        atomic.write_json(spec["out"], out)  # whole or absent: the caller reads it as the verdict
+        # whole or absent: the caller reads it as the verdict; a relative path is in the launch's folder
+        # (on a multi-node launch, this node's own: the launch layer brings rank 0's files back)
+        path = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), spec["out"])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic.write_json(path, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -126,6 +126,14 @@ OPTIONS: tuple[Option, ...] = (
            "--harness-quarantine", metavar="FILE"),
     Option("selection", "run only what `harness select --json FILE` selected (a pull request's change); a "
            "missing FILE: every item, said in one line", ("--selection",), metavar="FILE"),
+    Option("nodes", "nodes the parallel check's launches span (default 1): one torchrun agent per node joined "
+           "by a c10d rendezvous, the ranks' results brought back over the coordinator's store "
+           "(harness/launch/nodes.py); needs --launcher", ("--nodes",), "--harness-nodes", type=count(1, 4096),
+           metavar="N"),
+    Option("launcher", "how the agents reach their nodes: netns (a rehearsal on this machine: each node a network "
+           "namespace with its own hostname and folders; root), srun (inside a Slurm allocation), slurm (submit "
+           "this run as an sbatch job and collect its results)", ("--launcher",), "--harness-launcher",
+           choices=("netns", "srun", "slurm")),
     Option("isolate", "items run each in a child process with a time limit (the default; pytest: "
            "--harness-isolate on); --no-isolate (pytest: off) runs them in this process: faster on trusted CPU "
            "runs, but a hang or crash then costs the run; device backends are always isolated", ("--no-isolate",), "--harness-isolate",

@@ -160,12 +160,29 @@ def _validate_options(config: pytest.Config) -> None:
             shard.parse(spec)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+    _validate_nodes(config)
     for opt, names in known.items():
         asked = _split(config.getoption(opt.lstrip("-").replace("-", "_"), None)) or set()
         bad = sorted(asked - set(names))
         if bad:
             raise pytest.UsageError(f"{opt}: unknown {opt.split('-')[-1]} {', '.join(map(repr, bad))} "
                                     f"(known: {', '.join(names)})")
+
+
+def _validate_nodes(config: pytest.Config) -> None:
+    """``--harness-nodes``/``--harness-launcher``: checked here, then handed to the run's workers (and
+    their launches) through the environment."""
+    nodes, launcher = config.getoption("harness_nodes", None), config.getoption("harness_launcher", None)
+    if launcher == "slurm":
+        raise pytest.UsageError("--launcher slurm submits the whole run as a Slurm job: `harness run --launcher "
+                                "slurm`; inside the job the run uses --launcher srun")
+    if nodes and nodes > 1 and not launcher:
+        raise pytest.UsageError(f"--nodes {nodes} needs --launcher: netns (a rehearsal on this machine, root) or "
+                                "srun (inside a Slurm allocation)")
+    if nodes:
+        set_env("HARNESS_NODES", nodes)
+    if launcher:
+        set_env("HARNESS_NODE_LAUNCHER", launcher)
 
 
 _QUARANTINE = pytest.StashKey["object"]()

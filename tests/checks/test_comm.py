@@ -5,12 +5,15 @@ inside the ranks named in the verdict."""
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
 from harness.backends import get
 from harness.checks import CheckContext, CheckFailure, NotApplicable, registry
 from harness.cli import main
+from harness.launch.nodes import netns_available
 from harness.perf.comm import bandwidths, bus_factor
 from harness.suite.loader import load_suite
 from tests_support import TINY_PRUNE
@@ -75,3 +78,45 @@ def test_one_rank_is_not_a_collective(write_suite, tmp_path):
     ls = load_suite(write_suite("commone", COMM.format(prune=TINY_PRUNE)))
     with pytest.raises(NotApplicable, match="at least 2 ranks"):
         _run(ls, tmp_path, variant="w1")
+
+
+COMM4 = """
+[model]
+config = "configs/Llama-3.1-8B.json"
+{prune}
+[checks.comm]
+enabled = true
+scope = "commit"
+world_sizes = [4]
+collectives = ["all_reduce", "send_recv"]
+sizes = [4096]
+warmup = 2
+repeats = 8
+pair_bytes = 16384
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(netns_available()), reason=netns_available() or "root")
+def test_a_slow_link_between_two_nodes_is_named_by_its_pairs(write_suite, tmp_path, monkeypatch):
+    # 4 ranks over two namespaced nodes (harness run --nodes 2 --launcher netns); the baseline on the
+    # clean link, then node 1's end of it throttled to 2 Mbit/s (tc tbf; this kernel has no netem): the
+    # pairs that cross it are named, with their hosts, and the link between the two hosts
+    monkeypatch.setenv("HARNESS_NODES", "2")
+    monkeypatch.setenv("HARNESS_NODE_LAUNCHER", "netns")
+    ls = load_suite(write_suite("commnodes", COMM4.format(prune=TINY_PRUNE)))
+    ctx = _run(ls, tmp_path, variant="w4")
+    pairs = json.loads(dict(ctx.properties)["harness.detail.comm_pairs"])
+    assert sorted(pairs) == ["pair/0-1", "pair/0-2", "pair/0-3", "pair/1-2", "pair/1-3", "pair/2-3"], pairs
+    hosts = {h for p in pairs.values() for h in re.findall(r"\(([^)]+)\)", p["link"])}
+    assert hosts == {os.uname().nodename, "node1"}, pairs  # this host and the namespaced node's own hostname
+    assert main(["baseline", "update", str(tmp_path / "results"), "--golden-dir", str(tmp_path / "golden")]) == 0
+    with pytest.raises(CheckFailure) as e:
+        ctx = CheckContext(ls, get("cpu"), "float32", "w4", check="comm")
+        registry().get("comm").run(ctx, results_dir=tmp_path / "results", golden_root=tmp_path / "golden",
+                                   link_rate={1: 2})
+    msg = e.value.message
+    assert msg.startswith("slow link: rank") and e.value.metric == "comm_pair_round_trip_s", msg
+    assert f"joins {' and '.join(sorted(hosts))}: the link between them" in msg, msg
+    slow = [line.split()[0] for line in e.value.details.splitlines()[1:] if line.strip() and "baseline" not in line]
+    assert len(slow) >= 4, e.value.details  # the four pairs that cross the link, at least

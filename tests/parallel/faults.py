@@ -384,3 +384,23 @@ def rank1_stuck_every_layout(ctx) -> None:
         layers = getattr(getattr(ctx.model, "model", None), "layers", None)
         if layers is not None and len(layers) and layers[0] is not None:
             layers[0].register_forward_pre_hook(lambda _m, _a: time.sleep(10**6))
+
+
+def lose_node1(ctx) -> None:
+    """Every process of the node named ``node1`` (a multi-node rehearsal's second node) dies at once, in
+    its first layout's forward, as a node losing power would: its torchrun agent's process group is
+    killed (the rank's grandparent: rank <- rank wrapper <- agent), and the wrappers and ranks die with
+    it (PR_SET_PDEATHSIG). The peers on the other node are left inside a collective."""
+    import signal
+    import socket
+
+    import psutil
+
+    if socket.gethostname() != "node1":
+        return
+    agent = psutil.Process(os.getpid()).parent().parent()
+
+    def die(_m, _i):
+        os.killpg(os.getpgid(agent.pid), signal.SIGKILL)
+
+    next(m for m in ctx.model.modules() if len(list(m.children())) == 0).register_forward_pre_hook(die)

@@ -1,0 +1,226 @@
+"""How a multi-node launch's files reach the coordinating node without a shared folder.
+
+On one host the ranks write their files (``harness.launch.status``: status records, exit records,
+logs; the caller's results) into the launch's run folder and the launcher reads them there. On a
+cluster the nodes share no folder, so each node's ranks write into a node-local folder and the rank
+wrapper (``harness.launch.rank``) *publishes* what its rank wrote to a key-value store served by the
+coordinator; the coordinator *mirrors* the store back into its run folder, where the launcher reads
+the files exactly as on one host. The store is torch's ``TCPStore`` (the same server torchrun's
+rendezvous uses; one TCP connection per rank, values of megabytes are fine).
+
+Keys (all under the launch's store):
+
+* ``stage/<name>`` and ``stage-index``: files the coordinator hands every node before the ranks
+  start (the worker's spec); the wrapper writes them into its node-local folder;
+* ``f/<relative path>``: the latest content of one file a rank wrote; ``idx/<rank>``: the paths that
+  rank published (one per line, each once);
+* ``node/<rank>``: ``<node index>\\t<hostname>\\t<package versions, JSON>``: which node a rank runs
+  on, for the error messages (a node that died wrote no exit records: its ranks are named through
+  this), and what it runs: a node whose torch, transformers, safetensors or harness differ from the
+  others' is refused before any result is compared (``Coordinator.version_mismatch``).
+
+Publishing order matters for results: a rank writes ``<layout>/rank<r>.safetensors`` and then
+``rank<r>.json`` (the launcher's "done" mark), so the publisher notes which marks exist *before* it
+reads the other files and sends those marks last: the coordinator never sees a mark before the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+from harness.files import atomic
+
+LOG_TAIL_BYTES = 16384  # a rank's log is published as its tail: error messages quote the last lines
+PACKAGES = ("torch", "transformers", "safetensors", "harness")  # what every node must run alike
+
+
+def versions() -> dict[str, str]:
+    """This process's Python and package versions (as installed: what ``import`` would load)."""
+    from importlib import metadata
+
+    out = {"python": ".".join(map(str, sys.version_info[:3]))}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "absent"
+    return out
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"the launch store {endpoint!r}: expected host:port")
+    return host, int(port)
+
+
+def _owned(rank: int, rel: str) -> bool:
+    """Whether ``rel`` (a path in the run folder) is one of ``rank``'s files."""
+    name = os.path.basename(rel)
+    return (name in (f"status-{rank}", f"exit-{rank}.json", f"rank{rank}.log")
+            or name.startswith(f"rank{rank}.") and os.path.dirname(rel) != "")
+
+
+class Coordinator:
+    """The store of one launch, served by the coordinating process; ``sync`` mirrors it into ``run_dir``."""
+
+    def __init__(self, run_dir: Path, world: int, host: str = "0.0.0.0", timeout_s: float = 60.0):
+        from torch.distributed import TCPStore
+
+        self.run_dir, self.world = Path(run_dir), world
+        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        self._seen: dict[str, bytes] = {}
+        self.nodes: dict[int, tuple[int, str]] = {}  # rank -> (node index, hostname)
+        self.versions: dict[int, dict[str, str]] = {}  # rank -> versions
+        self.reference = versions()  # what every rank must run
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def stage(self, name: str, data: bytes) -> None:
+        self.store.set(f"stage/{name}", data)
+        self.store.append("stage-index", name + "\n")
+
+    def _names(self, rank: int) -> list[str]:
+        key = f"idx/{rank}"
+        if not self.store.check([key]):
+            return []
+        return [n for n in self.store.get(key).decode().splitlines() if n]
+
+    def sync(self) -> int:
+        """Write every file published since the last call into the run folder; returns how many."""
+        n = 0
+        for r in range(self.world):
+            if r not in self.nodes and self.store.check([f"node/{r}"]):
+                idx, host, vers = (self.store.get(f"node/{r}").decode().split("\t") + ["", "{}"])[:3]
+                self.nodes[r] = (int(idx), host)
+                self.versions[r] = json.loads(vers or "{}")
+            names = self._names(r)
+            marks = [x for x in names if x.endswith(".json")]
+            # data before marks, as published (see the module's docstring)
+            for name in [x for x in names if not x.endswith(".json")] + marks:
+                data = self.store.get(f"f/{name}")
+                if self._seen.get(name) == data:
+                    continue
+                self._seen[name] = data
+                target = self.run_dir / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                atomic.write_bytes(target, data)
+                n += 1
+        return n
+
+    def version_mismatch(self) -> str:
+        """'' while every rank heard from runs the coordinator's versions (it runs on node 0 and
+        compares what the ranks send); else which node differs in what."""
+        ref = self.reference
+        bad: dict[int, tuple[list[int], str]] = {}
+        for r, v in sorted(self.versions.items()):
+            diff = ", ".join(f"{k} {v.get(k, 'absent')} (the coordinator: {ref.get(k, 'absent')})"
+                             for k in sorted(set(ref) | set(v)) if v.get(k) != ref.get(k))
+            if diff:
+                bad.setdefault(self.nodes[r][0], ([], diff))[0].append(r)
+        return "; ".join(f"node {n} ({self.nodes[rs[0]][1]}, ranks {rs}) runs {d}" for n, (rs, d) in sorted(bad.items()))
+
+    def ranks_of(self, node: int) -> list[int]:
+        return sorted(r for r, (i, _h) in self.nodes.items() if i == node)
+
+    def close(self) -> None:
+        del self.store
+
+
+class Publisher:
+    """The rank wrapper's side: stage files in, then publish the rank's files as they change."""
+
+    def __init__(self, endpoint: str, run_dir: str, rank: int, node: int, timeout_s: float = 60.0):
+        from torch.distributed import TCPStore
+
+        host, port = _split(endpoint)
+        self.run_dir, self.rank = run_dir, rank
+        self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store.set(f"node/{rank}", f"{node}\t{socket.gethostname()}\t{json.dumps(versions())}")
+        self._sent: dict[str, tuple[int, int]] = {}  # rel -> (mtime_ns, size) last sent
+        self._named: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def fetch_stage(self) -> list[str]:
+        """Write the coordinator's staged files into the local run folder; their names."""
+        if not self.store.check(["stage-index"]):
+            return []
+        names = [n for n in self.store.get("stage-index").decode().splitlines() if n]
+        for name in names:
+            atomic.write_bytes(Path(self.run_dir) / name, self.store.get(f"stage/{name}"))
+        return names
+
+    def _files(self) -> list[str]:
+        out = []
+        for base, _dirs, files in os.walk(self.run_dir):
+            for f in files:
+                rel = os.path.relpath(os.path.join(base, f), self.run_dir)
+                if _owned(self.rank, rel) and not f.startswith("."):
+                    out.append(rel)
+        return out
+
+    def publish(self) -> int:
+        """Send this rank's changed files; marks (``.json``) seen before the data was read go last."""
+        files = self._files()
+        marks = [f for f in files if f.endswith(".json")]
+        n = 0
+        for rel in [f for f in files if not f.endswith(".json")] + marks:
+            path = os.path.join(self.run_dir, rel)
+            try:
+                st = os.stat(path)
+                key = (st.st_mtime_ns, st.st_size)
+                if self._sent.get(rel) == key:
+                    continue
+                with open(path, "rb") as f:
+                    if rel.endswith(".log"):
+                        f.seek(max(0, st.st_size - LOG_TAIL_BYTES))
+                    data = f.read()
+            except OSError:
+                continue
+            self.store.set(f"f/{rel}", data)
+            if rel not in self._named:
+                self._named.add(rel)
+                self.store.append(f"idx/{self.rank}", rel + "\n")
+            self._sent[rel] = key
+            n += 1
+        return n
+
+    def start(self, interval_s: float = 0.1) -> None:
+        def loop():
+            while not self._stop.wait(interval_s):
+                try:
+                    self.publish()
+                except Exception:  # the coordinator went away: the launch is being torn down
+                    return
+
+        self._thread = threading.Thread(target=loop, name="launch-publisher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop and publish what is left (the exit record)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.publish()
+        except Exception:
+            pass
+
+
+def publisher_from_env(run_dir: str, rank: int) -> Publisher | None:
+    from harness import settings
+
+    endpoint = settings.env("HARNESS_LAUNCH_STORE")
+    if not endpoint:
+        return None
+    node = settings.env("HARNESS_LAUNCH_NODE")
+    return Publisher(endpoint, run_dir, rank, node if node is not None else int(os.environ.get("SLURM_NODEID") or 0))
