@@ -30,6 +30,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--usable", type=amount(0, 1, low_open=True), default=0.9, help="fraction of device memory a layout may use")
     p.add_argument("--top", type=count(1, 100000), default=12, help="layouts shown")
     p.add_argument("--json", metavar="PATH", help="write the whole plan as JSON ('-' for stdout)")
+    # --emit: the launch of the recommended layout (nodes x --devices ranks) on a scheduler (issue #45)
+    e = p.add_argument_group("emit a launch of the recommended layout (docs/parallel.md, multi-node checklist)")
+    e.add_argument("--emit", choices=("slurm", "k8s"), help="print the sbatch script (slurm) or JobSet manifest (k8s)")
+    e.add_argument("--emit-to", metavar="PATH", help="write it to PATH instead of printing it")
+    e.add_argument("--run-args", metavar="ARGS", help="what the job runs, shell-split (default: "
+                   "'TARGET --check parallel --scope nightly')")
+    e.add_argument("--results", default="results", metavar="DIR", help="the job's results folder (default results)")
+    e.add_argument("--time-limit", type=amount(0, 366 * 86400, low_open=True), default=3600.0, metavar="SECONDS",
+                   help="the job's time limit (default 3600)")
+    e.add_argument("--partition", help="slurm: the partition (default: the cluster's)")
+    e.add_argument("--image", default="harness:latest", help="k8s: the container image with harness installed")
     p.set_defaults(func=run)
 
 
@@ -52,6 +63,8 @@ def run(args) -> int:
         return 2
     rep = plan(facts, devices_per_node=args.devices, nodes=args.nodes, device_memory=mem, mode=args.mode,
                batch=args.batch, context=args.context, usable=args.usable)
+    if args.emit:
+        return _emit(args, rep, target)
     if args.json == "-":
         print(json.dumps(rep.to_dict(), indent=1))
         return 0
@@ -60,4 +73,42 @@ def run(args) -> int:
 
         atomic.write_json(args.json, rep.to_dict(), newline=False)
     print(render(rep, args.top))
+    return 0
+
+
+def _emit(args, rep, target) -> int:
+    """The sbatch script or JobSet manifest of the recommended layout: ``--nodes`` nodes x ``--devices``
+    ranks; one line and exit 2 when no layout fits or the manifest is refused by its schema."""
+    import shlex
+
+    from harness.launch import k8s, slurm
+
+    if not (rep.ranked and rep.ranked[0].fits):
+        print(f"harness plan: --emit: {rep.recommendation}", file=sys.stderr)
+        return 2
+    if args.run_args is None and target.suite is None:
+        print(f"harness plan: --emit: {args.target} is a config.json, not a suite: say what the job runs with "
+              "--run-args", file=sys.stderr)
+        return 2
+    run_args = shlex.split(args.run_args) if args.run_args is not None else [args.target, "--check", "parallel",
+                                                                              "--scope", "nightly"]
+    name = "harness-" + "".join(c if c.isalnum() else "-" for c in rep.model.name.lower()).strip("-")
+    try:
+        if args.emit == "slurm":
+            text = slurm.sbatch_script(run_args, args.nodes, args.devices, args.results, args.time_limit,
+                                       name, args.partition)
+        else:
+            text = k8s.dump(k8s.jobset_manifest(run_args, args.nodes, args.devices, name[:50], args.image,
+                                                f"/{args.results.strip('/')}"))
+    except (ValueError, k8s.ManifestError) as e:
+        print(f"harness plan: --emit {args.emit}: {e}", file=sys.stderr)
+        return 2
+    layout = rep.ranked[0].layout.name
+    if args.emit_to:
+        from harness.files import atomic
+
+        atomic.write_text(args.emit_to, text)
+        print(f"{args.emit} launch of {layout} ({args.nodes} node(s) x {args.devices}) written to {args.emit_to}")
+    else:
+        print(text, end="")
     return 0

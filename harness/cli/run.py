@@ -20,6 +20,10 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
+    if args.launcher == "slurm":  # the whole run becomes one sbatch job; inside it: --launcher srun
+        from harness.cli.run_slurm import run_via_slurm
+
+        return run_via_slurm(args)
     from harness.run import driver
 
     settings = load_settings()

@@ -7,7 +7,14 @@
 * ``rank``   - the per-rank wrapper torchrun starts: the rank's log, its exit status or signal as a file;
 * ``status`` - per-rank files: fixed-size status records rewritten in place, exit records, log tails;
 * ``tree``   - the whole-tree kill: the session, every descendant, and whatever carries the launch's marker;
-* ``ready``  - readiness of a server: a TCP port on 127.0.0.1 accepts, or a ready-line in its log.
+* ``ready``  - readiness of a server: a TCP port on 127.0.0.1 accepts, or a ready-line in its log;
+* ``nodes``  - a launch over several nodes: one agent per node (``netns`` rehearsal, ``srun``), a c10d
+  rendezvous, the interface and address each node announces, nodes lost, late or running other packages;
+* ``channel``- the coordinator's store: a multi-node launch's files published by the rank wrapper and
+  mirrored into the coordinator's run folder (no shared folder);
+* ``slurm``  - submit mode on an existing Slurm: the sbatch script, ``sbatch``/``squeue``/``scancel``;
+* ``k8s``    - a JobSet manifest, validated offline against the JobSet CRD's schema (``schemas/``).
 
-Standard library and psutil only (no torch): a rank wrapper importing it starts in milliseconds.
+Standard library and psutil only (no torch), except where a multi-node launch needs torch's TCPStore
+(``channel``, imported there only): a rank wrapper of a one-host launch starts in milliseconds.
 """
