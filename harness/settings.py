@@ -121,9 +121,13 @@ class EnvVar:
     default: Any
     description: str
     internal: bool = False  # set by harness for its own child processes, not by users
+    range: tuple[int, int] | None = None  # an int's bounds, inclusive (every int variable has them)
 
     def parse(self, raw: str) -> Any:
-        return _PARSE[self.type](raw)
+        v = _PARSE[self.type](raw)
+        if self.range is not None and not self.range[0] <= v <= self.range[1]:
+            raise ValueError(f"{v} is outside {self.range[0]} .. {self.range[1]}")
+        return v
 
 
 ENV: dict[str, EnvVar] = {v.name: v for v in (
@@ -142,15 +146,17 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("HARNESS_TORCHRUN_ARGS", "str", None, "Rendezvous arguments for the parallel check's torchrun "
            "launches, replacing `--standalone --nnodes 1` (shell-split; docs/parallel.md)."),
     EnvVar("HARNESS_NODES", "int", 1, "Nodes the parallel check's launches span (`harness run --nodes`; set "
-           "for the run's workers by the pytest plugin)."),
-    EnvVar("HARNESS_NODE_LAUNCHER", "str", None, "How a multi-node launch reaches its nodes: netns or srun "
+           "for the run's workers by the pytest plugin).", range=(1, 4096)),
+    EnvVar("HARNESS_NODE_LAUNCHER", "str", None, "How a multi-node launch reaches its nodes: netns, srun or agents "
            "(`harness run --launcher`; harness/launch/nodes.py)."),
+    EnvVar("HARNESS_AGENTS_PORT", "int", 29600, "The port of the agents store `harness run --launcher agents` "
+           "serves for `harness node-agent` (harness/launch/agents.py).", range=(1, 65535)),
     EnvVar("HARNESS_LAUNCH_STORE", "str", None, "host:port of a multi-node launch's coordinator store, for its "
            "ranks' wrappers (harness/launch/channel.py).", internal=True),
     EnvVar("HARNESS_LAUNCH_NODE", "int", None, "The node index of a multi-node launch's agent (netns; under "
-           "srun SLURM_NODEID says it).", internal=True),
+           "srun SLURM_NODEID says it).", internal=True, range=(0, 4095)),
     EnvVar("HARNESS_LEAK_BYTES", "int", None, "Host memory an isolated worker may keep growing by per item "
-           "before it is replaced (default: harness.run.isolation.Limits.leak_bytes)."),
+           "before it is replaced (default: harness.run.isolation.Limits.leak_bytes).", range=(0, 1 << 50)),
     EnvVar("HARNESS_CERTIFY_FAULT", "str", None, "A known kernel fault (`harness certify --list`) that every "
            "process running an item installs on the dispatch key of the backend HARNESS_CERTIFY_BACKEND names, "
            "before the item: what `harness certify` sets; set by hand to reproduce one of its rows."),
@@ -161,15 +167,15 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("HARNESS_CPU_THREADS", "int", None, "torch intra-op threads while a check whose models are the pruned "
            "test models runs (smoke, precision, decode, training, compile, quantization, ops) and while `golden "
            "generate` builds its references: default 1 (their tensors are too small to split, and a second thread "
-           "per process spin-waits: 3-10x slower on a loaded machine); 0 keeps the process's count."),
+           "per process spin-waits: 3-10x slower on a loaded machine); 0 keeps the process's count.", range=(0, 1024)),
     EnvVar("HARNESS_NUM_THREADS", "int", None, "torch threads of an isolated worker: the launching "
-           "process's count, passed down by the pytest plugin.", internal=True),
+           "process's count, passed down by the pytest plugin.", internal=True, range=(1, 1024)),
     EnvVar("HARNESS_ISOLATION_FDS", "str", None, "'command_fd,result_fd' of an isolated worker's pipes.",
            internal=True),
     EnvVar("HARNESS_ISOLATION_STATUS", "path", None, "The status file an isolated worker reports its "
            "phase and module in.", internal=True),
     EnvVar("HARNESS_PREFETCH_PARENT", "int", None, "Process id of the `harness compare` that started a "
-           "baseline prefetch child.", internal=True),
+           "baseline prefetch child.", internal=True, range=(1, 1 << 22)),
     EnvVar("HARNESS_LAUNCH_GROUP", "str", None, "Space-separated tokens of the supervised launches "
            "(harness.launch) a process belongs to: the group kill finds escaped descendants by it.", internal=True),
 )}
@@ -181,6 +187,19 @@ def _declared(name: str) -> EnvVar:
     except KeyError:
         raise KeyError(f"undeclared environment variable {name!r}: declare it in harness.settings.ENV "
                        f"(declared: {', '.join(ENV)})") from None
+
+
+def check_environment(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """One line per declared variable set to a value it refuses (``HARNESS_CPU_THREADS=-5``): checked
+    once where a run starts, so that a bad setting is the run's usage error and never each item's
+    failure blamed on the model."""
+    out = []
+    for name in ENV:
+        try:
+            env(name, environ)
+        except SettingsError as e:
+            out.append(str(e))
+    return out
 
 
 def env(name: str, environ: MutableMapping[str, str] | None = None) -> Any:

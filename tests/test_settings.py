@@ -5,6 +5,7 @@ description), read through ``env``, written for child processes through ``set_en
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,26 @@ def test_validate_schema_lists_every_variable(capsys):
     for v in ENV.values():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{v.name}` |"))
         assert f"`{v.type}`" in row and v.description.split(" (")[0][:30].replace("|", "/") in row, row
+
+
+def test_every_int_variable_has_bounds_and_a_bad_value_is_the_runs_usage_error(tmp_path):
+    # issue #49: HARNESS_CPU_THREADS=-5 failed every item "in forward", 100000 gave a SIGSEGV there
+    import subprocess
+    import sys
+
+    from harness.settings import ENV, check_environment
+
+    assert [v.name for v in ENV.values() if v.type == "int" and v.range is None] == []
+    assert check_environment({"HARNESS_CPU_THREADS": "-5"}) == ["$HARNESS_CPU_THREADS: -5 is outside 0 .. 1024"]
+    assert check_environment({"HARNESS_CPU_THREADS": "100000", "HARNESS_NODES": "0"}) == [
+        "$HARNESS_NODES: 0 is outside 1 .. 4096", "$HARNESS_CPU_THREADS: 100000 is outside 0 .. 1024"]
+    assert check_environment({"HARNESS_CPU_THREADS": "4"}) == []
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "harness", "run", "llama-3.1-8b", "--check", "smoke", "--no-isolate",
+                        "--results", str(tmp_path / "r")], capture_output=True, text=True,
+                       env=dict(os.environ, HARNESS_CPU_THREADS="-5"), timeout=300)
+    assert r.returncode != 0 and "$HARNESS_CPU_THREADS: -5 is outside 0 .. 1024" in r.stdout + r.stderr, r.stderr[-2000:]
+    assert "error: the run did not start" in r.stdout and "harness results" not in r.stdout, r.stdout[-2000:]
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert run["status"] == "not started", run  # never left "running" (issue #49)

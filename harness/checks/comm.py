@@ -61,14 +61,14 @@ class CommConfig(CheckConfig):
     world_sizes: list[int] = Field(default_factory=lambda: [2], description="One item (one launch) per world size.")
     collectives: list[Collective] = Field(default_factory=lambda: list(COLLECTIVES),
                                           description="Collectives measured (nccl-tests' names).")
-    sizes: list[int] = Field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20],
+    sizes: list[int] = Field(default_factory=lambda: [4096, 65536, 1 << 20, 16 << 20], json_schema_extra={"max": 1 << 32},
                              description="Message sizes in bytes (nccl-tests' size: see harness/perf/comm.py).")
     warmup: int = Field(3, ge=0, description="Untimed rounds (a round: one call of every collective at every size).")
     repeats: int = Field(10, ge=3, description="Timed rounds: the samples of each collective and size.")
     threshold: float = Field(0.25, gt=0, description="Relative slowdown that may count as a regression: a shared "
                              "CPU's collectives vary more than its matmuls.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Mann-Whitney significance level.")
-    pair_bytes: int = Field(65536, ge=0, le=1 << 30, description="Round trips of this many bytes between every "
+    pair_bytes: int = Field(65536, ge=0, le=1 << 26, description="Round trips of this many bytes between every "
                             "pair of ranks (pair/<i>-<j>): a slow link between two nodes is named by its pair; 0: off.")
     timeout_s: float = Field(300.0, gt=0, description="Limit of the launch.")
     fail_on_regression: bool = Field(True, description="A regression fails the item.")

@@ -137,8 +137,8 @@ class CompileConfig(CheckConfig):
     @field_validator("prompt_lens")
     @classmethod
     def _lens(cls, v: list[int]) -> list[int]:
-        if any(x < 1 for x in v):
-            raise ValueError(f"prompt lengths must be >= 1, got {v}")
+        if any(x < 1 or x > 32768 for x in v):  # each length is a forward of that many tokens
+            raise ValueError(f"prompt lengths must be 1 .. 32768, got {v}")
         return v
 
     @field_validator("expected_graph_breaks", "expected_recompiles")

@@ -80,7 +80,7 @@ metrics.declare("decode_router_flips", "", "lower", "tokens of the cached decode
 class DecodeConfig(CheckConfig):
     """Cached decode against the golden's float64 cached decode, step by step and layer by layer."""
 
-    steps: int = Field(8, ge=1, description="Decode steps after the prefill (positions seq_len .. seq_len+steps-1), "
+    steps: int = Field(8, ge=1, le=4096, description="Decode steps after the prefill (positions seq_len .. seq_len+steps-1), "
                        "teacher-forced on the reference's greedy tokens.")
     topk: int = Field(64, ge=1, description="Logits kept per step at the reference's top-k ids when the "
                       "vocabulary is larger than full_vocab_max.")

@@ -101,7 +101,7 @@ def netns_nodes(count: int, tmp_root: str | None = None) -> NodeSet:
     if why:
         raise RuntimeError(why)
     tag = secrets.token_hex(2)  # interface names: at most 15 characters
-    subnet = 10 + int(tag, 16) % 240  # 10.77.<subnet>.0/24, one per node set
+    subnet = _free_subnet(int(tag, 16))  # 10.77.<subnet>.0/24, one per node set
     bridge = f"hb{tag}"
     made: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="harness-nodes-", dir=tmp_root))
@@ -135,6 +135,17 @@ def netns_nodes(count: int, tmp_root: str | None = None) -> NodeSet:
         down()
         raise
     return NodeSet("netns", count, nodes[0].addr, nodes, down)
+
+
+def _free_subnet(seed: int) -> int:
+    """A 10.77.<n>.0/24 no interface of this host uses: two node sets at once (pytest -n 2) must not
+    share a subnet, or their routes collide."""
+    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for i in range(240):
+        n = 10 + (seed + i) % 240
+        if f" 10.77.{n}." not in used:
+            return n
+    raise RuntimeError("no free 10.77.x.0/24 subnet for the rehearsal's nodes (240 node sets exist?)")
 
 
 def _node_tmp(root: Path, k: int) -> str:

@@ -142,6 +142,15 @@ def run(suites: list[Path], *, options: Mapping[str, Any], results: Path, extra:
     observer = RunObserver(console, writer, show_progress=console.is_terminal)
     code = _pytest_main(build_args(suites, options, extra), [writer, observer], writer, early)
     rows = writer.finished_rows()
+    if writer.status == "running":
+        # pytest stopped before its session (a usage error: a bad option, quarantine file or setting,
+        # said above by pytest): no item ran. run.json says so, never "running" (issue #49), and no
+        # empty table pretends a run took place.
+        writer.status, writer.reason = "not started", f"pytest exit {int(code)} before any item: see the error above"
+        writer.finish()
+        console.print(f"error: the run did not start ({writer.reason}); results: {results}", style="red",
+                      markup=False, highlight=False)
+        return int(code) or 4
     _print_summary(console, rows, results)
     return _exit_code(console, writer, code, rows, results)
 

@@ -145,8 +145,12 @@ def _size(item) -> float:
 
 def _validate_options(config: pytest.Config) -> None:
     """A typo in --harness-check/--harness-backend/--harness-dtype would silently select nothing."""
+    from harness.settings import check_environment
     from harness.suite.schema import DTYPES
 
+    bad_env = check_environment()
+    if bad_env:
+        raise pytest.UsageError("; ".join(bad_env))
     known = {"--harness-check": checks.registry().names(), "--harness-dtype": list(DTYPES)}
     try:
         known["--harness-backend"] = backend_registry().names()
