@@ -51,6 +51,14 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     run_args = list(getattr(args, "passthrough", []) or [])
+    # SIGTERM (CI cancelling the job) unwinds like Ctrl-C: each step's `finally` removes its worktree and
+    # its run's process group is killed; then one line, no traceback
+    import signal
+
+    def _stop(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = signal.signal(signal.SIGTERM, _stop)
     try:
         if args.between_packages:
             from harness.run.bisect import bisect_packages
@@ -64,6 +72,12 @@ def main(args) -> int:
     except BisectError as e:
         print(f"harness bisect: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        print(f"harness bisect: stopped ({e or 'SIGINT'}); the step's run was killed and its worktree removed",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
     print("\n" + res.message)
     if args.json:
         from harness.files import atomic

@@ -132,7 +132,7 @@ class ProcessGroup:
 
     @classmethod
     def start(cls, cmd: list[str], run_dir: Path, env: dict | None = None, log_name: str = "launch.log",
-              world: int = 0) -> ProcessGroup:
+              world: int = 0, cwd: str | Path | None = None) -> ProcessGroup:
         """Start ``cmd`` supervised (see the module's docstring); its output goes to ``run_dir/log_name``.
         ``world``: how many ranks write exit records and logs in ``run_dir`` (0: none, a plain process)."""
         run_dir = Path(run_dir)
@@ -145,7 +145,7 @@ class ProcessGroup:
             # Own session (one killpg) and death with this thread: a killed item must not leave the
             # group running.
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent, cwd=cwd)
         return cls(proc, run_dir, token, log, world, time.monotonic())
 
     @property

@@ -135,6 +135,20 @@ def run_at(repo: Path, commit: str, items: list[str] | None, run_args: list[str]
         subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(wt)], capture_output=True)
 
 
+def child(cmd: list[str], folder: Path, env: dict | None, timeout: float, log_name: str, cwd: Path | None = None,
+          lines: int = 5) -> tuple[int | None, str]:
+    """``cmd`` under the launch layer (own session, death with this process, the whole tree killed at
+    ``timeout`` and when this process is interrupted: a SIGTERM to `harness bisect` used to leave its
+    step's run going): (exit code, None at the time limit; the output's last ``lines`` lines)."""
+    from harness.launch.group import ProcessGroup
+    from harness.launch.status import log_tail
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with ProcessGroup.start(cmd, folder, env=env, log_name=log_name, cwd=cwd) as group:
+        end = group.wait(deadline_s=timeout)
+    return (end.code if end.how == "exited" else None), "\n".join(log_tail(group.log, lines))
+
+
 def _run(cwd: Path, env: dict, items: list[str] | None, run_args: list[str], results: Path, timeout: float,
          messages: dict[str, str] | None) -> tuple[dict[str, str] | None, str]:
     """One ``harness run`` of ``items`` in ``cwd``: (item -> outcome, or None without results; the tail)."""
@@ -144,11 +158,8 @@ def _run(cwd: Path, env: dict, items: list[str] | None, run_args: list[str], res
         cmd += [*suites, "-k", expr]
     cmd += ["--results", str(results), *run_args]
     env.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-5:])
-    except subprocess.TimeoutExpired:
+    code, tail = child(cmd, results.parent, env, timeout, log_name=f"{results.name}.log", cwd=cwd)
+    if code is None:
         return None, f"harness run did not finish within {timeout:g} s"
     junit = results / "junit.xml"
     if not junit.exists():
@@ -245,11 +256,14 @@ def versions_between(name: str, good: str, bad: str, pip_args: list[str]) -> lis
     first, pre-releases included (``pip index versions``)."""
     from packaging.version import InvalidVersion, Version
 
-    r = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name, "--pre", *pip_args],
-                       capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("Available versions:")), None)
-    if r.returncode != 0 or line is None:
-        why = (r.stderr.strip().splitlines() or ["no versions listed"])[-1]
+    with tempfile.TemporaryDirectory(prefix="harness-bisect-index-") as d:
+        code, out = child([sys.executable, "-m", "pip", "index", "versions", name, "--pre", *pip_args], Path(d),
+                          None, 300, "pip.log", lines=200)
+    if code is None:  # a package index that hangs: one line, not a TimeoutExpired traceback
+        raise BisectError(f"pip index versions {name}: the package index did not answer within 300 s")
+    line = next((ln for ln in out.splitlines() if ln.startswith("Available versions:")), None)
+    if code != 0 or line is None:
+        why = (out.strip().splitlines() or ["no versions listed"])[-1]
         raise BisectError(f"pip index versions {name}: {why}")
     try:
         g, b = Version(good), Version(bad)
@@ -283,12 +297,11 @@ def bisect_packages(good: str, bad: str, items: list[str], run_args: list[str], 
 
         def step(label: str, version: str, wanted: list[str] | None) -> Step:
             target = paths.join(work, f"p-{version}", source="pip index versions", field="version")
-            r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                                str(target), f"{name}=={version}", *pip_args], capture_output=True, text=True,
-                               timeout=1800)
+            code, out = child([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                               str(target), f"{name}=={version}", *pip_args], work, None, 1800, f"pip-{version}.log")
             msgs: dict[str, str] = {}
-            if r.returncode != 0:  # a version the index lists but pip cannot install here: skipped
-                verdicts, tail = None, (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+            if code != 0:  # a version the index lists but pip cannot install here (or in 30 min): skipped
+                verdicts, tail = None, (out.strip().splitlines() or ["pip failed or timed out"])[-1]
             else:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [env.get("PYTHONPATH")])])

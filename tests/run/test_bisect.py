@@ -218,3 +218,37 @@ def test_the_answer_is_commented_on_the_issue_that_asked(monkeypatch, capsys):
         assert not post_answer("4", res, args)
         assert "could not comment on issue #4" in capsys.readouterr().err
     assert not post_answer("four", res, args)
+
+
+def test_sigterm_stops_the_step_run_and_removes_its_worktree(tmp_path):
+    # issue #49: a SIGTERM to `harness bisect` left its step's `harness run` going and its worktree
+    # registered. The step's run is made slow (a `sleep` run through the pass-through pytest args is not
+    # possible: the run is held by a conftest that sleeps), the bisect is stopped while it runs.
+    import signal
+    import time
+
+    import psutil
+
+    repo = tmp_path / "project"
+    shas = _history(repo, 4, bad=2)
+    (repo / "conftest.py").write_text("import time\n\ndef pytest_collection_modifyitems(items):\n    time.sleep(600)\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "a run that takes its time")
+    p = subprocess.Popen([sys.executable, "-m", "harness", "bisect", "--good", shas[0], "--bad", "HEAD",
+                          "tiny::smoke[cpu-float32]", "--", "--backend", "cpu", "--check", "smoke", "--no-isolate"],
+                         cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 120
+    runs = []
+    while time.monotonic() < deadline and not runs:
+        time.sleep(0.5)
+        runs = [c for c in psutil.Process(p.pid).children(recursive=True) if "run" in c.cmdline()]
+    assert runs, "the step's harness run never started"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (out[-2000:], err[-2000:])
+    assert "Traceback" not in err and "stopped (SIGTERM)" in err, err[-2000:]
+    time.sleep(0.5)
+    assert [c for c in runs if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    wt = subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True).stdout
+    assert len(wt.strip().splitlines()) == 1, wt
