@@ -57,7 +57,8 @@ def _section_build(ref) -> tuple[dict, dict]:
 
 # The golden's decode section: the float64 reference's cached decode, step by step (its producer is
 # harness/precision/decode.py; `harness golden generate` makes it for every suite that enables this check).
-SECTION = GoldenSection("decode", _section_spec, _section_build)
+SECTION = GoldenSection("decode", _section_spec, _section_build,
+                        values=(("tokens", "ids"), ("padded.ids", "ids"), ("padded.mask", "mask")))
 
 metrics.declare("decode_worst_budget_use", "", "lower", "largest decode error / its budget over steps, layers "
                 "and both comparisons (fails > 1)")

@@ -217,6 +217,7 @@ def verify(args) -> int:
     for ls in _suites(args):
         try:
             g = load_golden(ls, args.golden_dir)
+            _check_section_values(g)
             secs = ", ".join(f"{k}: {len(v)}" for k, v in g.section_tensors.items())
             print(f"ok    {g.path} ({len(g.order)} tensors, torch {g.manifest['versions']['torch']}"
                   + (f"; sections {secs}" if secs else "") + ")")
@@ -224,3 +225,15 @@ def verify(args) -> int:
             print(f"error: {e}", file=sys.stderr)
             bad += 1
     return 1 if bad else 0
+
+
+def _check_section_values(g) -> None:
+    """Each section's values against what its check declares (ids in the vocabulary, 0/1 masks): what
+    the target's item would find, found here first."""
+    from harness.checks import registry
+    from harness.golden.store import check_values
+
+    for name in registry().names():
+        for sec in registry().get(name).golden_sections:
+            if sec.name in g.section_tensors:
+                check_values(g, sec.name, g.section_tensors[sec.name], sec.values)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # The forward golden's own files (harness.golden.store.FILES), here without importing the store (torch):
 # the check contract imports this module, and registering checks stays free of torch.
 RESERVED = ("inputs", "modules", "generation")
+DOMAINS = ("ids", "mask", "logprob")  # what GoldenSection.values may say of a tensor
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class GoldenSection:
     name: str
     spec: Callable[[Any], dict | None]
     build: Callable[[Any], tuple[dict, dict]]
+    # (tensor-name glob, domain) of its tensors' values beyond "finite": "ids" (token ids inside the
+    # vocabulary), "mask" (0/1), "logprob" (<= 0). Checked when the section is read and by `golden
+    # verify`: a token id out of range or a corrupted mask is the golden's fault, found before it
+    # fails the target (issue #49).
+    values: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         # The name becomes a file next to the forward golden's: a plain identifier, none of theirs.
@@ -51,11 +57,18 @@ class GoldenSection:
                              f"({', '.join(RESERVED)})")
         if not (callable(self.spec) and callable(self.build)):
             raise ValueError(f"golden section {self.name!r}: spec and build must be callables")
+        unknown = sorted({d for _g, d in self.values} - set(DOMAINS))
+        if unknown:
+            raise ValueError(f"golden section {self.name!r}: unknown value domain(s) {unknown} (known: {DOMAINS})")
 
     def read(self, golden: Golden, ls) -> Section:
         """This section of ``golden`` as the suite now asks for it (``store.GoldenError`` when it is
         missing or was made with other knobs: the golden's problem, see :func:`load_golden_for`)."""
-        return golden.section(self.name, self.spec(ls))
+        from harness.golden import store
+
+        sec = golden.section(self.name, self.spec(ls))
+        store.check_values(golden, self.name, sec.tensors, self.values)
+        return sec
 
 
 def load_golden_for(ctx, golden_root: str | Path | None = None) -> Golden:

@@ -588,6 +588,26 @@ def _check_ranges(g: Golden) -> None:
             raise _bad(g, "generation.safetensors", f"{key} has a log-probability {float(t.max()):.4g} > 0")
 
 
+def check_values(g: Golden, name: str, tensors: dict[str, torch.Tensor], values) -> None:
+    """A section's tensors against the value domains its check declares (``GoldenSection.values``:
+    glob -> ids | mask | logprob); GoldenError naming the tensor and what it holds."""
+    import fnmatch
+
+    vocab = ((g.manifest["tensors"].get("logits") or {}).get("shape") or [0])[-1]
+    fname = f"{name}.safetensors"
+    for key, t in tensors.items():
+        for pattern, domain in values:
+            if not fnmatch.fnmatchcase(key, pattern) or not t.numel():
+                continue
+            lo, hi = float(t.min()), float(t.max())
+            if domain == "ids" and (t.is_floating_point() or lo < 0 or hi >= vocab):
+                raise _bad(g, fname, f"{key} holds token ids in [{lo:g}, {hi:g}], outside the vocabulary [0, {vocab})")
+            if domain == "mask" and not bool(((t == 0) | (t == 1)).all()):
+                raise _bad(g, fname, f"{key} is a mask with values other than 0 and 1 (in [{lo:g}, {hi:g}])")
+            if domain == "logprob" and hi > 1e-6:
+                raise _bad(g, fname, f"{key} has a log-probability {hi:.4g} > 0")
+
+
 def _check_weights(recorded: dict | None, ls, mf: str) -> None:
     """A golden made from real weights compared with a run on random ones (the runner lacks the
     checkpoint) or on another checkpoint (its manifest digest changed), or the other way round, would

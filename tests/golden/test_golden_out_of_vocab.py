@@ -71,3 +71,48 @@ def test_precision_check_does_not_pass_on_out_of_vocab_golden(out_of_vocab_golde
     assert row["outcome"] == "error", row  # the golden's fault, not a failure of the target
     assert "outside the vocabulary" in row["message"] and "golden" in row["message"], row["message"]
     assert "metric.generation_top1_agreement" not in row["props"]  # never compared against bad tokens
+
+
+def _corrupt_section(tmp_path, name: str, edit) -> Path:
+    """A copy of the committed golden with section ``name``'s tensors edited by ``edit(tensors, vocab)``
+    and re-hashed (its sha256 check passes)."""
+    from safetensors.torch import load, save
+
+    root = tmp_path / "golden"
+    shutil.copytree(REPO / "golden" / SUITE, root / SUITE)
+    d = root / SUITE
+    if (d / "CURRENT").exists():
+        d = d / (d / "CURRENT").read_text().strip()
+    mf = json.loads((d / "manifest.json").read_text())
+    f = d / f"{name}.safetensors"
+    tensors = load(f.read_bytes())
+    edit(tensors, mf["tensors"]["logits"]["shape"][-1])
+    data = save(tensors, metadata={"format": "pt"})
+    f.write_bytes(data)
+    mf["files"][f"{name}.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (d / "manifest.json").write_text(json.dumps(mf, sort_keys=True, indent=1))
+    return root
+
+
+def _oov(t, vocab):
+    t["padded.ids"] = t["padded.ids"] + vocab
+
+
+def _mask(t, _vocab):
+    t["padded.mask"] = t["padded.mask"] * 2
+
+
+@pytest.mark.parametrize("edit,what", [(_oov, "outside the vocabulary"), (_mask, "mask with values other than 0 and 1")])
+def test_verify_range_checks_the_decode_section(tmp_path, edit, what):
+    # issue #49: out-of-vocabulary ids or a corrupted mask in the decode section passed `golden verify`
+    # and then failed the target
+    root = _corrupt_section(tmp_path, "decode", edit)
+    r = _harness("golden", "verify", SUITE, golden=root)
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("error: ") and "decode.safetensors" in err and what in err, err
+    res = tmp_path / "results"
+    r = _harness("run", SUITE, "--check", "decode", "--backend", "cpu", "--dtype", "float32", "-k", "padded",
+                 "--results", str(res), golden=root)
+    rows = json.loads((res / "summary.json").read_text())["items"]
+    assert rows and all(row["outcome"] == "error" and what in row["message"] for row in rows), rows
