@@ -63,12 +63,15 @@ def main(args) -> int:
     if not ok:
         return _usage(f"backend {backend.name} is not available here: {why}")
     from harness.settings import load_settings
-    from harness.suite.loader import SuiteError, resolve_names
+    from harness.suite.loader import SuiteError, load_suite, resolve_names
 
     try:
         (suite,) = resolve_names([args.suite], load_settings().suites_dir)
+        load_suite(suite)  # a file that is no suite is the input's problem, never the backend's (issue #49)
     except SuiteError as e:
-        return _usage(str(e))
+        lines = str(e).splitlines() or [""]
+        more = f" (and {len(lines) - 1} more: harness validate {args.suite})" if len(lines) > 1 else ""
+        return _usage(f"--suite: {lines[0]}{more}")
     from harness.run.certify import certify
 
     faults = [CATALOGUE[n] for n in dict.fromkeys(args.fault)] or list(CATALOGUE.values())

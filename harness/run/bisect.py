@@ -55,7 +55,22 @@ class Step:
         items = ", ".join(f"{k} {v}" + (f": {self.messages[k]}" if self.messages.get(k) else "")
                           for k, v in sorted(self.verdicts.items()))
         point = self.commit[:12] if all(c in "0123456789abcdef" for c in self.commit) else self.commit
-        return f"{self.label:<9} {point} {self.verdict:<4} {self.subject[:60]}  [{items}]"
+        return f"{self.label:<9} {point} {self.verdict:<4} {self.subject[:60]}  [{items}]" + self.why()
+
+    def why(self) -> str:
+        """Why a step was skipped, in a few words (a skip that says nothing hid a selection that ran
+        other items: issue #49)."""
+        if self.verdict != "skip":
+            return ""
+        last = (self.log.strip().splitlines() or ["no output"])[-1][:200]
+        missing = sorted(k for k, v in self.verdicts.items() if v == "missing")
+        if missing:
+            return (f"  skipped: {', '.join(missing)} not in the run's results (do the run arguments after `--` "
+                    f"select other suites or items? the run said: {last})")
+        skipped = sorted(k for k, v in self.verdicts.items() if v == "skipped")
+        if skipped:
+            return f"  skipped: {', '.join(skipped)} skipped by the run: {self.messages.get(skipped[0]) or last}"
+        return f"  skipped: the run left no results: {last}"
 
 
 @dataclass

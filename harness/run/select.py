@@ -123,6 +123,11 @@ def git(*args: str, cwd: str | Path | None = None) -> str:
 def changed_paths(base: str, head: str = "HEAD", cwd: str | Path | None = None) -> list[str]:
     """Paths changed between the merge base of ``base`` and ``head``, and ``head`` (a pull request's
     own changes), relative to the repository root; renames as a deletion and an addition."""
+    try:
+        git("rev-parse", "--git-dir", cwd=cwd)
+    except SelectError:  # said as what it is, not as a missing ref (issue #49)
+        raise SelectError(f"{Path(cwd or '.').resolve()} is not in a git repository: harness select compares two "
+                          "commits of the repository it runs in") from None
     for ref in (base, head):
         try:
             git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", cwd=cwd)

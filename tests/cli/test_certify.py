@@ -129,6 +129,7 @@ def test_the_catalogue_names_op_and_check(capsys):
     (["--backend", "cpu", "--fault", "nope"], "unknown fault(s) nope (known: softmax-scale"),
     (["--backend", "cpu", "--check", "nope"], "unknown check nope"),
     (["--backend", "cpu", "--suite", "no-such-suite"], "no-such-suite"),
+    (["--backend", "cpu", "--suite", "pyproject.toml"], "--suite: "),  # a file, but no suite: not the backend's
     (["--backend", "npu"], "backend npu is not available here"),
 ])
 def test_usage_errors_exit_2_naming_the_problem(args, says, capsys, monkeypatch):

@@ -252,3 +252,16 @@ def test_sigterm_stops_the_step_run_and_removes_its_worktree(tmp_path):
     assert [c for c in runs if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
     wt = subprocess.run(["git", "-C", str(repo), "worktree", "list"], capture_output=True, text=True).stdout
     assert len(wt.strip().splitlines()) == 1, wt
+
+
+def test_a_skipped_step_says_why():
+    # issue #49: bisect with a suite in its run arguments skipped every step without showing why
+    from harness.run.bisect import _judge
+
+    s = _judge("step 1", "a" * 40, "subject", ["tiny::smoke[cpu-float32]"], {"other::smoke[cpu-float32]": "passed"},
+               "1 passed, 0 failed", {})
+    assert s.verdict == "skip"
+    assert "skipped: tiny::smoke[cpu-float32] not in the run's results (do the run arguments after `--` select" \
+        in s.line() and "the run said: 1 passed, 0 failed" in s.line(), s.line()
+    s = _judge("step 2", "b" * 40, "subject", ["tiny::smoke[cpu-float32]"], None, "error: no such suite", {})
+    assert s.line().endswith("skipped: the run left no results: error: no such suite"), s.line()

@@ -138,6 +138,17 @@ def test_bad_ref_is_one_line(repo):
     assert r.stderr.startswith("harness select: 'no-such-ref' is not a commit of this repository"), r.stderr
 
 
+def test_outside_a_repository_is_said_as_such(tmp_path):
+    # issue #49: outside a git repository select said a ref was missing
+    exe = Path(sys.executable).with_name("harness")
+    (tmp_path / "harness.toml").write_text('suites_dir = "suites"\n')
+    env = os.environ | {"HARNESS_CONFIG": str(tmp_path / "harness.toml"), "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
+    r = subprocess.run([str(exe), "select", "--base", "main"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "is not in a git repository" in r.stderr and "is not a commit" not in r.stderr, r.stderr
+
+
 def run_selected(repo: Path, selection: str, *extra: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("harness")
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(repo / "harness.toml"), "COLUMNS": "250"}
