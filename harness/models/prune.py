@@ -236,9 +236,13 @@ MAX_GQA_RATIO = 16
 def _gqa(heads: int, kv: int) -> tuple[int, int, int]:
     """(pruned query heads, pruned KV heads, published ratio): the published ratio exactly, with 2
     KV heads up to 4:1 (so KV heads are more than one), 1 above; a ratio over MAX_GQA_RATIO, or one
-    that is not whole, keeps the nearest the sizes allow."""
+    is refused: query heads that are no whole multiple of the KV heads (32:3) group in no attention
+    implementation, and a prune that chose 1:1 for them tested another model (issue #49)."""
     kv = kv or heads
-    ratio = heads // kv if kv and heads % kv == 0 else 1
+    if heads % kv:
+        raise PlanRefused(f"{heads} query heads are not a whole multiple of {kv} KV heads: no attention groups "
+                          "them so (a typo in num_attention_heads / num_key_value_heads?)")
+    ratio = heads // kv
     if ratio > MAX_GQA_RATIO:
         return MAX_GQA_RATIO, 1, ratio
     kvn = 2 if ratio <= 4 else 1
@@ -266,7 +270,10 @@ def _per_layer_heads(d: dict, up: dict) -> tuple[dict, list[str]]:
         kvs = kv_list or [kv_scalar or h for h in v]
         new_q, new_kv, capped = [], [], False
         for h, kv in zip(v, kvs, strict=False):  # a KV list of another length: its first entries
-            ratio = h // kv if kv and h % kv == 0 else 1
+            if kv and h % kv:
+                raise PlanRefused(f"{k}: {h} query heads are not a whole multiple of {kv} KV heads: no attention "
+                                  "groups them so")
+            ratio = h // kv if kv else 1
             capped |= ratio > MAX_GQA_RATIO
             ratio = min(ratio, MAX_GQA_RATIO)
             # one KV count for every layer when the config has one (a scalar): the pruned scalar's

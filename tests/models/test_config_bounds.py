@@ -50,3 +50,10 @@ def test_validate_refuses_architectures_logging(tmp_path, capsys):
     (tmp_path / "s.toml").write_text('[model]\nconfig = "c.json"\n')
     assert harness_main(["validate", str(tmp_path / "s.toml")]) == 1
     assert "'logging'" in capsys.readouterr().out
+
+
+def test_heads_that_kv_heads_do_not_divide_are_refused_not_pruned_to_1_to_1(tmp_path, capsys):
+    # issue #49: a 32:3 head config reported success on a 1:1 layout it chose silently
+    msg = _init(tmp_path, capsys, num_attention_heads=32, num_key_value_heads=3)
+    assert "32 query heads are not a whole multiple of 3 KV heads" in msg and "Traceback" not in msg, msg
+    assert len([ln for ln in msg.strip().splitlines() if ln.strip()]) == 1, msg
