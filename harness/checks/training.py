@@ -11,14 +11,16 @@ isolated backward: fed the golden's forward inputs and output gradient) -> ``opt
 seeded synthetic gradients: the optimizer alone, per parameter group) -> ``trajectory`` (``steps``
 AdamW steps on the golden's batch stream: loss, gradient norm and update norm per step under the
 measured envelope; the weight change per group) -> ``record`` -> ``verdict``.
+
+Each step is a call of harness/precision/backward.py (the target's runs and their errors against the
+golden) or harness/precision/backward_judge.py (rows against budgets, the first divergent module, the
+figures recorded, the one failure raised).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal
 
@@ -36,6 +38,7 @@ from harness.checks import (
 )
 from harness.golden.sections import GoldenSection, load_golden_for
 from harness.precision import backward as bw
+from harness.precision import backward_judge as judge
 
 metrics.declare("training_backward_worst_budget_use", "", "lower", "largest module/parameter gradient error "
                 "against the float64 golden / its measured budget (fails > 1)")
@@ -98,26 +101,6 @@ MASTER_VARIANT = "master_fp32"  # item training[<backend>-<dtype>-master_fp32]
 # The golden's training section: the float64 reference's gradients, optimizer steps and loss trajectory,
 # with the budgets measured in each dtype (its producer is harness/precision/backward.py).
 SECTION = GoldenSection(bw.SECTION, bw.spec, bw.build)
-
-
-@dataclass
-class Row:
-    kind: str  # gin, gout, param, replay_gin, replay_param, opt, upd
-    name: str  # module or parameter
-    err: float
-    budget: float | None  # None: not resolvable in this dtype
-
-    @property
-    def ok(self) -> bool:
-        return self.budget is None or self.err <= self.budget
-
-    @property
-    def use(self) -> float:
-        return self.err / self.budget if self.budget else 0.0
-
-    def text(self) -> str:
-        b = "not resolvable" if self.budget is None else f"budget {self.budget:.3g}"
-        return f"{self.kind} rel_rmse {self.err:.3g} ({b})"
 
 
 def run_training(ctx: CheckContext, *, transform=None, context=None, golden_root=None, results_dir=None):
@@ -189,29 +172,13 @@ class TrainingCheck(Check):
         gout = {m: st.t[f"gout/{m}"] for m, e in st.entry["modules"].items() if e["grad_out"]}
         errs = bw.module_errors(st.run, gin, gout)
         errs["param"] = bw.param_errors(st.run.grads, st.idx, {n: st.t[f"pgrad/{n}"] for n in st.idx})
-        for kind, by in errs.items():
-            st.rows += [Row(kind, n, e, st.budget(kind, n)) for n, e in by.items()]
+        st.rows += judge.rows(errs, st.budget)
         st.gout = gout
 
     def localize(self, ctx: CheckContext, st) -> None:
         """Walking backward: the first module whose input or parameter gradient is over budget while
         the gradient it received (its output's) is within it; else the first module over budget."""
-        by = {(r.kind, r.name): r for r in st.rows}
-        st.first = None
-        for m in st.entry["backward_order"]:
-            own = [r for r in st.rows if r.kind == "param" and r.name.startswith(m + ".")]
-            bad = [r for r in [by.get(("gin", m)), *own] if r is not None and not r.ok]
-            got = by.get(("gout", m))
-            if bad and (got is None or got.ok):
-                st.first = (m, bad[0], "while the gradient it received agrees")
-                return
-        order = {m: i for i, m in enumerate(st.entry["backward_order"])}
-        # the received (output) gradient first: it is where this module's error shows
-        bad = sorted((r for r in st.rows if not r.ok),
-                     key=lambda r: (order.get(_owner(r.name, order), len(order)), r.kind != "gout"))
-        if bad:
-            st.first = (_owner(bad[0].name, order), bad[0], "and the gradient it receives already diverges: the "
-                        "loss's own backward, before every captured module")
+        st.first = judge.first_divergent(st.rows, st.entry["backward_order"])
 
     def replay(self, ctx: CheckContext, st) -> None:
         """Each module's isolated backward on the golden's forward inputs and output gradient."""
@@ -227,38 +194,26 @@ class TrainingCheck(Check):
                            torch_dtype(ctx.dtype), ctx.device, st.routes, st.context, tied,
                            {m: e["out_index"] for m, e in st.entry["modules"].items()})
         gin = {m: st.t[f"gin/{m}"] for m, e in st.entry["modules"].items() if e["grad_in"]}
-        errs = bw.replay_errors(rp, gin, st.idx, {n: st.t[f"pgrad/{n}"] for n in st.idx})
-        for kind, vals in errs.items():
-            st.rows += [Row(f"replay_{kind}", m, e, st.budget(f"replay_{kind}", m)) for m, e in vals.items()]
+        st.rows += judge.rows(bw.replay_errors(rp, gin, st.idx, {n: st.t[f"pgrad/{n}"] for n in st.idx}), st.budget,
+                              prefix="replay_")
         st.replayed = rp
         self._signed(ctx, st, rp, gin)
 
     def _signed(self, ctx: CheckContext, st, rp: dict, gin: dict) -> None:
         """The sign test of each replayed quantity against the clean dtype run's signed errors (the
         section's ``signed/<dtype>/...``): a biased backward kernel inside the magnitude budgets."""
-        from harness.precision import signed
-
-        prefix = f"signed/{ctx.dtype}/"
-        clean = {k.removeprefix(prefix): v for k, v in st.t.items() if k.startswith(prefix)}
         st.signed = {}
-        if not clean:
+        tested = judge.signed_tests(st.t, ctx.dtype, rp, gin, st.idx)
+        if tested is None:
             st.notes.append(f"no backward signed-error test: the golden's training section has no clean signed "
                             f"errors for {ctx.dtype} (regenerate with `harness golden generate {ctx.suite.name} --update`)")
             return
-        pref = {n: st.t[f"pgrad/{n}"] for n in st.idx}
-        quantities = bw.signed_quantities(rp, gin, st.idx, pref)
-        st.signed_limit = signed.limit(ctx.dtype, len(clean))
-        for q, (got, r) in quantities.items():
-            if q in clean:
-                res = signed.signed_test(got, r, clean[q])
-                if res is not None:
-                    st.signed[q] = res
+        st.signed, st.signed_limit = tested
 
     def optimizer(self, ctx: CheckContext, st) -> None:
         """AdamW alone: the target's optimizer on seeded synthetic gradients, per parameter."""
         alone = bw.optimizer_alone(copy.deepcopy(st.model), st.spec, st.spec["optimizer"], st.context, st.master)
-        st.rows += [Row("opt", n, bw.rel_rmse(bw.at(alone[n], i), st.t[f"opt/{n}"]), st.budget("opt", n))
-                    for n, i in st.idx.items() if n in alone]
+        st.rows += judge.rows({"opt": judge.weight_errors(alone, st.idx, st.t, "opt")}, st.budget)
 
     def trajectory(self, ctx: CheckContext, st) -> None:
         """``steps`` AdamW steps on the golden's batch stream (routers forced to the golden's choices
@@ -267,164 +222,29 @@ class TrainingCheck(Check):
         vocab = st.model.config.get_text_config().vocab_size
         batches = [b.to(ctx.device) for b in bw.batch_stream(vocab, p.batch_size, p.seq_len, sp["seed"], 0, sp["steps"])]
         routes = [{r: st.t[f"troute/{s}/{r}"] for r in st.entry.get("routers", [])} for s in range(sp["steps"])]
-        tr = bw.trajectory(st.model, batches, sp, sp["optimizer"], routes if st.routes else None, st.context, st.master)
+        st.traj = bw.trajectory(st.model, batches, sp, sp["optimizer"], routes if st.routes else None, st.context, st.master)
         st.model = None
-        st.rows += [Row("upd", n, bw.rel_rmse(bw.at(tr.delta[n], i), st.t[f"upd/{n}"]), st.budget("upd", n))
-                    for n, i in st.idx.items() if n in tr.delta]
-        ref = st.entry["trajectory"]
-        devs = bw.trajectory_devs(tr, ref)
-        st.env = {k: bw.envelope(st.clean["traj"][k], ref[k], ctx.dtype, ctx.config.budget_k, k != "loss")
-                  for k in devs}
-        st.traj, st.devs = tr, devs
-        out = [(s, k) for s in range(sp["steps"]) for k in devs if not devs[k][s] <= st.env[k][s]]
-        st.traj_out = out[0] if out else None
+        st.rows += judge.rows({"upd": judge.weight_errors(st.traj.delta, st.idx, st.t, "upd")}, st.budget)
+        st.judged = judge.trajectory(st.traj, st.entry["trajectory"], st.clean["traj"], ctx.dtype, ctx.config.budget_k,
+                                     sp["steps"])
 
     def record(self, ctx: CheckContext, st) -> None:
-        def worst(kinds):
-            rs = [r for r in st.rows if r.kind in kinds and r.budget is not None]
-            return max((r.use if math.isfinite(r.err) else math.inf for r in rs), default=0.0)
-
-        ctx.metric("training_backward_worst_budget_use", worst(("gin", "gout", "param")))
-        ctx.metric("training_backward_over_budget", sum(not r.ok for r in st.rows if r.kind in ("gin", "gout", "param")))
-        ctx.metric("training_replay_worst_budget_use", worst(("replay_gin", "replay_param")))
-        ctx.metric("training_optimizer_worst_budget_use", worst(("opt",)))
-        ctx.metric("training_update_worst_budget_use", worst(("upd",)))
-        use = max((d / e if e else math.inf) for k in st.devs for d, e in zip(st.devs[k], st.env[k], strict=True))
-        ctx.metric("training_trajectory_worst_envelope_use", use)
-        ctx.metric("training_trajectory_first_step_out", st.traj_out[0] if st.traj_out else -1)
-        # what `harness report` plots: each module's worst backward budget use (backward order) and each
-        # step's deviation with its envelope, compact
-        order = {m: i for i, m in enumerate(st.entry["backward_order"])}
-        per: dict[str, float] = {}
-        for r in st.rows:
-            if r.kind in ("gin", "gout", "param", "replay_gin", "replay_param") and r.budget is not None:
-                m = _owner(r.name, order)
-                per[m] = max(per.get(m, 0.0), r.use if math.isfinite(r.err) else math.inf)
-        ctx.detail("module_budget_use", metrics.budget_use_json(sorted(per.items(), key=lambda kv: order.get(kv[0], len(order)))))
-        ctx.detail("trajectory", json.dumps({k: [[float(f"{d:.3g}"), float(f"{e:.3g}")] for d, e in zip(st.devs[k], st.env[k], strict=True)]
-                                             for k in st.devs}, separators=(",", ":")))
-        ctx.metric("training_loss_abs_err", abs(st.run.loss - st.entry["loss"]))
-        gn = math.sqrt(sum(g.double().pow(2).sum().item() for g in st.run.grads.values()))
-        ref_gn = math.sqrt(sum(p["norm"] ** 2 for p in st.entry["params"].values()))
-        ctx.metric("grad_global_norm_rel_err", abs(gn / ref_gn - 1) if ref_gn else gn)
-        ctx.metric("training_unresolved", sum(r.budget is None for r in st.rows))
-        if getattr(st, "signed", None):
-            ctx.metric("training_signed_min_p", min(t.p for t in st.signed.values()))
-            ctx.metric("training_signed_max_effect", max(abs(t.effect) for t in st.signed.values()))
+        for name, v in judge.figures(st.rows, st.judged).items():
+            ctx.metric(name, v)
+        for key, text in judge.plots(st.rows, st.judged, st.entry["backward_order"]).items():
+            ctx.detail(key, text)
+        for name, v in judge.run_figures(st.run, st.entry, st.rows, getattr(st, "signed", None)).items():
+            ctx.metric(name, v)
         ctx.notes.extend(st.notes)
 
     def verdict(self, ctx: CheckContext, st) -> None:
-        table = _table(st.rows)
-        if st.first is not None:
-            m, row, extra = st.first
-            ctx.detail("first_divergent_backward_module", m)
-            raise CheckFailure(f"{m}: backward diverges from the golden ({row.name} {row.text()} {extra}; "
-                               f"{_replay_verdict(st, m)})", metric=f"{m}.{row.kind}_rel_rmse",
-                               expected=f"<= {row.budget:.3g}", observed=f"{row.err:.4g}", tolerance=row.budget,
-                               details=table)
-        for kinds, what in ((("replay_gin", "replay_param"), "isolated backward diverges from the golden"),):
-            bad = [r for r in st.rows if r.kind in kinds and not r.ok]
-            if bad:
-                order = {n: i for i, n in enumerate(st.entry["backward_order"])}
-                r = min(bad, key=lambda r: order.get(r.name, len(order)))
-                ctx.detail("first_divergent_backward_module", r.name)
-                raise CheckFailure(f"{r.name}: {what} ({r.text()}; the gradient it received agrees propagated)",
-                                   metric=f"{r.name}.{r.kind}_rel_rmse", expected=f"<= {r.budget:.3g}",
-                                   observed=f"{r.err:.4g}", tolerance=r.budget, details=table)
-        _signed_verdict(ctx, st, table)
-        _optimizer_verdict(ctx, st, table)
-        _trajectory_verdict(ctx, st, table)
-
-
-def _signed_verdict(ctx: CheckContext, st, table: str) -> None:
-    """The first quantity, in backward order, whose isolated backward is biased: its signed error departs
-    from the clean dtype run's beyond chance (p below the item's limit) and beyond the effect floor."""
-    if not getattr(st, "signed", None):
-        return
-    p_lim, floor = st.signed_limit
-    biased = {q: t for q, t in st.signed.items() if t.p < p_lim and abs(t.effect) > floor}
-    if not biased:
-        return
-    order = {n: i for i, n in enumerate(st.entry["backward_order"])}
-    q = min(biased, key=lambda q: (order.get(_owner(q.split("/", 1)[1], order), len(order)), q))
-    t, (kind, name) = biased[q], q.split("/", 1)
-    what = "input gradient" if kind == "gin" else "gradient (sketch entries)"
-    m = _owner(name, order)
-    ctx.detail("first_divergent_backward_module", m)
-    raise CheckFailure(f"{m}: isolated backward is biased: its {what} {name} has a signed error of {t.effect:+.3g} "
-                       f"of its RMS against the clean {ctx.dtype} run, one sign in {t.same_sign} of {t.rows} rows "
-                       f"(sign test p {t.p:.2g} < {p_lim:.2g}) while its size is within budget: a biased kernel",
-                       metric=f"{name}.training_signed_p", expected=f">= {p_lim:.2g} or |effect| <= {floor:.2g}",
-                       observed=f"p {t.p:.3g}, effect {t.effect:+.3g}", details=table)
-
-
-def _owner(param_or_module: str, order: dict) -> str:
-    """The innermost module of the backward order that a parameter (or module) belongs to."""
-    parts = param_or_module.split(".")
-    for i in range(len(parts), 0, -1):
-        if ".".join(parts[:i]) in order:
-            return ".".join(parts[:i])
-    return param_or_module
-
-
-def _replay_verdict(st, m: str) -> str:
-    rows = [r for r in st.rows if r.kind in ("replay_gin", "replay_param") and r.name == m]
-    if not rows:
-        return "isolated backward: no recorded inputs for it"
-    bad = [r for r in rows if not r.ok]
-    if bad:
-        return f"isolated backward: {bad[0].text()}: the module's own backward is wrong"
-    worst = max(rows, key=lambda r: r.use)
-    return f"isolated backward agrees, {worst.text()}: it inherits the error"
-
-
-def _groups(st, kind: str) -> dict[str, list[Row]]:
-    out: dict[str, list[Row]] = {}
-    for r in st.rows:
-        if r.kind == kind and not r.ok:
-            out.setdefault(st.entry["params"][r.name]["group"], []).append(r)
-    return out
-
-
-def _optimizer_verdict(ctx: CheckContext, st, table: str) -> None:
-    bad = _groups(st, "opt")
-    if bad:
-        g, rows = next(iter(sorted(bad.items())))
-        r = max(rows, key=lambda r: r.use)
-        impl = st.spec["optimizer"] + (", float32 master weights" if st.master else "")
-        raise CheckFailure(f"optimizer: AdamW ({impl}) diverges from the float64 reference in the "
-                           f"{g} group on seeded gradients ({len(rows)} parameter(s); worst {r.name}: {r.text()})",
-                           metric=f"{r.name}.opt_rel_rmse", expected=f"<= {r.budget:.3g}", observed=f"{r.err:.4g}",
-                           tolerance=r.budget, details=table)
-
-
-def _trajectory_verdict(ctx: CheckContext, st, table: str) -> None:
-    if st.traj_out is not None:
-        s, k = st.traj_out
-        raise CheckFailure(f"loss trajectory leaves the reference's envelope at step {s} ({k} deviation "
-                           f"{st.devs[k][s]:.4g} > envelope {st.env[k][s]:.4g})", metric=f"trajectory_{k}",
-                           expected=f"<= {st.env[k][s]:.4g}", observed=f"{st.devs[k][s]:.4g}",
-                           tolerance=st.env[k][s], details=_trajectory_table(st) + "\n" + table)
-    bad = _groups(st, "upd")
-    if bad:
-        g, rows = next(iter(sorted(bad.items())))
-        r = max(rows, key=lambda r: r.use)
-        raise CheckFailure(f"weights after {st.spec['steps']} AdamW steps diverge from the reference in the {g} group "
-                           f"({len(rows)} parameter(s); worst {r.name}: {r.text()})", metric=f"{r.name}.upd_rel_rmse",
-                           expected=f"<= {r.budget:.3g}", observed=f"{r.err:.4g}", tolerance=r.budget, details=table)
-
-
-def _trajectory_table(st) -> str:
-    lines = ["step  " + "  ".join(f"{k:>24}" for k in st.devs)]
-    for s in range(len(st.devs["loss"])):
-        lines.append(f"{s:>4}  " + "  ".join(f"{st.devs[k][s]:>11.4g} / {st.env[k][s]:<10.4g}" for k in st.devs))
-    return "\n".join(lines)
-
-
-def _table(rows: list[Row], n: int = 40) -> str:
-    """The worst rows by budget use (failing first), one line each."""
-    ranked = sorted(rows, key=lambda r: (r.ok, -(r.use if math.isfinite(r.err) else math.inf)))
-    return "\n".join(f"{'FAIL' if not r.ok else 'ok  '} {r.kind:<13} {r.name:<60} {r.text()}" for r in ranked[:n])
+        found = judge.failure(st.rows, st.first, st.entry, getattr(st, "signed", None), getattr(st, "signed_limit", None),
+                              ctx.dtype, st.spec, st.master, st.judged)
+        if found is None:
+            return
+        if found.module is not None:
+            ctx.detail("first_divergent_backward_module", found.module)
+        raise CheckFailure(found.message, **found.fields)
 
 
 def register(registry: CheckRegistry) -> None:

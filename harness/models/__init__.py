@@ -6,4 +6,6 @@
 * ``loaders``   real-weight loaders (``harness.weights`` entry points; ``safetensors`` is harness.weights.load);
 * ``build``     instantiate, cast as a deployed model is, the seeded (or real-weight) build;
 * ``numerics``  realistic gains for random weights (peaky attention, a growing residual stream);
-* ``wrapper``   multimodal wrappers end to end: a tiny vision tower and a synthetic image."""
+* ``wrapper``   multimodal wrappers end to end: a tiny vision tower and a synthetic image;
+* ``probe``     a built model through forward, backward, optimizer steps and generation, and where it
+  goes wrong (the smoke check's steps)."""

@@ -4,6 +4,7 @@
 * ``compare``       per-module metrics of a target against a golden; ``tolerance`` the defaults per dtype;
 * ``signed``        the signed-error (bias) test and the golden's ``signed_error`` section;
 * ``backward``      the golden's ``training`` section: gradients, optimizer, loss trajectory (training check);
+* ``backward_judge``  the training check's rows against budgets, first divergent module, figures, failure;
 * ``decode``        the golden's ``decode`` section: the float64 reference's cached decode (decode check);
 * ``budgets``       budgets measured at golden generation (noise of a correct run in each dtype);
 * ``kernels``       the kernel choices a correct backend may make, which clean measurements span (attention);
