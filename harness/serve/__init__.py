@@ -8,6 +8,8 @@
   engine's own venv as a supervised process (harness.launch);
 * ``judge``   - the float64 transformers reference on the same checkpoint, and the verdict: prompt
   log-probabilities position by position, the greedy continuation teacher-forced.
+* ``probes``  - the engine's own features (batching, a prefix-cache hit, chunked prefill, preemption)
+  as seeded requests served in the same engine instance, each judged against float64.
 
 ``engines/`` holds data the engine's environment uses: the pins and the standalone runner scripts
 (they run in the engine's venv, which has no harness: they import nothing from it).

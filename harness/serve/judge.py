@@ -33,6 +33,7 @@ class Row:
     chosen: int | None = None  # step rows: the engine's greedy token
     margin: float = 0.0  # step rows: reference logprob(argmax) - logprob(chosen), >= 0
     tie: bool = False  # a different token within the tie margin
+    name: str = ""  # how the request is named in messages (default "prompt <i>"; a probe's: "hit", "filler 2")
 
     @property
     def ok(self) -> bool:
@@ -79,28 +80,32 @@ def _err(engine: dict | None, token: int, ref: float) -> float | None:
     return abs(float(engine[str(token)]) - ref)
 
 
-def judge(prompts: list[list[int]], results: list[dict], ref: list, budget: float, tie_margin: float) -> Verdict:
-    """Rows of every prompt (``ref[i]``: reference logprobs of prompt i followed by the engine's tokens)."""
+def judge(prompts: list[list[int]], results: list[dict], ref: list, budget: float, tie_margin: float,
+          names: list[str] | None = None, starts: list[int] | None = None) -> Verdict:
+    """Rows of every prompt (``ref[i]``: reference logprobs of prompt i followed by the engine's tokens).
+    ``starts[i]``: the first prompt position the engine computed for prompt i (a prefix-cache hit serves
+    the positions before it from cached KV pages and returns placeholders there); ``names[i]`` names it."""
     v = Verdict()
     for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
-        lp, n = ref[i], len(prompt)
+        lp, n, name = ref[i], len(prompt), names[i] if names else ""
         plp = res["prompt_logprobs"]
-        for p in range(n - 1):  # position p predicts prompt token p+1: vLLM's prompt_logprobs[p+1]
+        for p in range(starts[i] if starts else 0, n - 1):  # position p predicts token p+1: prompt_logprobs[p+1]
             t = int(lp[p].argmax())
-            v.rows.append(Row("prompt", i, p, p, t, _err(plp[p + 1], t, float(lp[p, t])), budget))
+            v.rows.append(Row("prompt", i, p, p, t, _err(plp[p + 1], t, float(lp[p, t])), budget, name=name))
         for s, (chosen, got) in enumerate(zip(res["tokens"], res["logprobs"], strict=True)):
             pos = n - 1 + s
             t = int(lp[pos].argmax())
             margin = float(lp[pos, t] - lp[pos, chosen])
             v.rows.append(Row("step", i, s, pos, t, _err(got, t, float(lp[pos, t])), budget, chosen, margin,
-                              tie=chosen != t and margin <= tie_margin))
+                              tie=chosen != t and margin <= tie_margin, name=name))
     return v
 
 
 def describe(r: Row) -> str:
     """What differs at one row, in one phrase."""
-    where = (f"prompt {r.prompt} position {r.position} (predicting prompt token {r.position + 1})" if r.kind == "prompt"
-             else f"prompt {r.prompt} decode step {r.index} (position {r.position})")
+    who = r.name or f"prompt {r.prompt}"
+    where = (f"{who} position {r.position} (predicting prompt token {r.position + 1})" if r.kind == "prompt"
+             else f"{who} decode step {r.index} (position {r.position})")
     if r.chosen is not None and r.chosen != r.ref_token and not r.tie:
         return (f"{where}: the engine's greedy token {r.chosen} is not the reference's {r.ref_token} "
                 f"(reference margin {r.margin:.3g} nats > tie margin)")
@@ -113,7 +118,8 @@ def table(rows: list[Row], limit: int = 30) -> str:
     lines = ["prompt  kind    index  position  ref_token  chosen  err         budget"]
     for r in rows[:limit]:
         err = "missing" if r.err is None else f"{r.err:.4g}"
-        lines.append(f"{r.prompt:<7} {r.kind:<7} {r.index:<6} {r.position:<9} {r.ref_token:<10} "
+        who = (r.name or str(r.prompt)).replace(" ", "_")  # one column per field
+        lines.append(f"{who:<7} {r.kind:<7} {r.index:<6} {r.position:<9} {r.ref_token:<10} "
                      f"{'' if r.chosen is None else r.chosen!s:<7} {err:<11} {r.budget:.3g}")
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more")

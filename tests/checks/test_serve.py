@@ -1,10 +1,13 @@
 """Issue #46: the ``serve`` check - the suite's model through the serving engine (vLLM, in its own
 venv) against transformers in float64 on the same exported checkpoint.
 
-Two engine starts for the whole file (module fixtures, each used by one test: two however pytest-xdist
-splits the file): a clean llama-3.1-8b float32 run passes, and a
-fault injected into the engine's process (its rotary embedding wrong from position 4 on:
-serve_rope_fault.py) fails naming position 4. The rest needs no engine: a missing engine environment
+Four engine starts for the whole file (module fixtures, each used by its tests: four however
+pytest-xdist splits the file): a clean llama-3.1-8b float32 run passes, the plain run and its four
+probes (batch, prefix-cache hit, chunked prefill, preemption: one engine instance); a fault injected
+into the engine's process (its rotary embedding wrong from position 4 on: serve_rope_fault.py) fails
+naming position 4; a stale KV page after a prefix-cache hit (serve_stale_kv_fault.py) fails probe
+prefix only, at the hit's first computed position; a batch-dependent reduction (serve_batch_fault.py)
+fails probe batch at position 0, and the plain run, prefix and chunked pass. The rest needs no engine: a missing engine environment
 skips in one line naming `harness engine setup vllm`, MoE/MLA suites and other backends skip with
 the reason, and the verdict's near-tie rule on real float64 log-probabilities.
 
@@ -27,6 +30,8 @@ from harness.suite.loader import load_suite
 from tests_support import REPO
 
 FAULT = Path(__file__).resolve().with_name("serve_rope_fault.py")
+STALE_KV = FAULT.with_name("serve_stale_kv_fault.py")
+BATCH = FAULT.with_name("serve_batch_fault.py")
 
 
 def _no_engine(why: str) -> None:
@@ -64,6 +69,20 @@ def faulty(results):
     return _run("llama-3.1-8b", results_dir=results, preload=[FAULT])
 
 
+@pytest.fixture(scope="module")
+def stale_kv(results):
+    return _run("llama-3.1-8b", results_dir=results, preload=[STALE_KV])
+
+
+@pytest.fixture(scope="module")
+def batched(results):
+    return _run("llama-3.1-8b", results_dir=results, preload=[BATCH])
+
+
+def _use(ctx, probe: str) -> float:
+    return float(dict(ctx.properties)[f"metric.serve_{probe}_budget_use"])
+
+
 def test_clean_engine_run_passes(clean, results):
     ctx, failure = clean
     assert failure is None, failure.report("serve") if isinstance(failure, CheckFailure) else failure
@@ -76,6 +95,51 @@ def test_clean_engine_run_passes(clean, results):
     # the export keeps the published head_dim (vLLM's CPU attention refuses the pruned 16)
     assert any(n.startswith("head_dim 128 (published; the pruned model's is 16)") for n in ctx.notes), ctx.notes
     assert (results / "serve" / "export" / "llama-3.1-8b-float32" / "model.safetensors").is_file()
+
+
+def test_clean_probes_pass_and_show_their_feature_ran(clean):
+    """Every probe is judged against float64 within budget, and what the engine did is the feature: a
+    batch of 6 in one step, a 32-token prefix-cache hit, a prefill in 4 chunks, a preemption."""
+    ctx, failure = clean
+    assert failure is None, failure
+    p = dict(ctx.properties)
+    for probe in ("batch", "prefix", "chunked", "preempt"):
+        assert 0 < _use(ctx, probe) <= 1, (probe, p)
+        assert float(p[f"metric.serve_{probe}_s"]) > 0
+    assert p["harness.detail.serve_probe_batch"].startswith("6 requests"), p
+    assert p["harness.detail.serve_probe_prefix"] == "hit: 32 of 40 prompt tokens from the prefix cache", p
+    assert p["harness.detail.serve_probe_chunked"] == "prefill in 4 chunk(s) of <= 12 tokens", p
+    assert p["harness.detail.serve_probe_preempt"].startswith("1 preemption"), p
+
+
+@pytest.mark.slow
+def test_stale_kv_page_after_a_prefix_hit_fails_probe_prefix_only(stale_kv):
+    ctx, failure = stale_kv
+    assert isinstance(failure, CheckFailure), failure
+    msg = failure.message
+    assert "in probe prefix (hit: 32 of 40 prompt tokens" in msg, msg
+    assert "hit position 32 (predicting prompt token 33)" in msg and "(probes failing: prefix)" in msg, msg
+    assert failure.metric == "serve.prefix.prompt32"
+    # the miss that filled the page, the plain run and every other probe are exact
+    rows = failure.details.splitlines()[1:]
+    assert rows and all(r.split()[0] == "hit" for r in rows if not r.startswith("...")), failure.details
+    assert float(dict(ctx.properties)["metric.serve_worst_budget_use"]) <= 1
+    assert all(_use(ctx, p) <= 1 for p in ("batch", "chunked", "preempt"))
+
+
+@pytest.mark.slow
+def test_batch_dependent_reduction_fails_probe_batch(batched):
+    """Batch-only fault: probe batch fails at position 0. The preemption probe serves two requests at
+    once (preemption needs a competitor), so it is batched too and fails as well; the plain run (each
+    prompt alone), the prefix and the chunked probes (one request per forward) pass."""
+    ctx, failure = batched
+    assert isinstance(failure, CheckFailure), failure
+    msg = failure.message
+    assert "in probe batch (6 requests" in msg and "prompt 0 position 0 (predicting prompt token 1)" in msg, msg
+    assert "(probes failing: batch, preempt)" in msg, msg
+    assert failure.metric == "serve.batch.prompt0"
+    assert float(dict(ctx.properties)["metric.serve_worst_budget_use"]) <= 1
+    assert _use(ctx, "prefix") <= 1 and _use(ctx, "chunked") <= 1
 
 
 def test_fault_in_the_engine_process_fails_at_the_first_bad_position(faulty):
@@ -132,3 +196,31 @@ def test_near_tie_is_a_note_a_clear_mismatch_fails():
     v = judge([prompt], [res], [lp], budget=1e-6, tie_margin=1e-5)  # the same choice beyond the margin
     assert [(r.kind, r.index, r.position) for r in v.bad] == [("step", 0, 1)]
     assert "the engine's greedy token 6 is not the reference's 5" in describe(v.bad[0])
+
+
+def test_a_probe_whose_feature_did_not_run_fails_naming_it():
+    """A prefix probe whose hit request came back with 0 cached tokens probed nothing: a failure of its
+    own, even with every log-probability exact (here the float64 reference itself)."""
+    import torch
+
+    from harness.serve.probes import build, judge_probe
+
+    seq = iter(range(1000))
+    tokens = lambda n, length, i: [[next(seq) % 50 for _ in range(length)] for _ in range(n)]  # noqa: E731
+    (prefix,) = build(["prefix"], [[1] * 16], tokens, steps=2, block_size=32, fillers=4, chunk_tokens=12)
+    miss, hit = (g[0] for g in prefix["groups"])
+    assert miss["ids"][:32] == hit["ids"][:32] and miss["ids"][32:] != hit["ids"][32:] and hit["read_prefix_cache"]
+    ref, groups = {}, []
+    for r in (miss, hit):  # the engine's answer = the reference's own top-2 at every position
+        lp = torch.log_softmax(torch.randn(len(r["ids"]) + 2, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(len(ref))), -1)
+        top = lambda p, lp=lp: {str(int(t)): float(lp[p, t]) for t in lp[p].topk(2).indices}  # noqa: E731
+        toks = [int(lp[len(r["ids"]) - 1 + s].argmax()) for s in range(2)]
+        ref[tuple(r["ids"] + toks)] = lp
+        groups.append([{"prompt_logprobs": [None] + [top(p) for p in range(len(r["ids"]) - 1)], "tokens": toks,
+                        "logprobs": [top(len(r["ids"]) - 1 + s) for s in range(2)], "num_cached_tokens": 0}])
+    o = judge_probe(prefix, {"name": "prefix", "groups": groups, "seconds": 0.1}, ref, 1e-9, 1e-9)
+    assert not o.verdict.bad and not o.ok
+    assert o.problem == "the engine served the hit request from 0 cached tokens", o.problem
+    groups[1][0]["num_cached_tokens"] = 32
+    o = judge_probe(prefix, {"name": "prefix", "groups": groups, "seconds": 0.1}, ref, 1e-9, 1e-9)
+    assert o.ok and min(r.position for r in o.verdict.rows if r.name == "hit") == 32

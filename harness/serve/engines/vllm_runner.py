@@ -6,7 +6,23 @@ Runs in the engine's own venv (`harness engine setup vllm`), which does not have
 imports nothing from it (standard library and vLLM only). The request:
 
     {"model": DIR, "dtype": "float32", "prompts": [[ids...], ...], "k": 5, "steps": 8,
-     "max_model_len": 64, "gpu_memory_utilization": 0.1, "preload": [FILE, ...]}
+     "max_model_len": 64, "gpu_memory_utilization": 0.1, "preload": [FILE, ...],
+     "block_size": 32, "max_num_seqs": 8, "probes": [PROBE, ...]}
+
+``prompts`` are served one at a time (each alone in the engine: the plain path every probe is held
+against). A probe runs the engine's own features on the same engine instance (one start-up for all):
+
+    {"name": "batch", "groups": [[REQ, ...], ...], "max_num_scheduled_tokens": null, "free_kv_blocks": null}
+    REQ = {"ids": [...], "steps": 8, "read_prefix_cache": false}
+
+each group is one generate call (its requests batched together), groups in order; before the probe the
+prefix cache is emptied (only what the probe itself serves can hit). ``max_num_scheduled_tokens``
+shrinks the scheduler's token budget per step for the probe (chunked prefill); ``free_kv_blocks`` takes
+all but that many KV blocks out of the pool for the probe (preemption and recompute). A request asks
+for prompt log-probabilities, which makes vLLM skip reading the prefix cache, unless
+``read_prefix_cache`` (then the positions served from the cache come back as placeholders: the result's
+``num_cached_tokens`` says how many). A probe's result records what the engine did - its
+``scheduled_tokens`` per step, its ``preemptions`` - so harness can tell that the feature was exercised.
 
 ``preload``: Python files run in this process before vLLM builds the engine (a vendor's platform
 hooks; the tests' injected faults, e.g. a rotary embedding that is wrong from position 4 on).
@@ -29,6 +45,63 @@ def _logprob_dict(d):
     return None if d is None else {str(t): float(lp.logprob) for t, lp in d.items()}
 
 
+def _request_result(o):
+    c = o.outputs[0]
+    return {"prompt_logprobs": [_logprob_dict(d) for d in (o.prompt_logprobs or [])],
+            "tokens": [int(t) for t in c.token_ids],
+            "logprobs": [_logprob_dict(d) for d in (c.logprobs or [])],
+            "num_cached_tokens": int(o.num_cached_tokens or 0)}
+
+
+def _params(SamplingParams, k, steps, read_prefix_cache=False):
+    extra = {"skip_reading_prefix_cache": False} if read_prefix_cache else {}
+    return SamplingParams(max_tokens=steps, temperature=0.0, prompt_logprobs=k, logprobs=k, ignore_eos=True,
+                          detokenize=False, **extra)
+
+
+def probe(llm, SamplingParams, p, k):
+    """One probe on the running engine; its settings are undone after it, whatever happens. The scheduler
+    and the KV block pool live in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a probe sets them
+    directly instead of starting an engine per setting (a start is most of a minute)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    seen = {"scheduled_tokens": [], "preemptions": 0}
+    schedule, preempt = sched.schedule, sched._preempt_request
+
+    def counting_schedule(*a, **kw):
+        out = schedule(*a, **kw)
+        if out.total_num_scheduled_tokens:
+            seen["scheduled_tokens"].append(int(out.total_num_scheduled_tokens))
+        return out
+
+    def counting_preempt(*a, **kw):
+        seen["preemptions"] += 1
+        return preempt(*a, **kw)
+
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the engine refused to empty its prefix cache before probe " + p["name"])
+    budget, held = sched.max_num_scheduled_tokens, []
+    sched.schedule, sched._preempt_request = counting_schedule, counting_preempt
+    try:
+        if p.get("max_num_scheduled_tokens"):
+            sched.max_num_scheduled_tokens = int(p["max_num_scheduled_tokens"])
+        if p.get("free_kv_blocks"):
+            held = pool.get_new_blocks(max(0, pool.get_num_free_blocks() - int(p["free_kv_blocks"])))
+        t0 = time.monotonic()
+        groups = []
+        for g in p["groups"]:
+            sps = [_params(SamplingParams, k, r["steps"], r.get("read_prefix_cache", False)) for r in g]
+            outs = llm.generate([{"prompt_token_ids": list(r["ids"])} for r in g], sps, use_tqdm=False)
+            groups.append([_request_result(o) for o in outs])
+        seconds = time.monotonic() - t0
+    finally:
+        del sched.schedule, sched._preempt_request  # the instance attributes: the class's methods again
+        sched.max_num_scheduled_tokens = budget
+        if held:
+            pool.free_blocks(held)
+    return {"name": p["name"], "groups": groups, "seconds": seconds, **seen}
+
+
 def run(req):
     t0 = time.monotonic()
     for i, path in enumerate(req.get("preload") or []):
@@ -40,22 +113,22 @@ def run(req):
     import vllm
     from vllm import LLM, SamplingParams
 
+    # block_size: the KV page (vLLM's CPU attention takes multiples of 32); prefix caching on (vLLM's
+    # default, said out loud: the prefix probe depends on it; requests with prompt log-probabilities
+    # never read it unless they ask, so the other runs are computed from scratch)
     llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype=req["dtype"], seed=0,
               gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
-              max_model_len=req.get("max_model_len", 256), max_num_seqs=max(1, len(req["prompts"])))
+              max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
+              max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True)
     t_ready = time.monotonic()
-    sp = SamplingParams(max_tokens=req["steps"], temperature=0.0, prompt_logprobs=req["k"], logprobs=req["k"],
-                        ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in req["prompts"]], sp, use_tqdm=False)
+    sp = _params(SamplingParams, req["k"], req["steps"])
+    # each prompt alone: the plain path; batching is a probe of its own
+    results = [_request_result(llm.generate([{"prompt_token_ids": list(p)}], sp, use_tqdm=False)[0])
+               for p in req["prompts"]]
     t_done = time.monotonic()
-    results = []
-    for o in outs:
-        c = o.outputs[0]
-        results.append({"prompt_logprobs": [_logprob_dict(d) for d in (o.prompt_logprobs or [])],
-                        "tokens": [int(t) for t in c.token_ids],
-                        "logprobs": [_logprob_dict(d) for d in (c.logprobs or [])]})
+    probes = [probe(llm, SamplingParams, p, req["k"]) for p in req.get("probes") or []]
     return {"engine": "vllm", "version": vllm.__version__, "start_s": t_ready - t0,
-            "generate_s": t_done - t_ready, "results": results}
+            "generate_s": t_done - t_ready, "results": results, "probes": probes}
 
 
 def main(argv):
