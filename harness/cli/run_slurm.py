@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from harness.files import atomic
+
 # harness run's options that say how this run is launched, not what it runs: never passed on to the job
 LAUNCH_OPTIONS = {"results", "launcher", "nodes", "procs_per_node"}
 DEFAULT_TIME_LIMIT_S = 3600.0
@@ -58,7 +60,7 @@ def run_via_slurm(args) -> int:
         for f in FILES:  # the previous run's results must not pass for this job's when it never starts
             (results / f).unlink(missing_ok=True)
         path = results / "slurm-job.sh"
-        path.write_text(script)
+        atomic.write_text(path, script)
         job = slurm.submit(path)
         print(f"harness run: submitted Slurm job {job} ({nodes} node(s)); script {path}, output "
               f"{results}/slurm-{job}.out", flush=True)

@@ -153,6 +153,8 @@ _ALLOWED = {
     "harness/serve/engines/vllm_runner.py": "runs in the engine's venv, where harness is not installed: "
                                             "its own temporary file and os.replace",
     "harness/checks/parallel.py": "mkdtemp of scratch folders for launches, deleted after",
+    "harness/launch/nodes.py": "mkdtemp of a rehearsal's node folders, removed with its node set",
+    "harness/launch/agents.py": "mkdtemp of a node agent's launch folders, removed when it ends",
 }
 
 
