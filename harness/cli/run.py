@@ -30,6 +30,15 @@ def main(args) -> int:
     args.workers = _workers(args, settings)
     args.results = args.results or Path(settings.results_dir)
     early = None
+    # The run's nodes reach its items' processes through the environment; the early worker starts
+    # before pytest's plugin would set them, so set them first (without this, `--nodes 2` ran every
+    # launch on one host).
+    from harness.settings import set_env
+
+    if args.nodes:
+        set_env("HARNESS_NODES", args.nodes)
+    if args.launcher:
+        set_env("HARNESS_NODE_LAUNCHER", args.launcher)
     if driver.wants_early_worker(args.isolate == "on", args.workers, args.passthrough):
         # first thing: its imports overlap with ours below (the checks, torch) and with collection
         early = driver.start_worker(args.results)

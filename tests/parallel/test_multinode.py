@@ -58,3 +58,24 @@ def test_a_node_lost_inside_a_collective_is_infrastructure_naming_the_node(monke
         msg = str(out)
         assert "node 1 (node1, " in msg and "was lost with its ranks [" in msg, msg
         assert "none of its ranks wrote an exit record" in msg, msg
+
+
+def test_harness_run_nodes_2_really_spans_two_nodes(tmp_path):
+    # `harness run --nodes 2` once ran every launch on one host: its early worker started before the
+    # run's nodes reached the environment. The junit of a real run must place ranks on both nodes.
+    import os
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ET
+
+    res = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "harness", "run", "llama-3.1-8b", "--scope", "nightly", "--check",
+                        "parallel", "--backend", "cpu", "--dtype", "float32", "-k", "tp2]", "--nodes", "2",
+                        "--launcher", "netns", "--results", str(res)], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cases = ET.parse(res / "junit.xml").getroot().iter("testcase")
+    props = [{p.get("name"): p.get("value") for p in c.iter("property")} for c in cases]
+    props = [p for p in props if "metric.parallel_launch_layouts" in p]
+    assert props and all(float(p.get("metric.parallel_nodes", 0)) == 2 for p in props), props
+    assert all("node 1 (node1)" in p.get("harness.detail.placement", "") for p in props), props
