@@ -3,8 +3,8 @@
 Subcommands (one module each): ``run``, ``validate``, ``init``, ``backends``, ``inspect``, ``plan``,
 ``golden``, ``precision``, ``weights``, ``oplist``, ``compare``, ``report``, ``baseline``,
 ``durations``, ``ci_local`` (``harness ci-local``), ``certify``, ``bisect``, ``quarantine``, ``select``,
-``server``, ``engine``, ``export``. ``run_slurm`` is no subcommand: ``harness run --launcher slurm``'s
-submit path.
+``server``, ``engine``, ``export``, ``node_agent`` (``harness node-agent``). ``run_slurm`` is no
+subcommand: ``harness run --launcher slurm``'s submit path.
 
 Each module in SUBCOMMANDS defines ``register(subparsers)`` which adds its parser and sets
 ``func`` (called with the parsed args, returns an exit code). Adding a subcommand = one module
@@ -40,6 +40,7 @@ SUBCOMMANDS = [
     "harness.cli.server",
     "harness.cli.engine",
     "harness.cli.export",
+    "harness.cli.node_agent",
 ]
 
 

@@ -12,9 +12,11 @@
   rendezvous, the interface and address each node announces, nodes lost, late or running other packages;
 * ``channel``- the coordinator's store: a multi-node launch's files published by the rank wrapper and
   mirrored into the coordinator's run folder (no shared folder);
+* ``agents`` - the pull model (Kubernetes, VMs): ``harness node-agent`` on each node takes its share of
+  every launch from the coordinator's agents store; ``RemoteGroup``, a ``ProcessGroup`` over that store;
 * ``slurm``  - submit mode on an existing Slurm: the sbatch script, ``sbatch``/``squeue``/``scancel``;
 * ``k8s``    - a JobSet manifest, validated offline against the JobSet CRD's schema (``schemas/``).
 
 Standard library and psutil only (no torch), except where a multi-node launch needs torch's TCPStore
-(``channel``, imported there only): a rank wrapper of a one-host launch starts in milliseconds.
+(``channel`` and ``agents``, imported there only): a rank wrapper of a one-host launch starts in milliseconds.
 """

@@ -2,13 +2,16 @@
 against the JobSet CRD's own schema (issue #45 item 3).
 
 ``jobset_manifest(...)``: one replicated job of ``nodes`` pods (an Indexed Job, ``parallelism =
-completions = nodes``), each running the same ``harness run SELECTION`` whose torchrun launches join a
-c10d rendezvous at the leader pod's DNS name, ``<jobset>-<rjob>-0-0.<jobset>`` (JobSet's headless
-service gives pod ``<jobset>-<rjob>-<job index>-<pod index>`` that name when
-``network.enableDNSHostnames`` is on, under the subdomain that defaults to the JobSet's name), through
-``HARNESS_TORCHRUN_ARGS`` (``harness.launch.group.Rendezvous``: the rendezvous arguments every node's
-agent is given). Each pod writes its results under ``RESULTS/node-$JOB_COMPLETION_INDEX``.
-Pods have no ``srun`` to start agents for a coordinator (``--launcher srun``): they run as peers.
+completions = nodes``). Nothing in a pod can start a process in another pod, so the launch is pulled
+(``--launcher agents``, harness/launch/agents.py): pod 0 (``JOB_COMPLETION_INDEX`` 0, the leader) runs
+``harness run SELECTION --nodes N --launcher agents`` - the coordinator: it serves the agents store on
+``AGENTS_PORT``, starts node 0's share of every launch and writes the results into ``RESULTS`` - and
+pods 1..N-1 run ``harness node-agent --coordinator <leader>:AGENTS_PORT`` (their node index: their
+``JOB_COMPLETION_INDEX``), which run their node's share of each launch and exit 0 when the run ends.
+The leader's DNS name is ``<jobset>-<rjob>-0-0.<jobset>`` (JobSet's headless service gives pod
+``<jobset>-<rjob>-<job index>-<pod index>`` that name when ``network.enableDNSHostnames`` is on, under
+the subdomain that defaults to the JobSet's name). Each launch's rendezvous and result store then
+listen on free ports of the leader, chosen per launch (pods reach each other on any port).
 
 ``validate(manifest)``: the JobSet CRD's ``openAPIV3Schema`` (schemas/jobset.x-k8s.io_jobsets.yaml,
 copied byte for byte from kubernetes-sigs/jobset, see schemas/README.md) with ``jsonschema``;
@@ -23,10 +26,11 @@ import shlex
 from pathlib import Path
 
 from harness import settings
+from harness.launch.agents import DEFAULT_PORT
 
 SCHEMA_FILE = Path(__file__).with_name("schemas") / "jobset.x-k8s.io_jobsets.yaml"
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
-RDZV_PORT = 29500  # torchrun's default master port; the leader's agent serves the c10d store on it
+AGENTS_PORT = DEFAULT_PORT  # the leader's agents store: the one port the other pods are told
 
 
 class ManifestError(ValueError):
@@ -89,25 +93,30 @@ def validate(manifest: dict) -> None:
 
 def jobset_manifest(selection_args: list[str], nodes: int, procs_per_node: int, name: str, image: str,
                     results_dir: str = "/results", *, replicated_job: str = "node", namespace: str | None = None,
-                    harness: list[str] | None = None, port: int = RDZV_PORT) -> dict:
-    """The JobSet of ``harness run SELECTION`` on ``nodes`` pods of ``procs_per_node`` ranks each, results
-    under ``RESULTS_DIR/node-<index>`` (module docstring); validated before it is returned."""
+                    harness: list[str] | None = None, port: int = AGENTS_PORT) -> dict:
+    """The JobSet of ``harness run SELECTION`` on ``nodes`` pods of ``procs_per_node`` ranks each: pod 0
+    coordinates and writes the results into ``results_dir``, pods 1..N-1 run node agents (module
+    docstring); validated before it is returned."""
     for what, v in (("nodes", nodes), ("procs_per_node", procs_per_node)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{what} must be a positive integer, got {v!r}")
     leader = f"{name}-{replicated_job}-0-0.{name}"
     env: dict[str, str] = {"HF_HUB_OFFLINE": "1"}
-    settings.set_env("HARNESS_TORCHRUN_ARGS", f"--nnodes {nodes} --rdzv-backend c10d "
-                     f"--rdzv-endpoint {leader}:{port} --rdzv-id {name}", env)
-    cmd = [*(harness or ["harness"]), "run", *selection_args]
-    # JOB_COMPLETION_INDEX: Kubernetes sets it in every pod of an Indexed Job (0 .. nodes-1)
-    script = "exec " + shlex.join(cmd) + " --results " + shlex.quote(results_dir.rstrip("/")) + '/node-"$JOB_COMPLETION_INDEX"'
+    settings.set_env("HARNESS_AGENTS_PORT", port, env)
+    exe = harness or ["harness"]
+    run = [*exe, "run", *selection_args, "--nodes", str(nodes), "--launcher", "agents",
+           "--results", results_dir.rstrip("/") or "/"]
+    agent = [*exe, "node-agent", "--coordinator", f"{leader}:{port}"]
+    # JOB_COMPLETION_INDEX: Kubernetes sets it in every pod of an Indexed Job (0 .. nodes-1); the agent
+    # reads it as its node index. With one node there is nobody to pull: pod 0 runs alone.
+    script = (f'if [ "$JOB_COMPLETION_INDEX" = 0 ]; then exec {shlex.join(run)}; '
+              f"else exec {shlex.join(agent)}; fi")
     container = {
         "name": "harness",
         "image": image,
         "command": ["bash", "-c", script],
         "env": [{"name": k, "value": v} for k, v in env.items()],
-        "ports": [{"containerPort": port, "name": "rdzv"}],
+        "ports": [{"containerPort": port, "name": "agents"}],
         "resources": {"requests": {"cpu": str(procs_per_node)}},  # one CPU per rank at least
     }
     manifest = {

@@ -10,6 +10,9 @@ How the agents are started on their nodes is the ``NodeSet``'s business:
   hostname, a result read from a local path) fails here as it fails on a cluster.
 * ``srun``: inside a Slurm allocation (the body of ``harness plan --emit slurm``'s script): one ``srun``
   step starts the same agent command on every node of the allocation.
+* ``agents``: where nothing on node 0 can start a process on another node (Kubernetes, plain VMs): each
+  node k >= 1 runs a long-lived ``harness node-agent`` that pulls its share of every launch from node 0
+  (``harness.launch.agents``); its share is a ``RemoteGroup``, node 0's is started here as always.
 
 Per launch: a fresh rendezvous port and run id, the coordinator's store, and per node the environment
 a cluster needs said explicitly - the interface the collective library binds (``GLOO_SOCKET_IFNAME``,
@@ -35,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
-from harness.launch import channel, ready
+from harness.launch import agents, channel, ready
 from harness.launch.group import Ended, LaunchSpec, ProcessGroup, Rendezvous, rank_env, torchrun
 from harness.launch.status import log_tail, read_exits
 
-LAUNCHERS = ("netns", "srun")
+LAUNCHERS = ("netns", "srun", "agents")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class NodeSet:
     coordinator: str
     nodes: list[Node] = field(default_factory=list)
     _down: Callable[[], None] | None = None
+    # (node, cmd, run_dir, env, log_name) -> a group: how nodes k >= 1 are started where this process
+    # cannot start them itself (agents: an ``agents.RemoteGroup``); None: ``ProcessGroup.start`` here
+    remote: Callable | None = None
 
     def close(self) -> None:
         if self._down is not None:
@@ -196,6 +202,10 @@ def open_nodes(kind: str, count: int) -> NodeSet:
         return netns_nodes(count)
     if kind == "srun":
         return srun_nodes(count)
+    if kind == "agents":
+        pool = agents.Pool(count)
+        return NodeSet("agents", count, pool.coordinator, [Node(**f) for f in pool.node_fields()], pool.close,
+                       pool.start)
     raise ValueError(f"unknown node launcher {kind!r} ({', '.join(LAUNCHERS)})")
 
 
@@ -260,6 +270,9 @@ class NodeLaunch:
                 continue
             self._started.add(n.index)
             log = "torchrun.log" if n.index == 0 else f"torchrun-node{n.index}.log"
+            if self.nodes.remote is not None and n.index:
+                self.groups.append(self.nodes.remote(n, self._command(n), self.run_dir, self._envs[n.index], log))
+                continue
             self.groups.append(ProcessGroup.start(self._command(n), self.run_dir, env=self._envs[n.index],
                                                   log_name=log))
 
@@ -353,7 +366,7 @@ class NodeLaunch:
         why = []
         exits = self.exits()
         for g, n in zip(self.groups, [x for x in self.nodes.nodes if x.index in self._started], strict=False):
-            code = self._alone.get(n.index, g.proc.returncode) if self._alone else g.proc.returncode
+            code = self._alone.get(n.index, g.poll()) if self._alone else g.poll()
             if code in (None, 0):
                 continue
             text = "\n".join(log_tail(g.log, 40))
@@ -400,7 +413,7 @@ def launched(module: str, spec_path: Path, world: int, rdzv: Rendezvous | None =
         return
     kind = settings.env("HARNESS_NODE_LAUNCHER")
     if not kind:
-        raise ValueError(f"{nodes} nodes need a node launcher (harness run --launcher netns or srun)")
+        raise ValueError(f"{nodes} nodes need a node launcher (harness run --launcher netns, srun or agents)")
     spec = LaunchSpec(["-m", module, f"@run/{spec_path.name}"], spec_path.parent, procs_per_node=world // nodes,
                       nodes=nodes, env=env if env is not None else rank_env(), stage=(spec_path.name,))
     with open_nodes(kind, nodes) as node_set:

@@ -132,8 +132,9 @@ OPTIONS: tuple[Option, ...] = (
            metavar="N"),
     Option("launcher", "how the agents reach their nodes: netns (a rehearsal on this machine: each node a network "
            "namespace with its own hostname and folders; root), srun (inside a Slurm allocation), slurm (submit "
-           "this run as an sbatch job and collect its results)", ("--launcher",), "--harness-launcher",
-           choices=("netns", "srun", "slurm")),
+           "this run as an sbatch job and collect its results), agents (each node's `harness node-agent` pulls its "
+           "share: Kubernetes, VMs)", ("--launcher",), "--harness-launcher",
+           choices=("netns", "srun", "slurm", "agents")),
     Option("isolate", "items run each in a child process with a time limit (the default; pytest: "
            "--harness-isolate on); --no-isolate (pytest: off) runs them in this process: faster on trusted CPU "
            "runs, but a hang or crash then costs the run; device backends are always isolated", ("--no-isolate",), "--harness-isolate",

@@ -181,8 +181,17 @@ def _validate_nodes(config: pytest.Config) -> None:
         raise pytest.UsageError("--launcher slurm submits the whole run as a Slurm job: `harness run --launcher "
                                 "slurm`; inside the job the run uses --launcher srun")
     if nodes and nodes > 1 and not launcher:
-        raise pytest.UsageError(f"--nodes {nodes} needs --launcher: netns (a rehearsal on this machine, root) or "
-                                "srun (inside a Slurm allocation)")
+        raise pytest.UsageError(f"--nodes {nodes} needs --launcher: netns (a rehearsal on this machine, root), "
+                                "srun (inside a Slurm allocation) or agents (`harness node-agent` on each node)")
+    if launcher == "agents" and nodes and nodes > 1 and not hasattr(config, "workerinput"):
+        # the agents store, served for the whole run by its own process (harness/launch/agents.py)
+        from harness.launch import agents
+        from harness.settings import env
+
+        try:
+            config.add_cleanup(agents.ServedStore(env("HARNESS_AGENTS_PORT")).close)
+        except agents.AgentError as e:
+            raise pytest.UsageError(f"--launcher agents: {e}") from None
     if nodes:
         set_env("HARNESS_NODES", nodes)
     if launcher:

@@ -1,10 +1,12 @@
 """`harness plan --emit k8s`: a JobSet manifest validated offline against the JobSet CRD's own schema
-(the copied file is the upstream one, byte for byte); broken manifests are refused naming the field."""
+(the copied file is the upstream one, byte for byte); broken manifests are refused naming the field.
+Pod 0 coordinates (`harness run --launcher agents`), pods 1..N-1 run `harness node-agent` pointed at it."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -25,16 +27,33 @@ def test_the_schema_is_the_upstream_file_recorded_in_its_readme():
     assert k8s.schema()["properties"]["spec"]["properties"]["replicatedJobs"]["type"] == "array"
 
 
-def test_the_manifest_validates_and_points_every_pod_at_the_leader():
-    m = _manifest(2)
+def test_the_manifest_validates_pod_0_coordinates_and_the_others_pull_from_it():
+    m = _manifest(3)
     k8s.validate(m)
     rjob = m["spec"]["replicatedJobs"][0]
     job = rjob["template"]["spec"]
-    assert (rjob["replicas"], job["parallelism"], job["completions"], job["completionMode"]) == (1, 2, 2, "Indexed")
-    env = {e["name"]: e["value"] for e in job["template"]["spec"]["containers"][0]["env"]}
-    assert "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint harness-nightly-node-0-0.harness-nightly:29500" in \
-        env["HARNESS_TORCHRUN_ARGS"]
+    assert (rjob["replicas"], job["parallelism"], job["completions"], job["completionMode"]) == (1, 3, 3, "Indexed")
+    container = job["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert "HARNESS_TORCHRUN_ARGS" not in env and env["HARNESS_AGENTS_PORT"] == "29600"
+    assert container["ports"] == [{"containerPort": 29600, "name": "agents"}]
     assert m["spec"]["network"]["enableDNSHostnames"] is True
+    # the one script of every pod, run by a real shell as each pod's index: which command it execs
+    script = container["command"][2]
+    ran = {}
+    for index in range(3):
+        shim = f'exec() {{ printf "%s\\n" "$@"; }}; JOB_COMPLETION_INDEX={index}; {script}'
+        ran[index] = subprocess.run(["bash", "-c", shim], capture_output=True, text=True, check=True).stdout.split()
+    assert ran[0] == ["harness", "run", "llama-3.1-8b", "--check", "parallel", "--scope", "nightly", "--nodes", "3",
+                      "--launcher", "agents", "--results", "/results"]
+    leader = "harness-nightly-node-0-0.harness-nightly:29600"  # pod 0's name under JobSet's headless service
+    assert ran[1] == ran[2] == ["harness", "node-agent", "--coordinator", leader]
+    # what pod 0 runs is a valid `harness run` command line, and `node-agent` one too
+    from harness.cli import build_parser
+
+    run = build_parser().parse_args(ran[0][1:])
+    assert (run.nodes, run.launcher) == (3, "agents")
+    assert build_parser().parse_args(ran[1][1:]).coordinator == leader
 
 
 @pytest.mark.parametrize("break_it, field, says", [
