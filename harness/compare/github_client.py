@@ -15,7 +15,17 @@
 * github3 and requests errors are translated here, by type, into the sink errors of
   :mod:`harness.compare.sinks` (404 and 410 Gone: :class:`~harness.compare.sinks.IssueGone`), so
   nothing else in harness needs to know github3's exception classes. Messages are scrubbed: a
-  server may echo what it was sent.
+  server may echo what it was sent;
+* **harness edits only what its own identity made.** The hidden markers in harness's issues and
+  comments are text anyone can copy, so they prove nothing: a PR author's comment carrying the
+  triage marker and "No failing item" must not become harness's comment (and, were the edit
+  refused, stay the PR's only triage). Who the token is is resolved once per run (:meth:`identity`:
+  ``GET /user`` for a person's or a machine account's token; for a GitHub App installation token,
+  which GitHub refuses ``/user``, GraphQL's ``viewer``: ``<slug>[bot]``), and an issue or comment
+  is harness's only when its ``user.login`` is that login (and, for an app, its
+  ``performed_via_github_app`` that app, when GitHub names one). Issues of anyone else are left out
+  of listings and, fetched by number, are :class:`NotOurs` (an :class:`IssueGone`: the planner files
+  harness's own instead); comments of anyone else are never edited nor taken as harness's.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import github3
 import requests
@@ -46,6 +57,28 @@ class CallBudgetExceeded(BudgetExhausted):
 
 class GitHubConfigError(SinkConfigError):
     pass
+
+
+class NotOurs(IssueGone):
+    """An issue harness's identity did not make (whatever marker, title or label it carries): to
+    harness it is as good as absent, so it is neither edited nor closed, and harness files its own."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who the token is: ``login`` as GitHub shows it on what the token posts (``octo-bot``,
+    ``github-actions[bot]``) and, for a GitHub App's installation token, the app's ``slug``."""
+    login: str
+    app: str | None = None
+
+    def made(self, item) -> bool:
+        """Whether ``item`` (a github3 issue or comment) was made by this identity."""
+        data = item.as_dict() if hasattr(item, "as_dict") else item
+        login = str((data.get("user") or {}).get("login") or "")
+        if login.lower() != self.login.lower():
+            return False
+        via = (data.get("performed_via_github_app") or {}).get("slug")
+        return self.app is None or via is None or via == self.app
 
 
 class _RetryingSession(GitHubSession):
@@ -138,6 +171,7 @@ class GitHubClient:
             self.gh = github3.GitHub(token=token, session=self.session)
         self._repo = None
         self._issues: dict[int, object] = {}  # github3 issue objects seen this run, by number
+        self._me: Identity | None = None  # who the token is, asked once per run
 
     @classmethod
     def from_env(cls, repository: str | None = None, **kw) -> GitHubClient:
@@ -160,10 +194,46 @@ class GitHubClient:
         except (GitHubException, requests.RequestException) as e:
             raise _translate(what, e, method) from None
 
+    # ---- who harness is --------------------------------------------------------------------
+    def identity(self) -> Identity:
+        """The token's identity, resolved on first use and kept for the run (one call; two for an
+        app's installation token). A token whose identity cannot be told is a SinkError: without it
+        nothing on GitHub can be told to be harness's."""
+        if self._me is None:
+            self._me = self._resolve_identity()
+        return self._me
+
+    def _resolve_identity(self) -> Identity:
+        r = self._do("asking who GITHUB_TOKEN is", "GET", self.session.get, self.session.build_url("user"))
+        if r.status_code == 200:
+            return Identity(_login(r, lambda d: d.get("login")))
+        if r.status_code not in (401, 403):  # 401 as well: some proxies answer so for app tokens
+            raise SinkError(f"asking who GITHUB_TOKEN is: GET /user answered {r.status_code}", status=r.status_code)
+        # an installation token (GitHub App, or Actions' own GITHUB_TOKEN): GitHub refuses it /user,
+        # and GraphQL's viewer is the documented way to its bot account
+        r = self._do("asking who GITHUB_TOKEN is", "POST", self.session.post, self._graphql_url(),
+                     json={"query": "query { viewer { login } }"})
+        login = _login(r, lambda d: ((d.get("data") or {}).get("viewer") or {}).get("login"))
+        return Identity(login, login.removesuffix("[bot]") if login.endswith("[bot]") else None)
+
+    def _graphql_url(self) -> str:
+        """api.github.com/graphql; on GitHub Enterprise Server ``https://HOST/api/graphql`` (the REST
+        root is ``/api/v3``)."""
+        base = self.session.base_url.rstrip("/")
+        return base.removesuffix("/v3") + "/graphql" if base.endswith("/api/v3") else base + "/graphql"
+
+    def _ours(self, item) -> bool:
+        return self.identity().made(item)
+
+    # ---- issues -------------------------------------------------------------------------------
     def list_issues(self, label: str, state: str = "open") -> list[IssueRef]:
+        """Harness's own issues with ``label``: one a person opened with the same label, title or
+        fingerprint is not harness's to update or close."""
         out = []
         for issue in self._do("listing issues", "GET", lambda: list(
                 self.gh.issues_on(self.owner, self.name, labels=label, state=state))):
+            if not self._ours(issue):
+                continue
             self._issues[issue.number] = issue
             out.append(_ref(issue))
         return out
@@ -183,39 +253,71 @@ class GitHubClient:
                                             self.owner, self.name, number)
         return self._issues[number]
 
+    def _own_issue(self, number: int):
+        issue = self._issue(number)
+        if not self._ours(issue):
+            author = (issue.as_dict().get("user") or {}).get("login")
+            raise NotOurs(f"issue #{number} was opened by {scrub(str(author))}, not by "
+                          f"{self.identity().login}: harness leaves it alone")
+        return issue
+
     def get(self, number: int) -> IssueRef:
-        return _ref(self._issue(number))
+        return _ref(self._own_issue(number))
 
     def edit(self, number: int, body: str | None = None, state: str | None = None) -> None:
         # Only the fields given are sent: a PATCH with title/labels would undo what people edited.
-        issue = self._issue(number)
+        issue = self._own_issue(number)
         if not self._do(f"editing issue #{number}", "PATCH", issue.edit, body=body, state=state):
             raise SinkError(f"editing issue #{number} failed")
 
     def comment(self, number: int, body: str) -> None:
         self._do(f"commenting on issue #{number}", "POST", self._issue(number).create_comment, body)
 
-    def upsert_comment(self, number: int, marker: str, body: str) -> str:
-        """One comment of harness's on issue or pull request ``number``: the one holding ``marker`` is
-        edited (only when its text changed), else one is created. Returns created / updated /
-        unchanged."""
+    def _own_comments(self, number: int) -> list:
+        """Harness's own comments on ``number``, oldest first (anyone can copy a marker)."""
         issue = self._issue(number)
-        mine = [c for c in self._do(f"listing comments of #{number}", "GET", lambda: list(issue.comments()))
-                if marker in (c.body or "")]
-        if not mine:
-            self._do(f"commenting on #{number}", "POST", issue.create_comment, body)
-            return "created"
-        if (mine[0].body or "").strip() == body.strip():
+        return [c for c in self._do(f"listing comments of #{number}", "GET", lambda: list(issue.comments()))
+                if self._ours(c)]
+
+    def upsert_comment(self, number: int, marker: str, body: str) -> str:
+        """One comment of harness's on issue or pull request ``number``: harness's latest one holding
+        ``marker`` is edited (only when its text changed), else one is created. A marked comment
+        someone else wrote is ignored; an edit GitHub refuses (403, 404: locked, deleted, the token's
+        rights changed) posts the triage as a new comment, since an old or foreign text must never
+        stay the only one. Returns created / updated / unchanged (and why a refused edit was)."""
+        mine = [c for c in self._own_comments(number) if marker in (c.body or "")]
+        if mine and (mine[-1].body or "").strip() == body.strip():
             return "unchanged"
-        if not self._do(f"editing comment {mine[0].id} of #{number}", "PATCH", mine[0].edit, body):
-            raise SinkError(f"editing comment {mine[0].id} of #{number} failed")
-        return "updated"
+        refused = ""
+        if mine:
+            try:
+                if self._do(f"editing comment {mine[-1].id} of #{number}", "PATCH", mine[-1].edit, body):
+                    return "updated"
+                refused = f"editing comment {mine[-1].id} of #{number} failed"
+            except SinkError as e:
+                # refused (403) or gone (404/410: IssueGone); anything else (budget, outage) stops here
+                if isinstance(e, BudgetExhausted) or not (isinstance(e, IssueGone) or e.status == 403):
+                    raise
+                refused = str(e)
+        self._do(f"commenting on #{number}", "POST", self._issue(number).create_comment, body)
+        return f"created (the edit was refused: {refused})" if refused else "created"
 
     def comments(self, number: int) -> list[str]:
-        """Bodies of the issue's comments (to check whether a comment arrived before posting it)."""
-        issue = self._issue(number)
-        return self._do(f"listing comments of issue #{number}", "GET",
-                        lambda: [c.body or "" for c in issue.comments()])
+        """Bodies of harness's own comments on the issue (to check whether a comment arrived before
+        posting it: a copied marker in someone else's comment proves nothing)."""
+        return [c.body or "" for c in self._own_comments(number)]
+
+
+def _login(response, pick) -> str:
+    """The login ``pick`` finds in a JSON answer, or a SinkError naming what came back instead."""
+    try:
+        login = pick(response.json())
+    except (ValueError, AttributeError):
+        login = None
+    if not isinstance(login, str) or not login:
+        raise SinkError(f"asking who GITHUB_TOKEN is: {response.request.method} {response.url.split('?')[0]} "
+                        f"answered {response.status_code} without a login")
+    return login
 
 
 def _ref(issue) -> IssueRef:

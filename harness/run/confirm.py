@@ -60,7 +60,7 @@ class Attempt:
     infrastructure: str = ""  # why this failed attempt is the runner's, or ""
 
     def to_json(self) -> dict:
-        out = {"outcome": self.outcome, "message": self.message[:300], "seconds": round(self.seconds, 2)}
+        out = {"outcome": self.outcome, "message": _cut(self.message, 300), "seconds": round(self.seconds, 2)}
         if self.infrastructure:
             out["infrastructure"] = self.infrastructure
         return out
@@ -131,7 +131,7 @@ def confirm(first: ItemResult, first_seconds: float, rerun: Callable[[], ItemRes
         first_bad = failed[0]
         note = (f"flaky: failed {len(failed)} of {n} attempts (rate {len(failed) / n:.2f}); the first failure: "
                 f"{first_bad.outcome}: {first_bad.message}")
-        out.properties.append(metrics.detail_property("confirm_failure", first_bad.message[:500]))
+        out.properties.append(metrics.detail_property("confirm_failure", _cut(first_bad.message, 500)))
     else:
         kind = "deterministic"
         out = results[0]
@@ -160,3 +160,10 @@ def attempts_of(props: dict) -> list[dict]:
     except ValueError:
         return []
     return [a for a in out if isinstance(a, dict)] if isinstance(out, list) else []
+
+
+def _cut(message: str, n: int) -> str:
+    """Scrubbed, then cut: the head of a token cut in two no longer has a token's shape (issue #49)."""
+    from harness.compare.scrub import scrub_secrets
+
+    return scrub_secrets(message)[:n]

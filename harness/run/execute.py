@@ -219,7 +219,10 @@ def _run_check(check, ctx: CheckContext, where: tuple[str, str, str, str]) -> It
                           + (f"\n\n{cause}" if cause else ""))
     except Exception as e:  # the model or the backend raised: the check ran and the answer is no
         step = getattr(e, "_harness_step", None) or ctx.phase
-        msg = f"{type(e).__name__}: {first_line(e, 500)}"
+        from harness.compare.scrub import scrub_secrets
+
+        # scrub, then cut: the head of a token cut at 500 characters no longer has a token's shape
+        msg = f"{type(e).__name__}: {first_line(scrub_secrets(str(e)), 500)}"
         return ItemResult("failed", f"{msg} (in step {step})" if step else msg,
                           describe("failed", *where) + f": step {step!r} raised {msg}\n\n"
                           + "".join(traceback.format_exception(e)))

@@ -12,7 +12,16 @@ token, and behaves like GitHub where the comparator's correctness depends on it:
   applied (``after_apply=True``: the write took effect, the client sees a 5xx, as when GitHub
   times out behind its load balancer), optionally only for one method / path; a secondary rate
   limit is ``fail_next(403, {"Retry-After": "1"}, message=SECONDARY)`` (not processed); an error
-  message can echo the credentials it was sent (``echo_auth=True``), as some proxies do.
+  message can echo the credentials it was sent (``echo_auth=True``), as some proxies do;
+* who the token is: ``GET /user`` answers ``state.login`` for a user's token; with ``state.app``
+  set the token is a GitHub App installation token (``ghs_``, the Actions ``GITHUB_TOKEN``), which
+  ``GET /user`` refuses with 403 "Resource not accessible by integration" while GraphQL's
+  ``viewer`` answers the app's bot login (``<slug>[bot]``);
+* every issue and comment has an author (``user.login``, and for an app's
+  ``performed_via_github_app``): what the token posts is its own, ``state.add_issue`` /
+  ``state.add_comment`` make a person's; an issue put into ``state.issues`` by hand without a
+  ``user`` reads as the token's own. As on GitHub, a token with write access may edit a comment or
+  an issue someone else wrote: refusing is the client's job.
 
 Every applied change of an issue's state or body is counted in ``issue["changes"]`` (what the
 state machine test checks comments against). Served under ``/api/v3`` (GitHub Enterprise
@@ -34,7 +43,7 @@ MAX_BODY = 65_536  # characters, GitHub's limit for issue and comment bodies
 SECONDARY = "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."
 
 
-def _user(base: str, login: str = "harness-bot") -> dict:
+def _user(base: str, login: str = "harness-bot", kind: str = "User") -> dict:
     u = f"{base}/users/{login}"
     return {"login": login, "id": 1, "node_id": "U1", "avatar_url": "", "gravatar_id": "", "url": u,
             "html_url": f"https://github.test/{login}", "followers_url": u + "/followers",
@@ -42,7 +51,21 @@ def _user(base: str, login: str = "harness-bot") -> dict:
             "starred_url": u + "/starred{/owner}{/repo}", "subscriptions_url": u + "/subscriptions",
             "organizations_url": u + "/orgs", "repos_url": u + "/repos",
             "events_url": u + "/events{/privacy}", "received_events_url": u + "/received_events",
-            "type": "User", "site_admin": False}
+            "type": kind, "site_admin": False}
+
+
+def _app(slug: str | None) -> dict | None:
+    """``performed_via_github_app`` of what an app's installation token made (None for a user's)."""
+    if slug is None:
+        return None
+    return {"id": 99, "slug": slug, "node_id": "A99", "name": slug, "owner": None, "description": "",
+            "external_url": "", "html_url": f"https://github.test/apps/{slug}", "permissions": {}, "events": []}
+
+
+def _author(base: str, made: dict) -> dict:
+    """The ``user`` and ``performed_via_github_app`` fields of an issue or comment."""
+    app = made.get("app")
+    return {"user": _user(base, made["user"], "Bot" if app else "User"), "performed_via_github_app": _app(app)}
 
 
 class Fault:
@@ -65,6 +88,38 @@ class GitHubState:
         self.failures: list[Fault] = []
         self.latency = 0.0  # seconds before each answer: a real network round trip, so runs overlap
         self.lock = threading.Lock()
+        self.login = "harness-bot"  # who TOKEN belongs to (a user's token) ...
+        self.app: str | None = None  # ... or, when set, the slug of the app whose installation token it is
+
+    def me(self) -> dict:
+        """The author of what TOKEN posts: ``{"user": login, "app": slug or None}``."""
+        return {"user": f"{self.app}[bot]" if self.app else self.login, "app": self.app}
+
+    def add_issue(self, title: str, body: str = "", labels=(), user: str = "octocat", app: str | None = None,
+                  state: str = "open") -> int:
+        """An issue (or pull request) someone else opened; its number."""
+        with self.lock:
+            n = max([*self.issues, *self.deleted], default=0) + 1
+            self.issues[n] = {"title": title, "body": body, "labels": list(labels), "state": state,
+                              "comments": [], "changes": [], "user": user, "app": app}
+            return n
+
+    def add_comment(self, number: int, body: str, user: str = "octocat", app: str | None = None) -> int:
+        """A comment someone else wrote on issue or pull request ``number``; its id."""
+        with self.lock:
+            c = {"id": self._next_comment_id(), "body": body, "user": user, "app": app}
+            self.issues[number]["comments"].append(c)
+            return c["id"]
+
+    def _claim_unauthored(self) -> None:
+        """Issues and comments a test put into ``issues`` by hand, without an author, are the token's."""
+        for i in self.issues.values():
+            for made in (i, *i["comments"]):
+                if "user" not in made:
+                    made.update(self.me())
+
+    def _next_comment_id(self) -> int:
+        return 1 + sum(len(i["comments"]) for i in self.issues.values())
 
     def fail_next(self, status: int, headers: dict | None = None, times: int = 1, **kw) -> None:
         self.failures.extend(Fault(status, headers, **kw) for _ in range(times))
@@ -92,7 +147,7 @@ def _comment_json(base: str, number: int, c: dict) -> dict:
     api = f"{base}/repos/{OWNER}/{REPO}/issues/comments/{c['id']}"
     return {"url": api, "html_url": api, "issue_url": f"{base}/repos/{OWNER}/{REPO}/issues/{number}",
             "id": c["id"], "node_id": f"C{c['id']}", "body": c["body"], "body_html": "",
-            "body_text": c["body"], "user": _user(base), "author_association": "OWNER",
+            "body_text": c["body"], **_author(base, c), "author_association": "OWNER",
             "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z"}
 
 
@@ -102,7 +157,7 @@ def _issue_json(base: str, n: int, issue: dict, full: bool) -> dict:
            "labels_url": api + "/labels{/name}", "comments_url": api + "/comments",
            "events_url": api + "/events", "html_url": f"https://github.test/{OWNER}/{REPO}/issues/{n}",
            "id": 1000 + n, "node_id": f"I{n}", "number": n, "title": issue["title"],
-           "user": _user(base), "labels": [
+           **_author(base, issue), "labels": [
                {"id": i, "node_id": f"L{i}", "url": f"{base}/repos/{OWNER}/{REPO}/labels/{name}",
                 "name": name, "color": "ededed", "default": False, "description": None}
                for i, name in enumerate(issue["labels"])],
@@ -167,11 +222,12 @@ class _Handler(BaseHTTPRequestHandler):
         with st.lock:
             st.requests.append((method, path))
             fault = st._fault(method, path)
+            st._claim_unauthored()
         if fault is not None and not fault.after_apply:
             return self._fail(fault)
         if self.headers.get("Authorization") != f"token {TOKEN}":
             return self._send(401, {"message": "Bad credentials"})
-        status, payload, headers = self._route(method, path, base, url, body)
+        status, payload, headers = self._identity(method, url.path, base) or self._route(method, path, base, url, body)
         if fault is not None:  # applied, and yet the client hears of a failure
             return self._fail(fault)
         return self._send(status, payload, headers)
@@ -181,6 +237,19 @@ class _Handler(BaseHTTPRequestHandler):
         if fault.echo_auth:
             message += f" (request had Authorization: {self.headers.get('Authorization')})"
         self._send(fault.status, {"message": message}, fault.headers)
+
+    def _identity(self, method: str, path: str, base: str):
+        """``GET /user`` and GraphQL's ``{ viewer { login } }`` (``/graphql``; ``/api/graphql`` on
+        GitHub Enterprise Server); None for every other request."""
+        st = self.state
+        if method == "GET" and path in ("/user", "/api/v3/user"):
+            if st.app:  # GitHub: installation tokens cannot read the authenticated user
+                return 403, {"message": "Resource not accessible by integration",
+                             "documentation_url": "https://docs.github.com/rest/users/users#get-the-authenticated-user"}, None
+            return 200, _user(base, st.login), None
+        if method == "POST" and path in ("/graphql", "/api/graphql"):
+            return 200, {"data": {"viewer": {"login": st.me()["user"]}}}, None
+        return None
 
     def _route(self, method: str, path: str, base: str, url, body):
         st = self.state
@@ -226,7 +295,7 @@ class _Handler(BaseHTTPRequestHandler):
             n = max([*st.issues, *st.deleted], default=0) + 1
             st.issues[n] = {"title": body["title"], "body": body.get("body") or "",
                             "labels": list(body.get("labels") or []), "state": "open", "comments": [],
-                            "changes": []}
+                            "changes": [], **st.me()}
             return 201, _issue_json(base, n, st.issues[n], True), None
         if number in st.deleted:
             return 410, {"message": "This issue was deleted"}, None
@@ -251,7 +320,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _issue_comments(self, method: str, path: str, base: str, q: dict, number: int, issue: dict, body):
         if method == "POST":
-            c = {"id": 1 + sum(len(i["comments"]) for i in self.state.issues.values()), "body": body["body"]}
+            c = {"id": self.state._next_comment_id(), "body": body["body"], **self.state.me()}
             issue["comments"].append(c)
             return 201, _comment_json(base, number, c), None
         cs = {c["id"]: c for c in issue["comments"]}

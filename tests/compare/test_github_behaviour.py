@@ -28,6 +28,7 @@ from .junit_factory import item, write_junit
 
 _n = itertools.count()
 ISSUES = "/repos/acme/models/issues"
+WHO = ("GET", "/user")  # who the token is: asked once per run, before harness judges an issue its own
 
 
 class Run:
@@ -127,7 +128,7 @@ def test_3_a_create_answered_5xx_after_github_applied_it_leaves_one_issue(cli, g
     assert r.code == 0 and len(github.state.issues) == 1, github.state.requests
     assert r.requests.count(("POST", ISSUES)) == 1  # looked (listing) instead of posting again
     again = cli(broken(), baseline=clean())
-    assert again.requests == [("GET", ISSUES)] and len(github.state.issues) == 1
+    assert again.requests == [("GET", ISSUES), WHO] and len(github.state.issues) == 1
 
 
 # 4 -----------------------------------------------------------------------------------------------
@@ -142,15 +143,15 @@ def test_4_a_deleted_issue_410_is_filed_again_when_the_regression_returns(cli, g
     (new,) = github.state.open_issues()
     assert "logits differ" in new["body"]
     quiet = cli(broken(), baseline=clean())  # the new number is kept: no third issue
-    assert quiet.requests == [("GET", ISSUES)] and len(github.state.issues) == 1
+    assert quiet.requests == [("GET", ISSUES), WHO] and len(github.state.issues) == 1
 
 
 # 5 -----------------------------------------------------------------------------------------------
 def test_5_an_update_whose_comment_was_lost_is_commented_once_next_run(cli, github):
     cli(broken(), baseline=clean())
     # the budget ends between the body PATCH and the comment
-    cut = cli(worse(), "--max-api-calls", 2, baseline=clean())
-    assert cut.requests == [("GET", ISSUES), ("PATCH", ISSUES + "/1")] and comments(github, 1) == []
+    cut = cli(worse(), "--max-api-calls", 3, baseline=clean())
+    assert cut.requests == [("GET", ISSUES), WHO, ("PATCH", ISSUES + "/1")] and comments(github, 1) == []
     cli(worse(), baseline=clean())
     (comment,) = comments(github, 1)
     assert "newly regressed (1)" in comment and "parallel" in comment
@@ -204,7 +205,7 @@ def test_9_an_issue_whose_label_a_person_removed_is_left_alone(cli, github):
     cli(broken(), baseline=clean())
     github.state.issues[1]["labels"].remove("harness")
     first = cli(worse(), baseline=clean())  # one look to learn what happened, nothing written
-    assert first.requests == [("GET", ISSUES), ("GET", ISSUES + "/1")]
+    assert first.requests == [("GET", ISSUES), ("GET", ISSUES + "/1"), WHO]
     for items in (broken(), worse()):
         r = cli(items, baseline=clean())
         assert r.requests == [("GET", ISSUES)]  # neither fetched nor patched again

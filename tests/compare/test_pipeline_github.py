@@ -54,7 +54,8 @@ def test_three_runs_one_issue_two_clean_close_recurrence_reopens(tmp_path, githu
                               ("GET", "/repos/acme/models"), ("POST", "/repos/acme/models/issues")]
     for _ in range(2):
         again = compare(tmp_path, github, broken(), baseline=clean())
-        assert again.actions == [] and again.requests == [("GET", "/repos/acme/models/issues")]
+        # the listing, and once per run who the token is (an issue is harness's only if it opened it)
+        assert again.actions == [] and again.requests == [("GET", "/repos/acme/models/issues"), ("GET", "/user")]
     assert len(github.state.issues) == 1 and len(github.state.open_issues()) == 1
     (number, issue), = github.state.issues.items()
     assert comments(github, number) == []
@@ -67,13 +68,13 @@ def test_three_runs_one_issue_two_clean_close_recurrence_reopens(tmp_path, githu
     assert [a.op for a in two.actions] == ["close"]
     assert github.state.issues[number]["state"] == "closed"
     assert len(comments(github, number)) == 1 and "clean in the last 2 runs" in comments(github, number)[0]
-    assert len(two.requests) == 3  # listing + close + comment
+    assert len(two.requests) == 4  # listing + who the token is + close + comment
 
     back = compare(tmp_path, github, broken(), baseline=clean())
     assert [a.op for a in back.actions] == ["reopen"]
     assert github.state.issues[number]["state"] == "open" and len(github.state.issues) == 1
     assert "Reopened" in github.state.issues[number]["body"]
-    assert len(back.requests) == 4  # listing + get + patch + comment
+    assert len(back.requests) == 5  # listing + get + who the token is + patch + comment
     assert "Regressed again" in comments(github, number)[-1]
 
 
@@ -86,7 +87,7 @@ def test_changed_items_add_one_comment_saying_what_changed(tmp_path, github):
     (comment,) = map(html.unescape, comments(github, number))
     assert "newly regressed (1)" in comment and "parallel[cpu-float32]" in comment
     assert "still regressed: 1" in comment and "smoke" not in comment.split("still")[0].split("newly")[0]
-    assert len(upd.requests) == 3  # listing + body + comment
+    assert len(upd.requests) == 4  # listing + who the token is + body + comment
     compare(tmp_path, github, worse, baseline=clean())
     assert len(comments(github, number)) == 1
 
@@ -149,7 +150,7 @@ def test_api_calls_are_one_listing_plus_at_most_two_per_group(tmp_path, github):
     created = compare(tmp_path, github, bad, baseline=base)
     assert len(created.requests) == 1 + 1 + 1 + 5  # listing, listing again, repository, one create per group
     closed = [compare(tmp_path, github, base, baseline=base) for _ in range(2)][-1]
-    assert len(closed.requests) == 1 + 2 * 5
+    assert len(closed.requests) == 1 + 1 + 2 * 5  # listing, who the token is, close + comment per group
 
 
 def test_sink_outage_still_reports(tmp_path, github):
@@ -194,4 +195,5 @@ def test_a_muted_closed_issue_is_not_reopened(tmp_path, github):
     github.state.issues[1]["labels"].append("harness:muted")
     back = compare(tmp_path, github, broken(), baseline=clean())
     assert github.state.issues[1]["state"] == "closed" and len(github.state.issues) == 1
-    assert back.requests == [("GET", "/repos/acme/models/issues"), ("GET", "/repos/acme/models/issues/1")]
+    assert back.requests == [("GET", "/repos/acme/models/issues"), ("GET", "/repos/acme/models/issues/1"),
+                             ("GET", "/user")]
