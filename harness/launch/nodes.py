@@ -245,6 +245,7 @@ class NodeLaunch:
         self.ended: Ended | None = None
         self._delays = dict(start_delay_s or {})
         self._started: set[int] = set()
+        self._retries = 0  # rendezvous restarts (_retry_rendezvous)
         self._alone: dict[int, int | None] = {}  # node -> its agent's exit code before any kill
         self.refused = ""  # the nodes' versions differ: the launch was stopped before any comparison
         store = f"{nodes.coordinator}:{self.coord.port}"
@@ -300,6 +301,9 @@ class NodeLaunch:
                 if code is not None:
                     break
                 now = time.monotonic()
+                if self._retry_rendezvous():
+                    failed_at = None
+                    continue
                 if failed_at is None and any(g.poll() not in (None, 0) for g in self.groups):
                     failed_at = now
                 if failed_at is not None and now - failed_at > grace_s:
@@ -321,6 +325,28 @@ class NodeLaunch:
         self.coord.sync()
         self.ended = Ended("exited", code, time.monotonic() - self.t0, killed)
         return self.ended
+
+    RDZV_RETRIES = 2
+    _RDZV_STORE_ERRORS = ("RendezvousConnectionError", "Address already in use", "EADDRINUSE")
+
+    def _retry_rendezvous(self) -> bool:
+        """Node 0's agent could not host the rendezvous store before any rank started (its port, free
+        when picked, was taken meanwhile by another launch's socket: seen once under pytest -n 2):
+        every agent is killed and the launch starts again on a fresh port, twice at most. Anything
+        else is the launch's outcome."""
+        if self._retries >= self.RDZV_RETRIES or self.coord.nodes or not self.groups:
+            return False
+        g0 = self.groups[0]
+        if g0.poll() in (None, 0) or not any(e in "\n".join(log_tail(g0.log, 60)) for e in self._RDZV_STORE_ERRORS):
+            return False
+        for g in self.groups:
+            g.kill("rendezvous retry")
+        self._retries += 1
+        self.endpoint = f"{self.nodes.coordinator}:{ready.free_port(self.nodes.coordinator)}"
+        self.run_id = f"harness-{secrets.token_hex(4)}"
+        self.groups, self._started = [], set()
+        self._start_due()
+        return True
 
     def kill(self, how: str = "killed") -> Ended:
         if self.ended is not None:
@@ -372,9 +398,13 @@ class NodeLaunch:
             text = "\n".join(log_tail(g.log, 40))
             ranks = self.coord.ranks_of(n.index)
             who = f"node {n.index} ({n.hostname}, {n.addr})"
-            if "RendezvousTimeoutError" in text or "RendezvousClosedError" in text:
+            err = next((e for e in ("RendezvousTimeoutError", "RendezvousClosedError", "RendezvousConnectionError")
+                        if e in text), None)
+            if err:
                 joined = sorted({i for i, _h in self.coord.nodes.values()})
-                why.append(f"{who}: the rendezvous at {self.endpoint} timed out after {self.join_timeout_s:g} s; "
+                what = (f"timed out after {self.join_timeout_s:g} s" if err == "RendezvousTimeoutError" else
+                        f"failed ({err}{', after ' + str(self._retries) + ' fresh ports' if self._retries else ''})")
+                why.append(f"{who}: the rendezvous at {self.endpoint} {what}; "
                            f"nodes whose ranks started: {joined or 'none'} of {list(range(self.nodes.count))}")
             elif ranks and not any(r in exits for r in ranks):
                 how = f"killed by signal {-code}" if code < 0 else f"ended with code {code}"

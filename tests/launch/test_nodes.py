@@ -133,3 +133,35 @@ def _namespaces() -> list[str]:
     import subprocess
 
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_retried_on_a_fresh_one(tmp_path, monkeypatch):
+    # The port picked for the rendezvous was free when picked and taken before node 0's agent bound it
+    # (another launch's socket, under pytest -n 2): the agents are restarted on a fresh port, not
+    # reported as a hang of the model's. Here the first port is held by a bound, non-listening socket.
+    import socket
+
+    from harness.launch import nodes as nodes_mod
+
+    blocker = socket.socket()
+    real = nodes_mod.ready.free_port
+    picks = []
+
+    def free_port(host="127.0.0.1"):
+        if not picks:
+            blocker.bind((host, 0))
+            picks.append(blocker.getsockname()[1])
+            return picks[-1]
+        picks.append(real(host))
+        return picks[-1]
+
+    monkeypatch.setattr(nodes_mod.ready, "free_port", free_port)
+    run = tmp_path / "coordinator"
+    try:
+        with netns_nodes(2) as nodes, NodeLaunch(_spec(run, SUM), nodes, join_timeout_s=60) as launch:
+            end = launch.wait(deadline_s=300)
+            assert end.ok, (end, launch.infrastructure(), (run / "torchrun.log").read_text()[-1500:])
+            assert launch._retries == 1 and len(picks) == 2, (launch._retries, picks)
+            assert launch.endpoint.endswith(f":{picks[1]}")
+    finally:
+        blocker.close()
