@@ -19,15 +19,22 @@ started for the same *key*: the interpreter, ``sys.path``, the user, every envir
 (except the few a shell changes as it goes: ``PWD``, ``OLDPWD``, ``_``, ``SHLVL``), the path, size
 and mtime of each of harness's own source files, and the mtime of each site-packages folder on
 ``sys.path`` (an install or uninstall changes it; a vendor plugin's source edited in place does not:
-``harness server stop`` after that). Modules read some variables at import (``TORCH_LOGS``,
-``OMP_NUM_THREADS``...), so a command whose environment differs in any of them meets no server and
-runs as before. Without a server nothing changes: the check costs a few milliseconds.
+``harness server stop`` after that), and what the process is subject to: its resource limits
+(``ulimit``, ``prlimit``), niceness, CPU affinity, scheduling policy, cgroup and OOM score
+(``process_state``: a fork inherits them from the server, so the server must have the command's).
+Modules read some variables at import (``TORCH_LOGS``, ``OMP_NUM_THREADS``...), so a command whose
+environment differs in any of them meets no server and runs as before; so does a command under a
+memory cap the server was not started under (start one under it: ``ulimit -v ...; harness server
+start``). Without a server nothing changes: the check costs a few milliseconds.
 
 The socket is in Linux's abstract namespace (no file is written anywhere), and the server serves
 only its own user (the peer's uid, ``SO_PEERCRED``). It ends after ``--idle`` minutes without a
-command (30), on ``harness server stop``, or with its key's sources: a later command with changed
-sources has another key and starts nothing (the old server idles out). Ctrl-C and ``kill`` of the
-command reach its child; a command killed outright (SIGKILL) takes its child's process group with it.
+command (30), on ``harness server stop`` or SIGTERM (both after its running commands), or when its
+sources change: a later command that meets no server asks every server of the same interpreter and
+package whose sources are not today's to stop (no command can reach them again). Ctrl-C and ``kill``
+of the command reach its child; a command killed outright (SIGKILL) takes its child's process group
+with it; a server killed outright stops its commands with SIGTERM, so each ends as a ``kill`` of it
+would (``harness run`` writes the results of what finished, marked interrupted).
 """
 
 from __future__ import annotations
@@ -53,15 +60,27 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # harness/
 
 # --- the key and the address (standard library only: every command computes them) --------------------
 def server_key(env: dict[str, str] | None = None) -> str:
-    """What a process imported with ``env`` depends on, hashed (module docstring)."""
+    """What a process imported with ``env`` depends on, hashed (module docstring), in three parts,
+    ``<place>-<code>-<rest>``: where harness runs from (interpreter, ``sys.path``, user, package
+    folder), what its code on disk is (harness's sources, the site-packages folders), and the rest
+    (the environment, the process's limits). A server whose place is ours and whose code is not can
+    never be reached again: ``stop_stale`` finds it by its address."""
     env = dict(os.environ if env is None else env)
-    h = hashlib.sha256()
     # sys.path[0] is the script's folder (the console script's bin/, `python -m`'s working folder):
     # the command and the server are started differently, and harness is imported from its package.
-    h.update(repr((os.path.realpath(sys.executable), sys.prefix, sys.version, os.getuid(), sys.path[1:])).encode())
+    place = repr((os.path.realpath(sys.executable), sys.prefix, sys.version, os.getuid(), sys.path[1:], str(_PACKAGE)))
+    rest = hashlib.sha256()
     for k in sorted(env):
         if k not in VOLATILE_ENV:
-            h.update(f"{k}={env[k]}\0".encode("utf-8", "surrogateescape"))
+            rest.update(f"{k}={env[k]}\0".encode("utf-8", "surrogateescape"))
+    rest.update(repr(process_state()).encode())
+    return f"{hashlib.sha256(place.encode()).hexdigest()[:8]}-{_code_digest()}-{rest.hexdigest()[:16]}"
+
+
+def _code_digest() -> str:
+    """The path, size and mtime of each of harness's own source files and the mtime of each
+    site-packages folder on ``sys.path``, hashed."""
+    h = hashlib.sha256()
     for root, dirs, files in os.walk(_PACKAGE):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for f in sorted(files):
@@ -80,7 +99,43 @@ def server_key(env: dict[str, str] | None = None) -> str:
                 h.update(f"{p}\0{os.stat(p).st_mtime_ns}\0".encode())
             except OSError:
                 pass
-    return h.hexdigest()[:24]
+    return h.hexdigest()[:8]
+
+
+def process_state() -> dict:
+    """What the kernel gives a child as it is and a command is subject to: every resource limit
+    (``ulimit``, ``prlimit``), the niceness (``nice``), the CPU affinity (``taskset``), the
+    scheduling policy (``chrt``), the cgroup (``systemd-run -p MemoryMax=``) and the OOM score.
+
+    They are part of the key, not carried in the request and applied in the fork: a fork inherits
+    them from the server exactly as any child inherits them from its parent, with nothing to apply
+    that could fail half-way (raising a hard limit, lowering the niceness or changing the cgroup
+    needs privileges), and a limit on the address space counts the whole process, so a fork of a
+    process that has torch mapped is not the process the limit was chosen for unless the server
+    itself lived under it. A command under other limits meets no server and runs as before; a
+    server started under the same ones has them, and so do its forks (``serve`` checks that its
+    imports left them as they were)."""
+    state: dict = {}
+    try:
+        import resource
+
+        for name in sorted(n for n in dir(resource) if n.startswith("RLIMIT_")):
+            try:
+                state[name] = resource.getrlimit(getattr(resource, name))
+            except (ValueError, OSError):
+                pass
+    except ImportError:  # pragma: no cover - not on Linux or macOS
+        pass
+    for name, get in (("nice", lambda: os.getpriority(os.PRIO_PROCESS, 0)),
+                      ("cpus", lambda: sorted(os.sched_getaffinity(0))),
+                      ("policy", lambda: os.sched_getscheduler(0)),
+                      ("cgroup", lambda: Path("/proc/self/cgroup").read_text()),
+                      ("oom_score_adj", lambda: Path("/proc/self/oom_score_adj").read_text())):
+        try:
+            state[name] = get()
+        except (AttributeError, OSError):  # not on this platform
+            pass
+    return state
 
 
 def address(key: str) -> bytes:
@@ -88,8 +143,38 @@ def address(key: str) -> bytes:
     return b"\0harness-server-%d-%s" % (os.getuid(), key.encode())
 
 
+def stop_stale(key: str) -> list[int]:
+    """Ask this user's servers for the same place as ``key`` whose code differs from what is on disk
+    now to stop, and return their pids. No command can reach them again (every command's key has
+    today's code); left alone, each would hold its memory until its idle end. They are found by
+    their addresses in /proc/net/unix (abstract names start with '@'). The code is hashed anew
+    here: a command that hashed it during an edit must not stop a server that is up to date."""
+    place, code = key.split("-")[0], _code_digest()
+    prefix = "@" + address("")[1:].decode()  # '@harness-server-<uid>-'
+    try:
+        table = Path("/proc/net/unix").read_text(errors="replace")
+    except OSError:
+        return []
+    # each socket a line, its name last; a server's accepted connections carry its name too
+    names = {f[7] for f in (line.split() for line in table.splitlines()[1:]) if len(f) > 7 and f[7].startswith(prefix)}
+    stopped = []
+    for name in sorted(names):
+        theirs = name[len(prefix):]
+        if theirs.split("-")[:1] == [place] and theirs.split("-")[1:2] != [code]:
+            st = ask(theirs, "stop", timeout=2.0)
+            if st is not None:
+                stopped.append(st["pid"])
+    return stopped
+
+
+def _peer(s: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end (``SO_PEERCRED``)."""
+    pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 def _peer_uid(s: socket.socket) -> int:
-    return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    return _peer(s)[1]
 
 
 def _connect(key: str, timeout: float | None = 5.0) -> socket.socket | None:
@@ -149,9 +234,9 @@ def _lines(s: socket.socket):
             yield json.loads(line)
 
 
-def ask(key: str, op: str) -> dict | None:
+def ask(key: str, op: str, timeout: float = 5.0) -> dict | None:
     """``ping`` / ``stop`` the server of ``key``; None when there is none."""
-    s = _connect(key)
+    s = _connect(key, timeout)
     if s is None:
         return None
     try:
@@ -172,9 +257,11 @@ def forward(argv: list[str]) -> int | None:
     try:
         key = server_key()
         s = _connect(key)
+        if s is None:
+            stop_stale(key)  # a source edit since they started: they would idle out unreachable
+            return None
+        server = _peer(s)[0]
     except Exception:  # noqa: BLE001 - a server is an optimisation: anything odd, run here
-        return None
-    if s is None:
         return None
     fds = _open_streams()
     umask = os.umask(0)
@@ -196,7 +283,26 @@ def forward(argv: list[str]) -> int | None:
     if not started or "pid" not in started:
         s.close()
         return None
-    return _await_exit(s, replies, started["pid"])
+    code = _await_exit(s, replies, started["pid"])
+    if code and not _alive(server):
+        print(f"harness: the server (pid {server}) was killed while it ran this command, which was "
+              "stopped as SIGTERM stops it", file=sys.stderr)
+    return code
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a killed server stays a zombie until its new parent reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def _open_streams() -> list[int]:
@@ -426,6 +532,7 @@ class _Server:
                 "running": sorted(self.children), "idle_s": self.idle_s}
 
     def _fork(self, req: dict, fds: list[int], conn: socket.socket) -> int:
+        server = os.getpid()
         pid = os.fork()
         if pid:
             for fd in fds:
@@ -433,7 +540,7 @@ class _Server:
             return pid
         code = 1
         try:
-            code = _command_child(req, fds, [*self.fds, *(c.fileno() for c in self.children.values())])
+            code = _command_child(req, fds, [*self.fds, *(c.fileno() for c in self.children.values())], server)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if isinstance(e.code, str):
@@ -470,20 +577,34 @@ def _leave(code: int, conn: socket.socket) -> None:
         pass  # the server reports it after reaping this process
 
 
-def _command_child(req: dict, fds: list[int], server_fds: list[int]) -> int:
+def _end_with_server(server: int) -> None:
+    """SIGTERM this fork when its server dies (Linux ``PR_SET_PDEATHSIG``): a killed server stops
+    its commands as a ``kill`` of each would, so each one's own SIGTERM path runs (``harness run``
+    writes its results for what finished, marked interrupted; a bisect removes its worktree). Not
+    SIGKILL, which took the results with it; not left to run on, where nothing would end it if its
+    command died too (the server is what kills the run of a command killed outright)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() != server:  # it died before the line above: no signal will come
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def _command_child(req: dict, fds: list[int], server_fds: list[int], server: int) -> int:
     """In the fork: become the command (its streams, folder, environment, argv) and run it."""
     import importlib
     import io
     import random
 
-    from harness.proc import die_with_parent
-
     os.setpgid(0, 0)  # its own group: the server kills the whole run when the command dies
-    die_with_parent()  # and a killed server takes its commands with it
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    _end_with_server(server)
     for fd in server_fds:
         try:
             os.close(fd)
@@ -529,7 +650,12 @@ def serve(idle_min: float) -> int:
     except OSError:
         print("harness server: one is already running for this environment", file=sys.stderr)
         return 1
+    state = process_state()
     _preload()
+    changed = _restore(state)
+    if changed:
+        print(f"harness server: its imports changed {changed} and it cannot change it back", file=sys.stderr)
+        return 1
     finalizers = _own_finalizers()
     import gc
 
@@ -547,6 +673,30 @@ def serve(idle_min: float) -> int:
     return 0
 
 
+def _restore(before: dict) -> str:
+    """Put back what the imports changed of the process state in the key (``process_state``: a
+    library may raise its own file limit as it loads); what stays changed, named ('' if nothing).
+    A fork must start with exactly the limits its command's key says."""
+    import resource
+
+    for name, lim in before.items():
+        if name.startswith("RLIMIT_") and resource.getrlimit(getattr(resource, name)) != lim:
+            _try(resource.setrlimit, getattr(resource, name), lim)
+    if "nice" in before and os.getpriority(os.PRIO_PROCESS, 0) != before["nice"]:
+        _try(os.setpriority, os.PRIO_PROCESS, 0, before["nice"])
+    if "cpus" in before and sorted(os.sched_getaffinity(0)) != before["cpus"]:
+        _try(os.sched_setaffinity, 0, before["cpus"])
+    after = process_state()
+    return ", ".join(k for k in before if after.get(k) != before[k])
+
+
+def _try(f, *args) -> None:
+    try:
+        f(*args)
+    except (ValueError, OSError):  # not allowed: _restore names what stays changed
+        pass
+
+
 # --- `harness server start|stop|status` ----------------------------------------------------------------
 def register(sub) -> None:
     p = sub.add_parser("server", help="a warm process that runs later commands without their imports (start/stop/status)")
@@ -557,8 +707,6 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    import subprocess
-
     key = server_key()
     if args.action == "status":
         st = ask(key, "ping")
@@ -572,15 +720,32 @@ def main(args) -> int:
         st = ask(key, "stop")
         print("harness server: none for this environment" if st is None else
               f"harness server: pid {st['pid']} stops" + (" after its running commands" if st["running"] else ""))
+        if st is None:
+            _say_stale(stop_stale(key))
         return 0
     st = ask(key, "ping")
     if st is not None:
         print(f"harness server: already running, pid {st['pid']}")
         return 0
+    stale = stop_stale(key)
+    rc = _start(args.idle)
+    _say_stale(stale)
+    return rc
+
+
+def _say_stale(pids: list[int]) -> None:
+    if pids:
+        print(f"harness server: pid {', '.join(map(str, pids))} (started for harness's sources as they were "
+              "before an edit, which no command can reach) stops")
+
+
+def _start(idle: float) -> int:
+    import subprocess
+
     t = time.monotonic()
     # One pipe for both streams, read line by line until the ready line: what the imports print
     # (warnings) can never fill a pipe nobody reads; the last other line is the error if it fails.
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli.server", "--idle", str(args.idle)],
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli.server", "--idle", str(idle)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     ready, said = None, []
@@ -601,7 +766,7 @@ def main(args) -> int:
         return 1
     proc.stdout.close()
     print(f"harness server: pid {ready}, ready in {time.monotonic() - t:.1f} s; later `harness` commands from "
-          f"this environment run in it; ends after {args.idle:g} min idle or `harness server stop`")
+          f"this environment run in it; ends after {idle:g} min idle or `harness server stop`")
     return 0
 
 
