@@ -34,7 +34,7 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
-from harness.files import atomic
+from harness.files import atomic, paths
 
 LOG_TAIL_BYTES = 16384  # a rank's log is published as its tail: error messages quote the last lines
 PACKAGES = ("torch", "transformers", "safetensors", "harness")  # what every node must run alike
@@ -79,6 +79,7 @@ class Coordinator:
         self.nodes: dict[int, tuple[int, str]] = {}  # rank -> (node index, hostname)
         self.versions: dict[int, dict[str, str]] = {}  # rank -> versions
         self.reference = versions()  # what every rank must run
+        self.refused_names: list[str] = []  # published names that would have left the run folder
 
     @property
     def port(self) -> int:
@@ -110,7 +111,12 @@ class Coordinator:
                 if self._seen.get(name) == data:
                     continue
                 self._seen[name] = data
-                target = self.run_dir / name
+                try:  # a name another node sent: a relative path of plain names under the run folder
+                    target = paths.join(self.run_dir, name, source="launch store", field=f"rank {r}'s file",
+                                        plain=False)
+                except paths.PathRefused as e:
+                    self.refused_names.append(str(e))
+                    continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 atomic.write_bytes(target, data)
                 n += 1
@@ -156,7 +162,8 @@ class Publisher:
             return []
         names = [n for n in self.store.get("stage-index").decode().splitlines() if n]
         for name in names:
-            atomic.write_bytes(Path(self.run_dir) / name, self.store.get(f"stage/{name}"))
+            target = paths.join(self.run_dir, name, source="launch store", field="staged file")
+            atomic.write_bytes(target, self.store.get(f"stage/{name}"))
         return names
 
     def _files(self) -> list[str]:

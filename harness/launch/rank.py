@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+from harness.files import paths
 from harness.launch import channel
 from harness.launch.status import log_path, write_exit
 from harness.proc import die_with_parent, signal_name
@@ -28,13 +29,15 @@ def main(argv: list[str]) -> int:
     run_dir, args = argv[0], argv[1:]
     rank = int(os.environ.get("RANK", "0"))
     if run_dir.startswith("@tmp/"):
-        run_dir = os.path.join(tempfile.gettempdir(), run_dir[len("@tmp/"):])
+        run_dir = str(paths.join(tempfile.gettempdir(), run_dir[len("@tmp/"):], source="rank wrapper",
+                                 field="run folder"))
     os.makedirs(run_dir, exist_ok=True)
     pub = channel.publisher_from_env(run_dir, rank)
     if pub is not None:
         pub.fetch_stage()
         pub.start()
-    args = [os.path.join(run_dir, a[len("@run/"):]) if a.startswith("@run/") else a for a in args]
+    args = [str(paths.join(run_dir, a[len("@run/"):], source="rank wrapper", field="argument"))
+            if a.startswith("@run/") else a for a in args]
     log = open(log_path(run_dir, rank), "ab")
     # PR_SET_PDEATHSIG set before exec (preexec_fn): the rank dies with this wrapper even while it is
     # still importing torch, long before its own code could ask for it.

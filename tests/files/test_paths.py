@@ -179,6 +179,14 @@ CHECKED = {
     "RESERVE", "LOCK_NAME",
 }
 ALLOWED = {
+    ("harness/launch/channel.py", "os.path.join(base, f)"): "os.walk's own entries under the rank's run folder",
+    ("harness/launch/channel.py", "os.path.join(self.run_dir, rel)"): "rel: a file os.walk found in the run folder",
+    ("harness/launch/nodes.py", 'root / f"node{k}"'): "k is a node index (an int)",
+    ("harness/launch/nodes.py", "self.run_dir / name"): "name: LaunchSpec.stage, the caller's constant file names",
+    ("harness/checks/comm.py", 'Path(d) / spec["out"]'): 'spec["out"] is the check\'s constant "out/rank0.json"',
+    ("harness/perf/comm.py", 'os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), spec["out"])'):
+        "the comm check's own spec, written a moment before by the check",
+    ("harness/cli/run_slurm.py", 'results / f"slurm-{job}.out"'): "job: the digits sbatch --parsable printed",
     ("harness/checks/weights.py", "ctx.suite.path.parent / cfg.manifest"): "a location the suite author chooses",
     ("harness/cli/init.py", 'out_dir / f"{name}.toml"'): "name is slug() of a command-line argument",
     ("harness/golden/store.py", "path / name"): "name matched VERSION_RX (v-<time>-<id>) just before",

@@ -1,0 +1,42 @@
+"""The coordinator's store (harness.launch.channel): what another node publishes lands in the run
+folder and nowhere else, data before the marks that say it is complete."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from harness.launch.channel import Coordinator, Publisher
+
+
+def test_a_published_name_that_leaves_the_run_folder_is_refused(tmp_path):
+    coord = Coordinator(tmp_path / "run", world=1, host="127.0.0.1")
+    client = TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=10))
+    for name, data in (("../../escape.json", b"x"), ("tp2/rank0.json", b"{}"), ("/etc/passwd2", b"y")):
+        client.set(f"f/{name}", data)
+        client.append("idx/0", name + "\n")
+    assert coord.sync() == 1
+    assert (tmp_path / "run" / "tp2" / "rank0.json").read_bytes() == b"{}"
+    assert not (tmp_path / "escape.json").exists() and not (tmp_path.parent / "escape.json").exists()
+    assert len(coord.refused_names) == 2 and all("launch store" in m for m in coord.refused_names), coord.refused_names
+
+
+def test_a_ranks_files_are_published_and_mirrored(tmp_path):
+    coord = Coordinator(tmp_path / "coordinator", world=2, host="127.0.0.1")
+    coord.stage("spec.json", b'{"layouts": []}')
+    node = tmp_path / "node1"
+    node.mkdir()
+    pub = Publisher(f"127.0.0.1:{coord.port}", str(node), rank=1, node=1)
+    assert pub.fetch_stage() == ["spec.json"] and (node / "spec.json").read_bytes() == b'{"layouts": []}'
+    (node / "tp2").mkdir()
+    (node / "tp2" / "rank1.safetensors").write_bytes(b"data")
+    (node / "tp2" / "rank1.json").write_text("{}")
+    (node / "tp2" / "rank0.json").write_text("{}")  # another rank's: not this publisher's
+    (node / "status-1").write_text("0\ttp2\tforward\t\t")
+    assert pub.publish() == 3
+    coord.sync()
+    got = sorted(p.relative_to(tmp_path / "coordinator").as_posix() for p in (tmp_path / "coordinator").rglob("*")
+                 if p.is_file())
+    assert got == ["status-1", "tp2/rank1.json", "tp2/rank1.safetensors"], got
+    assert coord.nodes[1][0] == 1 and coord.version_mismatch() == ""
