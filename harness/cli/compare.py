@@ -181,7 +181,9 @@ def main(args: argparse.Namespace) -> int:
         from harness.files import atomic
 
         atomic.write_text(args.summary, text)
-    write_step_summary(text)
+    from harness.compare.body import RunContext
+
+    write_step_summary(text, RunContext.from_env(run_url=args.run_url or "").run_url)
     if args.pr_comment:
         _pr_comment(args, outcome)
     if not outcome.current.cases:

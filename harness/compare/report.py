@@ -283,12 +283,19 @@ def _md_issue_actions(outcome) -> list[str]:
     return lines
 
 
-def write_step_summary(text: str) -> str | None:
+def write_step_summary(text: str, where: str = "") -> str | None:
+    """Append ``text`` to the job summary, fitted into GitHub's 1 MiB (harness.compare.limits)."""
+    from harness.compare.limits import STEP_SUMMARY_MAX, fit_text
+
     path = os.environ.get("GITHUB_STEP_SUMMARY")
     if not path:
         return None
+    try:
+        have = os.path.getsize(path)  # earlier steps' text in the same file counts against the limit
+    except OSError:
+        have = 0
     with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
+        f.write(fit_text(text, max(4096, STEP_SUMMARY_MAX - have), where))
     return path
 
 

@@ -77,11 +77,18 @@ MARKER = "<!-- harness:pr-triage -->"  # the one comment harness keeps on a pull
 
 def comment_body(rows: list[Triage], run_line: str) -> str:
     """The pull request's one comment: the same table as the job summary, updated on every run."""
-    table = markdown(rows)
-    body = table[2:] if table else ["No failing item: nothing new in this change, nothing already failing on main.", ""]
+    from harness.compare.limits import COMMENT_MAX, fit
     from harness.compare.scrub import md_text
 
-    return "\n".join([MARKER, "### harness: whose failures", "", *body, f"<sub>{md_text(run_line)}</sub>"])
+    table = markdown(rows)
+    head = [MARKER, "### harness: whose failures", ""]
+    tail = [f"<sub>{md_text(run_line)}</sub>"]
+    if not table:
+        return "\n".join([*head, "No failing item: nothing new in this change, nothing already failing on main.", "",
+                          *tail])
+    # the summary line and the table's header always; its rows, new failures first, as many as fit
+    rows_md = [ln for ln in table[6:] if ln]
+    return "\n".join(fit([*head, *table[2:6]], rows_md, ["", *tail], COMMENT_MAX, md_text(run_line)))
 
 
 def pull_request_number(env: dict | None = None) -> int | None:
