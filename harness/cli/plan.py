@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the job's time limit (default 3600)")
     e.add_argument("--partition", help="slurm: the partition (default: the cluster's)")
     e.add_argument("--image", default="harness:latest", help="k8s: the container image with harness installed")
+    # --rehearse: the layout parallelized at the full world size on a fake process group (issue #48)
+    p.add_argument("--rehearse", nargs="?", const="best", metavar="LAYOUT",
+                   help="rehearse the plan's best layout (or LAYOUT, a parallel-check name such as ep32xtp8xpp4) "
+                        "at devices x nodes ranks on the meta device (docs/parallel.md)")
     p.set_defaults(func=run)
 
 
@@ -65,6 +69,8 @@ def run(args) -> int:
                batch=args.batch, context=args.context, usable=args.usable)
     if args.emit:
         return _emit(args, rep, target)
+    if args.rehearse:
+        return _rehearse(args, rep, target)
     if args.json == "-":
         print(json.dumps(rep.to_dict(), indent=1))
         return 0
@@ -112,3 +118,29 @@ def _emit(args, rep, target) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _rehearse(args, rep, target) -> int:
+    """The rehearsal (harness.parallel.rehearse) of the plan's best layout or ``--rehearse LAYOUT``;
+    exit 1 on a divisibility error, a rank that fails to parallelize or a predicted hang."""
+    from harness.parallel import rehearse
+    from harness.parallel.layouts import parse_name
+
+    try:
+        if args.rehearse == "best":
+            if not rep.ranked:
+                raise ValueError(rep.recommendation)
+            lay = rehearse.from_plan(rep.ranked[0].layout, args.mode, args.batch)
+        else:
+            lay = parse_name(args.rehearse)
+        if lay.world != rep.devices:
+            raise ValueError(f"{lay.label} has {lay.world} ranks, the cluster {rep.devices}")
+    except ValueError as e:
+        print(f"harness plan: --rehearse: {e}", file=sys.stderr)
+        return 2
+    res = rehearse.rehearse(target, lay, batch=args.batch, context=args.context)
+    if args.rehearse == "best" and args.mode == "training":  # the plan counts training state in bf16 / fp32
+        e = rep.ranked[0]
+        res.plan_bytes = {"weights": e.weights, "gradients": e.gradients, "optimizer": e.optimizer}
+    print(rehearse.render(res))
+    return 1 if res.errors or res.hangs or any(r.error for r in res.ranks) else 0

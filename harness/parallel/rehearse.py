@@ -1,0 +1,503 @@
+"""``harness plan --rehearse``: the full-size model parallelized at the production world size, with no
+device and no peer: every sampled rank builds the model on the meta device (shapes and dtypes, no
+bytes), joins torch's fake process group (``fake``: one process stands for any rank of any world
+size, every collective returns at once) and runs the parallel check's own steps
+(``worker.parallelize``: split_stage -> apply_tp -> apply_ep -> apply_cp -> apply_ac -> apply_fsdp ->
+apply_dp | pipeline_stage), then its forward, backward and gradient reductions
+(``worker.forward_backward`` / ``sync_gradients``) on meta tensors. What comes out per rank:
+
+* the divisibility errors of the layout at the full size (experts over ep, layers over pp, heads over
+  tp, a tp-split Linear's width, the batch over the data ranks), each by name;
+* parameter, gradient and optimizer-state bytes the rank holds (its shards: DTensor local shapes);
+* the sequence of collectives it issues (kind, group, shape, dtype, step), recorded by a dispatch
+  mode over the comm check's op tables (``harness.parallel.comm``).
+
+Ranks that share a group must issue the same sequence on it: a mismatch is a hang predicted before
+any device is booked, named by the ranks, the step and the collective (``order_mismatches``).
+
+The meta device has no values, so the few data-dependent operations of the forward are answered
+by :class:`_MetaValues`: the experts run transformers' ``batched_mm`` implementation (no per-expert
+loop over the tokens an expert received), a boolean mask keeps every element (the dropless
+dispatch), and a count the expert-parallel dispatch reads back (``tolist``) is the even split. The
+*number and order* of collectives do not depend on the routing; their sizes under ep are those of a
+perfectly balanced router.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+MAX_SAMPLED_RANKS = 24
+
+
+@dataclass
+class Collective:
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast ...
+    group: str  # the mesh dimension(s) of the group ("tp", "fsdp+ep"), or its ranks' count
+    ranks: tuple[int, ...]  # the group's global ranks: the key ranks are matched on
+    shape: tuple[int, ...]
+    dtype: str
+    step: str  # parallelize, forward, backward, grad_sync
+
+    def text(self) -> str:
+        return f"{self.kind}({self.group}, {self.dtype}{list(self.shape)}) in {self.step}"
+
+
+@dataclass
+class RankRehearsal:
+    rank: int
+    coords: dict[str, int]
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optim_bytes: int = 0
+    activation_bytes: int = 0  # peak of the meta forward + backward's tensors beyond the parameters
+    collectives: list[Collective] = field(default_factory=list)
+    recorded: str = ""  # "forward+backward" or "parallelization only (<why>)"
+    error: str = ""
+
+    def summary(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.collectives:
+            out[f"{c.kind}:{c.group}"] = out.get(f"{c.kind}:{c.group}", 0) + 1
+        return out
+
+
+@dataclass
+class Rehearsal:
+    target: str
+    layout: str
+    world: int
+    errors: list[str]  # divisibility and the check's own refusals: the layout cannot run as is
+    notes: list[str]
+    ranks: list[RankRehearsal]
+    hangs: list[str]
+    seconds: float = 0.0
+    plan_bytes: dict[str, float] = field(default_factory=dict)  # the plan's per-device figures, if any
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- the layout ---------------------------------------------------------------------------------
+
+
+def from_plan(b, mode: str, batch: int):
+    """``harness plan``'s layout (tp, pp, dp, ep, cp, ZeRO, recompute; ep carved from tp x dp) as
+    the parallel check's (``harness.parallel.layouts.Layout``: ep a data dimension of its own).
+    ZeRO-3 is fsdp; ep takes its ranks from the data dimension, so ep must divide it. A pipeline runs
+    one microbatch per sequence of a replica, as the plan counts them."""
+    from harness.parallel.layouts import Layout
+
+    data = "fsdp" if mode == "training" and b.zero >= 3 else "dp"
+    if b.ep > 1 and b.dp % b.ep:
+        raise ValueError(f"{b.name}: ep{b.ep} over the tp ranks is not a layout the parallel check applies "
+                         f"(its ep is a data dimension: ep must divide dp{b.dp})")
+    deg = {"tp": b.tp, "pp": b.pp, "cp": b.cp, "ep": b.ep, data: b.dp // b.ep}
+    zero = b.zero if mode == "training" and b.zero in (1, 2) else 0
+    return Layout(**{k: v for k, v in deg.items() if v > 1}, zero=zero, recompute=b.recompute,
+                  microbatches=max(1, -(-batch // b.dp)))
+
+
+def divisibility(cfg, lay, *, batch: int, context: int) -> list[str]:
+    """Every way ``lay`` does not divide the full-size model, by name (the first of each kind)."""
+    from harness.anatomy.moe import num_experts
+    from harness.inspect.flops import head_dims, text_config
+
+    cfg = text_config(cfg)
+    out = []
+    n_exp = num_experts(cfg) or 0
+    if lay.ep > 1 and not n_exp:
+        out.append(f"ep{lay.ep} on a model without experts")
+    elif lay.ep > 1 and n_exp % lay.ep:
+        out.append(f"{n_exp} experts over ep={lay.ep}: {n_exp % lay.ep} left over")
+    layers = int(cfg.num_hidden_layers)
+    if lay.pp > layers:
+        out.append(f"{layers} layers over pp={lay.pp} stages: {lay.pp - layers} stage(s) without a layer")
+    heads, kvh, _, _ = head_dims(cfg)
+    if lay.tp > 1 and heads % lay.tp:
+        out.append(f"{heads} attention heads over tp={lay.tp}")
+    if lay.tp > 1 and kvh % lay.tp and kvh != 1 and kvh != heads:
+        out.append(f"{kvh} key/value heads over tp={lay.tp}")
+    slices = lay.data_degree * (lay.microbatches if lay.pp > 1 else 1)
+    if batch % slices:
+        out.append(f"batch {batch} over {slices} slices (data ranks x microbatches)")
+    if lay.cp > 1 and context % (2 * lay.cp) and context % lay.cp:
+        out.append(f"context {context} over cp={lay.cp}")
+    return out
+
+
+def stage_note(cfg, lay) -> str:
+    """How split_stage divides the layers (uneven stages are legal, and the slowest sets the pace)."""
+    from harness.inspect.flops import text_config
+
+    n = int(text_config(cfg).num_hidden_layers)
+    if lay.pp < 2 or lay.pp > n:
+        return ""
+    bounds = [round(i * n / lay.pp) for i in range(lay.pp + 1)]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    return "" if len(set(sizes)) == 1 else (f"{n} layers over pp={lay.pp} stages leave uneven stages "
+                                            f"{'/'.join(map(str, sizes))}: the largest sets the pipeline's pace")
+
+
+def sample_ranks(lay, limit: int = MAX_SAMPLED_RANKS) -> list[int]:
+    """Every distinct position in the mesh, few ranks: rank 0; along each dimension its last index
+    (a different ep rank, tp rank, data replica ...) and, for pp, every stage (first, middle and last
+    hold different layers, embedding and head); and the last rank (every index last at once). Each
+    sampled rank shares a group with rank 0 along the dimension it differs in, which is what the
+    order check compares."""
+    names, sizes = lay.mesh_shape()
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+    out = {0, lay.world - 1}
+    for d, n, s in zip(names, sizes, strides, strict=True):
+        idx = range(n) if d == "pp" and n <= limit // 2 else (n - 1,)
+        out |= {i * s for i in idx}
+        out.add((n - 1) * s + (lay.world - 1) % s)  # the last rank's other coordinates, this one last
+    return sorted(out)[:limit]
+
+
+# --- one rank -----------------------------------------------------------------------------------
+
+
+class _Steps:
+    """The worker's status writer, reduced to the step the rank is in (collectives are tagged with it)."""
+
+    def __init__(self):
+        self.now = "parallelize"
+
+    def step(self, name: str) -> None:
+        self.now = name
+
+    def collective(self, name: str) -> None:
+        pass
+
+    def module(self, name: str) -> None:
+        pass
+
+
+def _group_ranks(args) -> tuple[int, ...] | None:
+    """The global ranks of the process group a collective's arguments name (a ProcessGroup object for
+    the c10d ops, a group name for the functional ones)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):  # c10d ops see the group boxed (and the ReduceOp too)
+            try:
+                a = dist.ProcessGroup.unbox(a)
+            except RuntimeError:
+                continue
+        if isinstance(a, dist.ProcessGroup):
+            return tuple(dist.get_process_group_ranks(a))
+        if isinstance(a, str):
+            try:
+                return tuple(dist.get_process_group_ranks(_resolve_process_group(a)))
+            except (ValueError, RuntimeError, KeyError):
+                continue
+    return None
+
+
+def _collective_log():
+    """A CommCounter (its op tables and DTensor rule) that also keeps each collective in order."""
+    from torch.utils._pytree import tree_leaves
+
+    from harness.parallel.comm import _COMM, CommCounter, _kind
+
+    class CollectiveLog(CommCounter):
+        def __init__(self, steps: _Steps, labels: dict[tuple[int, ...], str]):
+            super().__init__()
+            self.steps, self.labels, self.log = steps, labels, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            packet = getattr(func, "_overloadpacket", None)
+            if packet in _COMM and not any(getattr(t, "__name__", "") == "DTensor" for t in types):
+                ranks = _group_ranks(list(args) + list((kwargs or {}).values())) or ()
+                first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor)), None)
+                if first is not None:
+                    self.log.append(Collective(_kind(packet), self.labels.get(ranks, f"{len(ranks)} ranks"), ranks,
+                                               tuple(first.shape), str(first.dtype).removeprefix("torch."),
+                                               self.steps.now))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return CollectiveLog
+
+
+class _MetaValues:
+    """Answers for the forward's data-dependent operations on meta tensors (module docstring): a
+    boolean mask keeps everything (nonzero: every index), a bincount is the even split of what it
+    counts, and a count read back to the host (``tolist``, ``int``) is that split."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            split: list[int] = [1]
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                x = args[0] if args else None
+                if not (isinstance(x, torch.Tensor) and x.device.type == "meta"):
+                    return func(*args, **kwargs)
+                aten = torch.ops.aten
+                if func is aten.nonzero.default:
+                    return torch.empty(x.numel(), x.dim(), dtype=torch.int64, device="meta")
+                if func is aten.bincount.default:
+                    n = max(int(kwargs.get("minlength", args[2] if len(args) > 2 else 0)), 1)
+                    q, r = divmod(x.numel(), n)
+                    self.split = [q + (i < r) for i in range(n)]
+                    return torch.empty(n, dtype=torch.int64, device="meta")
+                if func is aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+                    if x.numel() == len(self.split):
+                        return torch.tensor(self.split, dtype=kwargs.get("dtype") or x.dtype)
+                    return torch.ones(x.shape, dtype=kwargs.get("dtype") or x.dtype)
+                if func is aten._local_scalar_dense.default:
+                    return max(self.split) if x.dtype in (torch.int64, torch.int32) else 1
+                return func(*args, **kwargs)
+
+        return Mode()
+
+
+def _labels(groups: dict) -> dict[tuple[int, ...], str]:
+    import torch.distributed as dist
+
+    out: dict[tuple[int, ...], str] = {}
+    for name, g in groups.items():
+        out.setdefault(tuple(dist.get_process_group_ranks(g)), name)
+    return out
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = getattr(t, "_local_tensor", t)
+    return t.numel() * t.element_size()
+
+
+def _state_bytes(s, rr: RankRehearsal) -> None:
+    """Parameters and gradients as this rank holds them (local shards), and Adam's float32 master
+    weights, m and v (12 B per local parameter, split by dp under ZeRO-1), as the plan counts them."""
+    seen, params = set(), 0
+    for p in s.wrapped.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        rr.param_bytes += _local_bytes(p)
+        params += getattr(p, "_local_tensor", p).numel()
+        if p.grad is not None:
+            rr.grad_bytes += _local_bytes(p.grad)
+    rr.optim_bytes = 12 * params // (s.lay.dp if s.lay.zero == 1 else 1)
+    if not rr.recorded.startswith("forward+backward"):
+        rr.grad_bytes = rr.param_bytes  # no backward ran: bf16 gradients the shape of the local shards
+
+
+def _build_step(model, cfg, lay, rank: int, batch: int, context: int, steps: _Steps):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from harness.parallel import worker
+
+    names, sizes = lay.mesh_shape()
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    groups = worker._subgroups(mesh, lay)
+    seqs = max(batch // lay.data_degree, 1)
+    ids = torch.zeros(seqs, context // lay.cp, dtype=torch.int64, device="meta")
+    full = torch.zeros(seqs, context, dtype=torch.int64, device="meta")
+    fwd = {}
+    if lay.cp > 1:
+        fwd = {"position_ids": torch.zeros(1, context // lay.cp, dtype=torch.int64, device="meta")}
+    log = _collective_log()(steps, _labels(groups))
+    return worker._Step(lay, model, mesh, groups, log, {"notes": []}, ids, full, fwd, lay.coords(rank)["cp"],
+                        0)
+
+
+def rehearse_rank(target, lay, rank: int, *, batch: int, context: int) -> RankRehearsal:
+    """One rank of ``lay`` at its real world size on the fake process group: parallelized by the
+    parallel check's steps, then its meta forward, backward and gradient reductions."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from harness.inspect.params import meta_model
+    from harness.parallel import worker
+
+    rr = RankRehearsal(rank, {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1})
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world)
+    try:
+        mc = target.model_config(False)
+        mc.config._experts_implementation = "batched_mm"  # no per-expert loop over routed tokens
+        model, _ = meta_model(target, pruned=False, dtype=torch.bfloat16, mc=mc)
+        model.train()
+        steps = _Steps()
+        s = _build_step(model, mc.config, lay, rank, batch, context, steps)
+        try:
+            worker.parallelize(s, {"capacity_factor": 0.0}, mc.config, lay.recompute)
+        except Exception as e:  # noqa: BLE001 - what the check's own steps refuse at this size is the finding
+            rr.error = f"parallelize: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            rr.collectives = list(s.counter.log)
+            return rr
+        if s.stage is not None:
+            _static_stage_meta(s, mc.config, batch // lay.data_degree, context // lay.cp)
+        _forward_backward(s, steps, rr)
+        _state_bytes(s, rr)
+    finally:
+        dist.destroy_process_group()
+    return rr
+
+
+def _forward_backward(s, steps: _Steps, rr: RankRehearsal) -> None:
+    from harness.parallel import worker
+
+    if s.lay.fsdp > 1 or s.lay.zero == 2:
+        # FSDP2 all-gathers into buffers on the mesh's device: real host memory at the full size.
+        rr.recorded = "parallelization only (FSDP2 gathers parameters into real buffers: not run on meta)"
+        rr.collectives = list(s.counter.log)
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    check = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda self: None  # meta is the point here
+    try:
+        with _MetaValues(), s.counter:
+            steps.step("forward")
+            worker.forward_backward(s, steps, s.lay.recompute)
+            steps.step("grad_sync")
+            worker.sync_gradients(s)
+        rr.recorded = "forward+backward"
+    except Exception as e:  # noqa: BLE001 - the meta forward's limit, reported, the parallelization still is
+        rr.recorded = (f"parallelization, then {steps.now} until {type(e).__name__}: "
+                       f"{(str(e).splitlines() or [''])[0][:160]}")
+    finally:
+        FSDPParamGroup._validate_no_meta_params = check
+    rr.collectives = list(s.counter.log)
+
+
+def _static_stage_meta(s, cfg, seqs: int, tokens: int) -> None:
+    """A pipeline stage learns its neighbours' shapes from them (metadata sent point to point and a
+    vote on whether to), which the fake process group cannot deliver: this stage is told its input and
+    output per microbatch instead (torch's static metadata; ids into the first stage, hidden states
+    between stages, logits out of the last), so the schedule runs without asking."""
+    from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
+
+    from harness.inspect.flops import text_config
+
+    cfg = text_config(cfg)
+    mb = max(seqs // s.lay.microbatches, 1)
+    hidden = torch.empty(mb, tokens, int(cfg.hidden_size), dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(mb, tokens, dtype=torch.int64, device="meta")
+    logits = torch.empty(mb, tokens, int(cfg.vocab_size), dtype=torch.bfloat16, device="meta")
+    st = s.stage
+    st._user_meta = _StageMeta(inputs=extract_tensor_metas((ids if st.is_first else hidden,)),
+                               outputs=extract_tensor_metas((logits if st.is_last else hidden,)),
+                               input_grads=None, output_grads=None)
+
+
+# --- every sampled rank, and the order check --------------------------------------------------------
+
+
+def order_mismatches(ranks: list[RankRehearsal]) -> list[str]:
+    """Ranks that share a group must issue the same collectives on it, in the same order: the first
+    difference per group is a predicted hang, named by the ranks, the position and the collective."""
+    by_group: dict[tuple[int, ...], dict[int, list[Collective]]] = {}
+    for rr in ranks:
+        for c in rr.collectives:
+            by_group.setdefault(c.ranks, {})
+    for key, seqs in by_group.items():
+        for rr in ranks:
+            if rr.rank in key and not rr.error:
+                seqs[rr.rank] = [c for c in rr.collectives if c.ranks == key]
+    out = []
+    for key, seqs in by_group.items():
+        items = sorted(seqs.items())
+        if len(items) < 2:
+            continue
+        r0, ref = items[0]
+        for r, seq in items[1:]:
+            why = _first_difference(r0, ref, r, seq)
+            if why:
+                out.append(f"predicted hang in group {ref[0].group if ref else seq[0].group} "
+                           f"({len(key)} ranks): {why}")
+                break
+    return out
+
+
+def _first_difference(r0: int, a: list[Collective], r: int, b: list[Collective]) -> str:
+    def sig(c: Collective) -> tuple:
+        return (c.kind, c.shape, c.dtype)
+
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if sig(x) != sig(y):
+            return f"collective #{i + 1}: rank {r0} issues {x.text()}, rank {r} issues {y.text()}"
+    if len(a) != len(b):
+        longer, n = (r0, a) if len(a) > len(b) else (r, b)
+        other = r if longer == r0 else r0
+        c = n[min(len(a), len(b))]
+        return (f"collective #{min(len(a), len(b)) + 1}: rank {longer} issues {c.text()}, rank {other} issues none "
+                f"({len(a)} vs {len(b)} on this group)")
+    return ""
+
+
+def rehearse(target, lay, *, batch: int, context: int, ranks: list[int] | None = None,
+             fault=None) -> Rehearsal:
+    """Rehearse ``lay`` (the parallel check's Layout) of ``target`` at its world size: divisibility,
+    the sampled ranks one after another in this process (the fake process group is set up per rank),
+    and the collective order across them. ``fault(rank, rr)`` may change a rank's record (the tests'
+    planted mismatch)."""
+    import dataclasses
+
+    from harness.parallel.layouts import ArchFacts, _combination_refusal
+
+    t0 = time.perf_counter()
+    cfg = target.model_config(False).config
+    errors = divisibility(cfg, lay, batch=batch, context=context)
+    notes = [n for n in [stage_note(cfg, lay)] if n]
+    refused = _combination_refusal(dataclasses.replace(lay, cp=1), ArchFacts(moe=False, num_layers=0), ())
+    if lay.cp > 1 and (lay.pp > 1 or lay.fsdp > 1 or lay.ep > 1 or lay.zero):
+        refused = "context parallelism combines with dp and tp only so far"
+    if refused:
+        notes.append(f"the parallel check refuses this combination at the pruned size: {refused}")
+    out = []
+    if not errors:
+        for r in ranks if ranks is not None else sample_ranks(lay):
+            rr = rehearse_rank(target, lay, r, batch=batch, context=context)
+            if fault is not None:
+                fault(r, rr)
+            out.append(rr)
+    rep = Rehearsal(target.name, lay.label, lay.world, errors, notes, out, order_mismatches(out))
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def render(rep: Rehearsal) -> str:
+    gib = 2**30
+    lines = [f"rehearsal of {rep.target} {rep.layout} at {rep.world} ranks (fake process group, meta device): "
+             f"{len(rep.ranks)} sampled ranks in {rep.seconds:.1f} s"]
+    lines += [f"  divisibility error: {e}" for e in rep.errors] + [f"  note: {n}" for n in rep.notes]
+    for rr in rep.ranks:
+        coords = " ".join(f"{k}{v}" for k, v in rr.coords.items())
+        if rr.error:
+            lines.append(f"  rank {rr.rank:>5} [{coords}]: {rr.error}")
+            continue
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(rr.summary().items()))
+        lines.append(f"  rank {rr.rank:>5} [{coords}]: params {rr.param_bytes / gib:.2f} GiB, grads "
+                     f"{rr.grad_bytes / gib:.2f} GiB, Adam {rr.optim_bytes / gib:.2f} GiB; "
+                     f"{len(rr.collectives)} collectives ({counts or 'none'}); recorded: {rr.recorded}")
+    lines += [f"  {h}" for h in rep.hangs]
+    lines += _against_plan(rep)
+    ok = not (rep.errors or rep.hangs or any(r.error for r in rep.ranks))
+    lines.append("rehearsal: " + ("no divisibility error, no collective-order mismatch" if ok else
+                                  f"{len(rep.errors)} divisibility error(s), {len(rep.hangs)} predicted hang(s), "
+                                  f"{sum(bool(r.error) for r in rep.ranks)} rank(s) failed to parallelize"))
+    return "\n".join(lines)
+
+
+def _against_plan(rep: Rehearsal) -> list[str]:
+    """The plan's per-device weights / gradients / optimizer state against the largest rehearsed rank."""
+    ok = [r for r in rep.ranks if not r.error]
+    if not (rep.plan_bytes and ok):
+        return []
+    out = []
+    for key, attr in (("weights", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer", "optim_bytes")):
+        planned, got = rep.plan_bytes.get(key, 0.0), max(getattr(r, attr) for r in ok)
+        if got:
+            out.append(f"  plan vs rehearsal, {key} per device (largest rank): {planned / 2**30:.2f} vs "
+                       f"{got / 2**30:.2f} GiB ({(planned - got) / got:+.1%})")
+    return out
