@@ -13,6 +13,7 @@ Read top to bottom, the pipeline is:
 ``issues``    grouping, fingerprints and the plan of issue actions
 ``body``      the markdown of an issue (tables, first divergent module, logs; size-capped)
 ``scrub``     @mentions and secrets out of everything posted
+``limits``    GitHub's documented size limits (comment 65,536 characters, job summary 1 MiB) and fitting to them
 ``sinks``     where the plan goes: GitHub (``github_client``, the only networked module), files, stdout
 ``errors``    what every sink raises
 ``triage``    whose each failure is: new in the change, main's, flaky, the runner's
