@@ -14,5 +14,7 @@
 * ``timing``   - step time, time inside collectives and its exposed part, one rank's step, a bandwidth probe;
 * ``reference``- the single-process reference (logits, loss, gradients, weights after one step);
 * ``compare``  - equivalence and localization (first diverging module, ranks, worst gradient);
-* ``plan``     - ``harness plan``: feasible layouts of the full-size model, ranked.
+* ``plan``     - ``harness plan``: feasible layouts of the full-size model, ranked;
+* ``rehearse`` - ``harness plan --rehearse``: the full-size model parallelized on the meta device under a
+  fake process group at the real world size: divisibility, per-rank bytes, collective order.
 """
