@@ -338,6 +338,10 @@ def run(args) -> int:
     if args.suites_dir:
         record_suites_dir(Path(args.suites_dir))
     print(f"wrote {path}")
+    from harness.models.prune import ratio_changes_of
+
+    for line in ratio_changes_of(path.read_text()):  # a published ratio not kept: said here too
+        print(f"note: {line}")
     if args.no_validate:
         return 0
     ok, msg = validate(path)

@@ -2,7 +2,9 @@
 
 Nothing here lists models. Every rule reads the *shape* of the config.json:
 
-* **layers**: each layer gets a *kind*, the tuple of everything the config says about that layer:
+* **layers**: the count is a count key's (``num_hidden_layers``...) or, where the config has none, the
+  length of its per-layer type list (``layers_block_type``). Each layer gets a *kind*, the tuple of
+  everything the config says about that layer:
   per-layer lists (``layer_types``, ``moe_layer_freq``, ``compress_ratios``, nested ones too), pattern
   strings (``hybrid_override_pattern``: one character per layer), index lists (``mlp_only_layers``)
   and the periodic integers transformers turns into per-layer choices (``first_k_dense_replace``,
@@ -16,9 +18,13 @@ Nothing here lists models. Every rule reads the *shape* of the config.json:
   and for every layer of a per-layer head list (``num_attention_heads_per_layer``: each layer's own ratio);
   all head dims (``head_dim``, ``*_head_dim``, ``rotary_dim``, ``global_head_dim``) shrink by *one*
   power-of-two factor so that rope/nope/value splits and ``qk_head_dim = nope + rope`` stay consistent,
-  and ``mrope_section`` is rescaled to the new rotary half-width; other head counts and groups
-  (indexer, Mamba, linear attention) shrink by one common factor, keeping their ratios; MLA/LoRA ranks
-  32; MLP widths 128 (dense) / 32 (experts); SSM state 16.
+  and ``mrope_section`` is rescaled to the new rotary half-width; every other published ratio a kernel
+  groups heads by is kept exactly: the query heads' ratio to a per-layer-type KV count
+  (``num_global_key_value_heads``) and to output groups (``o_groups``), linear-attention value:key heads,
+  Mamba heads per group (``GROUP_RATIOS``); a ratio that cannot be kept is a ``ratio changed:`` line
+  of the suite comment, from what to what and why, and `harness init` prints it. Other head counts
+  (indexer) shrink by one common factor; MLA/LoRA ranks 32; MLP widths 128 (dense) / 32 (experts);
+  SSM state 16.
 * **MoE**: 8 routed experts (fewer if the model has fewer), top-2, 1 shared expert if it had any,
   group-limited routing kept as 4 groups / top-2 groups.
 * **vocabulary** 512 (token ids in the config are remapped by the loader).
@@ -61,14 +67,43 @@ class Plan:
     part: str | None = None  # "text_config" when the suite tests the decoder of a wrapper
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def ratio_changes(self) -> list[str]:
+        """The comment lines naming a published ratio the pruned model does not keep."""
+        return [w for w in self.why if w.startswith(RATIO_CHANGED)]
+
 
 # --- layers ---------------------------------------------------------------------------------------
 
 def _num_layers(d: dict) -> tuple[str | None, int]:
+    """(the key the layer count comes from, the count): a count key, else the per-layer list or pattern
+    it is the length of (``_layer_list``)."""
     for k in LAYER_KEYS:
         if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > 0:
             return k, d[k]
-    return None, 0
+    return _layer_list(d)
+
+
+def _layer_list(d: dict) -> tuple[str | None, int]:
+    """A config with no layer count: the longest per-layer type list (``layers_block_type``) or layer
+    pattern string (``hybrid_override_pattern``), the length transformers takes as the count.
+
+    Nemotron-3-Ultra's config.json has only a 108-entry ``layers_block_type``: read for a count key
+    alone, it was not pruned at all, and its float64 golden compounded to activations of ~1e32 and
+    logits of exactly 0 (issue #50). A multi-token-prediction list (``mtp_layers_block_type``) is the
+    MTP layers', not the decoder's."""
+    found = []
+    for k, v in d.items():
+        if re.search(r"(^|_)(mtp|nextn)(_|$)", k) or not re.search(r"layer|block|pattern", k):
+            continue
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v) and re.search(r"types?$", k):
+            found.append((len(v), k))
+        elif isinstance(v, str) and k.endswith("pattern") and re.fullmatch(r"[A-Za-z*\-]+", v):
+            found.append((len(v), k))
+    if not found:
+        return None, 0
+    n, k = max(found)
+    return k, n
 
 
 def _is_ints(v) -> bool:
@@ -177,22 +212,14 @@ def plan_layers(d: dict, values: dict | None = None) -> tuple[dict, list[str]]:
         if set(tk[:tm]) == original and tm < m:
             feats, kinds, m = trial, tk, tm
     m = min(n, max(m, 2))
-    up: dict = {key: m}
-    for fk, ft, fv in feats:
-        if ft == "list":
-            fv = (values or {}).get(fk, fv)
-            up[fk] = list(fv[:m]) + list(fv[n:])
-        elif ft == "pattern":
-            up[fk] = fv[:m]
-        elif ft == "index":
-            up[fk] = [i for i in fv if i < m]
-        elif ft == "below" and fk in PREFIX_COUNTS:
-            up[fk] = min(fv, m)
-        elif ft == "below":
-            up[fk] = min(fv, m)
+    # a count key is written; a count that is a list's length follows the list, cut below
+    up: dict = {key: m} if isinstance(d.get(key), int) else {}
+    up.update(_cut(feats, m, n, values or {}))
     why = [f"layers: the first {m} of {n}, the shortest prefix that holds every distinct layer kind "
            f"({len(original)} kind{'s' if len(original) != 1 else ''}" +
            (f" from {', '.join(sorted({f[0] for f in feats}))})" if feats else ")")]
+    if not isinstance(d.get(key), int):
+        why.append(f"  the config has no layer count: {n} is the length of {key}, cut to {m}")
     if derived:
         why.append(f"  written out explicitly ({', '.join(sorted(derived))}): transformers derives them from "
                    "defaults the config.json leaves out")
@@ -200,6 +227,22 @@ def plan_layers(d: dict, values: dict | None = None) -> tuple[dict, list[str]]:
         desc = ", ".join(f"{fk}={_show(_feature_at(ft, fv, i), ft, fv)}" for fk, ft, fv in feats)
         why.append(f"  layer {i}: {desc or 'same kind as every other layer'}")
     return up, why
+
+
+def _cut(feats, m: int, n: int, values: dict) -> dict:
+    """Every per-layer feature cut to the first ``m`` of ``n`` layers (entries past ``n`` kept)."""
+    up: dict = {}
+    for fk, ft, fv in feats:
+        if ft == "list":
+            fv = values.get(fk, fv)
+            up[fk] = list(fv[:m]) + list(fv[n:])
+        elif ft == "pattern":
+            up[fk] = fv[:m]
+        elif ft == "index":
+            up[fk] = [i for i in fv if i < m]
+        elif ft == "below":
+            up[fk] = min(fv, m)
+    return up
 
 
 def _show(val, ftype, fv) -> str:
@@ -288,6 +331,11 @@ def _per_layer_heads(d: dict, up: dict) -> tuple[dict, list[str]]:
                    + ", ".join(f"{h // kv if kv and h % kv == 0 else 1}:1" for h, kv in pub)
                    + f" GQA) -> {sorted(set(new_q))} query / {sorted(set(new_kv))} KV heads, each layer's ratio kept"
                    + (f" (ratio capped at {MAX_GQA_RATIO}:1)" if capped else ""))
+        if capped:
+            over = sorted({h // kv for h, kv in pub if kv and h // kv > MAX_GQA_RATIO})
+            why.append(f"{RATIO_CHANGED} {k} query:KV heads {', '.join(f'{r}:1' for r in over)} -> "
+                       f"{MAX_GQA_RATIO}:1 on those layers (capped: more than {MAX_GQA_RATIO} query heads per KV "
+                       "head made a pruned float64 golden take minutes)")
     return out, why
 
 
@@ -314,6 +362,8 @@ def plan_widths(d: dict, *, width: int, mlp: int, expert_mlp: int, vision: bool 
         why += lw
     if vision and "num_heads" in d and isinstance(d["num_heads"], int):
         up["num_heads"] = 2
+    if not vision:
+        _keep_group_ratios(d, up, why)
     _shrink_other_heads(d, up)
     hd_keys = _shrink_head_dims(d, up, why, vision)
     if vision:
@@ -341,7 +391,9 @@ def _shrink_hidden(d: dict, up: dict, width: int, vision: bool) -> None:
 
 
 def _shrink_attention_heads(d: dict, up: dict, why: list[str], vision: bool) -> None:
-    """Every attention flavour: <prefix>num_attention_heads with <prefix>num_key_value_heads, GQA ratio kept."""
+    """Every attention flavour: <prefix>num_attention_heads with <prefix>num_key_value_heads, GQA ratio
+    kept; the main flavour's query heads also keep their ratio to every other count that divides them
+    (``_query_divisors``), and its KV heads to every other query count over them (``_kv_sharers``)."""
     for k, v in d.items():
         if not (k.endswith("num_attention_heads") and isinstance(v, int) and v > 0):
             continue
@@ -349,13 +401,117 @@ def _shrink_attention_heads(d: dict, up: dict, why: list[str], vision: bool) -> 
         kv_key = pre + "num_key_value_heads"
         kv = d.get(kv_key) if isinstance(d.get(kv_key), int) else v
         q, kvn, ratio = _gqa(v, kv)
+        divisors = {} if vision or pre else _query_divisors(d)
+        if divisors:
+            q = _joint_query_heads(v, q, ratio, divisors)
+            kvn = q // min(ratio, MAX_GQA_RATIO)
         up[k] = q
         if kv_key in d and d[kv_key] is not None:
             up[kv_key] = kvn
-        if not vision:
-            why.append(f"{k}: {v}:{kv} ({ratio}:1 GQA) -> {q} query / {kvn} KV heads" +
-                       (f" (ratio capped at {MAX_GQA_RATIO}:1)" if ratio > MAX_GQA_RATIO else "")
-                       + ("" if v % kv == 0 else f" ({v}:{kv} is not a whole ratio: kept as 1:1)"))
+        if vision:
+            continue
+        why.append(f"{k}: {v}:{kv} ({ratio}:1 GQA) -> {q} query / {kvn} KV heads" +
+                   (f" (ratio capped at {MAX_GQA_RATIO}:1)" if ratio > MAX_GQA_RATIO else ""))
+        if ratio > MAX_GQA_RATIO:
+            why.append(f"{RATIO_CHANGED} {k} query:KV heads {ratio}:1 -> {MAX_GQA_RATIO}:1 (capped: more than "
+                       f"{MAX_GQA_RATIO} query heads per KV head made a pruned float64 golden take minutes)")
+        for dk, dv in divisors.items():
+            _say_ratio(why, f"{k}:{dk}", v, dv, q, _set(up, dk, max(1, q // (v // dv)) if v % dv == 0 else 1),
+                       f"{q} query heads is no multiple of {v // dv}" if v % dv == 0 else "not a whole ratio")
+        if not pre and kv_key in d:
+            _kv_sharers(d, up, why, kv, kvn)
+
+
+# The counts beside ``num_attention_heads`` / ``num_key_value_heads`` that a kernel groups query heads
+# by: a per-layer-type KV count (Gemma 4's ``num_global_key_value_heads``: 16 query heads over 2 on the
+# global layers, 8:1, and over 8 on the sliding ones, 2:1) and output-projection groups (DeepSeek-V4's
+# ``o_groups``: 8 query heads per group). Pruned apart, Gemma 4's 8:1 became 2:1 and a 31B's 1:1.
+QUERY_DIVISORS = re.compile(r"num_(?!key_value)\w+_key_value_heads|o_groups")
+# ... and query counts over the main KV heads (Step-3.7's ``num_sliding_attention_heads``).
+KV_SHARERS = re.compile(r"num_\w+_attention_heads")
+RATIO_CHANGED = "ratio changed:"  # the suite comment's marker; `harness init` prints these lines
+
+
+def _pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _set(up: dict, k: str, v: int) -> int:
+    up[k] = v
+    return v
+
+
+def _query_divisors(d: dict) -> dict[str, int]:
+    return {k: v for k, v in d.items() if _pos_int(v) and QUERY_DIVISORS.fullmatch(k)
+            and ("key_value" not in k or k.replace("key_value", "attention") not in d)}
+
+
+def _joint_query_heads(heads: int, q: int, ratio: int, divisors: dict[str, int]) -> int:
+    """Pruned query heads that every published ratio divides: their least common multiple (twice it
+    where that is 4 or less, as for GQA alone); ``q`` (GQA's own choice) where that is over
+    MAX_GQA_RATIO or the published head count."""
+    ratios = [min(ratio, MAX_GQA_RATIO)] + [heads // v for v in divisors.values() if heads % v == 0]
+    lcm = math.lcm(*ratios)
+    if lcm > MAX_GQA_RATIO or lcm > heads:
+        return q
+    return 2 * lcm if lcm <= 4 and 2 * lcm <= heads else lcm
+
+
+def _kv_sharers(d: dict, up: dict, why: list[str], kv: int, kvn: int) -> None:
+    """Query counts of another layer type over the main KV heads: each keeps its ratio to them."""
+    for k, v in d.items():
+        if not (_pos_int(v) and KV_SHARERS.fullmatch(k) and k.replace("attention", "key_value") not in d):
+            continue
+        r = v // kv if v % kv == 0 else 0
+        new = _set(up, k, kvn * min(r, MAX_GQA_RATIO) if r else kvn)
+        _say_ratio(why, f"{k}:num_key_value_heads", v, kv, new, kvn,
+                   f"capped at {MAX_GQA_RATIO}:1" if r else "not a whole ratio")
+
+
+def _ratio(a: int, b: int) -> str:
+    g = math.gcd(a, b) or 1
+    return f"{a // g}:{b // g}"
+
+
+def _say_ratio(why: list[str], what: str, a: int, b: int, na: int, nb: int, reason: str) -> None:
+    """One comment line: the published ratio a:b kept as na:nb, or a ``ratio changed:`` line saying why not."""
+    if a * nb == na * b:
+        why.append(f"{what}: {a}:{b} -> {na}:{nb}, ratio {_ratio(a, b)} kept")
+    else:
+        why.append(f"{RATIO_CHANGED} {what} {_ratio(a, b)} -> {_ratio(na, nb)} ({a}:{b} -> {na}:{nb}: {reason})")
+
+
+# Other pairs of counts whose ratio a kernel groups by, by transformers' naming conventions: (keys of
+# the many, keys of the few, what). Shrunk by one common factor with the other head counts, they
+# changed: Qwen3.5-27B's linear-attention value:key heads 48:16 (3:1) became 4:1, Nemotron-3's Mamba
+# heads per group 64:8 (8) became 4 (issue #50).
+GROUP_RATIOS = (
+    (("linear_num_value_heads",), ("linear_num_key_heads",), "linear-attention value:key heads"),
+    (("indexer_n_heads",), ("indexer_kv_heads",), "indexer query:KV heads"),
+    (("mamba_num_heads", "mamba_n_heads", "n_mamba_heads", "num_heads"), ("n_groups", "mamba_n_groups", "mamba_ngroups"),
+     "Mamba heads:groups"),
+)
+# Above this many per group a pair keeps this many (said): 64 Mamba heads of head dim 16 are still a
+# small pruned model; the largest published here is Nemotron-3-Ultra's 32 per group.
+MAX_GROUP_RATIO = 64
+
+
+def _keep_group_ratios(d: dict, up: dict, why: list[str]) -> None:
+    """Each GROUP_RATIOS pair: its ratio in lowest terms x:y, with 2y of the few up to 4:1 (as GQA's KV
+    heads), y above; a ratio over MAX_GROUP_RATIO keeps MAX_GROUP_RATIO, said."""
+    for manys, fews, what in GROUP_RATIOS:
+        a = next((k for k in manys if _pos_int(d.get(k)) and k not in up), None)
+        b = next((k for k in fews if _pos_int(d.get(k)) and k not in up), None)
+        if a is None or b is None:
+            continue
+        g = math.gcd(d[a], d[b])
+        x, y = d[a] // g, d[b] // g
+        capped = x > MAX_GROUP_RATIO * y
+        if capped:
+            x, y = MAX_GROUP_RATIO, 1
+        c = 2 if x <= 4 * y and 2 * x <= d[a] and 2 * y <= d[b] else 1
+        up[a], up[b] = c * x, c * y
+        _say_ratio(why, f"{what} ({a}:{b})", d[a], d[b], up[a], up[b], f"capped at {MAX_GROUP_RATIO}:1")
 
 
 def _shrink_other_heads(d: dict, up: dict) -> None:
@@ -534,6 +690,13 @@ def choose_prune(raw: dict) -> tuple[dict, list[str]]:
     """(prune keys, comments explaining them) for a published config.json dict."""
     plan = plan_config(raw)
     return plan.prune, plan.why
+
+
+def ratio_changes_of(suite_text: str) -> list[str]:
+    """The ``ratio changed:`` lines of a written suite's comment (what `harness init` prints: a ratio
+    the pruned model does not keep is said where its reader looks, not only in the file)."""
+    return [RATIO_CHANGED + line.split(RATIO_CHANGED, 1)[1] for line in suite_text.splitlines()
+            if line.startswith("#") and RATIO_CHANGED in line]
 
 
 def _toml_ready(v, where: str):

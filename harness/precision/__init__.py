@@ -1,6 +1,7 @@
 """Precision: everything judged against the float64 reference (docs/precision.md).
 
 * ``generate``      ``harness golden generate``: the reference run, its budgets, the golden written;
+* ``degenerate``    a reference that says nothing (non-finite, vanishing, unbounded, flat top-k): refused;
 * ``compare``       per-module metrics of a target against a golden; ``tolerance`` the defaults per dtype;
 * ``signed``        the signed-error (bias) test and the golden's ``signed_error`` section;
 * ``backward``      the golden's ``training`` section: gradients, optimizer, loss trajectory (training check);

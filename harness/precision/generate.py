@@ -21,6 +21,22 @@ class ReferenceError(Exception):
     pass
 
 
+class DegenerateReference(store.GoldenError):
+    """The reference says nothing (harness.precision.degenerate): refused, nothing written. A
+    GoldenError, so `golden generate` says it for this suite in one line and goes on to the next."""
+
+
+def refuse_degenerate(ls: LoadedSuite, info: dict, outputs: dict, generation: dict | None = None) -> None:
+    from harness.precision.degenerate import why_degenerate
+
+    why = why_degenerate(outputs, generation)
+    if why:
+        raise DegenerateReference(
+            f"{ls.name}: refused, its {info['backend']}:{info['dtype']} reference says nothing: {why}; no golden "
+            "written (every check compared with it would pass at an error of 0: is the model pruned, see the "
+            "suite's [prune], and its initialisation in range?)")
+
+
 def parse_reference(spec: str) -> tuple[str, str]:
     backend, sep, dtype = spec.partition(":")
     from harness.models.build import DTYPES
@@ -147,7 +163,9 @@ def build_golden(ls: LoadedSuite, reference: str | None = None, ids: torch.Tenso
     record = p.golden_mode == "full"
     outs, cap = capture_with_inputs(model, ids.to(dev), p.capture, inputs=record,
                                     convert=lambda x: x.detach().to("cpu"))
+    refuse_degenerate(ls, info, outs)  # before generation and budgets spend minutes on it
     gen = greedy(model, ids.to(dev), p.generate_tokens)
+    refuse_degenerate(ls, info, outs, gen)
     packed, meta = store.pack(outs, p.golden_mode, p.sample_size, cap.input_tensors if record else None)
     manifest = {
         "format": store.FORMAT, "suite": ls.name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -96,7 +96,7 @@ def test_plan_keeps_every_layer_kind_and_cuts_every_per_layer_field(config):
     apply_prune(pruned, PruneSection.model_validate(plan.prune))
     pruned = pruned[part] if part and not plan.part else pruned
     key, n = _num_layers(text)
-    m = pruned[key]
+    m = pruned[key] if isinstance(pruned[key], int) else len(pruned[key])  # a count, or the list it is the length of
     assert 2 <= m <= 8, f"{m} layers kept"
     # every list / pattern whose length followed the layer count now follows the pruned one
     for k, v in text.items():
@@ -297,6 +297,11 @@ COVERED = {
     "Kimi-K2.5": "init and the wrapper item through the CLI in tests/models/test_wrappers.py",
     "LFM2-VL-450M": "its wrapper end to end in tests/models/test_wrappers.py",
     "Qwen3-VL-30B-A3B-Instruct": "its wrapper end to end in tests/models/test_wrappers.py (its run: 70-140 s)",
+    "Nemotron-3-Ultra-550B-A55B-BF16": "init (layer count from layers_block_type alone, 32 Mamba heads per group, "
+                                       "its 32:1 GQA's cap printed) in tests/models/test_prune_ratios.py; its "
+                                       "architecture's pipeline is Nemotron-3-Nano's (decode, in tests/checks/test_decode.py)",
+    "Qwen3.5-27B": "its 3:1 linear-attention value:key heads kept, built and run in tests/models/test_prune_ratios.py; "
+                   "its architecture's pipeline is Qwen3.5-35B-A3B's",
     "Llama-4-Scout-17B-16E-Instruct": "init and the wrapper's refusal in tests/models/test_wrappers.py; its cp "
                                       "refusal (chunked attention) in tests/parallel/test_cp.py",
 }
