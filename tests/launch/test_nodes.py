@@ -165,3 +165,24 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_on_a_fresh_one(tmp_path, m
             assert launch.endpoint.endswith(f":{picks[1]}")
     finally:
         blocker.close()
+
+
+def test_a_multi_node_launch_killed_at_its_limit_leaves_nothing_on_any_node(tmp_path):
+    # every rank loops in collectives; the launch is killed at its time limit: no process of it is left,
+    # on this host or in node 1's namespace (whose processes are listed by `ip netns pids`)
+    import subprocess
+
+    run = tmp_path / "coordinator"
+    with netns_nodes(2) as nodes, NodeLaunch(_spec(run, LOOP), nodes, join_timeout_s=120) as launch:
+        t0 = time.monotonic()
+
+        def progress():
+            got = list((run / "in").glob("rank*.json")) if (run / "in").exists() else []
+            return None if len(got) < 4 else "looping"  # then no change: killed on no progress after 3 s
+
+        end = launch.wait(deadline_s=240, stall_s=3, startup_s=200, progress=progress)
+        ns = nodes.nodes[1].prefix[3]
+        left = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        tokens = [g.token for g in launch.groups]
+    assert end.how == "stalled" and time.monotonic() - t0 < 240, end
+    assert left == [] and all(tree.marked(t) == [] for t in tokens), (left, tokens)
