@@ -417,16 +417,33 @@ def _said(r: Row) -> str:
 
 
 def _lead(ctx: CheckContext, st, first: Row) -> str:
-    """The failure's opening: what differs, and whether the prefill agrees."""
+    """The failure's opening: what differs, and whether the prefill agrees (the padded batch: whether
+    the pads matter)."""
     if st.variant == "padded":
-        pads = int((st.section.tensors["padded.mask"][first.row] == 0).sum())
-        return f"left-padded batch: row {first.row} ({pads} pads) decodes otherwise than alone with its cache"
+        return _padded_lead(st)
     b = st.budgets["prefill"]
     if st.prefill is not None and b is not None and st.prefill <= b:
         return "cached decode differs from the reference while the prefill agrees"
     return (f"cached decode differs from the reference; the prefill already differs (logits rel_rmse "
             f"{st.prefill:.3g} > {b:.3g})" if st.prefill is not None and b is not None else
             "cached decode differs from the reference")
+
+
+def _padded_lead(st) -> str:
+    """The padded-batch framing only where the pads matter: the rows with pads differ from themselves
+    alone while every pad-free row matches. A fault a pad-free row shows too (a value cache stored
+    wrong) is the cache's, and the lead says so; the step and module follow it either way."""
+    pads = (st.section.tensors["padded.mask"] == 0).sum(1).tolist()
+    at = st.section.entry.get("attention_layers") or []
+    bad = [b for b in range(len(pads)) if not all(
+        r.ok for r in rows_of({k: v[b:b + 1] for k, v in st.errs.items()}, st.budgets["reference"], "reference", at))]
+    free = [b for b, p in enumerate(pads) if p == 0]
+    if bad and free and all(pads[b] for b in bad):
+        return (f"left-padded batch: row {bad[0]} ({pads[bad[0]]} pads) decodes otherwise than alone with its cache "
+                f"while the pad-free row(s) {free} match")
+    shown = [b for b in bad if pads[b] == 0]
+    return "cached decode differs from the reference" + (
+        f" in pad-free row(s) {shown} of the left-padded batch too: the cache, not the padding" if shown else "")
 
 
 def _table(bad: list[Row]) -> str:

@@ -647,7 +647,21 @@ def _compare_float64(v, ref64: dict | None, ranks, dtype: str) -> None:
         clean = ref64[worst[0]][1]
         v.failed.append(f"{kind}s differ from the float64 reference: worst {name} (error {worst[2]:.3g} > budget "
                         f"{worst[3]:.3g} = {F64_K:g} x the single-process {dtype} run's own {clean:.3g} + {floor:.3g}) "
-                        f"on rank(s) {worst[4]}: the layout's kernels, not its reduction order")
+                        f"on rank(s) {worst[4]}: {_f64_cause(v, kind, dtype)}")
+
+
+def _f64_cause(v, kind: str, dtype: str) -> str:
+    """What the float64 comparison's failure points at, from what else was measured: a forward that
+    diverged; gradients that also differ from the single-process run in the same dtype while the forward
+    agrees (only the reduction lies between them: the fault of a dp/fsdp gradient); else the kernels."""
+    if v.first_module:
+        return f"downstream of the forward's divergence at {v.first_module}"
+    if any(f.startswith("grads differ:") for f in v.failed):
+        return (f"the layout's gradient reduction: every forward output agrees and the reduced gradients differ "
+                f"from the single-process {dtype} run's too")
+    if kind == "weight" and any(f.startswith("weights differ:") for f in v.failed):
+        return "the optimizer step or its parameter broadcast (the gradients agree)"
+    return "the layout's kernels, not its reduction order"
 
 
 class _Routing:
@@ -708,13 +722,17 @@ def _apply_routing(v, routing, order: list[str]) -> None:
     if routing is None or routing.judgement is None or not routing.judgement.wide:
         return
     j = routing.judgement
-    v.failed[:0] = j.wide
-    if j.first_wide is None:  # wide flips in the forward after the step only: the weights diverged
-        return
     pos = {n: i for i, n in enumerate(order)}
-    if v.first_module is None or pos.get(j.first_wide, len(order)) < pos.get(v.first_module, len(order)):
+    if j.first_wide is not None and (v.first_module is None
+                                     or pos.get(j.first_wide, len(order)) < pos.get(v.first_module, len(order))):
         v.first_module, v.first_module_ranks = j.first_wide, j.wide_ranks
         v.first_module_error = float("nan")
+    # The flips lead the symptoms where a router is the root cause; after a module before it diverged
+    # (or with the weights only: flips in the forward after the step) they are its consequences.
+    if v.first_module == j.first_wide:
+        v.failed[:0] = j.wide
+    else:
+        v.failed.extend(j.wide)
 
 
 def _logs(d: Path | None) -> str | None:

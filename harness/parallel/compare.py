@@ -267,16 +267,20 @@ def localize(v: Verdict, ref: dict, order: list[str], lay: Layout, ranks: list[R
 
 
 def describe(v: Verdict, lay: Layout) -> str:
-    msg = f"layout {lay.label} differs from the single-process reference: " + "; ".join(v.failed)
+    """The root cause first - the first diverging module and its ranks; with every forward output
+    right, the gradient (else the weight) furthest off and its ranks - then the symptoms: the
+    results over tolerance, router flips at a wide margin."""
+    grad = (f"Gradient furthest off: {v.worst_grad[0]}" + (f" on rank(s) {v.worst_grad[2]}" if v.worst_grad[2] else "")
+            + f" (error {v.worst_grad[1]:.3g})") if v.worst_grad and v.worst_grad[0] else ""
+    # Weights off with gradients right: the optimizer step or its parameter broadcast.
+    weight = (f"Weight furthest off: {v.worst_weight[0]} on rank(s) {v.worst_weight[2]} (error {v.worst_weight[1]:.3g})"
+              if v.worst_weight and v.worst_weight[2] else "")
     if v.first_module:
         how = ("routing at a wide margin" if v.first_module_error != v.first_module_error
                else f"error {v.first_module_error:.3g}")
-        msg += f". First diverging module: {v.first_module} on rank(s) {v.first_module_ranks} ({how})"
+        lead = [f"First diverging module: {v.first_module} on rank(s) {v.first_module_ranks} ({how})"]
     else:
-        msg += ". Every module's forward output agrees"
-    if v.worst_grad and v.worst_grad[0]:
-        msg += f". Gradient furthest off: {v.worst_grad[0]} (error {v.worst_grad[1]:.3g})"
-    if v.worst_weight and v.worst_weight[2]:
-        # Weights off with gradients right: the optimizer step or its parameter broadcast.
-        msg += f". Weight furthest off: {v.worst_weight[0]} on rank(s) {v.worst_weight[2]} (error {v.worst_weight[1]:.3g})"
-    return msg
+        lead = ["Every module's forward output agrees", grad if v.worst_grad and v.worst_grad[2] else weight]
+    tail = [x for x in (grad, weight) if x and x not in lead]
+    return (f"layout {lay.label}: " + ". ".join(x for x in lead if x) + ". Differs from the single-process reference: "
+            + "; ".join(v.failed) + "".join(f". {x}" for x in tail))

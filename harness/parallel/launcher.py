@@ -121,26 +121,31 @@ def _hang_message(lay: Layout, sts: list[RankStatus], timeout_s: float) -> str:
     here = [s for s in sts if s.layout == lay.label] or sts
     computing = [s for s in here if not s.collective]
     waiting = [s for s in here if s.collective]
-    parts = []
-    if computing and waiting:
-        parts.append("hung rank(s) " + "; ".join(s.describe() for s in computing))
-        parts.append("waiting for it: " + "; ".join(s.describe() for s in waiting))
-    else:
-        parts.append("; ".join(s.describe() for s in here))
-    return (f"layout {lay.label}: no progress within the {timeout_s:g} s time limit; the launch was killed with "
-            f"its process group. " + ". ".join(parts))
+    if not waiting:
+        # No rank in a collective the status sees (DTensor's all-reduce inside a tp module is not one):
+        # the hung rank is the one its peers went past - they entered a module inside its last one.
+        behind = [s for s in here if s.module and all(
+            o is s or (o.step == s.step and o.module.startswith(s.module + ".")) for o in here)]
+        if behind and len(behind) < len(here):
+            computing, waiting = behind, [s for s in here if s not in behind]
+    limit = f"no progress within the {timeout_s:g} s time limit; the launch was killed with its process group"
+    if computing and waiting:  # the lead: who stopped, then who waits for it, then the time limit
+        return (f"layout {lay.label}: hung rank(s) " + "; ".join(s.describe() for s in computing)
+                + ". Waiting for it: " + "; ".join(s.describe() for s in waiting) + f". {limit}")
+    return f"layout {lay.label}: {limit}. " + "; ".join(s.describe() for s in here)
 
 
 def _crash_message(lay: Layout, sts: list[RankStatus], exits: dict[int, dict], errors: dict[int, dict]) -> str:
     by_rank = {s.rank: s for s in sts}
     first = []
-    for r, e in sorted(errors.items()):
-        where = f"step {e['step']}" + (f", inside collective {e['collective']}" if e.get("collective") else "")
-        first.append(f"rank {r} raised {e['error'].splitlines()[0][:300]} ({where})")
+    # A rank killed by a signal first: its peers' errors (gloo "connection reset by peer") follow from it.
     for r, x in sorted(exits.items()):
         if x.get("signal") and not x.get("stopped_by_launcher") and r not in errors:
             s = by_rank.get(r)
             first.append(f"rank {r} crashed with {x['signal']}" + (f" ({s.describe()})" if s else ""))
+    for r, e in sorted(errors.items()):
+        where = f"step {e['step']}" + (f", inside collective {e['collective']}" if e.get("collective") else "")
+        first.append(f"rank {r} raised {e['error'].splitlines()[0][:300]} ({where})")
     if not first:
         codes = {r: x.get("code") for r, x in exits.items()}
         first.append(f"ranks exited before reporting (exit codes {codes or 'unknown'}); see the torchrun log")
@@ -234,8 +239,11 @@ def same_failure(a: LayoutOutcome, b: LayoutOutcome) -> str:
     with the same signal; or both hung with the same rank stopped at the same place (step, last module
     entered, inside a collective or not: a broken rank stops where it is whatever the layout, while
     its peers wait wherever the layout's next collective is); or both hung with every rank inside a
-    collective (a link or the collective library, not a rank: which collective differs by layout)."""
-    if a.status == b.status == "crashed":
+    collective (a link or the collective library, not a rank: which collective differs by layout).
+    A crash counts whether or not a peer raised after it (a gloo peer sees "connection reset")."""
+    if {a.status, b.status} <= {"crashed", "error"}:
+        # "error" too: a rank's abort leaves its peer raising inside the next collective (the launch's
+        # status is then error), and the dead rank is the same finding in both launches.
         sa = set(re.findall(r"rank (\d+) crashed with (SIG\w+)", a.message))
         common = sorted(sa & set(re.findall(r"rank (\d+) crashed with (SIG\w+)", b.message)))
         return "; ".join(f"rank {r} crashed with {sig}" for r, sig in common)
@@ -269,15 +277,18 @@ def _warn_teardown(finished: list[LayoutOutcome], end: _Ended) -> None:
 
 def _failed(rest: list[Layout], end: _Ended, world: int, timeout_s: float, started: bool) -> list[LayoutOutcome]:
     """The outcome of ``rest[0]``, the layout the launch ended in; of every layout in ``rest`` when
-    no rank got to its first layout (a rank could not even set up: every layout left shares that)."""
+    no rank got to its first layout (a rank could not even set up): the first carries the failure,
+    the others are ``not_run`` naming it - the launch's failure, not theirs, and one finding."""
     lay, sts, wall = rest[0], end.sts, end.wall
     errors = _errors(end.run_dir, lay, world)
     if not started and min((s.index for s in sts), default=-1) < 0 and not errors:
         log = (end.run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-3:]
         msg = ("hung before the first layout started" if end.how == "hung" else
                _crash_message(lay, sts, end.exits, errors)) + (" | " + " / ".join(log) if log else "")
-        return [LayoutOutcome(x, "crashed" if end.how != "hung" else "hung", msg, launch_wall_s=wall, ranks=sts)
-                for x in rest]
+        why = (f"not run: the {world}-rank launch failed before any rank reached its first layout (reported on "
+               f"layout {lay.label}: {msg}) - a failure of this launch, not of this layout; not launched again")
+        return [LayoutOutcome(lay, "crashed" if end.how != "hung" else "hung", msg, launch_wall_s=wall, ranks=sts)] + [
+            LayoutOutcome(x, "not_run", why, launch_wall_s=wall, ranks=sts) for x in rest[1:]]
     if end.how == "hung":
         return [LayoutOutcome(lay, "hung", _hang_message(lay, sts, timeout_s), layout_dir(end.run_dir, lay),
                               launch_wall_s=wall, ranks=sts)]

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from precision import cache_faults
 from precision.helpers import props
 from precision.test_decode import decode_only
@@ -203,3 +204,62 @@ def test_clean_matrix(env, name, dtype):
     for variant in VARIANTS:
         _, failure = _run(env, name, dtype, variant)
         assert failure is None or isinstance(failure, NotApplicable), (variant, failure)
+
+
+# --- Issue #51: the padded batch's framing only where the pads matter ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """llama-3.1-8b's decode golden alone (the padded tests need no other model's)."""
+    from harness.precision.generate import generate
+
+    root = tmp_path_factory.mktemp("decode-llama") / "golden"
+    ls = decode_only(load_suite(REPO / "suites/llama-3.1-8b.toml"))
+    generate(ls, root=root)
+    return {"llama-3.1-8b": (ls, root)}
+
+
+def _mask_ignored(model: torch.nn.Module) -> torch.nn.Module:
+    """Every forward drops its attention mask: the rows with pads attend to them, the pad-free rows are
+    untouched (their mask was all ones) - a fault that only the pads show."""
+    def pre(_mod, args, kwargs):
+        return args, {**kwargs, "attention_mask": None}
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    return model
+
+
+def _pads(ls, root) -> list[int]:
+    mask = load_golden(ls, root).section("decode").tensors["padded.mask"]
+    return (mask == 0).sum(1).tolist()
+
+
+def test_a_value_cache_fault_in_the_padded_batch_leads_with_the_cache_step_and_module(llama):
+    """A value cache stored in the wrong dtype breaks every row, the pad-free ones included: not framed
+    as the padded batch's ("row 0 (0 pads) decodes otherwise than alone"), but as the cache's."""
+    ls, root = llama["llama-3.1-8b"]
+    free = [b for b, p in enumerate(_pads(ls, root)) if p == 0]
+    assert free, "the padded layout keeps pad-free rows"
+    opts, born = cache_faults.FAULTS["value_dtype"]
+    ctx, failure = _run(llama, "llama-3.1-8b", "float32", "padded", **opts("float32"))
+    assert isinstance(failure, CheckFailure), failure
+    msg = failure.message
+    assert msg.startswith("cached decode differs from the reference in pad-free row(s) ["), msg
+    assert "the cache, not the padding: step 0 (position " in msg and "left-padded batch: row" not in msg, msg
+    want = cache_faults.first_layer(load_golden(ls, root).manifest["sections"]["decode"], born)
+    assert props(ctx)["harness.detail.first_divergent_layer"].startswith(want), msg
+
+
+def test_a_fault_only_the_pads_show_keeps_the_padded_batch_framing(llama):
+    ls, root = llama["llama-3.1-8b"]
+    pads = _pads(ls, root)
+    ctx, failure = _run(llama, "llama-3.1-8b", "float32", "padded", transform=_mask_ignored)
+    assert isinstance(failure, CheckFailure), failure
+    free = [b for b, p in enumerate(pads) if p == 0]
+    padded = next(b for b, p in enumerate(pads) if p)
+    assert failure.message.startswith(f"left-padded batch: row {padded} ({pads[padded]} pads) decodes otherwise than "
+                                      f"alone with its cache while the pad-free row(s) {free} match: step "), failure.message
+    # the same fault leaves the unpadded batch alone (no pads to attend to): the framing is earned
+    _, clean = _run(llama, "llama-3.1-8b", "float32", "dynamic", transform=_mask_ignored)
+    assert clean is None, clean

@@ -404,3 +404,39 @@ def lose_node1(ctx) -> None:
         os.killpg(os.getpgid(agent.pid), signal.SIGKILL)
 
     next(m for m in ctx.model.modules() if len(list(m.children())) == 0).register_forward_pre_hook(die)
+
+
+def rank1_aborts_every_layout(ctx) -> None:
+    """Rank 1 calls abort() in layer 0's forward, whatever the layout (a device that faults on its first
+    kernel): its peer then fails inside the layout's first collective (gloo: connection closed), so each
+    launch ends with rank 1's SIGABRT and rank 0's error."""
+    if ctx.rank == 1:
+        layers = getattr(getattr(ctx.model, "model", None), "layers", None)
+        if layers is not None and len(layers) and layers[0] is not None:
+            layers[0].register_forward_pre_hook(lambda _m, _a: os.abort())
+
+
+def dp_sum_not_mean(ctx, label: str = "dp2-sum") -> None:
+    """dp, the layout named ``dp2-sum``: DDP's bucket all-reduce sums the replicas' gradients instead of
+    averaging them (the bucket is scaled back up by the world size before the all-reduce that follows
+    DDP's division), on every rank: each gradient x dp, the forward exact - the reduction is the fault."""
+    import torch.distributed as dist
+
+    _restore_all_reduce()
+    if ctx.layout.label != label:
+        return
+    orig = dist.all_reduce
+    _ORIG_ALL_REDUCE.append(orig)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:  # DDP's comm hook (the only asynchronous all-reduce of a dp step)
+            tensor.mul_(dist.get_world_size(group))
+        return orig(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = all_reduce
+
+
+def tp_skip_and_dp_sum(ctx) -> None:
+    """One launch: tp layouts skip layer 0's row-parallel all-reduce; ``dp2-sum`` sums, not averages."""
+    skip_rowwise_allreduce(ctx)
+    dp_sum_not_mean(ctx)

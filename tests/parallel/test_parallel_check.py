@@ -51,6 +51,26 @@ def test_skipped_rowwise_allreduce_is_caught_at_its_module_and_healthy_layouts_p
     assert metrics_of(res["dp2"][1])["comm_all_reduce_bytes"] > 0  # DDP's bucket, through its comm hook
 
 
+def test_the_lead_first_the_module_of_a_skipped_all_reduce_and_a_summed_dp_gradient_named_in_the_first_line():
+    """Issue #51: on an MoE model a skipped row-parallel all-reduce also flips routers downstream (wide
+    margins); the message once led with those flips and named o_proj at its end. A dp reduction that
+    sums instead of averaging was blamed on "the layout's kernels" by the float64 comparison."""
+    ls = suite_with("qwen3-30b-a3b", configs=[{"tp": 2}, {"dp": 2, "name": "dp2-sum"}])
+    res = _run_all(ls, fault="tests.parallel.faults:tp_skip_and_dp_sum")
+    out, ctx = res["tp2"]
+    assert isinstance(out, CheckFailure), out
+    first = str(out).splitlines()[0]
+    assert first.startswith("layout tp2: First diverging module: model.layers.0.self_attn.o_proj on rank(s) [0, 1]"), first
+    assert details_of(ctx)["first_diverging_module"] == "model.layers.0.self_attn.o_proj"
+    out, ctx = res["dp2-sum"]
+    assert isinstance(out, CheckFailure), out
+    msg = str(out)
+    first = msg.splitlines()[0]
+    assert first.startswith("layout dp2-sum: Every module's forward output agrees. Gradient furthest off: model."), first
+    assert "on rank(s) [0, 1]" in first.split(". Differs")[0], first
+    assert "the layout's kernels" not in msg and "the layout's gradient reduction" in msg, msg
+
+
 def test_a_backward_fault_on_every_rank_is_caught_against_float64():
     """#25 item 4: aten::silu_backward 5% off on every rank (the forward exact) in bf16. The layouts
     agree with the single-process bf16 run within its tolerance (grads 2^-2); against the float64
@@ -128,7 +148,7 @@ def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal_teardo
     out, ctx = res["dp2"]
     msg = str(out)
     assert isinstance(out, CheckFailure) and "no progress within the 25 s time limit" in msg, msg
-    assert "hung rank(s) rank 1: layout dp2, step forward" in msg and "model.layers.0" in msg
+    assert msg.startswith("layout dp2: hung rank(s) rank 1: layout dp2, step forward") and "model.layers.0" in msg
     assert "rank 0: layout dp2" in msg and "inside collective all_reduce" in msg
     out, _ = res["tp2"]
     assert isinstance(out, CheckFailure) and "rank 1 crashed with SIGABRT" in str(out), out
@@ -154,6 +174,7 @@ def test_a_rank_broken_for_every_layout_is_one_finding_not_a_time_limit_per_layo
     for v in ("dp2", "tp2"):
         out, _ = res[v]
         assert isinstance(out, CheckFailure) and "no progress within the 15 s time limit" in str(out), (v, out)
+        assert str(out).startswith(f"layout {v}: hung rank(s) rank 1: layout {v}, step forward"), str(out)
     for v in ("fsdp2", "pp2"):
         out, _ = res[v]
         assert isinstance(out, CouldNotRun), (v, out)
@@ -162,6 +183,46 @@ def test_a_rank_broken_for_every_layout_is_one_finding_not_a_time_limit_per_layo
     (run, _), = par._LAUNCHES.values()
     rep = run.result()
     assert rep.launches == 2 and rep.wall_s < 2 * 15 + 120
+
+
+@pytest.mark.slow
+def test_a_rank_aborting_in_every_layout_is_one_finding_named_by_its_signal():
+    """Issue #51: rank 1 aborts in every layout. Its peer then raises inside the next collective (gloo:
+    connection reset), so a launch ends as an error as often as a crash; the dead rank is the same
+    finding in both, named first, and the layouts after two alike are not launched."""
+    from harness.checks import CouldNotRun
+
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"pp": 2}], timeout_s=30)
+    res = _run_all(ls, fault="tests.parallel.faults:rank1_aborts_every_layout")
+    for v in ("dp2", "tp2"):
+        out, _ = res[v]
+        assert isinstance(out, CheckFailure), (v, out)
+        assert str(out).startswith(f"layout {v}: rank 1 crashed with SIGABRT"), str(out)
+    out, _ = res["pp2"]
+    assert isinstance(out, CouldNotRun), out
+    assert ("not run: the launches of layouts dp2 and tp2 failed the same way (rank 1 crashed with SIGABRT)"
+            in str(out)), str(out)
+    (run, _), = par._LAUNCHES.values()
+    assert run.result().launches <= 2
+
+
+@pytest.mark.slow
+def test_a_launch_that_fails_before_its_first_layout_is_one_failure_the_rest_not_run():
+    """Every rank fails at start-up (a fault hook the ranks cannot import): the first layout carries
+    the failure, the others could not run naming it, instead of each repeating it as a failure."""
+    from harness.checks import CouldNotRun
+
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"pp": 2}], timeout_s=30)
+    res = _run_all(ls, fault="tests.parallel.faults:no_such_hook")
+    out, _ = res["dp2"]
+    assert isinstance(out, CheckFailure) and str(out).startswith("layout dp2: ranks exited before reporting"), out
+    for v in ("tp2", "pp2"):
+        out, _ = res[v]
+        assert isinstance(out, CouldNotRun), (v, out)
+        assert str(out).startswith("not run: the 2-rank launch failed before any rank reached its first layout "
+                                   "(reported on layout dp2: "), str(out)
+    (run, _), = par._LAUNCHES.values()
+    assert run.result().launches == 1
 
 
 @pytest.mark.slow
