@@ -119,10 +119,12 @@ def register(subparsers) -> None:
     p.add_argument("--mute-file", default=DEFAULT_MUTES, help=f"default {DEFAULT_MUTES} if present")
     p.add_argument("--close-after", type=count(1, 1000), default=2, help="clean runs before an issue closes")
     p.add_argument("--quarantine", metavar="FILE", default=None,
-                   help="maintain this quarantine file: flaky items go in, and come out after --reenable-after "
-                        "clean runs in a row (harness run reads the same file; docs/ci.md)")
+                   help="maintain this quarantine file: flaky items go in, and come out after enough clean runs "
+                        "in a row to bound their flake rate, at least --reenable-after (harness run reads the same "
+                        "file; docs/comparator.md)")
     p.add_argument("--reenable-after", type=count(1, 1000), default=3, metavar="K",
-                   help="clean runs in a row before a quarantined item counts again (default 3)")
+                   help="the fewest clean runs in a row before a quarantined item counts again (default 3; "
+                        "more when its flake record asks)")
     p.add_argument("--file-kinds", default=",".join(FILED_KINDS),
                    help="kinds that open issues (also: flaky, improvement)")
     p.add_argument("--group-by", default=",".join(GROUP_BY),

@@ -42,7 +42,7 @@ from github3.session import GitHubSession
 from urllib3.util.retry import Retry
 
 from harness.compare.errors import BudgetExhausted, IssueGone, SinkConfigError, SinkError
-from harness.compare.issues import IssueRef
+from harness.compare.issues import IssueRef, said
 from harness.compare.scrub import scrub
 
 # Methods safe to repeat after a 5xx: urllib3's own list of idempotent methods (GET, PUT, DELETE,
@@ -281,12 +281,13 @@ class GitHubClient:
 
     def upsert_comment(self, number: int, marker: str, body: str) -> str:
         """One comment of harness's on issue or pull request ``number``: harness's latest one holding
-        ``marker`` is edited (only when its text changed), else one is created. A marked comment
+        ``marker`` is edited (only when what it says changed: lines ending in ``issues.RUN_LINE``,
+        which name the run, are not compared), else one is created. A marked comment
         someone else wrote is ignored; an edit GitHub refuses (403, 404: locked, deleted, the token's
         rights changed) posts the triage as a new comment, since an old or foreign text must never
         stay the only one. Returns created / updated / unchanged (and why a refused edit was)."""
         mine = [c for c in self._own_comments(number) if marker in (c.body or "")]
-        if mine and (mine[-1].body or "").strip() == body.strip():
+        if mine and said(mine[-1].body) == said(body):
             return "unchanged"
         refused = ""
         if mine:

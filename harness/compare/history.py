@@ -27,6 +27,7 @@ more runs to confirm, and a recurrence opens a new issue instead of reopening th
 from __future__ import annotations
 
 import math
+import os
 import sqlite3
 import sys
 import time
@@ -56,6 +57,14 @@ CREATE TABLE IF NOT EXISTS groups(run_id INT, fingerprint TEXT, bad INT,
 CREATE TABLE IF NOT EXISTS issues(fingerprint TEXT PRIMARY KEY, number INT, state TEXT);
 CREATE TABLE IF NOT EXISTS outbox(key TEXT PRIMARY KEY, number INT, fingerprint TEXT, text TEXT);
 """
+# the columns this harness reads, per table: a file of an older layout (no version, or one this
+# harness does not know) is not a history it can read, however its meta row reads
+_COLUMNS = {"runs": {"id", "run_key", "commit_sha", "created", "url", "machine", "kind", "inputs"},
+            "tests": {"id", "key", "suite", "backend"}, "outcomes": {"run_id", "codes"},
+            "attempts": {"run_id", "total", "failed"}, "metrics": {"run_id", "name", "vals"},
+            "groups": {"run_id", "fingerprint", "bad"}, "issues": {"fingerprint", "number", "state"},
+            "outbox": {"key", "number", "fingerprint", "text"}}
+_DAMAGED = ("SQLITE_NOTADB", "SQLITE_CORRUPT")  # the file itself is bad (not: locked, unwritable, full)
 _CODES = ["", "passed", "failed", "error", "skipped"]  # 0: the test was not in the run
 _CODE = {o: i for i, o in enumerate(_CODES)}
 
@@ -104,9 +113,30 @@ class SeriesView:
         return [v for v in m[:, i].tolist() if not math.isnan(v)]
 
 
+class HistoryDamaged(ValueError):
+    """The file is not a history this harness can read (corrupt bytes, another schema): kept as it
+    is, it would leave every later comparison without a history, and no issue could close again."""
+
+
+def move_aside(path: str) -> str:
+    """Rename a damaged history (and any journal of it, which would otherwise be replayed into the
+    new file) to ``PATH.damaged-YYYYmmddTHHMMSS``; the new name."""
+    aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+    n = 1
+    while os.path.exists(aside):
+        aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{n}"
+        n += 1
+    os.replace(path, aside)
+    for tail in ("-journal", "-wal", "-shm"):
+        if os.path.exists(path + tail):
+            os.replace(path + tail, aside + tail)
+    return aside
+
+
 class History:
     def __init__(self, path: str, lock: bool = True):
         self.path = path
+        self.note = ""  # one line for the report (set when a damaged file was moved aside for this one)
         self._lock = None
         if lock and fcntl is not None:
             self._lock = open(path, "ab")  # noqa: SIM115 - held until close(); creates the file
@@ -126,16 +156,33 @@ class History:
 
     def _open(self, path: str) -> None:
         self.db = sqlite3.connect(path, timeout=60)
-        self.db.executescript(_SCHEMA)
-        row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        try:
+            self._check(path)
+            self.db.executescript(_SCHEMA)
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        except sqlite3.DatabaseError as e:
+            if getattr(e, "sqlite_errorname", "") in _DAMAGED:
+                raise HistoryDamaged(f"{path}: not a readable history database ({e})") from None
+            raise
         if row is None:
             self.db.execute("INSERT INTO meta VALUES('schema', ?)", (SCHEMA_VERSION,))
         elif row[0] != SCHEMA_VERSION:
-            raise ValueError(f"{path}: history schema {row[0]}, this harness reads {SCHEMA_VERSION}; "
-                             "start a new history file")
+            raise HistoryDamaged(f"{path}: history schema {row[0]}, this harness reads {SCHEMA_VERSION}")
         self.db.commit()
         self._ids: dict[str, int] | None = None
         self._rows: list[tuple[int, str, str, str]] | None = None
+
+    def _check(self, path: str) -> None:
+        """Raise HistoryDamaged for a file SQLite finds corrupt, or whose tables lack columns this
+        harness reads (an older layout); a new, empty file passes."""
+        (ok,) = self.db.execute("PRAGMA quick_check(1)").fetchone()
+        if ok != "ok":
+            raise HistoryDamaged(f"{path}: the history database is damaged ({ok})")
+        for table, wanted in _COLUMNS.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if have and not wanted <= have:
+                raise HistoryDamaged(f"{path}: table {table} lacks {sorted(wanted - have)}: "
+                                     "an older history layout")
 
     def close(self) -> None:
         if getattr(self, "db", None) is not None:
@@ -200,6 +247,24 @@ class History:
                 if i < len(outcome) and _CODES[outcome[i]] == "passed" and i in ids:
                     out[ids[i]] = out.get(ids[i], 0) + 1
         return out
+
+    def item_record(self, keys: list[str], run_ids: list[int]) -> dict[str, tuple[int, int]]:
+        """``test key -> (runs it ran in, runs it failed or flaked in)`` among ``run_ids``: the
+        record a quarantine estimates an item's flake rate from (harness.compare.quarantine)."""
+        ids = self._test_ids()
+        idx = {k: ids[k] for k in keys if k in ids}
+        out = {k: [0, 0] for k in idx}
+        for run_id in run_ids:
+            row = self.db.execute("SELECT codes FROM outcomes WHERE run_id = ?", (run_id,)).fetchone()
+            att = self.db.execute("SELECT failed FROM attempts WHERE run_id = ?", (run_id,)).fetchone()
+            codes = np.frombuffer(row[0], dtype=np.uint8) if row else np.zeros(0, dtype=np.uint8)
+            failed = np.frombuffer(att[0], dtype=np.uint8) if att else np.zeros(0, dtype=np.uint8)
+            for k, i in idx.items():
+                code = _CODES[codes[i]] if i < len(codes) else ""
+                if code in ("passed", "failed", "error"):
+                    out[k][0] += 1
+                    out[k][1] += int(code != "passed" or (i < len(failed) and int(failed[i]) > 0))
+        return {k: (int(r), int(b)) for k, (r, b) in out.items()}  # plain ints: they go to JSON
 
     def metric_series(self, run_ids: list[int]) -> SeriesView:
         width = max(self._test_ids().values(), default=0) + 1

@@ -46,6 +46,9 @@ GROUP_BY = ("suite", "backend", "kind")
 _FP = re.compile(r"<!-- harness:fingerprint=([0-9a-f]+) -->")
 _STATE = re.compile(r"<!-- harness:state=([A-Za-z0-9+/=]*) -->")
 _COMMENT = "<!-- harness:comment={} -->"
+# ends the line of a comment that only says which run wrote it (its URL, its commit): a comment is
+# edited when what it says changed, never because another run said the same (one edit per push)
+RUN_LINE = "<!-- harness:run -->"
 MARKER_MAX = 17_000  # bytes (= characters: ASCII); the body renderer keeps this much room for it
 
 
@@ -111,6 +114,11 @@ class Action:
     number: int | None = None
     reason: str = ""
     comment_key: str = ""
+
+
+def said(body: str) -> str:
+    """What a comment says: its text without the lines that only name the run (``RUN_LINE``)."""
+    return "\n".join(ln for ln in (body or "").strip().splitlines() if not ln.rstrip().endswith(RUN_LINE))
 
 
 def comment_marker(key: str) -> str:

@@ -27,7 +27,7 @@ from typing import TextIO
 
 from harness.compare import body, mutes, prefetch, quarantine, sinks, triage
 from harness.compare.classify import Classification, Config, Finding, classify
-from harness.compare.history import History
+from harness.compare.history import History, HistoryDamaged, move_aside
 from harness.compare.issues import (
     FILED_KINDS,
     GROUP_BY,
@@ -181,7 +181,15 @@ def _open_history(opts: Options, problems: list[str]) -> History | None:
     if not opts.history:
         return None
     try:
-        return History(opts.history)
+        try:
+            return History(opts.history)
+        except HistoryDamaged as e:
+            # kept, it would leave every later run without a history (and CI would cache it again):
+            # moved aside for a person to look at, and a new history starts in its place
+            aside = move_aside(opts.history)
+            history = History(opts.history)
+            history.note = f"{e}: moved aside to {aside}; a new history starts with this run"
+            return history
     except (sqlite3.Error, ValueError, OSError) as e:
         problems.append(f"history {opts.history} unusable, compared without it: {e}")
         return None
@@ -193,11 +201,11 @@ def _compare(opts: Options, sink, out: TextIO, t: dict, problems: list[str],
     t["read"] = time.perf_counter()
     run_key, inputs = _run_identity(opts, history)
     cls = classify(current, baseline, history, opts.config, run_key)
-    qchanges, held_before = _quarantine(opts, current, cls, problems)
+    qchanges, held_before = _quarantine(opts, current, cls, problems, history, run_key)
     if opts.upstream:
         _upstream(cls, current, baseline)
     warnings = current.warnings + [f"baseline: {w}" for w in (baseline.warnings if baseline else [])] \
-        + cls.warnings
+        + cls.warnings + ([history.note] if getattr(history, "note", "") else [])
     active, mute_notes = mutes.load(opts.mute_file)
     kept, muted = mutes.apply(cls.findings, active)
     problems += cls.notes + mute_notes
@@ -236,15 +244,37 @@ def stack_change(current: Results, baseline: Results | None) -> str:
 
 
 def _upstream(cls: Classification, current: Results, baseline: Results | None) -> None:
-    """The upstream canary (docs/ci.md): this run is the next stack, the baseline the pinned one, so
-    each regression is the next stack's: kind ``upstream``, naming the versions that changed."""
+    """The upstream canary (docs/ci.md): this run is the next stack, the baseline the pinned one. A
+    regression of an item that passes on the pinned stack is the next stack's: kind ``upstream``,
+    naming the versions that changed. One that fails on the pinned stack too is not upstream's (the
+    pinned run's own comparison files it): reported, never filed here. One the pinned run lacks keeps
+    its plain kind, as without --upstream."""
     change = stack_change(current, baseline)
+    pinned = baseline.cases if baseline is not None else {}
     for f in cls.findings:
-        if f.regression and f.kind in _UPSTREAM:
+        if not (f.regression and f.kind in _UPSTREAM) or f.key not in pinned:
+            continue
+        if pinned[f.key].outcome == "passed":
             f.kind, f.stack = "upstream", change
+        else:
+            said = f.note or (f.case.message.strip().splitlines() or [""])[0][:200] if f.case is not None else f.note
+            f.kind = "info"
+            f.note = "; ".join(x for x in (said, f"{pinned[f.key].outcome} on the pinned stack too: "
+                                           "not upstream's, filed by the pinned run's comparison") if x)
 
 
-def _quarantine(opts: Options, current: Results, cls: Classification, problems: list[str]) -> tuple[list, set]:
+def _prior(history: History | None, current: Results, q: quarantine.Quarantine, window: int,
+           run_key: str) -> dict[str, tuple[int, int]]:
+    """``(runs, flakes)`` of each item flaky now and not yet quarantined, from the history's last runs:
+    the record its flake rate is estimated from once it is quarantined."""
+    keys = [k for k, c in current.cases.items() if k not in q.items and (c.flaky or c.details.get("confirm") == "flaky")]
+    if history is None or not keys:
+        return {}
+    return history.item_record(keys, [r.id for r in history.runs(window, exclude_key=run_key)])
+
+
+def _quarantine(opts: Options, current: Results, cls: Classification, problems: list[str],
+                history: History | None = None, run_key: str = "") -> tuple[list, set]:
     """This run applied to the quarantine file (saved unless a dry run); the findings of every item
     quarantined before or by this run become one ``quarantined`` finding each (kind flaky): they file
     no failure, and they keep their suite x backend's flaky issue open until re-enabled. Returns the
@@ -257,9 +287,12 @@ def _quarantine(opts: Options, current: Results, cls: Classification, problems: 
         problems.append(f"{e}; the quarantine was neither applied nor updated")
         return [], set()
     before = set(q.items)
-    changes = quarantine.update(q, current, opts.reenable_after)
+    # as many earlier runs as the history keeps (60): a rare flake's rate needs a long record
+    prior = _prior(history, current, q, max(opts.config.history_window, 60), run_key)
+    changes = quarantine.update(q, current, opts.reenable_after, prior=prior)
     held = set(q.items)  # re-enabled ones left it (they ran clean); newly quarantined ones are in
-    notes = {k: f"{e.reason}; clean runs {e.clean} of {opts.reenable_after}" for k, e in q.items.items()}
+    notes = {k: f"{e.reason}; clean runs {e.clean} of {quarantine.needed(e, opts.reenable_after)}"
+             for k, e in q.items.items()}
     kept = [f for f in cls.findings if not (f.key in held and f.category in _DEMOTED)]
     for key in sorted(held):
         case = current.cases.get(key)

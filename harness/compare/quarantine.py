@@ -18,13 +18,28 @@ side, and it closes once the item is re-enabled and stays clean.
 
 Per comparison (:func:`update`), for every item of the run:
 
-* quarantined, passed at its first attempt: one more clean run; at ``reenable_after`` it leaves the
-  quarantine (*re-enabled*) and counts again from the next run;
+* quarantined, passed at its first attempt: one more clean run; once the clean runs in a row are
+  evidence that it no longer flakes at the rate it showed (:func:`needed`; never fewer than
+  ``reenable_after``) it leaves the quarantine (*re-enabled*) and counts again from the next run;
 * quarantined, failed or needed a rerun: its clean count goes back to 0 (``last_flake`` dated);
 * past its ``expires`` date (default ``since`` + 30 days; ``harness quarantine add --days``): it leaves
   the quarantine whatever its state (*expired*), as mutes expire: nothing stays hidden for good;
 * not quarantined, flaky (failed in one attempt, passed in another: harness's own reruns, or
   pytest-rerunfailures): quarantined now.
+
+**Re-enabling on evidence, not a count.** A fixed count of clean runs says nothing about a flaky
+item: a test that flakes in 1 run of 4 passes 3 in a row with probability 0.75^3 = 0.42, so it was
+re-enabled, flaked, was quarantined again, and its issue closed and reopened all month. Each entry
+keeps the record its flake rate is estimated from (``runs`` it ran in, ``flakes``: runs it failed or
+flaked in; seeded from the history's last runs when it is quarantined). With ``p`` the rate it showed
+up to its last flake, it is re-enabled after ``n`` clean runs in a row when either
+
+* ``(1 - p)^n < ALPHA``: were it still flaking at rate ``p``, so long a clean streak would be that
+  unlikely (p = 0.25: 11 runs; a record shorter than ``MIN_RECORD`` runs is read as that long, as one
+  flake in an item's first run proves no rate of 1, and would re-enable it after 1 clean run); or
+* the one-sided ``1 - ALPHA`` binomial (Clopper-Pearson) upper bound of its rate over all its runs is
+  at most ``TOLERABLE``: a rare flake (1 in 40 runs) is re-enabled after a few clean runs, where the
+  first rule would ask for 119.
 
 Items absent from the run (another shard missing, deselected) are left as they are. A deterministic
 failure is never quarantined: it is a regression.
@@ -34,6 +49,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -41,7 +57,10 @@ from harness.compare.junit import Case, Results, attempt_counts
 from harness.files import atomic
 
 FORMAT = 1
-REENABLE_AFTER = 3  # clean runs in a row before a quarantined item counts again
+REENABLE_AFTER = 3  # the fewest clean runs in a row before a quarantined item counts again
+ALPHA = 0.05  # re-enabled when a streak this unlikely under its old flake rate, or its rate bounded so
+TOLERABLE = 0.10  # a flake rate low enough to run unquarantined (upper bound at 1 - ALPHA)
+MIN_RECORD = 8  # a shorter record is read as this many runs: 1 flake in its 1st run is 1 in 8, not 1 in 1
 EXPIRE_DAYS = 30  # a quarantine ends by itself after this, clean or not: nothing stays hidden for good
 
 
@@ -58,6 +77,8 @@ class Entry:
     by: str = "harness compare"  # the owner: who answers for it (harness compare, or a person's name)
     last_flake: str = ""  # ISO date of the last run it failed or needed a rerun in
     expires: str = ""  # ISO date after which it is no longer quarantined ("": since + EXPIRE_DAYS)
+    runs: int = 0  # runs it ran in, the quarantining one and its recent history included ...
+    flakes: int = 0  # ... and how many of them it failed or flaked in (0/0 in an older file: 1/1)
 
     def expiry(self) -> dt.date:
         if self.expires:
@@ -121,8 +142,10 @@ def load(path: str | os.PathLike | None) -> Quarantine:
             e = Entry(**raw)
         except TypeError as err:
             raise QuarantineError(f"{path}: item {key!r}: {err}") from None
-        if not isinstance(e.clean, int) or e.clean < 0 or not isinstance(e.since, str):
-            raise QuarantineError(f"{path}: item {key!r}: 'clean' must be a count and 'since' a date")
+        if not all(isinstance(v, int) and 0 <= v < 10**6 for v in (e.clean, e.runs, e.flakes)) \
+                or not isinstance(e.since, str):
+            raise QuarantineError(f"{path}: item {key!r}: 'clean', 'runs' and 'flakes' must be counts "
+                                  "(0 to 999999) and 'since' a date")
         try:
             e.expiry()
         except (TypeError, ValueError):
@@ -136,13 +159,44 @@ def save(path: str | os.PathLike, q: Quarantine) -> None:
                       indent=1)
 
 
+def upper_bound(flakes: int, runs: int, alpha: float = ALPHA) -> float:
+    """One-sided ``1 - alpha`` Clopper-Pearson upper bound of a rate seen ``flakes`` times in ``runs``:
+    the rate p at which seeing at most ``flakes`` has probability ``alpha`` (bisection)."""
+    if runs <= 0 or flakes >= runs:
+        return 1.0
+    lo, hi = flakes / runs, 1.0
+    for _ in range(60):
+        p = (lo + hi) / 2
+        cdf = sum(math.comb(runs, k) * p**k * (1 - p) ** (runs - k) for k in range(flakes + 1))
+        lo, hi = (p, hi) if cdf > alpha else (lo, p)
+    return hi
+
+
+def _record(e: Entry) -> tuple[int, int, int]:
+    """(flakes, runs, runs up to its last flake); an entry of an older file counts as 1 flake in 1 run."""
+    flakes, runs = max(e.flakes, 1), max(e.runs, e.clean + 1, 1)
+    return flakes, runs, max(runs - e.clean, flakes)
+
+
+def needed(e: Entry, floor: int = REENABLE_AFTER) -> int:
+    """Clean runs in a row that re-enable ``e`` (counting from its last flake): the fewer of what
+    bounds the rate it showed and what bounds its rate below TOLERABLE, never fewer than ``floor``."""
+    flakes, _runs, shown = _record(e)
+    p = flakes / max(shown, MIN_RECORD)
+    n_rate = math.ceil(math.log(ALPHA) / math.log1p(-p) - 1e-9)
+    n_tol = next((n for n in range(n_rate) if upper_bound(flakes, shown + n) <= TOLERABLE), n_rate)
+    return max(floor, min(n_rate, n_tol))
+
+
 def _flaky(case: Case) -> bool:
     return case.flaky or case.details.get("confirm") == "flaky"
 
 
 def update(q: Quarantine, current: Results, reenable_after: int = REENABLE_AFTER,
-           today: dt.date | None = None) -> list[Change]:
-    """Apply one run to the quarantine (in place); what changed, one line each."""
+           today: dt.date | None = None, prior: dict[str, tuple[int, int]] | None = None) -> list[Change]:
+    """Apply one run to the quarantine (in place); what changed, one line each. ``reenable_after``:
+    the fewest clean runs that re-enable an item; ``prior``: per item, ``(runs, flakes)`` in the
+    history's recent runs before this one (harness.compare.history.History.item_record)."""
     day = (today or dt.date.today()).isoformat()
     changes: list[Change] = []
     for key in sorted(k for k, e in q.items.items() if not e.active(today)):
@@ -153,26 +207,44 @@ def update(q: Quarantine, current: Results, reenable_after: int = REENABLE_AFTER
         if case.outcome == "skipped":
             continue  # not run here: neither clean nor flaky
         entry = q.items.get(key)
-        failed_attempts, n = attempt_counts(case)
         if entry is not None:
-            if case.outcome == "passed" and failed_attempts == 0:
-                entry.clean += 1
-                if entry.clean >= reenable_after:
-                    del q.items[key]
-                    changes.append(Change("reenabled", key, f"re-enabled after {entry.clean} clean runs in a row "
-                                                            f"(quarantined since {entry.since})"))
-                else:
-                    changes.append(Change("clean", key, f"clean run {entry.clean} of {reenable_after}"))
-            else:
-                entry.clean, entry.last_flake = 0, day
-                what = "failed" if case.outcome != "passed" else f"failed {failed_attempts} of {n} attempts"
-                changes.append(Change("flaked", key, f"{what} while quarantined; clean count back to 0"))
+            changes.append(_held(q, key, entry, case, reenable_after, day))
         elif _flaky(case) and case.details.get("confirm") != "infrastructure":
-            rate = failed_attempts / max(n, 1)
-            entry = Entry(since=day, reason=f"flaky: failed {failed_attempts} of {n} attempts "
-                                            f"(rate {rate:.2f})", rate=round(rate, 3), last_flake=day)
-            entry.expires = entry.expiry().isoformat()
-            q.items[key] = entry
-            changes.append(Change("quarantined", key, f"quarantined: {entry.reason}; re-enabled after "
-                                                      f"{reenable_after} clean runs in a row"))
+            changes.append(_quarantine(q, key, case, reenable_after, day, (prior or {}).get(key, (0, 0))))
     return changes
+
+
+def _held(q: Quarantine, key: str, entry: Entry, case: Case, reenable_after: int, day: str) -> Change:
+    """One run of a quarantined item: clean (and maybe re-enabled) or flaked."""
+    failed_attempts, n = attempt_counts(case)
+    entry.runs = max(entry.runs, entry.clean + 1, 1) + 1
+    if case.outcome == "passed" and failed_attempts == 0:
+        entry.clean += 1
+        want = needed(entry, reenable_after)
+        if entry.clean >= want:
+            del q.items[key]
+            return Change("reenabled", key, f"re-enabled after {entry.clean} clean runs in a row "
+                                            f"(quarantined since {entry.since}; {_evidence(entry)})")
+        return Change("clean", key, f"clean run {entry.clean} of {want}")
+    entry.clean, entry.last_flake = 0, day
+    entry.flakes = max(entry.flakes, 1) + 1
+    what = "failed" if case.outcome != "passed" else f"failed {failed_attempts} of {n} attempts"
+    return Change("flaked", key, f"{what} while quarantined; clean count back to 0 "
+                                 f"({_evidence(entry)}: {needed(entry, reenable_after)} clean runs re-enable it)")
+
+
+def _quarantine(q: Quarantine, key: str, case: Case, reenable_after: int, day: str,
+                prior: tuple[int, int]) -> Change:
+    failed_attempts, n = attempt_counts(case)
+    rate = failed_attempts / max(n, 1)
+    entry = Entry(since=day, reason=f"flaky: failed {failed_attempts} of {n} attempts (rate {rate:.2f})",
+                  rate=round(rate, 3), last_flake=day, runs=prior[0] + 1, flakes=prior[1] + 1)
+    entry.expires = entry.expiry().isoformat()
+    q.items[key] = entry
+    return Change("quarantined", key, f"quarantined: {entry.reason}; {_evidence(entry)}: re-enabled after "
+                                      f"{needed(entry, reenable_after)} clean runs in a row")
+
+
+def _evidence(e: Entry) -> str:
+    flakes, runs, _shown = _record(e)
+    return f"flaked in {flakes} of its last {runs} runs"

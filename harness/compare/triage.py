@@ -76,19 +76,21 @@ MARKER = "<!-- harness:pr-triage -->"  # the one comment harness keeps on a pull
 
 
 def comment_body(rows: list[Triage], run_line: str) -> str:
-    """The pull request's one comment: the same table as the job summary, updated on every run."""
+    """The pull request's one comment: the same table as the job summary, edited when it changed."""
+    from harness.compare.issues import RUN_LINE
     from harness.compare.limits import COMMENT_MAX, fit
     from harness.compare.scrub import md_text
 
     table = markdown(rows)
     head = [MARKER, "### harness: whose failures", ""]
-    tail = [f"<sub>{md_text(run_line)}</sub>"]
+    tail = [f"<sub>{md_text(run_line)}</sub> {RUN_LINE}"]  # not compared: a new run alone edits nothing
     if not table:
         return "\n".join([*head, "No failing item: nothing new in this change, nothing already failing on main.", "",
                           *tail])
     # the summary line and the table's header always; its rows, new failures first, as many as fit
     rows_md = [ln for ln in table[6:] if ln]
-    return "\n".join(fit([*head, *table[2:6]], rows_md, ["", *tail], COMMENT_MAX, md_text(run_line)))
+    # the note names no run (the footer does): a push with the same table must not edit the comment
+    return "\n".join(fit([*head, *table[2:6]], rows_md, ["", *tail], COMMENT_MAX, "this run's job summary"))
 
 
 def pull_request_number(env: dict | None = None) -> int | None:

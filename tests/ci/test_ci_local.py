@@ -134,8 +134,8 @@ def _flaky_suite(adapter: str | None) -> str:
 def test_flaky_is_confirmed_quarantined_not_filed_and_reenabled_deterministic_filed_once(tmp_path):
     """Issue #31's rehearsal: `harness ci-local` against a GitHub server. One item fails one worker
     process in three (injected), another fails every time. The flaky one is confirmed flaky by its
-    reruns, quarantined, filed only as a flaky issue (never a failure), and re-enabled after K clean
-    runs, when its issue closes; the deterministic one is filed once, its reruns in the body."""
+    reruns, quarantined, filed only as a flaky issue (never a failure), and held while clean runs do not
+    yet bound its flake rate; the deterministic one is filed once, its reruns in the body."""
     from compare.github_server import TOKEN, GitHubServer  # tests/compare (tests/ is on sys.path)
 
     shutil.copytree(REPO_SUITES / "configs", tmp_path / "suites" / "configs")
@@ -191,12 +191,15 @@ def test_flaky_is_confirmed_quarantined_not_filed_and_reenabled_deterministic_fi
         assert gh.state.issues[failure["number"]]["state"] == "closed"
         assert gh.state.issues[flaky["number"]]["state"] == "open"
 
-        # run 3: the second clean run re-enables it, and its flaky issue closes
+        # run 3: a second clean run. --reenable-after 2 is the minimum, not the rule: two clean runs
+        # do not bound a flake rate seen at 1 in 3 (issue #49: a 25 % flake passes 3 clean runs with
+        # probability 0.42), so it stays quarantined and its issue open; the re-enabling on evidence and
+        # the issue closing with it are tests/compare/test_lifecycle.py's
         r = rehearse()
         assert r.returncode == 0, r.stdout + r.stderr
-        assert json.loads(q.read_text())["items"] == {}
-        assert "re-enabled after 2 clean runs" in (tmp_path / "ci" / "summary.md").read_text()
-        assert gh.state.issues[flaky["number"]]["state"] == "closed"
+        held = json.loads(q.read_text())["items"]
+        assert held["suites.a-flaky.toml::smoke[cpu-float32]"]["clean"] == 2, held
+        assert gh.state.issues[flaky["number"]]["state"] == "open"
         assert len(gh.state.issues) == 2  # one issue each, never a duplicate
         creates = [r for r in gh.state.requests if r[0] == "POST" and r[1].endswith("/issues")]
         assert len(creates) == 2

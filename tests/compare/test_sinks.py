@@ -71,10 +71,13 @@ def test_baseline_is_parsed_once_then_cached_in_the_history(tmp_path):
     assert third.baseline.files[0].endswith("base.xml")
 
 
-def test_unusable_history_file_is_a_message(tmp_path):
+def test_a_history_file_that_is_not_a_database_is_moved_aside_in_one_line(tmp_path):
     (tmp_path / "h.sqlite").write_text("not a database, just text " * 100)
     o, _ = run(tmp_path, [item("s", "a", fail="x"), item("s", "b")], 0)
-    assert any("history" in p and "unusable" in p for p in o.problems)
+    (line,) = [w for w in o.warnings if "moved aside" in w]
+    (aside,) = tmp_path.glob("h.sqlite.damaged-*")
+    assert "not a readable history database" in line and str(aside) in line and not o.problems
+    assert aside.read_text().startswith("not a database")  # kept for a person to look at
     assert [f.category for f in o.classification.findings] == ["new_failure"]
 
 
