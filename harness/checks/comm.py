@@ -37,8 +37,8 @@ from harness.checks import (
     NotApplicable,
 )
 from harness.perf import baseline as store
+from harness.perf import commjudge, stats
 from harness.perf import fingerprint as fpmod
-from harness.perf import stats
 from harness.perf.comm import COLLECTIVES, bandwidths
 from harness.perf.decide import decide
 
@@ -70,6 +70,9 @@ class CommConfig(CheckConfig):
     alpha: float = Field(0.01, gt=0, lt=1, description="Mann-Whitney significance level.")
     pair_bytes: int = Field(65536, ge=0, le=1 << 26, description="Round trips of this many bytes between every "
                             "pair of ranks (pair/<i>-<j>): a slow link between two nodes is named by its pair; 0: off.")
+    thin_margin: float = Field(1.0, gt=0, description="Against a baseline of one launch's samples, a slowdown "
+                               "within this margin is noted as 'baseline too thin', not a regression: pool several "
+                               "launches (harness baseline update DIR1 DIR2 ...) to judge smaller ones.")
     timeout_s: float = Field(300.0, gt=0, description="Limit of the launch.")
     fail_on_regression: bool = Field(True, description="A regression fails the item.")
 
@@ -79,14 +82,6 @@ class CommConfig(CheckConfig):
         if not v or any(x < 1 for x in v):
             raise ValueError(f"must be a non-empty list of positive integers, got {v}")
         return v
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.3g} GB/s"
-
-
-def _size(b: int) -> str:
-    return f"{b >> 20} MiB" if b >= 1 << 20 and not b % (1 << 20) else f"{b >> 10} KiB" if b >= 1024 else f"{b} B"
 
 
 class CommCheck(Check):
@@ -185,16 +180,14 @@ class CommCheck(Check):
             st.status, st.baseline_why = "incomparable", f"baseline measured another grid ({base.get('shape')}); not compared"
             ctx.notes.append(st.baseline_why)
             return
-        for key, now in st.raw["samples"].items():
+        for key, now in st.raw["samples"].items():  # each collective and size by its own samples
             then = base["samples"].get(key)
             if then:
                 st.decisions[key] = decide(f"comm {key}", now, then, direction="lower", threshold=st.cfg.threshold,
-                                           alpha=st.cfg.alpha, kernel_ratio=None)
-        for coll in st.cfg.collectives:
-            mine = {k: d for k, d in st.decisions.items() if k.startswith(coll + "/")}
-            bad = {k: d for k, d in mine.items() if d.verdict == "regression"}
-            if mine and len(bad) * 2 >= len(mine):  # at half its sizes or more: the collective, not one blip
-                st.regressed[coll] = bad
+                                           alpha=st.cfg.alpha, kernel_ratio=None, baseline_runs=store.runs(base),
+                                           thin_margin=st.cfg.thin_margin)
+        st.regressed = commjudge.regressed(st.decisions, st.cfg.collectives)
+        ctx.notes.extend(f"comm {k}: {why}" for k, why in commjudge.held(st.decisions).items())
         st.slow_pairs = {k: d for k, d in st.decisions.items() if k.startswith("pair/") and d.verdict == "regression"}
         st.status = "regression" if st.regressed or st.slow_pairs else "unchanged"
 
@@ -219,6 +212,7 @@ class CommCheck(Check):
     def record(self, ctx: CheckContext, st) -> None:
         verdict = {"status": st.status, "baseline": st.baseline_why, "class": fpmod.class_key(st.fp),
                    "regressed": {c: sorted(b) for c, b in st.regressed.items()},
+                   "held": commjudge.held(st.decisions),  # noted, not regressions: a one-launch baseline
                    "decisions": {k: d.to_dict() for k, d in st.decisions.items()}}
         rec = {"suite": ctx.suite.name, "key": st.key, "backend": ctx.backend.name, "dtype": ctx.dtype,
                "variant": ctx.variant, "fingerprint": st.fp, "class": fpmod.class_key(st.fp),
@@ -269,24 +263,9 @@ class CommCheck(Check):
             tolerance=st.cfg.threshold, details="\n".join(lines + ["", f"baseline: {st.baseline_why}"]))
 
     def _collective_verdict(self, st) -> None:
-        lines = [f"{'collective':<15} {'size':>8} {'busbw now':>12} {'baseline':>12} {'change':>8} {'p':>8}"]
-        worst = None
-        for coll, bad in st.regressed.items():
-            for key, d in sorted(bad.items(), key=lambda kv: int(kv[0].split("/")[1])):
-                size = int(key.split("/")[1])
-                now_bw = st.table[key]["busbw"]
-                base_bw = now_bw * d.ratio if d.ratio else float("nan")
-                lines.append(f"{coll:<15} {_size(size):>8} {_gb(now_bw):>12} {_gb(base_bw):>12} {d.change:>+8.1%} "
-                             f"{d.p_value:>8.2g}")
-                if worst is None or d.change > worst[2].change:
-                    worst = (coll, size, d)
-        coll, size, d = worst
-        names = ", ".join(f"{c} ({len(b)} of {len(st.cfg.sizes)} sizes)" for c, b in st.regressed.items())
-        raise CheckFailure(
-            f"collective {coll} regressed {d.change:+.1%} at {_size(size)} (p={d.p_value:.2g}) against the "
-            f"baseline of this machine class; slower: {names}", metric=f"comm_{coll}_busbw",
-            expected=f"<= {1 + st.cfg.threshold:.2f}x baseline time", observed=f"{d.ratio:.3f}x",
-            tolerance=st.cfg.threshold, details="\n".join(lines + ["", f"baseline: {st.baseline_why}"]))
+        msg, fields = commjudge.collective_failure(st.regressed, st.decisions, st.table, len(st.cfg.sizes),
+                                                   st.cfg.threshold, st.baseline_why, st.raw.get("backend", ""))
+        raise CheckFailure(msg, **fields)
 
 
 def register(registry: CheckRegistry) -> None:

@@ -116,6 +116,10 @@ class PerfConfig(CheckConfig):
         2.0, gt=1, description="Calibration kernels this much slower or faster than the baseline's: the machine "
         "is not comparable (a different class in disguise, or a throttled one).")
     calibrate: bool = Field(True, description="Divide ratios by the calibration kernels' ratio.")
+    thin_margin: float = Field(
+        0.25, gt=0, description="Against a baseline of one process's samples (one run taken by `harness baseline "
+        "update`), a change within this margin is noted as 'baseline too thin', not a regression: one process's "
+        "level can be 15% off another's on a loaded CPU. Pool several runs to judge smaller changes.")
     allocator: Literal["fixed", "as-is"] = Field(
         "fixed", description="'fixed': glibc malloc's mmap/trim thresholds fixed while measuring, so a sample "
         "does not depend on what the worker process ran before (timing.steady_allocator); 'as-is': untouched.")
@@ -308,6 +312,7 @@ class PerfCheck(Check):
             ctx.detail(k, v)
         if st.cmp.status in ("no-baseline", "incomparable"):
             ctx.notes.append(f"perf: {st.cmp.status}")
+        ctx.notes.extend(f"perf {m}: {why}" for m, why in st.cmp.held.items())
 
     def verdict(self, ctx: CheckContext, st) -> None:
         if not st.cfg.fail_on_regression:

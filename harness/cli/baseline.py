@@ -14,7 +14,8 @@ def register(sub) -> None:
     p = sub.add_parser("baseline", help="perf baselines: take a reviewed run as the new baseline, show them")
     bs = p.add_subparsers(dest="baseline_command", metavar="ACTION")
     u = bs.add_parser("update", help="take a reviewed run's perf samples as the new baselines")
-    u.add_argument("results", help="results directory of the run (the one holding perf/)")
+    u.add_argument("results", nargs="+", help="results directory of the run (the one holding perf/); several: "
+                   "their samples pooled into one baseline of several processes")
     u.add_argument("--suite", action="append", default=[], help="only these suites (repeatable)")
     u.add_argument("--golden-dir", default=None, help="golden root (default: harness.toml golden_dir)")
     u.add_argument("--append", action="store_true",
@@ -35,18 +36,18 @@ def update(args) -> int:
     try:
         # before reading anything: a read-only golden folder is one line now, not a traceback later
         check_writable(perf_golden_root(args.golden_dir), "perf baseline directory")
-        written = do_update(args.results, args.golden_dir, args.suite or None, append=args.append)
+        written = do_update(list(args.results), args.golden_dir, args.suite or None, append=args.append)
     except (BaselineError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not written:
-        print(f"error: no perf samples under {args.results} (run the perf check first: harness run "
+        print(f"error: no perf samples under {' '.join(args.results)} (run the perf check first: harness run "
               "--scope nightly --check perf)", file=sys.stderr)
         return 2
     code = 0
     for path, took, refused in written:
         if took:
-            print(f"{path}: {len(took)} item(s) from {args.results}: {', '.join(sorted(took))}")
+            print(f"{path}: {len(took)} item(s) from {' '.join(args.results)}: {', '.join(sorted(took))}")
         for r in refused:
             print(f"{path}: refused {r}", file=sys.stderr)
             code = 1

@@ -220,6 +220,13 @@ def find_baseline(suite: str, key: str, fp: dict, golden_root: str | Path | None
     return None, f"no baseline for {suite} on machine class {cls_key} (harness baseline update RESULTS)"
 
 
+def runs(item: dict) -> int:
+    """How many processes (runs) a baseline item's samples come from: 1 for an item taken from one
+    run, and for older baselines, which did not say."""
+    n = item.get("runs", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
 def _pool(old: dict, new: dict) -> dict:
     """``new``'s samples added to ``old``'s (same workload and calibration kernels): a baseline
     of several processes. One process's level can be 15% off another's on a loaded CPU
@@ -239,56 +246,67 @@ def _pool(old: dict, new: dict) -> dict:
                       for k, v in (cal.get("samples") or {}).items()}
     out["calibration"] = cal
     out["summary"] = {k: stats.summarize(v).to_dict() for k, v in out["samples"].items()}
-    out["runs"] = int(old.get("runs", 1)) + 1
+    out["runs"] = runs(old) + runs(new)
     out["source"] = f"{old.get('source')}; {new.get('source')}"
     return out
 
 
-def update(results_dir: str | Path, golden_root: str | Path | None = None,
+def update(results_dir: str | Path | list, golden_root: str | Path | None = None,
            suites: list[str] | None = None, append: bool = False) -> list[tuple[Path, list[str], list[str]]]:
-    """Take a reviewed run's perf samples as the new baselines (``append``: pooled with the stored
-    ones). Returns, per baseline file written, (path, items taken, items refused with why)."""
+    """Take reviewed runs' perf samples as the new baselines (``append``: pooled with the stored
+    ones). Several results directories are pooled with each other: each is one process's samples of
+    an item, and a baseline of one process is too thin to judge small changes (decide.py). Returns,
+    per baseline file written, (path, items taken, items refused with why)."""
+    dirs = list(results_dir) if isinstance(results_dir, list | tuple) else [results_dir]
+    dirs = list({Path(d).resolve(): d for d in dirs}.values())  # one directory named twice: its samples once
     by_file: dict[Path, tuple[dict, list[str], list[str]]] = {}
-    bad: list[tuple[Path, str]] = []
-    sidecars = read_sidecars(results_dir, bad)
-    for xml, why in bad:
-        by_file.setdefault(xml, ({}, [], []))[2].append(why)
-    for src, rec in sidecars:
-        if suites and rec["suite"] not in suites:
-            continue
-        fp = rec.get("fingerprint") or {}
-        try:  # suite, key and machine class come from the sidecar: data, refused if not plain names
-            from harness.files import paths
-
-            paths.name(rec["key"], source=src, field="key")
-            p = baseline_path(rec["suite"], fpmod.class_key(fp if isinstance(fp, dict) else {}), golden_root,
-                              source=src)
-        except (BaselineError, ValueError) as e:
-            by_file.setdefault(src, ({}, [], []))[2].append(str(e))  # this sidecar only; the others go on
-            continue
-        if p not in by_file:
-            base = _read(p) if p.exists() else {"format": FORMAT, "suite": rec["suite"],
-                                                 "class": fpmod.class_of(fp), "items": {}}
-            by_file[p] = (base, [], [])
-        base, took, refused = by_file[p]
-        if not any(rec["samples"].get(m) for m in rec["samples"]):
-            refused.append(f"{rec['key']}: no samples ({rec.get('why_no_samples') or 'not measured'})")
-            continue
-        if (why := bad_samples(rec)) is not None:
-            refused.append(f"{rec['key']}: {why}")
-            continue
-        keep = {k: rec[k] for k in ("suite", "key", "backend", "dtype", "variant", "fingerprint", "class",
-                                     "calibration", "reference", "samples", "summary", "roofline", "memory",
-                                     "shape", "profile")
-                if k in rec}
-        keep["source"] = str(src)
-        old = base["items"].get(rec["key"])
-        base["items"][rec["key"]] = _pool(old, keep) if append and old else keep
-        took.append(rec["key"])
+    pooled: set[tuple[Path, str]] = set()  # items this update took already: later dirs pool with them
+    for d in dirs:
+        bad: list[tuple[Path, str]] = []
+        sidecars = read_sidecars(d, bad)
+        for xml, why in bad:
+            by_file.setdefault(xml, ({}, [], []))[2].append(why)
+        for src, rec in sidecars:
+            if not suites or rec["suite"] in suites:
+                _take(src, rec, by_file, pooled, golden_root, append)
     out = []
     for p, (base, took, refused) in by_file.items():
         if took:
             p.parent.mkdir(parents=True, exist_ok=True)
             atomic.write_json(p, {"format": FORMAT, **base}, sort_keys=True, newline=False)
-        out.append((p, took, refused))
+        out.append((p, list(dict.fromkeys(took)), refused))
     return out
+
+
+def _take(src: Path, rec: dict, by_file: dict, pooled: set, golden_root, append: bool) -> None:
+    """One sidecar into its baseline file's record (``by_file``), or refused there with why."""
+    fp = rec.get("fingerprint") or {}
+    try:  # suite, key and machine class come from the sidecar: data, refused if not plain names
+        from harness.files import paths
+
+        paths.name(rec["key"], source=src, field="key")
+        p = baseline_path(rec["suite"], fpmod.class_key(fp if isinstance(fp, dict) else {}), golden_root, source=src)
+    except (BaselineError, ValueError) as e:
+        by_file.setdefault(src, ({}, [], []))[2].append(str(e))  # this sidecar only; the others go on
+        return
+    if p not in by_file:
+        base = _read(p) if p.exists() else {"format": FORMAT, "suite": rec["suite"],
+                                             "class": fpmod.class_of(fp), "items": {}}
+        by_file[p] = (base, [], [])
+    base, took, refused = by_file[p]
+    if not any(rec["samples"].get(m) for m in rec["samples"]):
+        refused.append(f"{rec['key']}: no samples ({rec.get('why_no_samples') or 'not measured'})")
+        return
+    if (why := bad_samples(rec)) is not None:
+        refused.append(f"{rec['key']}: {why}")
+        return
+    keep = {k: rec[k] for k in ("suite", "key", "backend", "dtype", "variant", "fingerprint", "class",
+                                 "calibration", "reference", "samples", "summary", "roofline", "memory",
+                                 "shape", "profile")
+            if k in rec}
+    keep["source"] = str(src)
+    keep["runs"] = 1  # one item of one run: one process's samples
+    old = base["items"].get(rec["key"])
+    base["items"][rec["key"]] = _pool(old, keep) if old and (append or (p, rec["key"]) in pooled) else keep
+    pooled.add((p, rec["key"]))
+    took.append(rec["key"])

@@ -151,6 +151,14 @@ def calibrate(backend, dtype: torch.dtype, dtype_name: str, budget: Budget | Non
     return k, summarize_calibration(k, samples, dtype_name, clock)
 
 
+def _kernel_samples(metric: str, cal: dict, ref: dict | None, clock: str) -> list[float] | None:
+    """The metric's reference-kernel samples: those interleaved with its phase (``ref``) over the
+    calibration step's."""
+    key = f"calib_{KERNEL_FOR[metric]}_s"
+    key = cpu_key(key) if clock == "cpu" else key
+    return ((ref or {}).get(PHASE_FOR[metric]) or {}).get(key) or (cal.get("samples") or {}).get(key) or None
+
+
 def kernel_ratio(metric: str, now_cal: dict, then_cal: dict, now_ref: dict | None = None,
                  then_ref: dict | None = None, clock: str = "wall") -> float | None:
     """How much slower (>1) this machine runs the metric's reference kernel than the baseline's
@@ -163,15 +171,23 @@ def kernel_ratio(metric: str, now_cal: dict, then_cal: dict, now_ref: dict | Non
     same = ("dtype", "matmul_shape", "matvec_shape", "copy_bytes")
     if any(now_cal.get(k) != then_cal.get(k) for k in same):
         return None
-    phase = PHASE_FOR[metric]
-    key = f"calib_{kernel}_s"
-    key = cpu_key(key) if clock == "cpu" else key
-
-    def pick(cal, ref):
-        xs = ((ref or {}).get(phase) or {}).get(key) or (cal.get("samples") or {}).get(key)
-        return stats.summarize(xs).median if xs else None
-
-    a, b = pick(now_cal, now_ref), pick(then_cal, then_ref)
+    xs, ys = _kernel_samples(metric, now_cal, now_ref, clock), _kernel_samples(metric, then_cal, then_ref, clock)
+    a, b = (stats.summarize(xs).median if xs else None), (stats.summarize(ys).median if ys else None)
     if not a or not b:
         return None
     return a / b
+
+
+def kernel_spread(metric: str, now_cal: dict, then_cal: dict, now_ref: dict | None = None,
+                  then_ref: dict | None = None, clock: str = "wall") -> float | None:
+    """The larger relative spread (IQR / median) of the metric's reference kernel now and in the
+    baseline: how finely the kernel ratio can resolve a change (decide.py's ``noisy`` hold)."""
+    if KERNEL_FOR.get(metric) is None or not now_cal or not then_cal:
+        return None
+    spreads = []
+    for cal, ref in ((now_cal, now_ref), (then_cal, then_ref)):
+        xs = _kernel_samples(metric, cal, ref, clock)
+        if xs:
+            s = stats.summarize(xs)
+            spreads.append(s.iqr / s.median if s.median else 0.0)
+    return max(spreads) if spreads else None

@@ -85,6 +85,32 @@ def _op(collective: str, size_bytes: int, dtype, device, rank: int, n: int):
     raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
 
 
+# the torch.distributed call behind each collective (comm.py ``_op``)
+LIBRARY_CALL = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather_into_tensor",),
+                "reduce_scatter": ("reduce_scatter_tensor",), "all_to_all": ("all_to_all_single",),
+                "broadcast": ("broadcast",), "send_recv": ("send", "recv")}
+
+
+def _slow_library(delay: dict) -> None:
+    """Tests: ``{collective: "50%"}`` makes the library's call of that collective so much slower
+    (a sleep of that share of each call's own time), in this rank: whatever is built on the call
+    slows with it, as a slower library would (on gloo, reduce_scatter is measured as an all_reduce)."""
+    import torch.distributed as dist
+
+    for coll, v in delay.items():
+        if not (isinstance(v, str) and v.endswith("%")):
+            continue
+        share = float(v[:-1]) / 100
+        for name in LIBRARY_CALL[coll]:
+            def slowed(*a, _fn=getattr(dist, name), _share=share, **k):
+                t0 = time.perf_counter()
+                out = _fn(*a, **k)
+                time.sleep((time.perf_counter() - t0) * _share)
+                return out
+
+            setattr(dist, name, slowed)
+
+
 def _pin(device_type: str, local_rank: int, n: int) -> int | None:
     """On the CPU, rank r on its own core when there are cores enough (as nccl-tests binds ranks):
     left to the scheduler, two ranks sometimes share a core and a small message's latency doubles
@@ -142,12 +168,16 @@ def worker(spec: dict) -> None:
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", rank))) if mod is not None else "cpu"
     sync = (lambda: mod.synchronize()) if mod is not None and hasattr(mod, "synchronize") else (lambda: None)
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    delay = spec.get("delay") or {}  # tests: {collective: seconds} of extra time inside that collective
+    # tests: {collective: seconds} of extra time inside that collective's timed call, or {collective:
+    # "50%"}: the library's call itself that much slower (_slow_library)
+    delay = spec.get("delay") or {}
     out: dict = {"world": n, "backend": spec["backend"], "dtype": spec.get("dtype", "float32"), "samples": {},
                  "pinned": _pin(device_type, int(os.environ.get("LOCAL_RANK", rank)), n)}
-    calls = {f"{coll}/{int(size)}": (_op(coll, int(size), dtype, device, rank, n), float(delay.get(coll, 0.0)))
+    calls = {f"{coll}/{int(size)}": (_op(coll, int(size), dtype, device, rank, n), delay.get(coll, 0.0))
              for coll in spec["collectives"] for size in spec["sizes"]}
+    calls = {k: (fn, float(v) if isinstance(v, int | float) else 0.0) for k, (fn, v) in calls.items()}
     times: dict[str, list[float]] = {k: [] for k in calls}
+    _slow_library(delay)  # after the ops are built, before anything is timed
     # Rounds: every collective and size once per round, round after round. A disturbance of the
     # machine (another process, a frequency step) then lands on every key's samples alike instead of
     # on all the repeats of the one key measured at that moment (measured: 5 of 10 clean launches

@@ -15,7 +15,7 @@ from harness.perf import baseline as store
 from harness.perf import calibrate as calib
 from harness.perf import fingerprint as fpmod
 from harness.perf import stats
-from harness.perf.decide import Decision, decide
+from harness.perf.decide import HELD, Decision, decide
 from harness.perf.measure import PHASE_OF, phase_samplers, samples_key
 from harness.perf.timing import interleaved
 
@@ -36,15 +36,24 @@ class Comparison:
     ratios: dict[str, float | None] = field(default_factory=dict)  # metric -> calibration kernel ratio
     base_profile: dict = field(default_factory=dict)
     memory: dict[str, dict] = field(default_factory=dict)  # phase -> its tensor-memory regression
+    spreads: dict[str, float | None] = field(default_factory=dict)  # metric -> calibration kernel spread
+    runs: int = 1  # processes the baseline's samples come from (baseline.runs)
+
+    @property
+    def held(self) -> dict[str, str]:
+        """Metrics the rule called regressions that the machine or the baseline cannot back
+        (decide.HELD: too noisy to judge, baseline too thin), with why: noted, never filed."""
+        return {m: d.why for m, d in self.decisions.items() if d.verdict in HELD}
 
 
 def _incomparable(why: str, status: str = "incomparable") -> Comparison:
     return Comparison(status=status, baseline_why=why, note=why)
 
 
-def _decide(m: str, now: list[float], then: list[float], cfg, ratio: float | None) -> Decision:
+def _decide(m: str, now: list[float], then: list[float], cfg, ratio: float | None, c: Comparison) -> Decision:
     return decide(m, now, then, direction=metrics.direction(m), threshold=cfg.thresholds.get(m, cfg.threshold),
-                  alpha=cfg.alpha, kernel_ratio=ratio)
+                  alpha=cfg.alpha, kernel_ratio=ratio, kernel_spread=c.spreads.get(m), baseline_runs=c.runs,
+                  thin_margin=getattr(cfg, "thin_margin", None))
 
 
 def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str, cfg, samples: dict, ref: dict,
@@ -67,11 +76,13 @@ def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str
         m, r = next(iter(wild.items()))
         return _incomparable(f"this machine runs the calibration kernel of {m} in {r:.2f}x the baseline's time "
                              f"(limit {cfg.max_kernel_ratio}x): not comparable; {why}")
-    c = Comparison(baseline_why=why, ratios=ratios, base_profile=base.get("profile") or {})
+    c = Comparison(baseline_why=why, ratios=ratios, base_profile=base.get("profile") or {}, runs=store.runs(base))
+    c.spreads = {m: (calib.kernel_spread(m, cal, bcal, ref, base.get("reference"), clock) if cfg.calibrate else None)
+                 for m in timed_metrics}
     for m in timed_metrics:
         k = samples_key(clock, m)
         c.decided[m] = (k, samples[k], base["samples"].get(k, []))
-        c.decisions[m] = _decide(m, samples[k], base["samples"].get(k, []), cfg, ratios[m])
+        c.decisions[m] = _decide(m, samples[k], base["samples"].get(k, []), cfg, ratios[m], c)
     suspected = [m for m, d in c.decisions.items() if d.verdict == "regression"]
     if suspected:
         remeasure(c, suspected, base, clock, cfg, samples, ref, cal, wl, kernels)
@@ -101,7 +112,9 @@ def remeasure(c: Comparison, suspected: list[str], base: dict, clock: str, cfg, 
                  if cfg.calibrate else None)
             c.first[m] = c.decisions[m]
             c.decided[m] = (f"{k}_remeasured", got[k], base["samples"][k])
-            c.decisions[m] = d = _decide(m, got[k], base["samples"][k], cfg, r)
+            c.spreads[m] = (calib.kernel_spread(m, cal, base.get("calibration") or {}, {phase: kern},
+                                                base.get("reference"), clock) if cfg.calibrate else None)
+            c.decisions[m] = d = _decide(m, got[k], base["samples"][k], cfg, r, c)
             if d.verdict != "regression":
                 d.why = f"suspected ({c.first[m].why}) but not confirmed on re-measure: {d.why}"
 
@@ -153,6 +166,9 @@ def verdict(c: Comparison, summary: dict, clock: str, fp: dict, roof: dict, memo
         if math.isfinite(d.calibrated_ratio):
             figures[f"{m}_change"] = d.calibrated_ratio - 1
     out["roofline"] = roof["fractions"]
+    out["baseline_runs"] = c.runs
+    if c.held:  # not regressions: what the check could not judge, said (the comparator files none)
+        out["held"] = c.held
     for phase, mem in c.memory.items():
         out["metrics"][f"{phase}_tensor_peak_bytes"] = _memory_entry(phase, mem, memory_threshold)
     if c.memory:

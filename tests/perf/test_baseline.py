@@ -182,3 +182,23 @@ def test_samples_that_are_not_times_are_refused_and_a_hand_edited_baseline_is_no
     path.write_text(path.read_text().replace("0.11", "NaN"))
     item, why = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, tmp_path / "g")
     assert item is None and "baseline cpu-float32-b1-s128 not used: samples of prefill_s" in why, why
+
+
+def test_several_results_dirs_pool_into_one_baseline_of_several_runs(tmp_path, capsys):
+    golden = tmp_path / "golden"
+    store.write_sidecar(record(prefill=(0.1, 0.11, 0.12)), tmp_path / "r1")
+    store.write_sidecar(record(prefill=(0.2, 0.21, 0.22)), tmp_path / "r2")
+    store.write_sidecar(record(prefill=(0.3, 0.31, 0.32)), tmp_path / "r3")
+    fp = fpmod.fingerprint(get("cpu"), threads=1)
+    # one run: one process's samples, and the baseline says so
+    assert main(["baseline", "update", str(tmp_path / "r1"), "--golden-dir", str(golden)]) == 0
+    item, _ = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, golden)
+    assert item["runs"] == 1 and store.runs(item) == 1
+    # three runs in one update (one named twice counts once): pooled, replacing the stored one
+    dirs = [str(tmp_path / d) for d in ("r1", "r2", "r3", "r2")]
+    assert main(["baseline", "update", *dirs, "--golden-dir", str(golden)]) == 0
+    assert "1 item(s)" in capsys.readouterr().out
+    item, _ = store.find_baseline("llama-3.1-8b", "cpu-float32-b1-s128", fp, golden)
+    assert item["runs"] == 3 and item["summary"]["prefill_s"]["n"] == 9
+    assert item["samples"]["prefill_s"] == [0.1, 0.11, 0.12, 0.2, 0.21, 0.22, 0.3, 0.31, 0.32]
+    assert store.runs({}) == 1 and store.runs({"runs": "x"}) == 1  # older baselines: one process

@@ -63,3 +63,12 @@ def test_real_kernels_measure_rates_on_both_clocks():
     assert math.isclose(rec["matmul_flops_per_s"], 2 * m * kk * n / med)
     assert rec["copy_bytes_per_s"] > 0 and rec["matvec_bytes_per_s"] > 0 and rec["clock"] == "cpu"
     assert k.work["matvec"] == 4096 * 4096 * 4 and k.work["copy"] == 2 * (32 << 20)
+
+
+def test_kernel_spread_is_the_wider_relative_iqr_of_now_and_then():
+    then = cal([1.0, 1.0, 1.0, 1.0], [2.0], [3.0])
+    now = cal([1.0, 1.1, 1.2, 1.3, 1.4], [2.0], [3.0])
+    s = calib.kernel_spread("prefill_s", now, then)
+    assert math.isclose(s, 0.2 / 1.2, rel_tol=1e-6)  # IQR 1.1-1.3 over the median 1.2
+    assert calib.kernel_spread("prefill_s", then, then) == 0.0
+    assert calib.kernel_spread("peak_memory_bytes", now, then) is None and calib.kernel_spread("prefill_s", {}, then) is None

@@ -41,3 +41,51 @@ def test_no_baseline_is_said(tmp_path):
     c = judge.compare("no-such-suite", "cpu-float32-b1-s8", {"backend": "cpu"}, tmp_path, {}, "cpu", None, {}, {}, {},
                       None, None)
     assert c.status == "no-baseline" and c.note == c.baseline_why and "harness baseline update" in c.note
+
+
+def _baseline(tmp_path, runs: int) -> tuple[dict, object]:
+    """A baseline of ``runs`` processes (``runs`` results dirs pooled by `harness baseline update`)."""
+    from harness.backends import get
+    from harness.perf import baseline as store
+    from harness.perf import fingerprint as fpmod
+
+    fp = fpmod.fingerprint(get("cpu"), threads=1)
+    cal = {"dtype": "float32", "matmul_shape": [128, 1024, 1024], "matvec_shape": [4096, 4096],
+           "copy_bytes": 32 << 20, "clock": "wall", "samples": {"calib_matmul_s": [0.010] * 5}}
+    dirs = []
+    for r in range(runs):
+        rec = {"suite": "s", "key": "cpu-float32-b1-s8", "backend": "cpu", "dtype": "float32", "variant": "b1-s8",
+               "fingerprint": fp, "class": fpmod.class_key(fp), "shape": {"batch": 1}, "calibration": cal,
+               "reference": {"prefill": {"calib_matmul_s": [0.010 + i * 1e-5 for i in range(10)]}},
+               "samples": {"prefill_s": [0.100 + (i + r) * 1e-4 for i in range(10)]}}
+        store.write_sidecar(rec, tmp_path / f"r{r}")
+        dirs.append(tmp_path / f"r{r}")
+    store.update(dirs, tmp_path / "golden")
+    return fp, cal
+
+
+def test_a_faster_raw_run_against_a_quicker_kernel_is_held_as_too_noisy(tmp_path):
+    from harness.checks.perf import PerfConfig
+
+    fp, cal = _baseline(tmp_path, runs=3)
+    now = {"prefill_s": [0.097 + i * 1e-4 for i in range(10)]}  # raw 3% faster
+    ref = {"prefill": {"calib_matmul_s": [0.0091 + i * 1e-5 for i in range(10)]}}  # the kernel 9% faster still
+    c = judge.compare("s", "cpu-float32-b1-s8", fp, tmp_path / "golden", {"batch": 1}, "wall", PerfConfig(), now,
+                      ref, cal, None, None)
+    d = c.decisions["prefill_s"]
+    assert c.runs == 3 and d.verdict == "noisy" and c.status == "unchanged", d.why
+    verdict, _ = judge.verdict(c, {}, "wall", fp, ROOF, 0.01)
+    assert verdict["held"]["prefill_s"].startswith("too noisy to judge") and verdict["baseline_runs"] == 3
+    assert judge.failure(c, verdict, "wall", ROOF, {}, 0.01) is None  # nothing filed
+
+
+def test_a_baseline_of_one_process_holds_a_small_slowdown_as_thin(tmp_path):
+    from harness.checks.perf import PerfConfig
+
+    fp, cal = _baseline(tmp_path, runs=1)
+    now = {"prefill_s": [0.110 + i * 1e-4 for i in range(10)]}  # +10%, the kernel unchanged
+    ref = {"prefill": {"calib_matmul_s": [0.010 + i * 1e-5 for i in range(10)]}}
+    c = judge.compare("s", "cpu-float32-b1-s8", fp, tmp_path / "golden", {"batch": 1}, "wall", PerfConfig(), now,
+                      ref, cal, None, None)
+    assert c.runs == 1 and c.decisions["prefill_s"].verdict == "thin-baseline" and c.status == "unchanged"
+    assert c.held["prefill_s"].startswith("baseline too thin")
