@@ -16,6 +16,7 @@ module             what
 ``workload``       the perf-sized model and its prefill / decode / train-step workloads
 ``profile``        operator and module times, tensor-memory peak by module; what grew on a regression
 ``comm``           the collective library timed on real ranks: algbw / busbw as nccl-tests defines
+``commjudge``      the comm check's verdict: each collective by its samples, what gloo measured named
 ``measure``        the perf check's measuring steps: clock, workload, one timed phase, profile, roofline
 ``judge``          the perf check's judging steps: baseline comparison, re-measure, records, failure
 =================  ===========================================================================
