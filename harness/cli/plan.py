@@ -19,10 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="suite name, suite .toml, or a config.json")
     # --devices/--nodes/--batch/--context: plan.check_inputs bounds them (one line naming the option)
-    p.add_argument("--devices", type=int, required=True, help="devices per node")
-    p.add_argument("--device-memory", required=True, help="memory of one device, e.g. 141GiB or 80GB")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--mode", choices=("inference", "training"), default="inference")
+    # A suite's [plan] table (devices, device_memory_gib, nodes, mode) fills what is not given.
+    p.add_argument("--devices", type=int, help="devices per node (default: the suite's [plan] devices)")
+    p.add_argument("--device-memory", help="memory of one device, e.g. 141GiB or 80GB (default: the suite's "
+                   "[plan] device_memory_gib)")
+    p.add_argument("--nodes", type=int, help="nodes (default: the suite's [plan] nodes, else 1)")
+    p.add_argument("--mode", choices=("inference", "training"), help="default: the suite's [plan] mode, else inference")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--weights", choices=("checkpoint", "bfloat16", "float32"), default="checkpoint",
@@ -57,10 +59,14 @@ def run(args) -> int:
     from harness.suite.loader import SuiteError
 
     try:
+        target = None
+        if args.devices is None or args.device_memory is None:  # the suite's [plan] says
+            target = load_target(args.target, load_settings().suites_dir)
+        cluster_from_suite(args, target)
         mem = parse_bytes(args.device_memory)
         check_inputs(devices_per_node=args.devices, nodes=args.nodes, device_memory=mem, batch=args.batch,
-                     context=args.context, usable=args.usable)  # before the model is even read
-        target = load_target(args.target, load_settings().suites_dir)
+                     context=args.context, usable=args.usable)  # given ones: before the model is even read
+        target = target or load_target(args.target, load_settings().suites_dir)
         facts = model_facts(target, args.weights, args.context)
     except (SuiteError, UnknownArchitectureError, ValueError, KeyError) as e:
         print(f"harness plan: {e}", file=sys.stderr)
@@ -80,6 +86,26 @@ def run(args) -> int:
         atomic.write_json(args.json, rep.to_dict(), newline=False)
     print(render(rep, args.top))
     return 0
+
+
+def cluster_from_suite(args, target) -> None:
+    """--devices / --device-memory / --nodes / --mode not given: the suite's ``[plan]`` table's; a
+    ValueError naming what is missing when neither says."""
+    plan = getattr(getattr(target, "suite", None), "suite", None)
+    plan = getattr(plan, "plan", None)
+    if plan is not None:
+        if args.devices is None:
+            args.devices = plan.devices
+        if args.device_memory is None:
+            args.device_memory = f"{plan.device_memory_gib}GiB"
+        args.nodes = plan.nodes if args.nodes is None else args.nodes
+        args.mode = plan.mode if args.mode is None else args.mode
+    missing = [o for o, v in (("--devices", args.devices), ("--device-memory", args.device_memory)) if v is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} not given, and {args.target} has no [plan] table to take "
+                         "them from")
+    args.nodes = 1 if args.nodes is None else args.nodes
+    args.mode = args.mode or "inference"
 
 
 def _emit(args, rep, target) -> int:

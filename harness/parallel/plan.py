@@ -108,6 +108,12 @@ class ModelFacts:
     moe_layers: int
     flops_per_token: float = 0.0  # forward, prefill at the planned context (inspect's figure)
     notes: list[str] = field(default_factory=list)
+    # Where each parameter lives when the parallel check's own steps split the model (``stage_facts``):
+    # per decoder layer, kind -> [params tp splits, params tp leaves replicated]; "first" / "last":
+    # what only the first stage (embedding) and the last (final norm, lm_head) hold. Empty: the
+    # uniform model of _share (every kind split as the module docstring says, layers evenly by pp).
+    layer_kinds: list[dict[str, list[int]]] = field(default_factory=list)
+    ends: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
 
 QUANTIZABLE = ("attention", "dense_mlp", "routed_experts", "shared_experts")
@@ -156,9 +162,52 @@ def model_facts(target, weights: str = "checkpoint", context: int = 4096) -> Mod
         moe_layers = p.num_layers - int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     notes = [f"weights as {fmt}: {gib(sum(wb.values()) + buffers)} GiB (harness inspect: "
              f"{gib(sc['total'])} GiB)"]
+    layer_kinds, ends = stage_facts(target)
     return ModelFacts(target.name, by, p.total, wb, fmt, buffers, fl.kv_cache_bytes_per_token[kv_key],
                       1 if mla else kvh, p.num_layers, int(cfg.hidden_size), int(cfg.vocab_size), heads, inter,
-                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes)
+                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes, layer_kinds, ends)
+
+
+def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str, list[int]]]]:
+    """The meta model's parameters as the parallel check splits them (``harness plan --rehearse``
+    measured the uniform model 25-34 % under on a DeepSeek-V3 pipeline's last stage): per decoder
+    layer, each kind's parameters that the tp plan splits (``tp_plan_of``: colwise / rowwise Linear
+    layers, fused experts) and those it leaves whole on every tp rank (MLA's low-rank projections,
+    norms, routers; the embedding and lm_head, which no bundled architecture's base plan splits);
+    the embedding on the first stage only, the final norm and lm_head on the last (``StageModule``),
+    so that a stage's bytes are its own layers' (3 dense layers weigh less than 58 MoE ones)."""
+    import torch
+
+    from harness.anatomy.moe import expert_parents, module_kind, num_experts
+    from harness.inspect.params import meta_model
+    from harness.parallel.apply import _match, tp_plan_of
+
+    model, mc = meta_model(target, pruned=False, dtype=torch.bfloat16)
+    n_exp = num_experts(mc.config)
+    parents = expert_parents(model, n_exp)
+    split = {n for n, st in _match(tp_plan_of(model)[0], model).items() if st in ("colwise", "rowwise",
+                                                                                   "moe_tp_experts")}
+    base = getattr(model, model.base_model_prefix, None)
+    if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        return [], {}  # not a causal LM split_stage can cut (a multimodal wrapper): the uniform model
+    layers = list(base.layers)
+    where = {f"{model.base_model_prefix}.layers.{i}": i for i in range(len(layers))}
+    per_layer: list[dict[str, list[int]]] = [{} for _ in layers]
+    ends: dict[str, dict[str, list[int]]] = {"first": {}, "last": {}}
+    seen: set[int] = set()
+    for fqn, mod in model.named_modules():
+        kind = module_kind(fqn, mod, n_exp, parents)
+        tp_split = any(fqn == n or fqn.startswith(n + ".") for n in split)
+        layer = next((i for pre, i in where.items() if fqn == pre or fqn.startswith(pre + ".")), None)
+        for p in mod.parameters(recurse=False):
+            if id(p) in seen:
+                if kind == "lm_head":  # tied: the last stage holds its own copy of the embedding
+                    ends["last"].setdefault(kind, [0, 0])[int(not tp_split)] += p.numel()
+                continue
+            seen.add(id(p))
+            bucket = per_layer[layer] if layer is not None else ends["first" if kind == "embedding" else "last"]
+            bucket.setdefault(kind, [0, 0])[int(not tp_split)] += p.numel()
+    return per_layer, ends
 
 
 @dataclass
@@ -233,8 +282,43 @@ def _share(kind: str, lay: Layout) -> float:
     return f
 
 
-def _per_device(values: dict[str, float], lay: Layout) -> float:
-    """Per-kind totals -> what one device holds; under pp the worst stage keeps the larger end."""
+def _stage_params(m: ModelFacts, lay: Layout) -> dict[str, float] | None:
+    """Parameters of each kind one device of the largest pipeline stage holds, split as the parallel
+    check splits them (``stage_facts``): stages cut at round(i x layers / pp) as ``split_stage`` cuts
+    them; the tp-split part of each kind / tp, routed experts / ep (under ep the check gives the
+    experts to ep, not tp). None without the per-layer facts."""
+    if not m.layer_kinds:
+        return None
+    n = len(m.layer_kinds)
+    bounds = [round(i * n / lay.pp) for i in range(lay.pp + 1)]
+
+    def add(out: dict[str, float], kinds: dict[str, list[int]]) -> None:
+        for k, (tp_split, whole) in kinds.items():
+            if k == "routed_experts" and lay.ep > 1:
+                out[k] = out.get(k, 0.0) + (tp_split + whole) / lay.ep
+            else:
+                out[k] = out.get(k, 0.0) + tp_split / lay.tp + whole
+
+    worst: dict[str, float] = {}
+    for j in range(lay.pp):
+        got: dict[str, float] = {}
+        for i in range(bounds[j], bounds[j + 1]):
+            add(got, m.layer_kinds[i])
+        for end in (["first"] if j == 0 else []) + (["last"] if j == lay.pp - 1 else []):
+            add(got, m.ends.get(end, {}))
+        if sum(got.values()) > sum(worst.values()):
+            worst = got
+    return worst
+
+
+def _per_device(values: dict[str, float], lay: Layout, m: ModelFacts | None = None) -> float:
+    """Per-kind totals -> what one device holds: with ``m``'s per-layer facts, the largest stage's
+    share of each kind (its parameters of that kind over the model's); otherwise the uniform model,
+    under pp the worst stage keeping the larger end."""
+    stage = _stage_params(m, lay) if m is not None else None
+    if stage is not None:
+        return sum(values.get(k, 0.0) * got / m.params_by_kind[k] for k, got in stage.items()
+                   if m.params_by_kind.get(k))
     s = sum(v * _share(k, lay) for k, v in values.items() if k not in ("embedding", "lm_head"))
     ends = [values.get("embedding", 0.0) * _share("embedding", lay), values.get("lm_head", 0.0) * _share("lm_head", lay)]
     return s + (max(ends) if lay.pp > 1 else sum(ends))
@@ -243,13 +327,13 @@ def _per_device(values: dict[str, float], lay: Layout) -> float:
 def _weights_and_state(m: ModelFacts, lay: Layout, train: bool) -> tuple[float, float, float, float]:
     """(weights, gradients, optimizer state, parameters) per device. Training: bf16 weights and
     gradients, Adam's 12 B/param in float32, split by dp from ZeRO-3 / -2 / -1."""
-    params_dev = _per_device({k: float(v) for k, v in m.params_by_kind.items()}, lay)
+    params_dev = _per_device({k: float(v) for k, v in m.params_by_kind.items()}, lay, m)
     if train:
         weights = params_dev * 2 / (lay.dp if lay.zero >= 3 else 1)
         grads = params_dev * 2 / (lay.dp if lay.zero >= 2 else 1)
         optim = params_dev * 12 / (lay.dp if lay.zero >= 1 else 1)
     else:
-        weights = _per_device(m.weight_bytes, lay) + m.buffer_bytes
+        weights = _per_device(m.weight_bytes, lay, m) + m.buffer_bytes
         grads = optim = 0.0
     return weights, grads, optim, params_dev
 

@@ -163,8 +163,21 @@ class PruneSection(_Strict):
         return self
 
 
+class PlanSection(_Strict):
+    """The cluster the full-size model is meant for: ``harness plan SUITE`` (and ``--rehearse``)
+    defaults its --devices / --device-memory / --nodes / --mode to these (docs/parallel.md)."""
+
+    devices: int = Field(ge=1, le=1024, description="Devices per node.")
+    device_memory_gib: float = Field(gt=0, le=2**20, allow_inf_nan=False, description="Memory of one device in GiB.")
+    nodes: int = Field(1, ge=1, le=2**20, description="Nodes.")
+    mode: Literal["inference", "training"] = Field("inference", description="What the cluster runs.")
+
+
 class Suite(_Strict):
     """The suite-level keys. The full schema, ``[checks]`` included, is :func:`suite_model`."""
+
+    plan: PlanSection | None = Field(None, description="The production cluster for `harness plan` "
+                                     "(devices per node, device memory, nodes, mode).")
 
     model: ModelSection = Field(description="Which model, from which real config.")
     prune: PruneSection = Field(default_factory=PruneSection, description="How to shrink it.")
