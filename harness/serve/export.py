@@ -27,7 +27,9 @@ from pathlib import Path
 from harness.files import atomic
 
 README = "README.txt"
-VERSION = 1  # of what export writes: a cached export made by another version is remade
+VERSION = 2  # of what export writes: a cached export made by another version is remade
+# MLA (DeepSeek-V3, Kimi-K2): the widths an engine's MLA kernel dispatches on, kept at the published values
+MLA_DIMS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
 def published_head_dim(cfg) -> int:
@@ -40,9 +42,22 @@ def serving_config(ls):
     from harness.models.build import model_config
 
     mc = model_config(ls)
-    real = published_head_dim(model_config(ls, pruned=False).config)
-    pruned = published_head_dim(mc.config)
+    pub = model_config(ls, pruned=False).config
     kept = []
+    if getattr(mc.config, "kv_lora_rank", None):
+        # MLA: the engine's kernel sees the latent (kv_lora_rank + qk_rope_head_dim: vLLM's CPU MLA decode
+        # takes 512 + 64 only) and the per-head q/k/v widths; head_dim is the rotary width there (transformers)
+        was = {k: getattr(mc.config, k) for k in MLA_DIMS}
+        for k in MLA_DIMS:
+            setattr(mc.config, k, getattr(pub, k))
+        mc.config.qk_head_dim = pub.qk_nope_head_dim + pub.qk_rope_head_dim
+        mc.config.head_dim = pub.qk_rope_head_dim
+        kept.append("MLA widths " + ", ".join(f"{k} {getattr(pub, k)}" for k in MLA_DIMS) + " (published; the "
+                    "pruned model's " + ", ".join(map(str, was.values())) + "): engines choose their MLA kernel "
+                    "by the latent and head widths")
+        return mc, kept
+    real = published_head_dim(pub)
+    pruned = published_head_dim(mc.config)
     if pruned != real:
         mc.config.head_dim = real
         kept.append(f"head_dim {real} (published; the pruned model's is {pruned}): engines choose their "
@@ -64,7 +79,7 @@ def fingerprint(ls, dtype: str) -> str:
 def _bake_attention_gain(model, gains: dict) -> None:
     """Fold each layer's attention temperature gain into its weights: attention logits are q.k x
     scaling, and q is linear in q_proj's weight (RoPE rotates it, linearly) - or in the q norm's
-    weight where one follows q_proj (Qwen3) - so scaling those by g scales the logits by g exactly."""
+    weight where one follows q_proj (Qwen3), or MLA's q_b_proj - so scaling those by g scales the logits by g exactly."""
     import torch
 
     from harness.anatomy.layers import attention, indexed_layers
@@ -74,8 +89,8 @@ def _bake_attention_gain(model, gains: dict) -> None:
         g = gains.get(str(idx))
         if a is None or g is None:
             continue
-        target = getattr(a, "q_norm", None)
-        target = a.q_proj if target is None else target
+        # the last linear map of q: the q norm (Qwen3), q_proj, or MLA's q_b_proj (q_lora_rank set)
+        target = next(m for m in (getattr(a, n, None) for n in ("q_norm", "q_proj", "q_b_proj")) if m is not None)
         with torch.no_grad():
             target.weight.mul_(g)
             if getattr(target, "bias", None) is not None and target is a.q_proj:

@@ -63,8 +63,9 @@ def reference_logprobs(model_dir, sequences: list[list[int]]):
     import torch
     from transformers import AutoModelForCausalLM
 
+    # eager experts too: transformers' default grouped_mm MoE path rejects float64 on CPU
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64, attn_implementation="eager",
-                                                 trust_remote_code=False)
+                                                 experts_implementation="eager", trust_remote_code=False)
     model.eval()
     out = []
     with torch.no_grad():

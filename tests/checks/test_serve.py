@@ -1,15 +1,24 @@
 """Issue #46: the ``serve`` check - the suite's model through the serving engine (vLLM, in its own
 venv) against transformers in float64 on the same exported checkpoint.
 
-Four engine starts for the whole file (module fixtures, each used by its tests: four however
-pytest-xdist splits the file): a clean llama-3.1-8b float32 run passes, the plain run and its four
-probes (batch, prefix-cache hit, chunked prefill, preemption: one engine instance); a fault injected
-into the engine's process (its rotary embedding wrong from position 4 on: serve_rope_fault.py) fails
-naming position 4; a stale KV page after a prefix-cache hit (serve_stale_kv_fault.py) fails probe
-prefix only, at the hit's first computed position; a batch-dependent reduction (serve_batch_fault.py)
-fails probe batch at position 0, and the plain run, prefix and chunked pass. The rest needs no engine: a missing engine environment
-skips in one line naming `harness engine setup vllm`, MoE/MLA suites and other backends skip with
-the reason, and the verdict's near-tie rule on real float64 log-probabilities.
+Eight engine starts for the whole file (module fixtures, each used by its tests however pytest-xdist
+splits the file):
+
+* clean llama-3.1-8b float32 passes, the plain run and its four probes (batch, prefix-cache hit, chunked
+  prefill, preemption: one engine instance);
+* faults injected into the engine's own process: its rotary embedding wrong from position 4 on
+  (serve_rope_fault.py) fails naming position 4; a decode-only softmax scale 2 % off
+  (serve_decode_fault.py: prefill exact, greedy tokens unchanged) fails the teacher-forced decode at
+  step 1 while the prompt log-probabilities pass; a stale KV page after a prefix-cache hit
+  (serve_stale_kv_fault.py) fails probe prefix only, at the hit's first computed position; a
+  batch-dependent reduction (serve_batch_fault.py) fails probe batch at position 0;
+* MoE: qwen3-30b-a3b through vLLM's CPU fused-MoE experts passes, and with one expert's route dropped
+  in that kernel (serve_expert_fault.py) fails at the first position the float64 reference routes to
+  it; MLA + MoE: deepseek-v3 passes, its prefix and chunked probes not applicable in the engine's words.
+
+The rest needs no engine: a missing engine environment skips in one line naming `harness engine setup
+vllm`, an architecture outside the engine's row and other backends skip with the reason, and the
+verdict's near-tie rule on real float64 log-probabilities.
 
 The engine's environment comes from `harness engine setup vllm` (.ci/run runs it before pytest); where
 it is missing the engine tests skip in one line, in CI they fail.
@@ -32,6 +41,9 @@ from tests_support import REPO
 FAULT = Path(__file__).resolve().with_name("serve_rope_fault.py")
 STALE_KV = FAULT.with_name("serve_stale_kv_fault.py")
 BATCH = FAULT.with_name("serve_batch_fault.py")
+DECODE = FAULT.with_name("serve_decode_fault.py")
+EXPERT = FAULT.with_name("serve_expert_fault.py")
+MOE = "qwen3-30b-a3b"  # an MoE suite through vLLM's CPU fused-MoE experts
 
 
 def _no_engine(why: str) -> None:
@@ -77,6 +89,26 @@ def stale_kv(results):
 @pytest.fixture(scope="module")
 def batched(results):
     return _run("llama-3.1-8b", results_dir=results, preload=[BATCH])
+
+
+@pytest.fixture(scope="module")
+def decode_only(results):
+    return _run("llama-3.1-8b", results_dir=results, preload=[DECODE])
+
+
+@pytest.fixture(scope="module")
+def moe_clean(results):
+    return _run(MOE, results_dir=results)
+
+
+@pytest.fixture(scope="module")
+def mla_clean(results):
+    return _run("deepseek-v3", results_dir=results)
+
+
+@pytest.fixture(scope="module")
+def moe_dropped(results):
+    return _run(MOE, results_dir=results, preload=[EXPERT])
 
 
 def _use(ctx, probe: str) -> float:
@@ -152,6 +184,88 @@ def test_fault_in_the_engine_process_fails_at_the_first_bad_position(faulty):
     assert rows and all(int(r.split()[3]) >= 4 for r in rows if not r.startswith("...")), failure.details
 
 
+@pytest.mark.slow
+def test_decode_only_fault_fails_the_teacher_forced_decode_at_step_1(decode_only):
+    """The engine's decode attention (query length 1) with its softmax scale 2 % off: prefill is exact -
+    every prompt position and step 0, which the prefill's last position predicts - and the greedy tokens
+    are the reference's; step 1, the first token a decode step predicts, is over budget."""
+    ctx, failure = decode_only
+    assert isinstance(failure, CheckFailure), failure
+    p = dict(ctx.properties)
+    assert "engine vllm differs from float64: prompt 0 decode step 1 (position 16)" in failure.message, failure.message
+    assert "|logprob diff| of the reference's top-1 token" in failure.message, failure.message
+    assert failure.metric == "serve.step1"
+    assert float(p["metric.serve_prompt_logprob_max_abs_diff"]) <= float(p["tolerance.serve_prompt_logprob_max_abs_diff"])
+    assert float(p["metric.serve_greedy_mismatches"]) == 0
+    rows = [r.split() for r in failure.details.splitlines()[1:] if not r.startswith("...")]
+    assert rows and all(r[1] == "step" and int(r[2]) >= 1 for r in rows), failure.details
+
+
+def test_moe_suite_is_served_and_passes(moe_clean):
+    """qwen3-30b-a3b (8 experts, top-2) through vLLM's CPU fused-MoE experts, plain run and every probe."""
+    ctx, failure = moe_clean
+    assert failure is None, failure.report("serve") if isinstance(failure, CheckFailure) else failure
+    p = dict(ctx.properties)
+    assert 0 < float(p["metric.serve_worst_budget_use"]) <= 1
+    assert all(0 < _use(ctx, probe) <= 1 for probe in ("batch", "prefix", "chunked", "preempt")), p
+
+
+@pytest.mark.slow
+def test_mla_suite_is_served_and_the_probes_the_engine_turns_off_say_why(mla_clean):
+    """deepseek-v3 exported with the published MLA widths (vLLM's CPU MLA decode takes a 512 + 64 latent
+    only) passes; vLLM turns prefix caching and chunked prefill off for MLA on CPU, and those two probes
+    are not applicable in the engine's own words, never failed and never passed on nothing."""
+    ctx, failure = mla_clean
+    assert failure is None, failure.report("serve") if isinstance(failure, CheckFailure) else failure
+    p = dict(ctx.properties)
+    assert any(n.startswith("MLA widths kv_lora_rank 512, qk_rope_head_dim 64") for n in ctx.notes), ctx.notes
+    for probe in ("prefix", "chunked"):
+        said = p[f"harness.detail.serve_probe_{probe}"]
+        assert said.startswith("not applicable: MLA is enabled on a non-GPU platform; forcing chunked prefill "
+                               "and prefix caching to be disabled"), said
+        assert f"metric.serve_{probe}_budget_use" not in p
+    assert _use(ctx, "batch") <= 1 and _use(ctx, "preempt") <= 1
+    assert p["harness.detail.serve_probe_preempt"].startswith("1 preemption"), p  # in pages of 16
+
+
+def _first_routed(results, suite: str, expert: int) -> list[int]:
+    """Per prompt of the item, the first sequence position whose token the float64 reference routes to
+    ``expert`` in any layer (the engine's tokens teacher-forced, the last one excluded: nothing judges what
+    it predicts)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = results / "serve" / "runs" / f"{suite}-cpu-float32"
+    req, res = (json.loads((run / f).read_text()) for f in ("request.json", "result.json"))
+    model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager")
+    k, first = model.config.num_experts_per_tok, []
+    with torch.no_grad():
+        for prompt, r in zip(req["prompts"], res["results"], strict=True):
+            seq = (prompt + r["tokens"])[:-1]
+            routed = model(torch.tensor([seq]), output_router_logits=True).router_logits
+            hit = torch.stack([(lg.topk(k, -1).indices == expert).any(-1) for lg in routed]).any(0)
+            first.append(int(hit.nonzero()[0]) if hit.any() else len(seq))
+    return first
+
+
+@pytest.mark.slow
+def test_dropped_expert_route_fails_at_the_first_position_routed_to_it(moe_dropped, results):
+    """Expert 0's contribution zeroed in vLLM's CPU fused-MoE kernel for the tokens routed to it: in each
+    prompt the first failing position is the first one the float64 reference routes to expert 0 (a
+    position not routed to it, before that, is exact), and the failure names the earliest."""
+    ctx, failure = moe_dropped
+    assert isinstance(failure, CheckFailure), failure
+    first = _first_routed(results, MOE, 0)
+    assert dict(ctx.properties)["harness.detail.first_divergent_position"] == str(min(first)), (first, failure.message)
+    assert f"prompt {first.index(min(first))} position {min(first)}" in failure.message, failure.message
+    rows = [r.split() for r in failure.details.splitlines()[1:] if not r.startswith("...")]
+    for i, f in enumerate(first):  # the table is sorted by position: a prompt's first row is its earliest
+        assert next(int(r[3]) for r in rows if r[0] == str(i)) == f, (i, first, failure.details)
+
+
 def test_missing_engine_environment_skips_in_one_line(tmp_path):
     _, skip = _run("llama-3.1-8b", engines_root=tmp_path / "engines", results_dir=tmp_path)
     assert isinstance(skip, NotApplicable), skip
@@ -160,10 +274,15 @@ def test_missing_engine_environment_skips_in_one_line(tmp_path):
     assert "missing" in msg
 
 
-@pytest.mark.parametrize("suite, why", [("mixtral-8x7b", "MoE"), ("deepseek-v3", "MLA")])
-def test_moe_and_mla_suites_skip_with_the_reason(tmp_path, suite, why):
-    _, skip = _run(suite, engines_root=tmp_path, results_dir=tmp_path)
-    assert isinstance(skip, NotApplicable) and why in str(skip) and "\n" not in str(skip), skip
+def test_an_architecture_the_engine_does_not_drive_skips_with_the_reason(tmp_path, monkeypatch):
+    """An architecture outside the engine's row (a vendor's engine that has no MoE, say) skips in one line."""
+    import dataclasses
+
+    dense = dataclasses.replace(eng.ENGINES["vllm"], architectures=frozenset({"LlamaForCausalLM"}))
+    monkeypatch.setattr(eng, "ENGINES", {"vllm": dense})
+    _, skip = _run("mixtral-8x7b", engines_root=tmp_path, results_dir=tmp_path)
+    assert isinstance(skip, NotApplicable) and "MixtralForCausalLM through vllm" in str(skip), skip
+    assert "\n" not in str(skip)
 
 
 def test_other_backends_skip_until_their_engine_build_is_declared(tmp_path):

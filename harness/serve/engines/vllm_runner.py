@@ -18,7 +18,10 @@ against). A probe runs the engine's own features on the same engine instance (on
 each group is one generate call (its requests batched together), groups in order; before the probe the
 prefix cache is emptied (only what the probe itself serves can hit). ``max_num_scheduled_tokens``
 shrinks the scheduler's token budget per step for the probe (chunked prefill); ``free_kv_blocks`` takes
-all but that many KV blocks out of the pool for the probe (preemption and recompute). A request asks
+all but that many KV blocks out of the pool for the probe (preemption and recompute;
+``free_kv_blocks_after_prefill``: that many more than the probe's prompts take, in the engine's pages). A
+probe whose feature the engine turned off for this model (vLLM's CPU MLA: no prefix caching, no chunked
+prefill) comes back as ``{"name", "skipped": what the engine said}``. A request asks
 for prompt log-probabilities, which makes vLLM skip reading the prefix cache, unless
 ``read_prefix_cache`` (then the positions served from the cache come back as placeholders: the result's
 ``num_cached_tokens`` says how many). A probe's result records what the engine did - its
@@ -35,6 +38,7 @@ and its start-up and generate times. Written atomically (a reader never sees hal
 
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -59,10 +63,55 @@ def _params(SamplingParams, k, steps, read_prefix_cache=False):
                           detokenize=False, **extra)
 
 
-def probe(llm, SamplingParams, p, k):
+class _Said:
+    """What the engine said about the settings it changed for this model (vLLM's platform layer: "MLA is
+    enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be disabled.", "CPU MLA
+    backend requires block_size=16, ..."): a probe whose feature the engine turned off is skipped with
+    the engine's own words, never run as if the feature were there. Read through the log record factory,
+    not a handler: vLLM's logging config (dictConfig at engine start) clears the handlers of every logger
+    under "vllm", while every record it emits is still made by the factory."""
+
+    def __init__(self):
+        self.lines = []
+        self._make = logging.getLogRecordFactory()
+        logging.setLogRecordFactory(self)
+
+    def __call__(self, *a, **kw):
+        record = self._make(*a, **kw)
+        if record.name.startswith("vllm.platforms"):
+            try:
+                msg = record.getMessage()
+            except Exception:  # a malformed record is logging's to report, not this reader's to break
+                return record
+            if any(w in msg for w in ("disabled", "overriding", "forcing")):
+                self.lines.append(" ".join(msg.split()))
+        return record
+
+
+def _off(llm, said):
+    """feature -> why the engine runs without it (None: it is on)."""
+    cfg = llm.llm_engine.vllm_config
+    why = lambda word: next((x for x in said if word in x), "the engine turned it off")  # noqa: E731
+    return {"prefix": None if cfg.cache_config.enable_prefix_caching else why("prefix caching"),
+            "chunked": None if cfg.scheduler_config.enable_chunked_prefill else why("chunked prefill")}
+
+
+def _free_blocks(p, block_size):
+    """The KV pages left free for a probe: ``free_kv_blocks``, or ``free_kv_blocks_after_prefill`` more
+    than its requests' prompts take in pages of the engine's own size (which the engine may have chosen
+    over the request's: vLLM's CPU MLA takes 16)."""
+    if p.get("free_kv_blocks_after_prefill") is not None:
+        pages = sum(-(-len(r["ids"]) // block_size) for g in p["groups"] for r in g)
+        return pages + int(p["free_kv_blocks_after_prefill"])
+    return p.get("free_kv_blocks")
+
+
+def probe(llm, SamplingParams, p, k, off=None):
     """One probe on the running engine; its settings are undone after it, whatever happens. The scheduler
     and the KV block pool live in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a probe sets them
     directly instead of starting an engine per setting (a start is most of a minute)."""
+    if (off or {}).get(p["name"]):
+        return {"name": p["name"], "skipped": off[p["name"]], "groups": [], "seconds": 0.0}
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool
     seen = {"scheduled_tokens": [], "preemptions": 0}
@@ -85,8 +134,9 @@ def probe(llm, SamplingParams, p, k):
     try:
         if p.get("max_num_scheduled_tokens"):
             sched.max_num_scheduled_tokens = int(p["max_num_scheduled_tokens"])
-        if p.get("free_kv_blocks"):
-            held = pool.get_new_blocks(max(0, pool.get_num_free_blocks() - int(p["free_kv_blocks"])))
+        free = _free_blocks(p, llm.llm_engine.vllm_config.cache_config.block_size)
+        if free:
+            held = pool.get_new_blocks(max(0, pool.get_num_free_blocks() - int(free)))
         t0 = time.monotonic()
         groups = []
         for g in p["groups"]:
@@ -99,7 +149,7 @@ def probe(llm, SamplingParams, p, k):
         sched.max_num_scheduled_tokens = budget
         if held:
             pool.free_blocks(held)
-    return {"name": p["name"], "groups": groups, "seconds": seconds, **seen}
+    return {"name": p["name"], "groups": groups, "seconds": seconds, "free_kv_blocks": free, **seen}
 
 
 def run(req):
@@ -112,6 +162,8 @@ def run(req):
         spec.loader.exec_module(mod)
     import vllm
     from vllm import LLM, SamplingParams
+
+    said = _Said()
 
     # block_size: the KV page (vLLM's CPU attention takes multiples of 32); prefix caching on (vLLM's
     # default, said out loud: the prefix probe depends on it; requests with prompt log-probabilities
@@ -126,9 +178,11 @@ def run(req):
     results = [_request_result(llm.generate([{"prompt_token_ids": list(p)}], sp, use_tqdm=False)[0])
                for p in req["prompts"]]
     t_done = time.monotonic()
-    probes = [probe(llm, SamplingParams, p, req["k"]) for p in req.get("probes") or []]
+    off = _off(llm, said.lines)
+    probes = [probe(llm, SamplingParams, p, req["k"], off) for p in req.get("probes") or []]
     return {"engine": "vllm", "version": vllm.__version__, "start_s": t_ready - t0,
-            "generate_s": t_done - t_ready, "results": results, "probes": probes}
+            "generate_s": t_done - t_ready, "results": results, "probes": probes, "engine_said": said.lines,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
 
 
 def main(argv):
