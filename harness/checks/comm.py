@@ -229,7 +229,10 @@ class CommCheck(Check):
     def verdict(self, ctx: CheckContext, st) -> None:
         if not st.cfg.fail_on_regression:
             return
-        if st.slow_pairs:  # the more precise finding: the collectives that cross that link slow with it
+        # A link is the finding only when it localizes: some pairs slower, others not (their collectives
+        # slow with it). Every pair slower (one pair of two ranks, or the whole machine) is no link: the
+        # collectives' own verdict leads then.
+        if st.slow_pairs and (len(st.slow_pairs) < len(st.pairs) or not st.regressed):
             self._link_verdict(st)
         if st.regressed:
             self._collective_verdict(st)
@@ -242,7 +245,7 @@ class CommCheck(Check):
         # where: from the pairs slowed like the worst one (a noisy pair's +30 % beside a link's +1000 %
         # does not hide the link)
         ends = [frozenset(hosts[int(r)] for r in k.split("/")[1].split("-")) if hosts else frozenset()
-                for k, d in slow if d.change >= slow[0][1].change / 2]
+                for k, d in slow if d.change >= min(slow[0][1].change / 2, 1.0)]  # doubled, or half the worst
         common = frozenset.intersection(*ends) if ends else frozenset()
         where = ""
         if len(ends) > 1 and len(common) == 1:

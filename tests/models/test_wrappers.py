@@ -35,7 +35,7 @@ NOT_RUNNABLE = {"Llama-4-Scout-17B-16E-Instruct": "cannot run Llama4ForCondition
 NEEDS_TORCHVISION: dict[str, str] = {}
 # Built from init's plan without init's probes (a default-item backward each: 10-20 s on this machine;
 # init itself is exercised on Kimi-K2.5 and Llama 4 here and on every config by test_day0.py).
-PLAN_ONLY = {"gemma-4-26B-A4B", "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B"}
+PLAN_ONLY = {"gemma-4-26B-A4B", "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B", "Qwen3.5-27B"}
 # Slow-marked: Gemma 4's item (~4 s alone: its processor fills at least 70 soft tokens, 630 patches).
 SLOW = {"gemma-4-26B-A4B"}
 
@@ -102,7 +102,7 @@ def _decoder_parameters(ls) -> int:
 
 def test_corpus_wrappers_are_the_ones_with_a_text_config():
     assert set(WRAPPERS) == {"gemma-4-26B-A4B", "Kimi-K2.5", "Llama-4-Scout-17B-16E-Instruct",
-                             "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B", "LFM2-VL-450M"}
+                             "Qwen3-VL-30B-A3B-Instruct", "Qwen3.5-35B-A3B", "Qwen3.5-27B", "LFM2-VL-450M"}
 
 
 @pytest.mark.parametrize("name", list(_params()))
