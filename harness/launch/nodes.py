@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
+from harness.files import atomic
 from harness.launch import agents, channel, ready
 from harness.launch.group import Ended, LaunchSpec, ProcessGroup, Rendezvous, rank_env, torchrun
 from harness.launch.status import log_tail, read_exits
@@ -110,7 +111,9 @@ def netns_nodes(count: int, tmp_root: str | None = None) -> NodeSet:
     subnet = _free_subnet(int(tag, 16))  # 10.77.<subnet>.0/24, one per node set
     bridge = f"hb{tag}"
     made: list[str] = []
+    _sweep_orphans(tmp_root)
     tmp = Path(tempfile.mkdtemp(prefix="harness-nodes-", dir=tmp_root))
+    atomic.write_text(tmp / OWNER, f"{tag} {os.getpid()} {count}\n")
 
     def down() -> None:
         for ns in made:
@@ -141,6 +144,30 @@ def netns_nodes(count: int, tmp_root: str | None = None) -> NodeSet:
         down()
         raise
     return NodeSet("netns", count, nodes[0].addr, nodes, down)
+
+
+OWNER = "owner"  # "<tag> <pid> <count>" of a node set, in its temp folder
+
+
+def _sweep_orphans(tmp_root: str | None) -> list[str]:
+    """Remove the node sets whose owning process is gone (it was SIGKILLed: no `finally` ran), with
+    their namespaces, bridge and folders; their names, for the record."""
+    gone = []
+    for owner in Path(tmp_root or tempfile.gettempdir()).glob(f"harness-nodes-*/{OWNER}"):
+        try:
+            tag, pid, count = owner.read_text().split()
+            os.kill(int(pid), 0)
+            continue  # its owner lives
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue
+        for k in range(1, int(count)):
+            subprocess.run(["ip", "netns", "del", f"hn{tag}-{k}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"hb{tag}"], capture_output=True)
+        shutil.rmtree(owner.parent, ignore_errors=True)
+        gone.append(tag)
+    return gone
 
 
 def _free_subnet(seed: int) -> int:

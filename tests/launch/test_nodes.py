@@ -186,3 +186,23 @@ def test_a_multi_node_launch_killed_at_its_limit_leaves_nothing_on_any_node(tmp_
         tokens = [g.token for g in launch.groups]
     assert end.how == "stalled" and time.monotonic() - t0 < 240, end
     assert left == [] and all(tree.marked(t) == [] for t in tokens), (left, tokens)
+
+
+def test_a_node_set_whose_owner_was_killed_outright_is_swept_by_the_next(tmp_path):
+    # SIGKILL runs no `finally`: the namespaces and bridge of a killed run used to stay forever
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom harness.launch.nodes import netns_nodes\n"
+            "n = netns_nodes(2, tmp_root=sys.argv[1])\nprint(n.nodes[1].prefix[3], flush=True)\ntime.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    ns = p.stdout.readline().strip()
+    assert ns in _namespaces()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert ns in _namespaces()  # left behind by the kill
+    with netns_nodes(2, tmp_root=str(tmp_path)) as nodes:
+        assert ns not in _namespaces() and nodes.nodes[1].prefix[3] in _namespaces()
+    assert not list(tmp_path.glob("harness-nodes-*"))
