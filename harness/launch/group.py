@@ -125,6 +125,24 @@ class Ended:
         return self.how == "exited" and self.code == 0
 
 
+class Progress:
+    """The no-progress rule of a wait: ``progress()``'s value unchanged for ``stall_s`` (``startup_s``,
+    default ``stall_s``, while it returns None: start-up is not progress) is a stall."""
+
+    def __init__(self, progress: Callable[[], object] | None, stall_s: float | None, startup_s: float | None):
+        self.progress, self.stall_s, self.startup_s = progress, stall_s, startup_s
+        self.last, self.since = object(), time.monotonic()
+
+    def stalled(self, now: float) -> bool:
+        if self.progress is None:
+            return False
+        key = self.progress()
+        if key != self.last:
+            self.last, self.since = key, now
+        limit = (self.startup_s or self.stall_s) if key is None else self.stall_s
+        return limit is not None and now - self.since > limit
+
+
 class ProcessGroup:
     def __init__(self, proc: subprocess.Popen, run_dir: Path, token: str, log: Path, world: int, t0: float):
         self.proc, self.run_dir, self.token, self.log, self.world, self.t0 = proc, run_dir, token, log, world, t0
@@ -161,20 +179,14 @@ class ProcessGroup:
         when ``progress()``'s value has not changed for ``stall_s`` (``startup_s``, default ``stall_s``,
         while it returns None). ``progress`` is called at every poll; what it raises kills the group
         and propagates (a cancelled launch), as does anything else raised meanwhile."""
-        last, since = object(), time.monotonic()
+        watch = Progress(progress, stall_s, startup_s)
         try:
             while self.proc.poll() is None:
                 time.sleep(interval_s)
                 now = time.monotonic()
                 if deadline_s is not None and now - self.t0 > deadline_s:
                     return self.kill("timeout")
-                if progress is None:
-                    continue
-                key = progress()
-                if key != last:
-                    last, since = key, now
-                limit = (startup_s or stall_s) if key is None else stall_s
-                if limit is not None and now - since > limit:
+                if watch.stalled(now):
                     return self.kill("stalled")
         except BaseException:
             self.kill("cancelled")

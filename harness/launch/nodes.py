@@ -40,7 +40,7 @@ from pathlib import Path
 from harness import settings
 from harness.files import atomic
 from harness.launch import agents, channel, ready
-from harness.launch.group import Ended, LaunchSpec, ProcessGroup, Rendezvous, rank_env, torchrun
+from harness.launch.group import Ended, LaunchSpec, ProcessGroup, Progress, Rendezvous, rank_env, torchrun
 from harness.launch.status import log_tail, read_exits
 
 LAUNCHERS = ("netns", "srun", "agents")
@@ -316,7 +316,7 @@ class NodeLaunch:
         """``ProcessGroup.wait`` over every node's agent; the store is mirrored at every poll. One
         agent that failed ends the launch ``grace_s`` later (its peers would wait in a collective
         until the process group's timeout)."""
-        last, since, failed_at = object(), time.monotonic(), None
+        watch, failed_at = Progress(progress, stall_s, startup_s), None
         try:
             while True:
                 self._start_due()
@@ -337,13 +337,8 @@ class NodeLaunch:
                     return self.kill("node failed")
                 if deadline_s is not None and now - self.t0 > deadline_s:
                     return self.kill("timeout")
-                if progress is not None:
-                    key = progress()
-                    if key != last:
-                        last, since = key, now
-                    limit = (startup_s or stall_s) if key is None else stall_s
-                    if limit is not None and now - since > limit:
-                        return self.kill("stalled")
+                if watch.stalled(now):
+                    return self.kill("stalled")
                 time.sleep(interval_s)
         except BaseException:
             self.kill("cancelled")

@@ -190,13 +190,7 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
 
         end = _Ended(run_dir, *_one_launch(spec, remaining, world, run_dir, timeout_s, startup_s or timeout_s,
                                            on_done=done, stop=stop))
-        finished = []
-        for lay in remaining:
-            if not _done(run_dir, lay, world):
-                break
-            finished.append(lay)
-            if lay.label not in outcomes:  # written in the poll's last interval
-                done(lay, end.wall, end.placement)
+        finished = _finished(remaining, run_dir, world, outcomes, lambda lay, e=end: done(lay, e.wall, e.placement))
         rest = remaining[len(finished):]
         if not rest:
             _warn_teardown([outcomes[lay.label] for lay in finished], end)
@@ -204,11 +198,8 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
         if end.infra:
             # A node failed (lost, late, or running other packages): no layout left has a verdict on
             # this launch, and launching again would meet the same nodes.
-            for lay in rest:
-                outcomes[lay.label] = LayoutOutcome(lay, "not_run", f"not run, a failure of the launch's nodes (the "
-                                                    f"infrastructure's, not the model's): {end.infra}", launch_wall_s=end.wall,
-                                                    ranks=end.sts)
-                publish(outcomes[lay.label])
+            _not_run(outcomes, publish, rest, end, f"not run, a failure of the launch's nodes (the "
+                     f"infrastructure's, not the model's): {end.infra}")
             break
         # The layout the launch stopped at failed; the ones after it run in the next launch (unless
         # nothing started at all: then every layout left failed with it).
@@ -226,12 +217,29 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
             # a nightly job for one rank hung in its first collective).
             why = (f"not run: the launches of layouts {last.layout.label} and {now.layout.label} failed the same "
                    f"way ({same}) - a failure of this {world}-rank launch, not of this layout; not launched again")
-            for lay in remaining:
-                outcomes[lay.label] = LayoutOutcome(lay, "not_run", why, launch_wall_s=end.wall, ranks=end.sts)
-                publish(outcomes[lay.label])
+            _not_run(outcomes, publish, remaining, end, why)
             remaining = []
         last = now
     return LaunchReport(outcomes, n, time.monotonic() - t_all)
+
+
+def _finished(remaining: list[Layout], run_dir: Path, world: int, outcomes: dict, done) -> list[Layout]:
+    """The layouts, in order, whose every rank wrote its results; ``done`` for those the launch's
+    polling did not publish yet (written in its last interval)."""
+    finished = []
+    for lay in remaining:
+        if not _done(run_dir, lay, world):
+            break
+        finished.append(lay)
+        if lay.label not in outcomes:
+            done(lay)
+    return finished
+
+
+def _not_run(outcomes: dict, publish, lays: list[Layout], end: _Ended, why: str) -> None:
+    for lay in lays:
+        outcomes[lay.label] = LayoutOutcome(lay, "not_run", why, launch_wall_s=end.wall, ranks=end.sts)
+        publish(outcomes[lay.label])
 
 
 def same_failure(a: LayoutOutcome, b: LayoutOutcome) -> str:

@@ -251,34 +251,10 @@ def _numbers(v) -> list:
     return []
 
 
-class CheckConfig(BaseModel):
+class CheckConfig(_Strict):
     """Base of every ``[checks.<name>]`` table. Subclasses add their own keys (each with type,
     default and description) and may change the defaults of these two."""
-
-    # extra="forbid": a misspelt key is an error that names the key, never silently ignored.
-    # strict: a TOML `true` is no integer, a string no number; every value has the type the key declares.
-    # allow_inf_nan=False: TOML has `nan` and `inf`; no knob means either (an infinite time limit is
-    # no limit, a NaN tolerance passes everything).
-    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _bounded(cls, v, info):
-        """Every number of every check's table within a ceiling (issue #49: `decode.steps = 10**9`
-        passed `validate` and `golden generate` allocated until MemoryError): a key that declares its
-        own upper bound (``le``/``lt``) keeps it; any other count is at most ``KNOB_INT_MAX`` and any
-        other real number at most ``KNOB_FLOAT_MAX`` in size, in lists and tables too."""
-        field = cls.model_fields.get(info.field_name)
-        if field is None or any(hasattr(m, "le") or hasattr(m, "lt") for m in field.metadata):
-            return v
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        int_max = int(extra.get("max", KNOB_INT_MAX))  # a list's own ceiling: Field(json_schema_extra={"max": N})
-        for x in _numbers(v):
-            if isinstance(x, int) and abs(x) > int_max:
-                raise ValueError(f"{x} is beyond what any count here may be (at most {int_max:,})")
-            if isinstance(x, float) and abs(x) > KNOB_FLOAT_MAX:
-                raise ValueError(f"{x:g} is beyond what any amount here may be (at most {KNOB_FLOAT_MAX:g})")
-        return v
+    # _Strict: misspelt keys, wrong types, NaN/inf and unbounded numbers refused, naming the key.
 
     enabled: bool = Field(True, description="Generate this check's items for the suite.")
     variants: list[str] = Field(
