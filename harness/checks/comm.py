@@ -18,6 +18,7 @@ the measurement is the backend's, not a model's, so one suite carrying it is eno
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -242,10 +243,12 @@ class CommCheck(Check):
         hosts; when every slow pair shares one host, that host's link."""
         slow = sorted(st.slow_pairs.items(), key=lambda kv: -kv[1].change)
         hosts = st.raw.get("hosts") or []
-        # where: from the pairs slowed like the worst one (a noisy pair's +30 % beside a link's +1000 %
-        # does not hide the link)
+        # where: from the pairs slowed like the worst one, on a log scale: at least the geometric midpoint
+        # between unchanged and the worst (a throttled link's pairs at 100x and 290x both count; a pair
+        # inside one host at 2-5x on a loaded machine, beside them, does not hide the link)
+        cut = math.sqrt(1 + slow[0][1].change)
         ends = [frozenset(hosts[int(r)] for r in k.split("/")[1].split("-")) if hosts else frozenset()
-                for k, d in slow if d.change >= min(slow[0][1].change / 2, 1.0)]  # doubled, or half the worst
+                for k, d in slow if 1 + d.change >= cut]
         common = frozenset.intersection(*ends) if ends else frozenset()
         where = ""
         if len(ends) > 1 and len(common) == 1:

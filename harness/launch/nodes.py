@@ -305,7 +305,15 @@ class NodeLaunch:
                                                   log_name=log))
 
     def poll(self) -> int | None:
-        """None while any agent runs; else the first nonzero exit code (0 when all succeeded)."""
+        """None while any agent runs, or while the launch starts again on a fresh rendezvous port
+        (``_retry_rendezvous``: a caller that polls by itself gets the retry ``wait`` gets); else the
+        first nonzero exit code (0 when all succeeded)."""
+        if self.ended is None:
+            self._start_due()
+            self._retry_rendezvous()
+        return self._code()
+
+    def _code(self) -> int | None:
         codes = [g.poll() for g in self.groups]
         if len(self.groups) < len(self.nodes.nodes) or any(c is None for c in codes):
             return None
@@ -324,11 +332,12 @@ class NodeLaunch:
                 self.refused = self.coord.version_mismatch()
                 if self.refused:
                     return self.kill("refused")
+                tries = self._retries
                 code = self.poll()
                 if code is not None:
                     break
                 now = time.monotonic()
-                if self._retry_rendezvous():
+                if self._retries != tries:  # started again on a fresh port: its failure is forgotten
                     failed_at = None
                     continue
                 if failed_at is None and any(g.poll() not in (None, 0) for g in self.groups):
@@ -356,10 +365,11 @@ class NodeLaunch:
         when picked, was taken meanwhile by another launch's socket: seen once under pytest -n 2):
         every agent is killed and the launch starts again on a fresh port, twice at most. Anything
         else is the launch's outcome."""
-        if self._retries >= self.RDZV_RETRIES or self.coord.nodes or not self.groups:
+        if self._retries >= self.RDZV_RETRIES or not self.groups or self.groups[0].poll() in (None, 0):
             return False
         g0 = self.groups[0]
-        if g0.poll() in (None, 0) or not any(e in "\n".join(log_tail(g0.log, 60)) for e in self._RDZV_STORE_ERRORS):
+        self.coord.sync()  # a rank that started (and registered its node) makes it the launch's outcome
+        if self.coord.nodes or not any(e in "\n".join(log_tail(g0.log, 60)) for e in self._RDZV_STORE_ERRORS):
             return False
         for g in self.groups:
             g.kill("rendezvous retry")
@@ -379,7 +389,7 @@ class NodeLaunch:
             self.coord.sync()
         except Exception:
             pass
-        self.ended = Ended(how, self.poll(), time.monotonic() - self.t0, killed)
+        self.ended = Ended(how, self._code(), time.monotonic() - self.t0, killed)
         return self.ended
 
     def close(self) -> None:

@@ -122,6 +122,33 @@ def test_a_slow_link_between_two_nodes_is_named_by_its_pairs(write_suite, tmp_pa
     assert len(slow) >= 4, e.value.details  # the four pairs that cross the link, at least
 
 
+def test_the_slow_link_is_placed_from_the_pairs_slowed_like_the_worst():
+    # What CI saw: the four pairs that cross a throttled link at 100x-290x, and a pair inside one host at
+    # 3x on a loaded machine. The link is placed from the pairs at least the geometric midpoint between
+    # unchanged and the worst (here 17x): the pair inside vm does not turn "the link between vm and
+    # node1" into "the link of vm"; both crossing pairs count though one slowed a third as much.
+    from types import SimpleNamespace
+
+    from harness.checks.comm import CommCheck
+    from harness.perf.decide import decide
+
+    base = [1e-4 + i * 1e-7 for i in range(10)]
+    slowed = {"pair/0-2": 290, "pair/0-3": 250, "pair/1-2": 100, "pair/1-3": 280, "pair/0-1": 3.0}
+    decisions = {k: decide(k, [v * f for v in base], base, threshold=0.25) for k, f in slowed.items()}
+    st = SimpleNamespace(slow_pairs=decisions, pairs={**{k: 1e-4 * f for k, f in slowed.items()}, "pair/2-3": 1e-4},
+                         raw={"hosts": ["vm", "vm", "node1", "node1"]}, regressed={},
+                         cfg=SimpleNamespace(threshold=0.25, fail_on_regression=True), baseline_why="b")
+    with pytest.raises(CheckFailure) as e:
+        CommCheck().verdict(None, st)
+    assert "5 of 6 pairs slower; every slow pair joins node1 and vm: the link between them" in e.value.message
+    # the same noise at 3x beside pairs of one host slowed: still that host's link
+    st.raw["hosts"] = ["vm", "node1", "node2", "node3"]
+    st.slow_pairs = {k: d for k, d in decisions.items() if k.startswith("pair/0")}
+    with pytest.raises(CheckFailure) as e:
+        CommCheck().verdict(None, st)
+    assert "every slow pair crosses the link of vm" in e.value.message, e.value.message
+
+
 def test_reduce_scatter_measured_as_all_reduce_leads_with_all_reduce():
     # issue #51: on gloo reduce_scatter is an all_reduce and a slice, so all_reduce made slower shows
     # as reduce_scatter slower by more (its baseline is cheaper per byte at small sizes): the verdict

@@ -139,7 +139,10 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_on_a_fresh_one(tmp_path, m
     # The port picked for the rendezvous was free when picked and taken before node 0's agent bound it
     # (another launch's socket, under pytest -n 2): the agents are restarted on a fresh port, not
     # reported as a hang of the model's. Here the first port is held by a bound, non-listening socket.
+    # Driven by poll() alone, as a caller with its own loop does (CI saw such a caller get the first
+    # attempt's failure while only wait() retried); wait() polls the same way.
     import socket
+    import time
 
     from harness.launch import nodes as nodes_mod
 
@@ -159,8 +162,10 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_on_a_fresh_one(tmp_path, m
     run = tmp_path / "coordinator"
     try:
         with netns_nodes(2) as nodes, NodeLaunch(_spec(run, SUM), nodes, join_timeout_s=60) as launch:
-            end = launch.wait(deadline_s=300)
-            assert end.ok, (end, launch.infrastructure(), (run / "torchrun.log").read_text()[-1500:])
+            t0 = time.monotonic()
+            while launch.poll() is None and time.monotonic() - t0 < 300:
+                time.sleep(0.2)
+            assert launch.poll() == 0, (launch.infrastructure(), (run / "torchrun.log").read_text()[-1500:])
             assert launch._retries == 1 and len(picks) == 2, (launch._retries, picks)
             assert launch.endpoint.endswith(f":{picks[1]}")
     finally:
