@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,35 @@ class CustomBackend(BaseModel):
     compile_backend: str | None = Field(
         None, description="torch.compile backend of its compiled path (a registered dynamo backend name; unset: "
         "inductor; 'none': no compiler, the compile check is not applicable). docs/compile.md.")
+
+
+class CustomEngine(BaseModel):
+    """A serving-engine build harness does not ship (docs/serving.md, "A vendor's engine")."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="The build's name: its environment is .harness/engines/NAME (`harness engine setup "
+                      "NAME`).", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,99}$")
+    engine: str = Field("", description="The engine it is a build of, as --engine names it (vllm); empty: NAME.",
+                        pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.+-]{0,99})?$")
+    backends: list[str] = Field(min_length=1, description="The harness backends it serves (npu).")
+    pins: str = Field(description="pip requirements file, every line pinned, relative to this file.")
+    runner: str = Field("vllm_runner.py", description="The runner script (request.json in, result.json out; "
+                        "docs/serving.md): a bare name is harness's own (vllm_runner.py), else relative to this file.")
+    plugin: str | None = Field(None, description="The platform plugin's module (vllm_ascend): imported once at setup.",
+                               pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+    platform: str = Field(description="The platform the engine must report (vLLM: current_platform.device_type, npu); "
+                          "a run on another platform (the plugin did not activate) is refused before the model loads.",
+                          pattern=r"^[A-Za-z0-9_]+$")
+    architectures: list[str] = Field(min_length=1, description="transformers architectures the serve check drives "
+                                     "through it (LlamaForCausalLM, ...).")
+    remove: list[str] = Field(default_factory=list, description="Packages uninstalled after the pins (built for "
+                              "another torch, never needed for text models).")
+    env: dict[str, str] = Field(default_factory=dict, description="The runner's environment on top of harness's "
+                                "(VLLM_*, the vendor's runtime settings).")
+    impls: list[Literal["native", "transformers"]] = Field(
+        default_factory=lambda: ["native"], description="Model implementations served, each a variant of the serve "
+        "item: native (the engine's own model code), transformers (vLLM's model_impl=\"transformers\").")
+    description: str = Field("", description="Free text shown by `harness engine show`.")
 
 
 class KernelMap(BaseModel):
@@ -70,6 +99,8 @@ class Settings(BaseModel):
     durations_file: str = Field("durations.json", description="Recorded item durations (`harness durations "
                                 "update`): time limits of isolated items and shard balance.")
     backends: list[CustomBackend] = Field(default_factory=list, description="Custom backends.")
+    engines: list[CustomEngine] = Field(default_factory=list, description="Serving-engine builds (a vendor's "
+                                        "engine with its platform plugin; docs/serving.md).")
     confirm_reruns: int = Field(0, ge=0, le=20, description="Reruns of a failed or erroring item, each in a fresh "
                                 "worker, before it is reported: deterministic / flaky / infrastructure "
                                 "(`harness run --confirm N`; CI passes 2; docs/ci.md).")
@@ -145,6 +176,8 @@ ENV: dict[str, EnvVar] = {v.name: v for v in (
            "to the item's notes even when it passes."),
     EnvVar("HARNESS_TORCHRUN_ARGS", "str", None, "Rendezvous arguments for the parallel check's torchrun "
            "launches, replacing `--standalone --nnodes 1` (shell-split; docs/parallel.md)."),
+    EnvVar("HARNESS_ENGINE", "str", None, "The serving engine the serve check runs instead of the suite's "
+           "`checks.serve.engine` (`harness run --engine`; set for the run's workers by the pytest plugin)."),
     EnvVar("HARNESS_NODES", "int", 1, "Nodes the parallel check's launches span (`harness run --nodes`; set "
            "for the run's workers by the pytest plugin).", range=(1, 4096)),
     EnvVar("HARNESS_NODE_LAUNCHER", "str", None, "How a multi-node launch reaches its nodes: netns, srun or agents "

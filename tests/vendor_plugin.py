@@ -1,6 +1,6 @@
 """A vendor's package as `pip install` leaves it: a package plus a dist-info whose entry_points.txt
-registers a check, a backend with its own op list, a model builder and an issue sink - through the
-same four entry-point groups harness's own built-ins use. Nothing in harness is edited."""
+registers a check, a backend with its own op list, a model builder, an issue sink and a serving-engine
+build - through the same five entry-point groups harness's own built-ins use. Nothing in harness is edited."""
 
 from __future__ import annotations
 
@@ -75,6 +75,16 @@ def register_models(registry):
     registry.add(Builder("vendormodel", build, description="Vendor X's build of the model"))
 
 
+def register_engines(registry):
+    # vLLM with Vendor X's platform plugin, for backend mydev: what `--engine vllm --backend mydev` runs.
+    # Its pins are the vendor's own file; the runner is harness's vLLM runner (bare name).
+    from harness.serve.engine import Engine
+
+    registry.add(Engine("vllm-mydev", str(HERE / "vllm-mydev.txt"), "vllm_runner.py", engine="vllm",
+                        architectures=frozenset({"LlamaForCausalLM"}), backends=frozenset({"mydev"}),
+                        plugin="vllm_mydev", platform="mydev", description="vLLM with Vendor X's platform plugin"))
+
+
 def register_sinks(registry):
     registry.add(SinkType("vendorlog", lambda opts, out: FileLogSink(opts.out_dir), "a JSON line per action"))
 '''
@@ -98,7 +108,14 @@ vendormodel = harness_mydev:register_models
 
 [harness.sinks]
 vendorlog = harness_mydev:register_sinks
+
+[harness.engines]
+vllm-mydev = harness_mydev:register_engines
 """
+
+# the vendor's engine pins: nothing to install here (a real one pins vllm and its plugin, vllm-mydev==1.0),
+# so that `harness engine setup` gets as far as importing the platform plugin, which is not there
+ENGINE_PINS = "# vLLM with Vendor X's plugin: vllm==0.32.0 and vllm-mydev==1.0 on the vendor's index\n"
 
 
 def _dist(site: Path, name: str, entry_points: str) -> None:
@@ -116,6 +133,7 @@ def vendor_site(root: Path, broken: bool = False) -> Path:
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(PACKAGE)
     (pkg / "mydev-1.0.txt").write_text(OPLIST)
+    (pkg / "vllm-mydev.txt").write_text(ENGINE_PINS)
     _dist(site, "harness_mydev", ENTRY_POINTS)
     if broken:
         _dist(site, "harness_broken", "[harness.checks]\nbrokencheck = harness_broken_not_there:register\n")

@@ -18,7 +18,12 @@ Dense, MoE (Qwen3-MoE, Mixtral: vLLM's CPU fused-MoE experts) and MLA + MoE (Dee
 CPU MLA attention, which turns prefix caching and chunked prefill off - those probes are then noted as
 not applicable with the engine's own words) suites are served. Where the engine cannot run the item
 skips in one line: no engine environment (run `harness engine setup vllm`), an architecture outside the
-engine's row, a backend whose engine build is a vendor's platform plugin (not yet).
+build's list, a backend with no build of the engine declared. The engine is ``--engine`` (else the
+suite's ``engine``); the item's backend picks its build (harness.serve.engine: the built-in vLLM CPU
+build, a vendor's from the ``harness.engines`` entry point or harness.toml). A build that runs on another
+platform than it declares (its plugin did not activate) is refused before the model loads: an error of
+the engine's. Each model implementation the build serves is a variant: the engine's own model code
+(the plain item) and vLLM's transformers backend (``transformers``, nightly).
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``
 -> ``probe_batch`` -> ``probe_prefix`` -> ``probe_chunked`` -> ``probe_preempt`` -> ``verdict``.
@@ -33,7 +38,15 @@ from typing import Literal
 from pydantic import Field
 
 from harness import metrics
-from harness.checks import Check, CheckConfig, CheckContext, CheckFailure, CheckRegistry, NotApplicable
+from harness.checks import (
+    Check,
+    CheckConfig,
+    CheckContext,
+    CheckFailure,
+    CheckRegistry,
+    CouldNotRun,
+    NotApplicable,
+)
 from harness.serve.probes import PROBES
 
 # The suites whose serve items run on every commit ("auto" scope); the rest run nightly. One dense suite
@@ -76,7 +89,8 @@ class ServeConfig(CheckConfig):
     scope: Literal["auto", "commit", "nightly"] = Field(
         "auto", description="'auto': commit for llama-3.1-8b (one dense suite: an engine start is ~45 s), "
         "nightly for the others; 'commit' or 'nightly' for this suite.")
-    engine: str = Field("vllm", description="The serving engine (harness engine show lists them).")
+    engine: str = Field("vllm", description="The serving engine (harness engine show lists them); the item's "
+                        "backend picks its build. `harness run --engine` overrides it.")
     prompts: int = Field(2, ge=1, description="Seeded prompts, each served alone (probe batch serves them together).")
     prompt_len: int = Field(16, ge=2, description="Tokens per prompt.")
     steps: int = Field(8, ge=1, description="Greedy decode steps after each prompt.")
@@ -111,7 +125,27 @@ class ServeCheck(Check):
              "probe_chunked", "probe_preempt", "verdict")
     setup_steps = ("engine", "export", "request", "reference")
 
+    def variants(self, suite, backend) -> list[str | None]:
+        # one item per model implementation the engine's build serves: None is the engine's own model code,
+        # "transformers" its transformers backend (vLLM's model_impl="transformers": the Day-0 path for an
+        # architecture the engine has no code for yet)
+        from harness.serve import engine as eng
+
+        try:
+            build = eng.resolve(self._engine_name(suite), backend.name)
+        except eng.EngineError:
+            return [None]  # the engine step says why, in one line
+        return [None] + [i for i in build.impls if i != "native"]
+
+    @staticmethod
+    def _engine_name(suite) -> str:
+        from harness.settings import env
+
+        return env("HARNESS_ENGINE") or suite.suite.checks.serve.engine
+
     def scope(self, suite, variant) -> str:
+        if variant is not None:
+            return "nightly"  # a second engine start per suite
         s = self.config(suite).scope
         return s if s != "auto" else "commit" if suite.name in COMMIT_SUITES else "nightly"
 
@@ -125,21 +159,30 @@ class ServeCheck(Check):
         from harness.serve import engine as eng
 
         cfg = ctx.config
-        st.engine = eng.get(cfg.engine)
-        if ctx.backend.name not in st.engine.backends:
-            raise NotApplicable(f"engine {cfg.engine} here serves {', '.join(sorted(st.engine.backends))}; "
-                                f"{ctx.backend.name} needs the vendor's engine build (docs/serving.md, not yet)")
+        name = self._engine_name(ctx.suite)
+        try:
+            st.engine = eng.resolve(name, ctx.backend.name)
+        except eng.NoBuild as e:
+            raise NotApplicable(str(e)) from None
+        except eng.EngineError as e:
+            raise CouldNotRun(str(e)) from None
+        st.impl = ctx.variant or "native"
+        if st.impl not in st.engine.impls:
+            raise NotApplicable(f"engine build {st.engine.name} does not serve model implementation {st.impl} "
+                                f"(it serves: {', '.join(st.engine.impls)})")
         mc = model_config(ctx.suite)
         if mc.architecture not in st.engine.architectures:
-            raise NotApplicable(f"{mc.architecture} through {cfg.engine}: not among the architectures the check "
+            raise NotApplicable(f"{mc.architecture} through {st.engine.name}: not among the architectures the check "
                                 f"drives through it ({', '.join(sorted(st.engine.architectures))}; docs/serving.md)")
         for table in ("logprob_atol", "tie_margin"):
             if ctx.dtype not in getattr(cfg, table):
                 raise NotApplicable(f"no checks.serve.{table} for {ctx.dtype}")
         state = eng.status(st.engine, st.engines_root)
         if state != "ready":
-            raise NotApplicable(f"engine {cfg.engine} {state} ({eng.env_dir(st.engine, st.engines_root)}): "
-                                f"run `harness engine setup {cfg.engine}`")
+            raise NotApplicable(f"engine {st.engine.name} {state} ({eng.env_dir(st.engine, st.engines_root)}): "
+                                f"run `harness engine setup {st.engine.name}`")
+        ctx.detail("serve_engine_build", f"{st.engine.name} ({st.engine.source}; platform {st.engine.platform}; "
+                   f"model implementation {st.impl})")
 
     def export(self, ctx: CheckContext, st) -> None:
         from harness.serve.export import cached_export
@@ -148,7 +191,7 @@ class ServeCheck(Check):
         t0 = time.monotonic()
         root = results_root(st.results_dir) / "serve"
         st.model_dir, info, made = cached_export(ctx.suite, root / "export", ctx.dtype)
-        st.run_dir = root / "runs" / f"{ctx.suite.name}-{ctx.backend.name}-{ctx.dtype}"
+        st.run_dir = root / "runs" / "-".join([ctx.suite.name, ctx.backend.name, ctx.dtype, *filter(None, [ctx.variant])])
         ctx.detail("serve_export", f"{st.model_dir} ({'made' if made else 'cached'} in {time.monotonic() - t0:.1f} s)")
         ctx.notes.extend(k for k in info["kept"] if not k.startswith("realistic"))
         st.vocab = info["vocab_size"]
@@ -166,20 +209,24 @@ class ServeCheck(Check):
                       "steps": cfg.steps, "block_size": cfg.block_size, "probes": st.probes,
                       "max_model_len": max(cfg.prompt_len + cfg.steps, probes.max_len(st.probes)) + 16,
                       "max_num_seqs": max(cfg.prompts, probes.max_seqs(st.probes)),
-                      "gpu_memory_utilization": 0.1, "preload": [str(p) for p in st.preload]}
+                      "gpu_memory_utilization": 0.1, "preload": [str(p) for p in st.preload],
+                      "platform": st.engine.platform, "model_impl": "auto" if st.impl == "native" else st.impl}
 
     def serve(self, ctx: CheckContext, st) -> None:
-        from harness.serve.launch import EngineRunError, run_engine
+        from harness.serve.launch import EngineRefused, EngineRunError, run_engine
 
         t0 = time.monotonic()
         try:
             st.result = run_engine(st.engine, st.request, st.run_dir, ctx.config.timeout_s, st.engines_root)
+        except EngineRefused as e:
+            raise CouldNotRun(str(e)) from None
         except EngineRunError as e:
             raise CheckFailure(str(e), metric="serve_engine_wall_s", details=str(st.run_dir / "engine.log")) from None
         ctx.metric("serve_engine_wall_s", time.monotonic() - t0)
         ctx.metric("serve_engine_start_s", st.result["start_s"])
         ctx.metric("serve_engine_generate_s", st.result["generate_s"])
-        ctx.detail("serve_engine", f"{st.result['engine']} {st.result['version']}")
+        ctx.detail("serve_engine", f"{st.result['engine']} {st.result['version']} on its {st.result.get('platform')} "
+                   f"platform, model {st.result.get('model_impl')}")
 
     def reference(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import reference_logprobs

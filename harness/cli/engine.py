@@ -10,7 +10,9 @@ def register(sub) -> None:
     es = p.add_subparsers(dest="engine_command", metavar="ACTION")
     s = es.add_parser("setup", help="create the engine's venv under .harness/engines/NAME from its pins "
                       "(a no-op when it is there and made from the same pins)")
-    s.add_argument("name", help="engine name (harness engine show lists them)")
+    s.add_argument("name", help="engine build or engine name (harness engine show lists them)")
+    s.add_argument("--backend", default=None, help="the build of engine NAME for this backend (--engine vllm "
+                   "--backend npu: the vendor's vllm build for npu)")
     s.add_argument("--root", default=None, help="where engine environments live (default: .harness/engines)")
     s.set_defaults(func=setup)
     sh = es.add_parser("show", help="list the engines and whether their environment exists")
@@ -23,7 +25,7 @@ def setup(args) -> int:
     from harness.serve import engine as eng
 
     try:
-        e = eng.get(args.name)
+        e = eng.resolve(args.name, args.backend) if args.backend else eng.get(args.name)
         if not eng.setup(e, args.root):
             print(f"harness engine setup {e.name}: {eng.env_dir(e, args.root)} is ready (pins {e.pins}): nothing to do")
     except eng.EngineError as e:
@@ -33,11 +35,16 @@ def setup(args) -> int:
 
 
 def show(args) -> int:
+    from harness.registry import broken_entry_points
     from harness.serve import engine as eng
 
-    print(f"{'engine':<8} {'environment':<8} {'path':<28} {'pins':<14} what")
-    for e in eng.ENGINES.values():
-        print(f"{e.name:<8} {eng.status(e, args.root):<8} {str(eng.env_dir(e, args.root)):<28} {e.pins:<14} "
-              f"{e.description}; backends {', '.join(sorted(e.backends))}; "
-              f"architectures {', '.join(sorted(e.architectures))}")
+    print(f"{'build':<12} {'engine':<8} {'backends':<9} {'environment':<11} {'path':<30} {'pins':<14} what")
+    for e in eng.engines():
+        print(f"{e.name:<12} {e.serves:<8} {','.join(sorted(e.backends)):<9} {eng.status(e, args.root):<11} "
+              f"{str(eng.env_dir(e, args.root)):<30} {e.pins:<14} {e.description}; platform {e.platform}"
+              f"{'; plugin ' + e.plugin if e.plugin else ''}; model implementations {', '.join(e.impls)}; "
+              f"architectures {', '.join(sorted(e.architectures))}; from {e.source}")
+    for line in broken_entry_points():
+        if "harness.engines" in line:
+            print(line, file=sys.stderr)
     return 0

@@ -39,6 +39,8 @@ def main(args) -> int:
         set_env("HARNESS_NODES", args.nodes)
     if args.launcher:
         set_env("HARNESS_NODE_LAUNCHER", args.launcher)
+    if args.engine:
+        set_env("HARNESS_ENGINE", args.engine)
     if driver.wants_early_worker(args.isolate == "on", args.workers, args.passthrough):
         # first thing: its imports overlap with ours below (the checks, torch) and with collection
         early = driver.start_worker(args.results)

@@ -135,6 +135,9 @@ OPTIONS: tuple[Option, ...] = (
            "this run as an sbatch job and collect its results), agents (each node's `harness node-agent` pulls its "
            "share: Kubernetes, VMs)", ("--launcher",), "--harness-launcher",
            choices=("netns", "srun", "slurm", "agents")),
+    Option("engine", "the serving engine the serve check runs (default: the suite's checks.serve.engine, vllm): "
+           "its build for the run's backend, e.g. --engine vllm --backend npu is the vllm build a vendor declared "
+           "for npu (harness engine show; docs/serving.md)", ("--engine",), "--harness-engine", metavar="ENGINE"),
     Option("isolate", "items run each in a child process with a time limit (the default; pytest: "
            "--harness-isolate on); --no-isolate (pytest: off) runs them in this process: faster on trusted CPU "
            "runs, but a hang or crash then costs the run; device backends are always isolated", ("--no-isolate",), "--harness-isolate",

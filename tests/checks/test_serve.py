@@ -278,8 +278,9 @@ def test_an_architecture_the_engine_does_not_drive_skips_with_the_reason(tmp_pat
     """An architecture outside the engine's row (a vendor's engine that has no MoE, say) skips in one line."""
     import dataclasses
 
-    dense = dataclasses.replace(eng.ENGINES["vllm"], architectures=frozenset({"LlamaForCausalLM"}))
-    monkeypatch.setattr(eng, "ENGINES", {"vllm": dense})
+    reg = eng.EngineRegistry()
+    reg.add(dataclasses.replace(eng.get("vllm"), architectures=frozenset({"LlamaForCausalLM"})))
+    monkeypatch.setattr(eng, "registry", lambda: reg)
     _, skip = _run("mixtral-8x7b", engines_root=tmp_path, results_dir=tmp_path)
     assert isinstance(skip, NotApplicable) and "MixtralForCausalLM through vllm" in str(skip), skip
     assert "\n" not in str(skip)
@@ -287,7 +288,16 @@ def test_an_architecture_the_engine_does_not_drive_skips_with_the_reason(tmp_pat
 
 def test_other_backends_skip_until_their_engine_build_is_declared(tmp_path):
     _, skip = _run("llama-3.1-8b", backend="cuda", engines_root=tmp_path, results_dir=tmp_path)
-    assert isinstance(skip, NotApplicable) and "vendor's engine build" in str(skip), skip
+    assert isinstance(skip, NotApplicable) and "no build of engine vllm is declared for backend cuda" in str(skip), skip
+
+
+def test_the_transformers_implementation_is_a_nightly_variant_of_its_own():
+    # vLLM's transformers backend (model_impl="transformers", the Day-0 path for an architecture vLLM has no
+    # code for yet) is a second item: a second engine start, so nightly, for the suites on every commit too
+    check, llama = ServeCheck(), load_suite(REPO / "suites" / "llama-3.1-8b.toml")
+    assert check.variants(llama, get("cpu")) == [None, "transformers"]
+    assert check.scope(llama, "transformers") == "nightly" and check.scope(llama, None) == "commit"
+    assert check.variants(llama, get("cuda")) == [None]  # no build there: the one item says why
 
 
 def test_scope_is_commit_for_one_dense_suite_nightly_for_the_rest():

@@ -77,7 +77,7 @@ def test_pins_are_pinned():
 def test_show_lists_engines_and_unknown_is_one_line(tmp_path, capsys):
     assert main(["engine", "show", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[1].split()[:2] == ["vllm", "missing"], out
+    assert out.splitlines()[1].split()[:4] == ["vllm", "vllm", "cpu", "missing"], out
     assert main(["engine", "setup", "nosuch", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "harness: error: unknown engine 'nosuch' (known: vllm)", err

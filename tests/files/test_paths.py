@@ -210,8 +210,11 @@ ALLOWED = {
                                                                         "not plain (layouts.py __post_init__)",
     ("harness/checks/serve.py", 'root / "runs" / f"{ctx.suite.name}-{ctx.backend.name}-{ctx.dtype}"'):
         "a loaded suite's name (its file's stem), a registered backend and a DTYPES value",
-    ("harness/serve/engine.py", "Path(root or DEFAULT_ROOT) / engine.name"): "an engine of the ENGINES table",
-    ("harness/serve/engine.py", 'd.parent / f"{engine.name}-setup.log"'): "an engine of the ENGINES table",
+    ("harness/serve/engine.py", "Path(root or DEFAULT_ROOT) / engine.name"): "an engine build's name, checked as "
+    "a plain name when it is registered (EngineRegistry.add: paths.name)",
+    ("harness/serve/engine.py", 'd.parent / f"{engine.name}-setup.log"'): "the same checked build name",
+    ("harness/serve/engine.py", "self.base / p"): "a pins or runner path the user's own harness.toml declares, "
+    "relative to that file (as a backend's op_list): the user's configuration, not data someone else wrote",
     ("harness/serve/export.py", 'Path(root) / f"{ls.name}-{dtype}"'):
         "a loaded suite's name (its file's stem) and a DTYPES value",
     ("harness/backends/__init__.py", "Path.cwd() / p"): "an op-list location from harness.toml (settings)",

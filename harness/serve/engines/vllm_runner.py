@@ -152,6 +152,34 @@ def probe(llm, SamplingParams, p, k, off=None):
     return {"name": p["name"], "groups": groups, "seconds": seconds, "free_kv_blocks": free, **seen}
 
 
+def _platform():
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
+
+
+def _platform_refused(want):
+    """A build declared for a platform (npu) whose plugin did not activate runs on vLLM's CPU platform
+    without a word: refused before the model loads, naming the plugins vLLM can see."""
+    got = _platform()
+    if not want or got == want:
+        return None
+    from importlib.metadata import entry_points
+
+    plugins = sorted(f"{ep.name} = {ep.value}" for ep in entry_points(group="vllm.platform_plugins"))
+    return (f"vLLM runs on its {got} platform, not {want}: the build's platform plugin did not activate "
+            f"(vllm.platform_plugins entry points here: {', '.join(plugins) or 'none'})")
+
+
+def _model_impl(llm):
+    """Which model code served: vLLM's own class, or its transformers backend's (model_impl=transformers)."""
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        return type(runner.get_model()).__name__
+    except Exception:  # noqa: BLE001 - vLLM's internals move; the class name is a note, not a verdict
+        return None
+
+
 def run(req):
     t0 = time.monotonic()
     for i, path in enumerate(req.get("preload") or []):
@@ -163,6 +191,9 @@ def run(req):
     import vllm
     from vllm import LLM, SamplingParams
 
+    refused = _platform_refused(req.get("platform"))
+    if refused:
+        return {"engine": "vllm", "version": vllm.__version__, "refused": refused}
     said = _Said()
 
     # block_size: the KV page (vLLM's CPU attention takes multiples of 32); prefix caching on (vLLM's
@@ -171,7 +202,8 @@ def run(req):
     llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype=req["dtype"], seed=0,
               gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
               max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
-              max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True)
+              max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True,
+              model_impl=req.get("model_impl", "auto"))
     t_ready = time.monotonic()
     sp = _params(SamplingParams, req["k"], req["steps"])
     # each prompt alone: the plain path; batching is a probe of its own
@@ -180,7 +212,8 @@ def run(req):
     t_done = time.monotonic()
     off = _off(llm, said.lines)
     probes = [probe(llm, SamplingParams, p, req["k"], off) for p in req.get("probes") or []]
-    return {"engine": "vllm", "version": vllm.__version__, "start_s": t_ready - t0,
+    return {"engine": "vllm", "version": vllm.__version__, "platform": _platform(), "start_s": t_ready - t0,
+            "model_impl": _model_impl(llm),
             "generate_s": t_done - t_ready, "results": results, "probes": probes, "engine_said": said.lines,
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
 
