@@ -70,9 +70,10 @@ class CustomEngine(BaseModel):
                               "another torch, never needed for text models).")
     env: dict[str, str] = Field(default_factory=dict, description="The runner's environment on top of harness's "
                                 "(VLLM_*, the vendor's runtime settings).")
-    impls: list[Literal["native", "transformers"]] = Field(
-        default_factory=lambda: ["native"], description="Model implementations served, each a variant of the serve "
-        "item: native (the engine's own model code), transformers (vLLM's model_impl=\"transformers\").")
+    variants: list[Literal["transformers", "eager"]] = Field(
+        default_factory=list, description="Variants of the serve item it serves besides the plain one (the engine's "
+        "own model code, its default mode), each a nightly item: transformers (vLLM's model_impl=\"transformers\"), "
+        "eager (enforce_eager: no compilation, no graphs).")
     description: str = Field("", description="Free text shown by `harness engine show`.")
 
 

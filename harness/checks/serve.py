@@ -126,16 +126,17 @@ class ServeCheck(Check):
     setup_steps = ("engine", "export", "request", "reference")
 
     def variants(self, suite, backend) -> list[str | None]:
-        # one item per model implementation the engine's build serves: None is the engine's own model code,
-        # "transformers" its transformers backend (vLLM's model_impl="transformers": the Day-0 path for an
-        # architecture the engine has no code for yet)
+        # one item per variant the engine's build serves (harness.serve.engine.VARIANTS): None is the engine's
+        # own model code in its default mode (vLLM: compiled), "transformers" its transformers backend (vLLM's
+        # model_impl="transformers": the Day-0 path for an architecture the engine has no code for yet),
+        # "eager" its uncompiled mode; each judged against float64, never against the other
         from harness.serve import engine as eng
 
         try:
             build = eng.resolve(self._engine_name(suite), backend.name)
         except eng.EngineError:
             return [None]  # the engine step says why, in one line
-        return [None] + [i for i in build.impls if i != "native"]
+        return [None, *build.variants]
 
     @staticmethod
     def _engine_name(suite) -> str:
@@ -166,10 +167,9 @@ class ServeCheck(Check):
             raise NotApplicable(str(e)) from None
         except eng.EngineError as e:
             raise CouldNotRun(str(e)) from None
-        st.impl = ctx.variant or "native"
-        if st.impl not in st.engine.impls:
-            raise NotApplicable(f"engine build {st.engine.name} does not serve model implementation {st.impl} "
-                                f"(it serves: {', '.join(st.engine.impls)})")
+        if ctx.variant is not None and ctx.variant not in st.engine.variants:
+            raise NotApplicable(f"engine build {st.engine.name} does not serve variant {ctx.variant} "
+                                f"(it serves: {', '.join(st.engine.variants) or 'the plain item only'})")
         mc = model_config(ctx.suite)
         if mc.architecture not in st.engine.architectures:
             raise NotApplicable(f"{mc.architecture} through {st.engine.name}: not among the architectures the check "
@@ -182,7 +182,7 @@ class ServeCheck(Check):
             raise NotApplicable(f"engine {st.engine.name} {state} ({eng.env_dir(st.engine, st.engines_root)}): "
                                 f"run `harness engine setup {st.engine.name}`")
         ctx.detail("serve_engine_build", f"{st.engine.name} ({st.engine.source}; platform {st.engine.platform}; "
-                   f"model implementation {st.impl})")
+                   f"variant {ctx.variant or 'plain'})")
 
     def export(self, ctx: CheckContext, st) -> None:
         from harness.serve.export import cached_export
@@ -198,6 +198,7 @@ class ServeCheck(Check):
 
     def request(self, ctx: CheckContext, st) -> None:
         from harness.models.build import seeded_tokens
+        from harness.serve import engine as eng
         from harness.serve import probes
 
         cfg = ctx.config
@@ -210,7 +211,7 @@ class ServeCheck(Check):
                       "max_model_len": max(cfg.prompt_len + cfg.steps, probes.max_len(st.probes)) + 16,
                       "max_num_seqs": max(cfg.prompts, probes.max_seqs(st.probes)),
                       "gpu_memory_utilization": 0.1, "preload": [str(p) for p in st.preload],
-                      "platform": st.engine.platform, "model_impl": "auto" if st.impl == "native" else st.impl}
+                      "platform": st.engine.platform, **eng.VARIANTS.get(ctx.variant or "", {})}
 
     def serve(self, ctx: CheckContext, st) -> None:
         from harness.serve.launch import EngineRefused, EngineRunError, run_engine
@@ -226,7 +227,7 @@ class ServeCheck(Check):
         ctx.metric("serve_engine_start_s", st.result["start_s"])
         ctx.metric("serve_engine_generate_s", st.result["generate_s"])
         ctx.detail("serve_engine", f"{st.result['engine']} {st.result['version']} on its {st.result.get('platform')} "
-                   f"platform, model {st.result.get('model_impl')}")
+                   f"platform, model {st.result.get('model_impl')}, compilation {st.result.get('compilation')}")
 
     def reference(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import reference_logprobs

@@ -42,7 +42,7 @@ def show(args) -> int:
     for e in eng.engines():
         print(f"{e.name:<12} {e.serves:<8} {','.join(sorted(e.backends)):<9} {eng.status(e, args.root):<11} "
               f"{str(eng.env_dir(e, args.root)):<30} {e.pins:<14} {e.description}; platform {e.platform}"
-              f"{'; plugin ' + e.plugin if e.plugin else ''}; model implementations {', '.join(e.impls)}; "
+              f"{'; plugin ' + e.plugin if e.plugin else ''}; variants {', '.join(e.variants) or 'none'}; "
               f"architectures {', '.join(sorted(e.architectures))}; from {e.source}")
     for line in broken_entry_points():
         if "harness.engines" in line:

@@ -38,7 +38,11 @@ from harness.registry import NamedRegistry
 DATA = Path(__file__).resolve().parent / "engines"
 DEFAULT_ROOT = Path(".harness") / "engines"
 STAMP = "harness-engine.json"
-IMPLS = ("native", "transformers")  # vLLM's own model code; its transformers backend (model_impl="transformers")
+# The serve item's variants an engine build may serve besides the plain one (the engine's own model code in
+# the engine's default mode: vLLM's compiled graph), each a second engine start, and what each asks the
+# runner for. "transformers": vLLM's transformers backend (the Day-0 path for an architecture vLLM has no
+# code for yet); "eager": no compilation (vLLM on CPU: torch.compile off; on a GPU also no CUDA graphs).
+VARIANTS = {"transformers": {"model_impl": "transformers"}, "eager": {"enforce_eager": True}}
 
 
 class EngineError(Exception):
@@ -67,7 +71,7 @@ class Engine:
     # whose plugin did not activate runs on vLLM's CPU platform: the runner refuses before loading the model
     platform: str = "cpu"
     env: tuple[tuple[str, str], ...] = ()  # the runner's environment on top of harness's (launch.engine_env)
-    impls: tuple[str, ...] = ("native",)  # model implementations served, each a variant of the serve item
+    variants: tuple[str, ...] = ()  # VARIANTS it serves, each an item of its own beside the plain one
     source: str = "builtin"  # where it was declared (a distribution's entry point, harness.toml)
     base: Path | None = None  # where relative pins/runner paths resolve (harness.toml's folder)
 
@@ -105,9 +109,9 @@ class EngineRegistry(NamedRegistry[Engine]):
     def add(self, item: Engine, *, replace: bool = False) -> Engine:
         # its name is a folder under .harness/engines: one plain component
         paths.name(item.name, source=item.source, field="engine name")
-        bad = [i for i in item.impls if i not in IMPLS]
+        bad = [v for v in item.variants if v not in VARIANTS]
         if bad:
-            raise ValueError(f"engine {item.name}: unknown model implementation(s) {bad} (known: {', '.join(IMPLS)})")
+            raise ValueError(f"engine {item.name}: unknown variant(s) {bad} (known: {', '.join(VARIANTS)})")
         return super().add(item, replace=replace)
 
 
@@ -129,7 +133,7 @@ def register(registry: EngineRegistry) -> None:
         # vLLM on CPU: KV cache space in GiB (its default is sized for a server); its OpenMP threads left
         # unbound (the machine is shared; binding pins them to cores others use)
         env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind")),
-        impls=("native", "transformers")))
+        variants=("transformers", "eager")))
 
 
 _REGISTRY: EngineRegistry | None = None
@@ -144,7 +148,7 @@ def _build() -> EngineRegistry:
     for ce in load_settings().engines:
         reg.add(Engine(ce.name, ce.pins, ce.runner, tuple(ce.remove), frozenset(ce.architectures),
                        frozenset(ce.backends), ce.description, ce.engine, ce.plugin, ce.platform,
-                       tuple(sorted(ce.env.items())), tuple(ce.impls), source="harness.toml",
+                       tuple(sorted(ce.env.items())), tuple(ce.variants), source="harness.toml",
                        base=(base.parent if base else Path.cwd()).resolve()), replace=True)
     return reg
 

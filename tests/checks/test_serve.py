@@ -2,7 +2,10 @@
 venv) against transformers in float64 on the same exported checkpoint.
 
 Eight engine starts for the whole file (module fixtures, each used by its tests however pytest-xdist
-splits the file):
+splits the file). The clean runs are the plain items (vLLM's default mode: compiled); the faults run in
+the ``eager`` variant (enforce_eager, vLLM's other mode, a nightly item of its own): its start skips the
+warm-up compile (11 s against 24 s on a quiet machine), and each fault is caught there as in the
+compiled mode, where these tests ran before:
 
 * clean llama-3.1-8b float32 passes, the plain run and its four probes (batch, prefix-cache hit, chunked
   prefill, preemption: one engine instance);
@@ -53,8 +56,8 @@ def _no_engine(why: str) -> None:
     pytest.skip(msg)
 
 
-def _run(name: str, dtype: str = "float32", backend: str = "cpu", **opts):
-    ctx = CheckContext(load_suite(REPO / "suites" / f"{name}.toml"), get(backend), dtype, None, check="serve")
+def _run(name: str, dtype: str = "float32", backend: str = "cpu", variant: str | None = None, **opts):
+    ctx = CheckContext(load_suite(REPO / "suites" / f"{name}.toml"), get(backend), dtype, variant, check="serve")
     try:
         ServeCheck().run(ctx, **opts)
     except (CheckFailure, NotApplicable) as e:
@@ -78,22 +81,22 @@ def clean(results):
 
 @pytest.fixture(scope="module")
 def faulty(results):
-    return _run("llama-3.1-8b", results_dir=results, preload=[FAULT])
+    return _run("llama-3.1-8b", results_dir=results, preload=[FAULT], variant="eager")
 
 
 @pytest.fixture(scope="module")
 def stale_kv(results):
-    return _run("llama-3.1-8b", results_dir=results, preload=[STALE_KV])
+    return _run("llama-3.1-8b", results_dir=results, preload=[STALE_KV], variant="eager")
 
 
 @pytest.fixture(scope="module")
 def batched(results):
-    return _run("llama-3.1-8b", results_dir=results, preload=[BATCH])
+    return _run("llama-3.1-8b", results_dir=results, preload=[BATCH], variant="eager")
 
 
 @pytest.fixture(scope="module")
 def decode_only(results):
-    return _run("llama-3.1-8b", results_dir=results, preload=[DECODE])
+    return _run("llama-3.1-8b", results_dir=results, preload=[DECODE], variant="eager")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,7 @@ def mla_clean(results):
 
 @pytest.fixture(scope="module")
 def moe_dropped(results):
-    return _run(MOE, results_dir=results, preload=[EXPERT])
+    return _run(MOE, results_dir=results, preload=[EXPERT], variant="eager")
 
 
 def _use(ctx, probe: str) -> float:
@@ -291,12 +294,13 @@ def test_other_backends_skip_until_their_engine_build_is_declared(tmp_path):
     assert isinstance(skip, NotApplicable) and "no build of engine vllm is declared for backend cuda" in str(skip), skip
 
 
-def test_the_transformers_implementation_is_a_nightly_variant_of_its_own():
+def test_the_transformers_implementation_and_eager_mode_are_nightly_variants_of_their_own():
     # vLLM's transformers backend (model_impl="transformers", the Day-0 path for an architecture vLLM has no
     # code for yet) is a second item: a second engine start, so nightly, for the suites on every commit too
     check, llama = ServeCheck(), load_suite(REPO / "suites" / "llama-3.1-8b.toml")
-    assert check.variants(llama, get("cpu")) == [None, "transformers"]
+    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager"]
     assert check.scope(llama, "transformers") == "nightly" and check.scope(llama, None) == "commit"
+    assert check.scope(llama, "eager") == "nightly"
     assert check.variants(llama, get("cuda")) == [None]  # no build there: the one item says why
 
 

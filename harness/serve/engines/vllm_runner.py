@@ -171,6 +171,16 @@ def _platform_refused(want):
             f"(vllm.platform_plugins entry points here: {', '.join(plugins) or 'none'})")
 
 
+def _compilation(llm):
+    """The engine's compilation as it settled it (vLLM on CPU: DYNAMO_TRACE_ONCE with inductor by default,
+    NONE under enforce_eager), e.g. ``DYNAMO_TRACE_ONCE/inductor``."""
+    try:
+        cc = llm.llm_engine.vllm_config.compilation_config
+        return f"{getattr(cc.mode, 'name', cc.mode)}/{cc.backend or '-'}"
+    except Exception:  # noqa: BLE001 - a note, not a verdict
+        return None
+
+
 def _model_impl(llm):
     """Which model code served: vLLM's own class, or its transformers backend's (model_impl=transformers)."""
     try:
@@ -203,7 +213,7 @@ def run(req):
               gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
               max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
               max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True,
-              model_impl=req.get("model_impl", "auto"))
+              model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)))
     t_ready = time.monotonic()
     sp = _params(SamplingParams, req["k"], req["steps"])
     # each prompt alone: the plain path; batching is a probe of its own
@@ -213,7 +223,7 @@ def run(req):
     off = _off(llm, said.lines)
     probes = [probe(llm, SamplingParams, p, req["k"], off) for p in req.get("probes") or []]
     return {"engine": "vllm", "version": vllm.__version__, "platform": _platform(), "start_s": t_ready - t0,
-            "model_impl": _model_impl(llm),
+            "model_impl": _model_impl(llm), "compilation": _compilation(llm),
             "generate_s": t_done - t_ready, "results": results, "probes": probes, "engine_said": said.lines,
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
 
