@@ -49,9 +49,9 @@ from harness.checks import (
 )
 from harness.serve.probes import PROBES
 
-# The suites whose serve items run on every commit ("auto" scope); the rest run nightly. One dense suite
-# is enough per commit: an engine start is ~45 s of a 2-core runner.
-COMMIT_SUITES = ("llama-3.1-8b",)
+# The suites whose serve items run on every commit ("auto" scope); the rest run nightly. One dense suite and
+# one MoE suite (vLLM's fused-MoE kernel is its own path): an engine start is 25-100 s of a 2-core runner.
+COMMIT_SUITES = ("llama-3.1-8b", "qwen3-30b-a3b")
 
 metrics.declare("serve_prompt_logprob_max_abs_diff", "nats", "lower", "largest |engine - float64| log-probability "
                 "of the reference's top-1 token over the prompt positions")
@@ -87,7 +87,7 @@ class ServeConfig(CheckConfig):
     """The model through a serving engine (vLLM) against float64 on the same exported checkpoint."""
 
     scope: Literal["auto", "commit", "nightly"] = Field(
-        "auto", description="'auto': commit for llama-3.1-8b (one dense suite: an engine start is ~45 s), "
+        "auto", description="'auto': commit for llama-3.1-8b and qwen3-30b-a3b (one dense, one MoE suite: an engine start is 25-100 s), "
         "nightly for the others; 'commit' or 'nightly' for this suite.")
     engine: str = Field("vllm", description="The serving engine (harness engine show lists them); the item's "
                         "backend picks its build. `harness run --engine` overrides it.")

@@ -304,9 +304,10 @@ def test_the_transformers_implementation_and_eager_mode_are_nightly_variants_of_
     assert check.variants(llama, get("cuda")) == [None]  # no build there: the one item says why
 
 
-def test_scope_is_commit_for_one_dense_suite_nightly_for_the_rest():
+def test_scope_is_commit_for_one_dense_and_one_moe_suite_nightly_for_the_rest():
     check = ServeCheck()
     assert check.scope(load_suite(REPO / "suites" / "llama-3.1-8b.toml"), None) == "commit"
+    assert check.scope(load_suite(REPO / "suites" / "qwen3-30b-a3b.toml"), None) == "commit"
     assert check.scope(load_suite(REPO / "suites" / "qwen3-8b.toml"), None) == "nightly"
 
 
