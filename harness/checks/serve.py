@@ -160,20 +160,13 @@ class ServeCheck(Check):
         from harness.serve import engine as eng
 
         cfg = ctx.config
-        name = self._engine_name(ctx.suite)
         try:
-            st.engine = eng.resolve(name, ctx.backend.name)
-        except eng.NoBuild as e:
+            st.engine = eng.for_item(self._engine_name(ctx.suite), ctx.backend.name, ctx.variant,
+                                     model_config(ctx.suite).architecture)
+        except eng.NotServed as e:
             raise NotApplicable(str(e)) from None
         except eng.EngineError as e:
             raise CouldNotRun(str(e)) from None
-        if ctx.variant is not None and ctx.variant not in st.engine.variants:
-            raise NotApplicable(f"engine build {st.engine.name} does not serve variant {ctx.variant} "
-                                f"(it serves: {', '.join(st.engine.variants) or 'the plain item only'})")
-        mc = model_config(ctx.suite)
-        if mc.architecture not in st.engine.architectures:
-            raise NotApplicable(f"{mc.architecture} through {st.engine.name}: not among the architectures the check "
-                                f"drives through it ({', '.join(sorted(st.engine.architectures))}; docs/serving.md)")
         for table in ("logprob_atol", "tie_margin"):
             if ctx.dtype not in getattr(cfg, table):
                 raise NotApplicable(f"no checks.serve.{table} for {ctx.dtype}")

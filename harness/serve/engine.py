@@ -178,7 +178,12 @@ def get(name: str) -> Engine:
     raise EngineError(f"unknown engine {name!r} (known: {', '.join(sorted({e.serves for e in reg} | set(reg.names())))})")
 
 
-class NoBuild(EngineError):
+class NotServed(EngineError):
+    """The item is not one the engine serves: no build for its backend, a variant or an architecture
+    the build does not declare (the item's NotApplicable, in one line)."""
+
+
+class NoBuild(NotServed):
     """The engine exists, but no build of it is declared for the backend."""
 
 
@@ -196,6 +201,19 @@ def resolve(name: str, backend: str) -> Engine:
         raise NoBuild(f"no build of engine {name} is declared for backend {backend} (declared: {have}); a vendor "
                       "declares theirs in harness.toml [[engines]] or the harness.engines entry point (docs/serving.md)")
     return fits[0]
+
+
+def for_item(name: str, backend: str, variant: str | None, architecture: str) -> Engine:
+    """The build that serves one serve item: engine ``name`` on ``backend``, ``variant`` (None: plain),
+    the suite's ``architecture``; NotServed says why not."""
+    build = resolve(name, backend)
+    if variant is not None and variant not in build.variants:
+        raise NotServed(f"engine build {build.name} does not serve variant {variant} "
+                        f"(it serves: {', '.join(build.variants) or 'the plain item only'})")
+    if architecture not in build.architectures:
+        raise NotServed(f"{architecture} through {build.name}: not among the architectures the check drives "
+                        f"through it ({', '.join(sorted(build.architectures))}; docs/serving.md)")
+    return build
 
 
 def engines() -> list[Engine]:
