@@ -150,23 +150,13 @@ def _rehearse(args, rep, target) -> int:
     """The rehearsal (harness.parallel.rehearse) of the plan's best layout or ``--rehearse LAYOUT``;
     exit 1 on a divisibility error, a rank that fails to parallelize or a predicted hang."""
     from harness.parallel import rehearse
-    from harness.parallel.layouts import parse_name
 
     try:
-        if args.rehearse == "best":
-            if not rep.ranked:
-                raise ValueError(rep.recommendation)
-            lay = rehearse.from_plan(rep.ranked[0].layout, args.mode, args.batch)
-        else:
-            lay = parse_name(args.rehearse)
-        if lay.world != rep.devices:
-            raise ValueError(f"{lay.label} has {lay.world} ranks, the cluster {rep.devices}")
+        lay = rehearse.chosen_layout(args.rehearse, rep.devices, rep, mode=args.mode, batch=args.batch)
     except ValueError as e:
         print(f"harness plan: --rehearse: {e}", file=sys.stderr)
         return 2
     res = rehearse.rehearse(target, lay, batch=args.batch, context=args.context)
-    if args.rehearse == "best" and args.mode == "training":  # the plan counts training state in bf16 / fp32
-        e = rep.ranked[0]
-        res.plan_bytes = {"weights": e.weights, "gradients": e.gradients, "optimizer": e.optimizer}
+    res.plan_bytes = rehearse.plan_figures(args.rehearse, rep, args.mode)
     print(rehearse.render(res))
-    return 1 if res.errors or res.hangs or any(r.error for r in res.ranks) else 0
+    return 1 if res.failed else 0

@@ -114,6 +114,7 @@ class ModelFacts:
     # uniform model of _share (every kind split as the module docstring says, layers evenly by pp).
     layer_kinds: list[dict[str, list[int]]] = field(default_factory=list)
     ends: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    kv_heads: int = 0  # key/value heads of the attention's projections (0: not known)
 
 
 QUANTIZABLE = ("attention", "dense_mlp", "routed_experts", "shared_experts")
@@ -165,7 +166,7 @@ def model_facts(target, weights: str = "checkpoint", context: int = 4096) -> Mod
     layer_kinds, ends = stage_facts(target)
     return ModelFacts(target.name, by, p.total, wb, fmt, buffers, fl.kv_cache_bytes_per_token[kv_key],
                       1 if mla else kvh, p.num_layers, int(cfg.hidden_size), int(cfg.vocab_size), heads, inter,
-                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes, layer_kinds, ends)
+                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes, layer_kinds, ends, kvh)
 
 
 def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str, list[int]]]]:
@@ -441,13 +442,22 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
                     time_s, compute_s, why, sum(msgs.values()), latency_s)
 
 
+def _kv_heads_split(m: ModelFacts, tp: int) -> bool:
+    """tp splits the key/value heads evenly (the parallel check's tp split, and Megatron's query groups,
+    need it; one shared head (MQA) is replicated, MHA splits with the query heads): the rehearsal's rule
+    (harness.parallel.rehearse.divisibility). Without it the plan ranked tp8 first for qwen3-30b-a3b's 4
+    key/value heads, a layout the nightly rehearsal refused."""
+    kvh = m.kv_heads
+    return tp == 1 or not kvh or kvh in (1, m.heads) or kvh % tp == 0
+
+
 def candidate_layouts(m: ModelFacts, devices: int, devices_per_node: int, mode: str,
                       context: int | None = None) -> list[Layout]:
     """``context``: tokens per sequence; a context-parallel degree above it would leave ranks
     without a token, so cp never exceeds it."""
     out = []
     for tp in _divisors(devices):
-        if tp > devices_per_node or m.heads % tp:
+        if tp > devices_per_node or m.heads % tp or not _kv_heads_split(m, tp):
             continue
         for pp in _divisors(devices // tp):
             if pp > m.layers:

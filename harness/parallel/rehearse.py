@@ -87,6 +87,12 @@ class Rehearsal:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def failed(self) -> bool:
+        """A finding: the layout does not divide the model, a rank failed to parallelize, or a hang is
+        predicted. A rank whose meta forward stopped early is not one (the meta device's limit)."""
+        return bool(self.errors or self.hangs or any(r.error for r in self.ranks))
+
 
 # --- the layout ---------------------------------------------------------------------------------
 
@@ -106,6 +112,47 @@ def from_plan(b, mode: str, batch: int):
     zero = b.zero if mode == "training" and b.zero in (1, 2) else 0
     return Layout(**{k: v for k, v in deg.items() if v > 1}, zero=zero, recompute=b.recompute,
                   microbatches=max(1, -(-batch // b.dp)))
+
+
+def chosen_layout(name: str, world: int, rep=None, *, mode: str = "inference", batch: int = 1):
+    """What ``harness plan --rehearse [LAYOUT]`` and the nightly ``rehearse`` check rehearse: the plan
+    ``rep``'s top layout (``name`` "best", as the parallel check's Layout) or the parallel-check layout
+    ``name``; a ValueError saying why not (no layout at all, a world size other than the cluster's)."""
+    from harness.parallel.layouts import parse_name
+
+    if name == "best":
+        if not rep.ranked:
+            raise ValueError(rep.recommendation)
+        lay = from_plan(rep.ranked[0].layout, mode, batch)
+    else:
+        lay = parse_name(name)
+    if lay.world != world:
+        raise ValueError(f"{lay.label} has {lay.world} ranks, the cluster {world}")
+    return lay
+
+
+def plan_figures(name: str, rep, mode: str) -> dict[str, float]:
+    """The plan's per-device figures the rehearsal is held against: only for the plan's own layout in
+    training (the plan counts training state in bf16 / fp32; in inference it counts the checkpoint's
+    format, FP8 where it is, and the rehearsal builds bf16)."""
+    if name != "best" or mode != "training" or not rep.ranked:
+        return {}
+    e = rep.ranked[0]
+    return {"weights": e.weights, "gradients": e.gradients, "optimizer": e.optimizer}
+
+
+_FIGURES = {"weights": "param_bytes", "gradients": "grad_bytes", "optimizer": "optim_bytes"}
+
+
+def plan_errors(rep: Rehearsal) -> dict[str, float]:
+    """The plan's relative error per figure, (planned - rehearsed) / rehearsed of the largest rank."""
+    ok = [r for r in rep.ranks if not r.error]
+    out = {}
+    for key, attr in _FIGURES.items():
+        got = max((getattr(r, attr) for r in ok), default=0)
+        if rep.plan_bytes and got:
+            out[key] = (rep.plan_bytes.get(key, 0.0) - got) / got
+    return out
 
 
 def divisibility(cfg, lay, *, batch: int, context: int) -> list[str]:
@@ -368,7 +415,7 @@ def rehearse_rank(target, lay, rank: int, *, batch: int, context: int) -> RankRe
             try:
                 worker.parallelize(s, {"capacity_factor": 0.0}, mc.config, lay.recompute)
             except Exception as e:  # noqa: BLE001 - what the check's own steps refuse at this size is the finding
-                rr.error = f"parallelize: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                rr.error = f"parallelize: {_root_cause(e)}"
                 rr.collectives = list(s.counter.log)
                 return rr
             if s.stage is not None:
@@ -662,7 +709,7 @@ def render(rep: Rehearsal) -> str:
                      f"{len(rr.collectives)} collectives ({counts or 'none'}); recorded: {rr.recorded}")
     lines += [f"  {h}" for h in rep.hangs]
     lines += _against_plan(rep)
-    ok = not (rep.errors or rep.hangs or any(r.error for r in rep.ranks))
+    ok = not rep.failed
     lines.append("rehearsal: " + ("no divisibility error, no collective-order mismatch" if ok else
                                   f"{len(rep.errors)} divisibility error(s), {len(rep.hangs)} predicted hang(s), "
                                   f"{sum(bool(r.error) for r in rep.ranks)} rank(s) failed to parallelize"))
@@ -671,13 +718,9 @@ def render(rep: Rehearsal) -> str:
 
 def _against_plan(rep: Rehearsal) -> list[str]:
     """The plan's per-device weights / gradients / optimizer state against the largest rehearsed rank."""
-    ok = [r for r in rep.ranks if not r.error]
-    if not (rep.plan_bytes and ok):
-        return []
     out = []
-    for key, attr in (("weights", "param_bytes"), ("gradients", "grad_bytes"), ("optimizer", "optim_bytes")):
-        planned, got = rep.plan_bytes.get(key, 0.0), max(getattr(r, attr) for r in ok)
-        if got:
-            out.append(f"  plan vs rehearsal, {key} per device (largest rank): {planned / 2**30:.2f} vs "
-                       f"{got / 2**30:.2f} GiB ({(planned - got) / got:+.1%})")
+    for key, err in plan_errors(rep).items():
+        got = max(getattr(r, _FIGURES[key]) for r in rep.ranks if not r.error)
+        out.append(f"  plan vs rehearsal, {key} per device (largest rank): {rep.plan_bytes.get(key, 0.0) / 2**30:.2f} "
+                   f"vs {got / 2**30:.2f} GiB ({err:+.1%})")
     return out

@@ -350,7 +350,9 @@ def test_day0_pipeline_through_the_cli(config, tmp_path):
     from harness.checks import registry
 
     checks = [a for c in registry().names() if c != "compile" or config.stem in COMPILED for a in ("--check", c)]
-    r = _harness("run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16", *checks, cwd=tmp_path)
+    # the compiled front end in float32 only (bfloat16's doubled this test's time to two minutes in CI)
+    r = _harness("run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16", *checks,
+                 "-k", "not (compile and bfloat16)", cwd=tmp_path)
     assert r.returncode == 0 and "0 failed, 0 errors" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stdout + r.stderr
     if isinstance(_raw(config).get("text_config"), dict):  # a wrapper: also end to end with a tiny vision tower

@@ -57,15 +57,19 @@ def test_bundled_suites_shard_across_processes(tmp_path):
     """Four processes, as four CI jobs: disjoint shards whose union is the unsharded collection."""
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
 
-    def collect(*extra):
-        r = subprocess.run([sys.executable, "-m", "pytest", "suites", "--collect-only", "-q", "-p", "no:cacheprovider",
-                            "--harness-backend=cpu", *extra], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return [line for line in r.stdout.splitlines() if "::" in line]
+    def start(*extra):
+        return subprocess.Popen([sys.executable, "-m", "pytest", "suites", "--collect-only", "-q", "-p",
+                                 "no:cacheprovider", "--harness-backend=cpu", *extra], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    whole = collect()
-    parts = [collect(f"--harness-shard={k}/4") for k in range(1, 5)]
+    def collected(p):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, out + err
+        return [line for line in out.splitlines() if "::" in line]
+
+    # the five collections at once, as five CI jobs would run (one after another took 50 s)
+    procs = [start()] + [start(f"--harness-shard={k}/4") for k in range(1, 5)]
+    whole, *parts = [collected(p) for p in procs]
     assert sum(len(p) for p in parts) == len(whole)
     assert set().union(*map(set, parts)) == set(whole)
     assert all(p for p in parts)
