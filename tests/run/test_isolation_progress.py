@@ -1,5 +1,5 @@
-"""A hang is no progress, not slowness (issue #52): with real processes, under an artificial load of 4x
-the machine's cores, an item that computes for a long time in one module, or waits on a child process
+"""A hang is no progress, not slowness (issue #52): with real processes, under an artificial load of one
+spinning process per core (beside the other pytest worker's tests), an item that computes for a long time in one module, or waits on a child process
 that computes (inductor's compile workers, a launcher's ranks), is not killed; an item that waits
 forever is killed after the suite's ``stall_s`` and named with its phase and module, long before its
 wall-clock limit."""
