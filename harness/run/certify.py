@@ -7,7 +7,8 @@ process installs the fault on the backend's dispatch key (``HARNESS_CERTIFY_FAUL
 harness.backends.faults), and the item of the fault's check read back from that run's
 ``summary.json``. A fault is
 
-* **caught** when the check failed and the fault's kernel ran (the failure is its doing);
+* **caught** when the check failed by its own judgment (a ``CheckFailure``, not an exception the device
+  or the model raised: a lost device is no catch) and the fault's kernel ran (the failure is its doing);
 * **missed** when the check passed (or only a declared known gap failed): harness would have called
   this backend green with the wrong kernel; ``ran`` says whether the kernel was called at all (a model
   path that never reaches the op, e.g. a fused kernel harness does not know, is missed as well);
@@ -44,6 +45,7 @@ class Item:
     message: str = ""
     module: str = ""  # the module the check named
     seconds: float = 0.0
+    raised: str = ""  # the exception type when the item failed by raising, not by a check's judgment
 
 
 @dataclass
@@ -118,7 +120,7 @@ def run_checks(suite: str, backend: str, checks: list[str], results: Path, envir
                 continue
             c = props.get("harness.check", "")
             items[c] = Item(c, it["outcome"], first_line(it.get("message") or "", 300), _module(props),
-                            round(float(it.get("duration") or 0.0), 2))
+                            round(float(it.get("duration") or 0.0), 2), props.get("harness.detail.raised", ""))
     return items, tail
 
 
@@ -142,6 +144,8 @@ def judge(item: Item | None, ran: list[str], raised: list[str], tail: str) -> tu
     if item.outcome == "failed":
         if not ran:
             return "error", f"failed, but none of the fault's kernels ran: not its doing ({item.message})"
+        if item.raised:  # the device or the model raised: no check judged anything (a lost device is no catch)
+            return "error", f"the run raised {item.raised} under the fault, no check judged it: not a catch ({item.message})"
         return "caught", item.message
     if item.outcome in ("passed", "xfailed"):
         why = item.message or ("passed with the wrong kernel" if ran else

@@ -223,6 +223,9 @@ def _run_check(check, ctx: CheckContext, where: tuple[str, str, str, str]) -> It
 
         # scrub, then cut: the head of a token cut at 500 characters no longer has a token's shape
         msg = f"{type(e).__name__}: {first_line(scrub_secrets(str(e)), 500)}"
+        # said apart from a check's judgment (a CheckFailure): `harness certify` counts only a judgment as a
+        # catch, never a device that raised under a fault (a lost device had read "2/2 caught")
+        ctx.detail("raised", type(e).__name__)
         return ItemResult("failed", f"{msg} (in step {step})" if step else msg,
                           describe("failed", *where) + f": step {step!r} raised {msg}\n\n"
                           + "".join(traceback.format_exception(e)))

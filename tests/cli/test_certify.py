@@ -153,3 +153,36 @@ def test_judging_a_row():
     assert judge(Item("precision", "xfailed", "known gap"), ["aten::silu"], [], "") == ("missed", "known gap")
     assert judge(Item("precision", "error", "could not run"), ["aten::silu"], [], "")[0] == "error"
     assert judge(None, [], [], "Traceback\nboom")[0] == "error"
+    # issue #49: a device lost under the fault made the item fail by raising; no check judged it
+    lost = Item("precision", "failed", "RuntimeError: device lost (in step forward)", "", 1.0, "RuntimeError")
+    verdict, why = judge(lost, ["aten::silu"], [], "")
+    assert verdict == "error" and why.startswith("the run raised RuntimeError under the fault, no check judged it"), why
+
+
+def test_an_item_that_raised_says_so_and_a_judgment_does_not():
+    """The property certify reads: an exception out of a model step fails the item with
+    harness.detail.raised; a CheckFailure (a judgment) fails it without."""
+    from harness.backends import get
+    from harness.checks import Check, CheckContext, CheckFailure
+    from harness.run.execute import _attach_context, _run_check
+    from harness.suite.loader import load_suite
+    from tests_support import REPO
+
+    class Forward(Check):
+        name = "forward_probe"
+        steps = ("forward",)
+
+        def __init__(self, exc):
+            self.exc = exc
+
+        def forward(self, ctx, st):
+            raise self.exc
+
+    ls = load_suite(REPO / "suites" / "llama-3.1-8b.toml")
+    out = {}
+    for key, exc in (("lost", RuntimeError("NPU error: device lost")), ("judged", CheckFailure("logits differ"))):
+        ctx = CheckContext(ls, get("cpu"), "float32", None, check="smoke")
+        r = _run_check(Forward(exc), ctx, ("llama-3.1-8b", "smoke", "cpu", "float32"))
+        _attach_context(r, ctx)
+        out[key] = (r.outcome, dict(r.properties).get("harness.detail.raised"))
+    assert out == {"lost": ("failed", "RuntimeError"), "judged": ("failed", None)}, out
