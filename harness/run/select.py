@@ -289,4 +289,29 @@ def read_selection(path: str | Path) -> dict | None:
         raise SelectError(f"{path}: not a selection file: {e}") from None
     if not isinstance(data, dict) or data.get("format") != 1 or "run_arguments" not in data:
         raise SelectError(f"{path}: not a selection file of format 1 (harness select --json writes one)")
+    return _checked(path, data)
+
+
+def _checked(path, data: dict) -> dict:
+    """Every field ``harness run --selection`` reads, of the shape ``to_json`` writes (issue #49: a list
+    where a dict was, or numbers where names were, gave tracebacks); SelectError naming the field."""
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    class Selection(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
+        run_arguments: list[str] | None
+        everything: list[str] = []
+        ignored: list[str] = []
+        changed: list[str] = []
+        suites: dict[str, list[str]] = {}
+        checks: dict[str, list[str]] = {}
+        files: dict[str, str] = {}
+
+    try:
+        Selection.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "(top)"
+        raise SelectError(f"{path}: not a selection file of format 1: {where}: {err['msg']} (harness select "
+                          "--json writes one)") from None
     return data

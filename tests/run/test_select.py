@@ -197,3 +197,25 @@ def test_a_rotating_sample_joins_the_selection(repo):
     assert seen == BUNDLED
     assert "rotating sample (seed pr-17)" in s.suites[picked[0]][0]
     assert Selection(everything=["x"]).add_sample(sorted(BUNDLED), 2, "s") == []
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"run_arguments": 5}, "run_arguments: Input should be a valid list"),
+    ({"run_arguments": ["qwen3-8b", 3]}, "run_arguments.1: Input should be a valid string"),
+    ({"run_arguments": ["qwen3-8b"], "files": [1]}, "files: Input should be a valid dictionary"),
+    ({"run_arguments": None, "ignored": 5}, "ignored: Input should be a valid list"),
+    ({"run_arguments": ["qwen3-8b"], "suites": {"qwen3-8b": "why"}}, "suites.qwen3-8b: Input should be a valid list"),
+])
+def test_a_selection_of_the_wrong_shape_is_one_line_naming_the_field(tmp_path, bad, field):
+    """Issue #49: format 1 with a list where a dict was, or numbers where names were, gave tracebacks in
+    `harness run --selection`; every field it reads is checked where the file is read."""
+    from harness.run.select import SelectError, Selection, read_selection
+
+    good = Selection(suites={"qwen3-8b": ["suite file changed"]}, files={"qwen3-8b": "suites/qwen3-8b.toml"}).to_json()
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert read_selection(tmp_path / "good.json") == good  # what `harness select --json` writes reads back
+    (tmp_path / "bad.json").write_text(json.dumps({**good, **bad}))
+    with pytest.raises(SelectError) as e:
+        read_selection(tmp_path / "bad.json")
+    assert str(e.value) == (f"{tmp_path / 'bad.json'}: not a selection file of format 1: {field} (harness select "
+                            "--json writes one)"), e.value
