@@ -45,8 +45,11 @@ class QuantScheme:
 
     def skips(self, fqn: str) -> bool:
         """``ignore`` / ``modules_to_not_convert`` entries: ``re:`` regexes (compressed-tensors), globs
-        (modelopt: ``model.layers.0.self_attn*``) or module names (a prefix or a path component)."""
-        for pat in self.ignore:
+        (modelopt: ``model.layers.0.self_attn*``) or module names (a prefix or a path component). An
+        entry written by the multimodal wrapper's paths (``model.language_model.layers.0.self_attn``)
+        also matches the text model's (``model.layers.0.self_attn``): the checks run the text model,
+        and a list that never matched quantized every module it keeps (issue #50)."""
+        for pat in (p for entry in self.ignore for p in text_paths(entry)):
             if pat.startswith("re:"):
                 if re.match(pat[3:], fqn):
                     return True
@@ -59,6 +62,22 @@ class QuantScheme:
                     f".{fqn}.".find(f".{pat.split('.', 1)[1]}.") >= 0 and pat.split(".", 1)[1].count(".") >= 1:
                 return True  # the checkpoint's root (Nemotron-H's backbone.) where transformers has model.
         return False
+
+
+# The multimodal wrapper's path of its language model -> the text-only model's (transformers 5: the
+# wrapper holds ``model.language_model`` and ``lm_head``; older releases ``language_model.model``).
+_WRAPPER_ROOTS = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head", "lm_head"),
+                  (r"model\.language_model\.", r"model\."), (r"language_model\.model\.", r"model\."))
+
+
+def text_paths(entry: str) -> list[str]:
+    """``entry`` and, where it names a module by the wrapper's path, the same by the text model's."""
+    out = [entry]
+    for wrapped, text in _WRAPPER_ROOTS:
+        if wrapped in entry:
+            out.append(entry.replace(wrapped, text))
+    return out
 
 
 def quant_scheme(q: dict | None) -> QuantScheme | None:

@@ -212,3 +212,28 @@ def test_fp4_and_int4_are_measured_and_a_wrong_scale_exceeds_the_budget(name, tm
                 p.mul_(0.5)
         faulty = tensor_metrics(forward_logits(model, draws[0]).float(), refs[0])["rel_rmse"]
     assert clean <= b["rel_rmse"] < faulty, (clean, b["rel_rmse"], faulty)
+
+
+def test_a_skip_list_by_the_wrapper_paths_keeps_those_modules_of_the_text_model_unquantized():
+    """Issue #50 class 3: a VL release lists the modules it keeps in BF16 by the wrapper's paths
+    (``model.language_model.layers.0.self_attn``, a regex over them, the wrapper's lm_head); the text
+    model the checks build names them ``model.layers.0.self_attn``. Those modules stay unquantized, and
+    what the list does not name is quantized as before."""
+    from harness.anatomy.quant import quant_scheme as stored
+    from harness.models.build import build_model
+    from harness.suite.loader import load_suite
+
+    ls = load_suite(REPO / "suites" / "llama-3.1-8b.toml")
+    q = {"quant_method": "fp8", "weight_block_size": [128, 128],
+         "modules_to_not_convert": ["model.language_model.layers.0.self_attn", "model.visual",
+                                    r"re:model\.language_model\.layers\.1\.mlp\..*"]}
+    s = stored(q)
+    assert s.skips("model.layers.0.self_attn.q_proj") and s.skips("model.layers.1.mlp.down_proj")
+    assert not s.skips("model.layers.1.self_attn.q_proj") and not s.skips("model.layers.0.mlp.up_proj")
+    model, _ = build_model(ls, "float32", "cpu", seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    n = quantize_weights(model, "fp8", (128, 128), skip=s.skips)
+    changed = {k for k, p in model.named_parameters() if not torch.equal(p, before[k])}
+    kept = {k for k in before if k.endswith(".weight") and (".layers.0.self_attn." in k or ".layers.1.mlp." in k)}
+    assert kept and not kept & changed, sorted(kept & changed)
+    assert n == len(changed) and any(".layers.1.self_attn." in k for k in changed), sorted(changed)
