@@ -64,6 +64,7 @@ class Numerics:
     source: str | None = None  # the budget source now applied, where the bounds were replaced
     rebound: bool = False  # the bounds differ from the recorded tolerances: record them again
     routing: str | None = None  # the forced rerun, in words (the compile_routing detail)
+    moe: bool = False  # the golden has routes: the forced rerun, not eager's distance, widens the bound
 
     def figures(self) -> dict[str, float]:
         """The metrics of the judgement, in recording order."""
@@ -93,9 +94,13 @@ def _replace(n: Numerics, budget: float, source: str, eager_k: float) -> None:
 
 def _judge(n: Numerics, view, ref: torch.Tensor, b: Bounds, backend_name: str) -> None:
     widen = b.budget if n.routing_forced and b.forced is None else None  # why: _forced_rerun
-    j = num.judge(n.logits, n.eager_logits, view, ref, n.golden_bound, n.eager_budget, backend_name, widen)
+    j = num.judge(n.logits, n.eager_logits, view, ref, n.golden_bound, n.eager_budget, backend_name, widen,
+                  eager_over=not n.moe)
     n.vs_golden, n.vs_eager, n.eager_vs_golden = j.vs_golden, j.vs_eager, j.eager_vs_golden
     n.golden_bound, n.diverged = j.golden_bound, j.diverged
+    if j.note:
+        n.notes.append(j.note)
+        n.rebound = True
 
 
 def _forced_rerun(n: Numerics, model, routes: dict[str, torch.Tensor], ids, compile_kw: dict, view,
@@ -145,6 +150,7 @@ def numerics(g, model, ids, logits: torch.Tensor, eager_logits: torch.Tensor, co
     view = (lambda t: t.reshape(-1)[idx]) if idx is not None else (lambda t: t)
     n = Numerics(logits, eager_logits, b.budget, b.eager)
     routes = num.golden_routes(g)
+    n.moe = bool(routes)
     if routes and b.forced is not None:
         # A MoE golden that measured its logits with the routers forced: the model's own routing
         # is held to that budget first too (the unforced one sits at the tolerance's cap wherever

@@ -62,21 +62,35 @@ class Judgement:
     eager_vs_golden: dict
     golden_bound: float  # what compiled vs golden was held to
     diverged: str | None  # why the compiled logits diverge, or None
+    note: str | None = None  # the bound was widened to eager's own distance (why, in words)
 
 
 def judge(compiled: torch.Tensor, eager: torch.Tensor, view, ref: torch.Tensor, golden_bound: float,
-          eager_budget: float, backend_name: str, widen_from: float | None = None) -> Judgement:
+          eager_budget: float, backend_name: str, widen_from: float | None = None,
+          eager_over: bool = True) -> Judgement:
     """Compiled logits against the golden (``view``: the golden's stored sample of them) and against
     eager. ``widen_from``: routing forced with an older golden (no forced budget): compiled vs golden is
-    held to at least eager's distance from it + ``eager_budget`` (the triangle inequality)."""
+    held to at least eager's distance from it + ``eager_budget`` (the triangle inequality).
+    ``eager_over``: eager itself over ``golden_bound`` widens it the same way (False for a MoE model,
+    whose routers the forced rerun replays instead: eager's distance there is its routing flips)."""
     from harness.precision.compare import tensor_metrics
 
     vs_golden, vs_eager = tensor_metrics(view(compiled), ref), tensor_metrics(compiled, eager)
     eager_vs_golden = tensor_metrics(view(eager), ref)
+    note = None
     if widen_from is not None:
         golden_bound = max(widen_from, eager_vs_golden["rel_rmse"] + eager_budget)
+    elif eager_over and eager_vs_golden["rel_rmse"] > golden_bound:
+        # Eager itself is over the bound (issue #50: compiled and eager bit-identical at 0.043 against a
+        # capped 0.04 failed the compile check): that is the eager model's distance, the precision
+        # check's finding, not the compiler's. Compiled is held to eager's distance + eager_budget (the
+        # triangle inequality); a compiler fault still fails compiled vs eager.
+        note = (f"compile: eager itself is {eager_vs_golden['rel_rmse']:.3g} from the golden, over the budget "
+                f"{golden_bound:.3g}: compiled held to eager's distance + {eager_budget:.3g} (the eager model's "
+                "distance is the precision check's finding)")
+        golden_bound = eager_vs_golden["rel_rmse"] + eager_budget
     return Judgement(vs_golden, vs_eager, eager_vs_golden, golden_bound,
-                     divergence(vs_golden, vs_eager, eager_vs_golden, golden_bound, eager_budget, backend_name))
+                     divergence(vs_golden, vs_eager, eager_vs_golden, golden_bound, eager_budget, backend_name), note)
 
 
 def divergence(vs_golden: dict, vs_eager: dict, eager_vs_golden: dict, golden_bound: float, eager_budget: float,
