@@ -236,18 +236,27 @@ def _suite_writer(out: Path, cfg: Path, raw: dict, plan, name: str):
 
 
 def _probe_or_remove(out: Path, max_params: int, raw: dict, plan, config) -> tuple[int, list[str]]:
-    """``probe``; where it refuses or the pruned model does not build, the suite file is removed."""
+    """``probe``; where it refuses or the pruned model does not build, the suite file stays, its first
+    lines saying why, so that the keys the refusal names can be set in it (issue #50: a refusal that
+    said "set them in [prune.overrides]" had left no suite to set them in)."""
     from harness.models.config import ModelBuildError
 
     try:
         return probe(out, max_params, raw, plan)
-    except InitRefused:
-        out.unlink()
-        raise
-    except (ModelBuildError, Exception) as e:  # a config transformers rejects: one line, nothing left behind
-        out.unlink()
+    except InitRefused as e:
+        raise InitRefused(_keep_refused(out, str(e))) from None
+    except (ModelBuildError, Exception) as e:  # a config transformers rejects: one line
         msg = " ".join(str(e).split())
-        raise InitRefused(f"{config}: the pruned model does not build or run: {type(e).__name__}: {msg[:400]}") from None
+        why = f"{config}: the pruned model does not build or run: {type(e).__name__}: {msg[:400]}"
+        raise InitRefused(_keep_refused(out, why)) from None
+
+
+def _keep_refused(out: Path, why: str) -> str:
+    """The refused suite kept for editing, the refusal at its top; the message, naming the file."""
+    head = (f"# REFUSED by `harness init`: {why}\n# Set what it names below, then `harness validate {out.name}` "
+            "(and delete these two lines).\n")
+    atomic.write_text(out, head + out.read_text())
+    return f"{why}; the suite is written to {out} to edit"
 
 
 def _declare_no_grad(out: Path, write, smoke: dict, comment: list[str], globs: list[str]) -> bool:

@@ -233,7 +233,12 @@ def test_size_guard_refuses_and_names_unreduced_keys(tmp_path, capsys):
     assert rc == 2, err
     line = err.strip().splitlines()[-1]
     assert "over the 100,000 budget" in line and "some_new_hidden_dim=4096" in line and "[prune.overrides]" in line
-    assert not list(tmp_path.glob("s/*.toml"))
+    # issue #50: the refusal leaves the suite to set those keys in, the refusal at its top
+    suite = tmp_path / "s" / "c.toml"
+    assert line.endswith(f"; the suite is written to {suite} to edit"), line
+    text = suite.read_text()
+    assert text.startswith("# REFUSED by `harness init`: ") and "over the 100,000 budget" in text.splitlines()[0]
+    assert tomllib.loads(text)["model"]["config"].endswith("c.json")  # a suite, to edit
 
 
 def test_no_grad_by_design_found_at_init_and_declared(tmp_path, capsys):
