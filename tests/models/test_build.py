@@ -75,6 +75,8 @@ def test_cpu_threads_for_the_pruned_models_is_set_and_restored(monkeypatch):
     finally:
         torch.set_num_threads(before)
     # serve: its float64 reference of the exported pruned model (the engine runs in its own process)
-    numerics = {"smoke", "precision", "decode", "training", "compile", "quantization", "ops", "serve"}
+    # longctx: its float64 reference at 4096 positions; rehearse: meta tensors, nothing to spin threads for
+    numerics = {"smoke", "precision", "decode", "training", "compile", "quantization", "ops", "serve", "longctx",
+                "rehearse"}
     assert {c for c in registry().names() if registry().get(c).cpu_threads == 1} == numerics
     assert registry().get("perf").cpu_threads is None  # perf pins its own threads
