@@ -56,8 +56,14 @@ def _no_engine(why: str) -> None:
     pytest.skip(msg)
 
 
-def _run(name: str, dtype: str = "float32", backend: str = "cpu", variant: str | None = None, **opts):
-    ctx = CheckContext(load_suite(REPO / "suites" / f"{name}.toml"), get(backend), dtype, variant, check="serve")
+def _run(name: str, dtype: str = "float32", backend: str = "cpu", variant: str | None = None,
+         probes: list[str] | None = None, **opts):
+    ls = load_suite(REPO / "suites" / f"{name}.toml")
+    if probes is not None:  # a fault judged on the plain run: its probes would only cost the engine's time
+        s = ls.suite.model_copy(deep=True)
+        s.checks.serve.probes = probes
+        ls = type(ls)(ls.path, ls.name, s, ls.config_path, ls.raw_config)
+    ctx = CheckContext(ls, get(backend), dtype, variant, check="serve")
     try:
         ServeCheck().run(ctx, **opts)
     except (CheckFailure, NotApplicable) as e:
@@ -81,7 +87,7 @@ def clean(results):
 
 @pytest.fixture(scope="module")
 def faulty(results):
-    return _run("llama-3.1-8b", results_dir=results, preload=[FAULT], variant="eager")
+    return _run("llama-3.1-8b", results_dir=results, preload=[FAULT], variant="eager", probes=[])
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +102,7 @@ def batched(results):
 
 @pytest.fixture(scope="module")
 def decode_only(results):
-    return _run("llama-3.1-8b", results_dir=results, preload=[DECODE], variant="eager")
+    return _run("llama-3.1-8b", results_dir=results, preload=[DECODE], variant="eager", probes=[])
 
 
 @pytest.fixture(scope="module")

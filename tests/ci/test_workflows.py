@@ -405,7 +405,7 @@ def test_harness_run_lines_collect(tmp_path):
         'dtypes = ["float32"]\n[model]\nconfig = "configs/Llama-3.1-8B.json"\n' + TINY_PRUNE)
     (tmp_path / "harness.toml").write_text('suites_dir = "suites"\n')
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HARNESS_CONFIG": str(tmp_path / "harness.toml")}
-    seen = set()
+    seen, runs = set(), []
     for c in of("harness"):
         if c.args[0] != "run" or (c.where.split(":")[0], c.where.split(":")[-1]) in seen:
             continue
@@ -413,14 +413,17 @@ def test_harness_run_lines_collect(tmp_path):
             continue
         seen.add((c.where.split(":")[0], c.where.split(":")[-1]))  # one matrix value per line
         args = list(c.args)
+        results = str(tmp_path / f"results-{len(runs)}")  # each its own: the lines collect at once
         if "--results" in args:
-            args[args.index("--results") + 1] = str(tmp_path / "results")
+            args[args.index("--results") + 1] = results
         else:
-            args += ["--results", str(tmp_path / "results")]
-        r = subprocess.run([sys.executable, "-m", "harness", *args, "--", "--collect-only"], cwd=tmp_path,
-                           env=env | c.env,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, f"{c.where}: harness {' '.join(c.args)}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
+            args += ["--results", results]
+        runs.append((c, subprocess.Popen([sys.executable, "-m", "harness", *args, "--", "--collect-only"],
+                                         cwd=tmp_path, env=env | c.env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)))
+    for c, p in runs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{c.where}: harness {' '.join(c.args)}\n{out[-2000:]}{err[-2000:]}"
     assert len(seen) >= 3  # ci.yml, nightly.yml, golden-update.yml
 
 
