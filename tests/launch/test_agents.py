@@ -120,7 +120,10 @@ def test_a_kill_at_the_time_limit_leaves_nothing_on_node_1_and_the_agent_serves_
             took = time.monotonic() - t0
         assert end.how == "timeout" and remote.ended.how == "timeout", (end, remote.ended)
         assert took < 15, took
-        assert set(remote.ended.killed) >= on1 - {remote.pid}, (remote.ended, on1)  # the agent killed the tree
+        # the agent killed the tree; what it did not signal itself had died with its parent first (ranks are
+        # killed on their parent's death: CI saw the two ranks gone before the kill listed them). Nothing of
+        # the launch is left on node 1, its only process the agent:
+        assert set(remote.ended.killed) <= on1 and remote.ended.killed, (remote.ended, on1)
         assert tree.marked(remote.token) == [] and _ns_pids(n1) == {agent.pid}
         assert "killed at its time limit" in remote.describe()
         # the same agent serves the next launch
