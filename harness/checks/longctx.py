@@ -158,22 +158,12 @@ class LongctxCheck(Check):
         n, c = st.positions, st.cfg.chunk
         st.cache = DynamicCache(config=st.model.config)
         spans = {f"c{s}": slice(s, min(s + c, n)) for s in range(0, n, c)}
-        errs = []
-        with _Forced(st.model, st.routes, spans) as f:
-            for name, sl in spans.items():
-                f.at(name)
-                errs.append(_err(_forward(st.model, st.ids[:, sl], ctx.device, st.cache), st.lp, sl))
-        st.errs["chunked"] = _cat(errs)
+        st.errs["chunked"], _ = _through_cache(st, spans, ctx.device)
 
     def decode(self, ctx: CheckContext, st) -> None:
         n = st.positions
         spans = {f"d{i}": slice(n + i, n + i + 1) for i in range(st.cfg.steps)}
-        errs = []
-        with _Forced(st.model, st.routes, spans) as f:
-            for name, sl in spans.items():
-                f.at(name)
-                errs.append(_err(_forward(st.model, st.ids[:, sl], ctx.device, st.cache), st.lp, sl))
-        st.errs["decode"] = _cat(errs)
+        st.errs["decode"], f = _through_cache(st, spans, ctx.device)
         st.model = st.cache = None
         if f.unforced:
             ctx.notes.append(f"routers not forced to the reference's choices: {', '.join(f.unforced)}")
@@ -430,6 +420,18 @@ def _table(errs: dict, positions: int, bucket: int, budget) -> str:
                          + ("  over" if over else ""))
     return "\n".join(lines)
 
+
+
+def _through_cache(st, spans: dict[str, slice], device):
+    """Each span of ``st.ids`` fed in order through ``st.cache``, its routers forced to the reference's
+    choices for that span: the errors against the reference's log-softmax, and the forcing (its
+    ``unforced`` routers)."""
+    errs = []
+    with _Forced(st.model, st.routes, spans) as f:
+        for name, sl in spans.items():
+            f.at(name)
+            errs.append(_err(_forward(st.model, st.ids[:, sl], device, st.cache), st.lp, sl))
+    return _cat(errs), f
 
 def register(registry: CheckRegistry) -> None:
     registry.add(LongctxCheck())
