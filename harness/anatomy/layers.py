@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.anatomy.moe import text_config
+from harness.anatomy.moe import module_part, text_config
 
 
 class AnatomyError(LookupError):
@@ -19,6 +19,9 @@ def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     n = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", None)
     lists = [(name, mod) for name, mod in model.named_modules()
              if isinstance(mod, torch.nn.ModuleList) and name.split(".")[-1] == "layers"]
+    # a wrapper's vision / audio tower may have as many layers, as shallow (Muse-Glimmer's pruned
+    # model.vision_tower.layers beside model.language_model.layers: 4 and 4): the text part's first
+    lists = [x for x in lists if module_part(x[0]) == "text"] or lists
     # The configured length first; any length only where none has it (a config edited after the build)
     sized = [x for x in lists if n is None or len(x[1]) == n] or lists
     best = min(sized, key=lambda x: x[0].count("."), default=None)

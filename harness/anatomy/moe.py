@@ -83,7 +83,9 @@ def module_kind(fqn: str, mod: torch.nn.Module, n_exp: int | None = None,
 def module_part(fqn: str) -> str:
     """Which part of a multimodal wrapper a module belongs to: text, vision or projector."""
     low = fqn.lower()
-    if re.search(r"projector|multi_modal|mm_proj|merger|connector|aligner|embed_vision", low):
+    # (vision|image|audio)_(adapter|projection): Muse-Glimmer's projector is vision_adapter + vision_projection
+    if re.search(r"projector|multi_modal|mm_proj|merger|connector|aligner|embed_vision|"
+                 r"(vision|image|audio)_(adapter|projection)", low):
         return "projector"
     if re.search(r"vision|visual|vit\b|image|patch|audio", low):
         return "vision"

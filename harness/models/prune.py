@@ -169,11 +169,22 @@ def derived_per_layer(d: dict) -> dict:
     """Per-layer lists transformers' config class computes from defaults the config.json leaves out
     (Llama 4's ``no_rope_layers`` and ``moe_layers``, ``layer_types`` from a window pattern, ...):
     they decide layer kinds just as much as the lists the file spells out."""
+    key, n = _num_layers(d)
+    if key is None:
+        return {}
+    full = _effective_dict(d)
+    return {k: v for k, v in full.items() if k not in d and isinstance(v, list) and (
+        n <= len(v) <= n + 4 or "layer" in k and _is_ints(v) and (not v or max(v) < n))}
+
+
+def _effective_dict(d: dict) -> dict:
+    """What transformers' config class for ``d["model_type"]`` makes of ``d`` (its defaults and derived
+    keys included), as a dict; {} when the type is unknown or the class rejects the config as published
+    (the build then says why)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    key, n = _num_layers(d)
     mt = d.get("model_type")
-    if key is None or mt not in CONFIG_MAPPING:
+    if not mt or mt not in CONFIG_MAPPING:
         return {}
     import logging
 
@@ -181,13 +192,11 @@ def derived_per_layer(d: dict) -> dict:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # config validation warnings are the loader's business, not init's
     try:
-        full = CONFIG_MAPPING[mt](**{k: v for k, v in d.items() if k not in ("model_type", "auto_map")}).to_dict()
+        return CONFIG_MAPPING[mt](**{k: v for k, v in d.items() if k not in ("model_type", "auto_map")}).to_dict()
     except Exception:  # a config transformers rejects as published: nothing derived, the build will say why
         return {}
     finally:
         quiet.setLevel(level)
-    return {k: v for k, v in full.items() if k not in d and isinstance(v, list) and (
-        n <= len(v) <= n + 4 or "layer" in k and _is_ints(v) and (not v or max(v) < n))}
 
 
 def plan_layers(d: dict, values: dict | None = None) -> tuple[dict, list[str]]:
@@ -628,12 +637,147 @@ def plan_text(d: dict) -> tuple[dict, list[str]]:
 
 
 def plan_vision(d: dict) -> dict:
-    up = {k: 1 for k in VISION_LAYER_KEYS if isinstance(d.get(k), int) and d[k] > 1}
+    """The updates of one non-text part (a vision tower) alone; ``plan_part`` with its reasons."""
+    return plan_part(d)[0]
+
+
+# --- every other part of a wrapper: vision, audio, projector ---------------------------------------
+#
+# A wrapper's vision / audio towers and the projector between them and the decoder are pruned by the
+# same structural rules as the decoder: the layer count from whatever key the part uses, every list
+# whose length is that count cut with it (keeping every distinct layer kind, as the decoder's prefix
+# does), and every width. Muse-Glimmer-30B (2026) was refused because its vision tower's 50-entry
+# ``layer_types`` stayed beside a pruned layer count, and once that was set by hand its projector widths
+# (``out_hidden_size`` 6144 = 4 x the vision width, ``projector_hidden_size`` 4096) made the "pruned"
+# model 42.9M parameters (issue #50).
+
+PART_LAYER_KEYS = VISION_LAYER_KEYS + ("encoder_layers", "num_encoder_layers")
+# An integer key is a width when its name says so and it is none of the sizes an input or a table is
+# built from (patches, images, merges, windows, positions, vocabularies) nor a count.
+_WIDTH_NAME = re.compile(r"hidden|(^|_)dim$|_size$|width|d_model|n_embd", re.I)
+_NOT_WIDTH = re.compile(r"patch|image|merge|kernel|window|vocab|tile|position|pos_|pool|chunk|stride|grid|spatial|"
+                        r"temporal|head_dim|lora|rank|num_|^n_|max_|min_|state|batch|seq|token|cache|bucket|group|"
+                        r"expert|layer|depth|channel|bins|mel|sampling|frame|length|index|idx|_id$|ids$", re.I)
+_INDEX_LIST = re.compile(r"layer|index|indexes|indices|idx|idxs", re.I)
+
+
+def _is_width(k: str, v) -> bool:
+    return _pos_int(v) and bool(_WIDTH_NAME.search(k)) and not _NOT_WIDTH.search(k)
+
+
+def _part_layers(d: dict) -> tuple[str | None, int]:
+    for k in PART_LAYER_KEYS:
+        if _pos_int(d.get(k)):
+            return k, d[k]
+    return _layer_list(d)
+
+
+def plan_part_layers(d: dict) -> tuple[dict, list[str]]:
+    """A part's layers: the shortest prefix holding every distinct layer kind its per-layer lists say
+    (one layer where they say one kind), every such list cut to it; index lists (``fullatt_block_indexes``,
+    ``deepstack_visual_indexes``) keep their entries inside the prefix, or, where none is, the last kept
+    layer (two layers at least, so listed and unlisted layers both stay)."""
+    key, n = _part_layers(d)
+    if not n:
+        return {}, []
+    full = {**d, **{k: v for k, v in _effective_dict(d).items() if k not in d and isinstance(v, list)}}
+    full = {k: v for k, v in full.items() if k not in ("id2label", "label2id")}  # int-keyed, never per layer
+    feats = [f for f in _layer_features(full, n) if f[1] in ("list", "pattern")]
+    kinds = _kinds(feats, n)
+    m = _shortest_prefix(kinds) if len(set(kinds)) > 1 else 1
+    index = {k: v for k, v in d.items() if _is_ints(v) and v and _INDEX_LIST.search(k) and k != "mrope_section"
+             and (key is None or k != key) and max(v) < n and len(v) < n}
+    if any(min(v) >= m for v in index.values()) and n > 1:
+        m = max(m, 2)
+    heads = {fk: [2] * len(fv) for fk, ft, fv in feats if _is_ints(fv) and re.search(r"heads", fk)}
+    up = {k: m for k in PART_LAYER_KEYS if _pos_int(d.get(k)) and d[k] > 1}
+    up.update(_cut(feats, m, n, heads))
+    for k, v in index.items():
+        up[k] = [i for i in v if i < m] or [m - 1]
+    why = [f"layers: the first {m} of {n} ({len(set(kinds))} kind{'s' if len(set(kinds)) != 1 else ''}"
+           + (f" from {', '.join(f[0] for f in feats)}" if feats else "") + ")"]
+    if index:
+        why.append("  layer indices: " + ", ".join(f"{k} {v} -> {up[k]}" for k, v in index.items()))
+    return up, why
+
+
+def _related_width(k: str, v: int, bases: list[tuple[str, int, int]]) -> tuple[int, str] | None:
+    """The pruned value of width ``v`` that keeps its published ratio to a base width (label, published,
+    pruned): equal to one, a whole multiple of one, or a whole fraction of one; None where none is."""
+    if k.startswith(("text_", "out_", "output", "llm_", "lm_")):  # what feeds the decoder: its widths first
+        bases = sorted(bases, key=lambda b: not b[0].startswith("text_config."))
+    for label, pub, new in bases:
+        if v == pub:
+            return new, f"= {label}"
+    for label, pub, new in bases:
+        if pub and v % pub == 0 and v // pub <= 64:
+            return v // pub * new, f"{v // pub} x {label}"
+    for label, pub, new in bases:
+        if pub % v == 0 and new % (pub // v) == 0:
+            return new // (pub // v), f"{label} / {pub // v}"
+    return None
+
+
+def plan_part_widths(d: dict, up: dict, bases: list[tuple[str, int, int]], skip: tuple = ()) -> list[str]:
+    """Every width of ``d`` not already decided: one with a whole ratio to a base width keeps it over the
+    pruned base; one with none is cut to the vision MLP width (said). Widths in ``skip`` are bases."""
+    why = []
     for k, v in d.items():
-        if _is_ints(v) and v and ("index" in k or "layer" in k) and k != "mrope_section":
-            up[k] = [0]  # e.g. deepstack_visual_indexes [8, 16, 24] -> the only layer left
+        if k in skip or not _is_width(k, v):
+            continue
+        rel = _related_width(k, v, bases)
+        if rel is not None:
+            if rel[0] != v:
+                up[k] = rel[0]
+                why.append(f"{k} {v} -> {rel[0]} ({rel[1]}: the published ratio kept)")
+        elif v > 2 * VISION_WIDTH:
+            up[k] = 2 * VISION_WIDTH
+            why.append(f"{k} {v} -> {up[k]} (a width with no whole ratio to a hidden or intermediate size)")
+    return why
+
+
+def _own_bases(d: dict, up: dict, label: str) -> list[tuple[str, int, int]]:
+    """(label, published, pruned) of a config's hidden and MLP widths, the bases other widths keep ratios to."""
+    out = []
+    for k in WIDTH_KEYS + ("embed_dim", "vt_hidden_size", "intermediate_size", "ffn_dim", "encoder_ffn_dim"):
+        if _pos_int(d.get(k)):
+            out.append((f"{label}.{k}" if label else k, d[k], up.get(k, d[k])))
+    return out
+
+
+def plan_part(d: dict, text_bases: list[tuple[str, int, int]] | None = None,
+              label: str = "") -> tuple[dict, list[str]]:
+    """A non-text part of a wrapper (``vision_config``, ``audio_config``, ...): its layers, the vision
+    width rules (width 32, 2 heads), then every other width by its ratio to the part's own or the text
+    decoder's hidden / MLP width (``text_bases``). Nested ``*_config`` parts are planned the same way."""
+    lay, why = plan_part_layers(d)
     w, _ = plan_widths(d, width=VISION_WIDTH, mlp=2 * VISION_WIDTH, expert_mlp=16, vision=True)
-    return {**w, **up}
+    up = {**w, **lay}
+    own = _own_bases(d, up, label)
+    skip = tuple(b[0].rsplit(".", 1)[-1] for b in own)
+    why += plan_part_widths(d, up, own + list(text_bases or []), skip)
+    for k, v in d.items():
+        if isinstance(v, dict) and k.endswith("_config") and k not in SKIP_NESTED:
+            sub, sw = plan_part(v, text_bases, f"{label}.{k}" if label else k)
+            up.update(_flatten(sub, k + "."))
+            why += [f"{k}: {x}" for x in sw]
+    return up, why
+
+
+def text_bases(pub: dict, pruned: dict, label: str = "text_config") -> list[tuple[str, int, int]]:
+    """The text decoder's hidden and MLP widths, published and pruned, as width bases."""
+    return [(f"{label}.{k}", pub[k], pruned.get(k, pub[k])) for k in WIDTH_KEYS + ("intermediate_size",)
+            if _pos_int(pub.get(k))]
+
+
+def plan_wrapper_top(top: dict, bases: list[tuple[str, int, int]]) -> tuple[dict, list[str]]:
+    """The wrapper's own widths (the projector's: ``out_hidden_size``, ``projector_hidden_size``), each by
+    its ratio to a part's or the decoder's width; ``top``: the wrapper's keys, defaults included."""
+    up: dict = {}
+    # the decoder's own widths, which a wrapper config may mirror at its top level, are the text part's
+    own = {k: v for k, v in top.items() if not isinstance(v, dict) and k not in WIDTH_KEYS + ("intermediate_size",)}
+    why = plan_part_widths(own, up, bases)
+    return up, why
 
 
 def _text_part(raw: dict) -> str | None:
@@ -662,10 +806,17 @@ def plan_config(raw: dict, *, decoder_only: bool = True) -> Plan:
     else:
         t, why = plan_text(raw[part])
         flat = _flatten(t, part + ".")
+        bases = text_bases(raw[part], t, part)
+        parts = []
         for k, v in raw.items():
             if k != part and k.endswith("_config") and isinstance(v, dict) and k not in SKIP_NESTED:
-                flat.update(_flatten(plan_vision(v), k + "."))
-                why.append(f"{k}: 1 layer, width {VISION_WIDTH}")
+                up, pw = plan_part(v, bases, k)
+                flat.update(_flatten(up, k + "."))
+                why += [f"{k}: {w}" for w in pw]
+                parts += _own_bases(v, up, k)
+        top, tw = plan_wrapper_top({**_effective_dict(raw), **raw}, parts + bases)
+        flat.update(top)
+        why += [f"wrapper: {w}" for w in tw]
         why.insert(0, "tests the whole wrapper with a tiny vision tower on text-only input")
     return Plan(_to_prune(flat), why, part=part if decoder_only else None)
 
@@ -758,15 +909,17 @@ _GENERIC = ("chunk_size_feed_forward", "max_position_embeddings", "max_length", 
             "num_return_sequences", "top_k", "num_labels")
 
 
-def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
-    """Dotted updates (``vision_config.*`` and the wrapper's own projector keys) that make the vision
-    part of a transformers wrapper config ``full`` tiny and self-consistent, and the reasons.
+def plan_wrapper_vision(full, text_hidden: int, text_pruned=None) -> tuple[dict, list[str]]:
+    """Dotted updates (``vision_config.*``, every other part's, and the wrapper's own projector keys)
+    that make the non-text parts of a transformers wrapper config ``full`` tiny and self-consistent, and
+    the reasons. ``text_pruned``: the suite's pruned text config (its MLP width is a width base too).
 
     Read from what transformers builds (defaults included), not from the file alone: a config.json
     may omit the vision part (Llama-4-Scout here) or spell it in remote-code keys transformers does not
-    read (Kimi-K2.5's ``vt_*``). Consistency rules, each from how the modules use the keys:
+    read (Kimi-K2.5's ``vt_*``). Every part (``plan_part``): its layer kinds and per-layer lists, width
+    32, 2 heads, every other width by its ratio to a hidden / MLP width. Then, for the vision part, each
+    rule from how the modules use the keys:
 
-    * one layer (``deepstack_visual_indexes`` -> [0]), width 32, 2 heads, head dims = width / heads;
     * keys equal to the text model's hidden size (``out_hidden_size``: the merger's output feeds the
       decoder) follow the pruned text hidden size;
     * projector dims (``projector_input_dim``, ``projector_output_dim``, ``vision_output_dim``,
@@ -774,21 +927,50 @@ def plan_wrapper_vision(full, text_hidden: int) -> tuple[dict, list[str]]:
     * pixel shuffle: ``intermediate_size = hidden / ratio²`` (the adapter reads the shuffled channels);
     * image and position tables small but covering the synthetic image: ``image_size`` = 4 patches a
       side, ``num_position_embeddings`` 64 (an 8x8 grid, interpolated), ``pos_emb_*`` 8;
-    * the wrapper's projector norm (``projection_hidden_size``) = the vision width.
+    * the wrapper's own widths (``plan_wrapper_top``: ``out_hidden_size``, ``projector_hidden_size``)
+      by their ratio to a part's or the decoder's width; its projector norm (``projection_hidden_size``)
+      = the vision width.
     """
-    vc = getattr(full, "vision_config", None)
-    if vc is None:
-        return {}, ["no vision_config"]
-    d, unread = _vision_keys(vc)
-    up = plan_vision(d)
-    _vision_width_and_heads(d, up, full.get_text_config().hidden_size, text_hidden)
-    _vision_projector(d, up)
-    _vision_tables(d, up)
-    out = {f"vision_config.{k}": v for k, v in up.items() if d.get(k) != v}
+    tc = full.get_text_config()
+    bases = [("text_config.hidden_size", tc.hidden_size, text_hidden)]
+    if _pos_int(getattr(tc, "intermediate_size", None)) and _pos_int(getattr(text_pruned, "intermediate_size", None)):
+        bases.append(("text_config.intermediate_size", tc.intermediate_size, text_pruned.intermediate_size))
+    out: dict = {}
+    why: list[str] = []
+    parts: list = []
     top = full.to_dict()
+    for name in _non_text_parts(full):
+        sub = getattr(full, name)
+        d, unread = _vision_keys(sub)
+        up, pw = plan_part(d, bases, name)
+        if name == "vision_config":
+            _vision_width_and_heads(d, up, tc.hidden_size, text_hidden)
+            _vision_projector(d, up)
+            _vision_tables(d, up)
+        parts += _own_bases(d, up, name)
+        changed = {f"{name}.{k}": v for k, v in up.items() if d.get(k) != v}
+        out.update(changed)
+        why += _vision_reasons(type(sub).__name__, d, top, changed, unread, name) + [f"{name}: {w}" for w in pw]
+    if not parts:
+        return {}, ["no vision_config"]
+    own = {k: v for k, v in top.items() if not isinstance(v, dict) and k != "projection_hidden_size"}
+    wup, ww = plan_wrapper_top(own, parts + bases)
+    out.update(wup)
+    why += [f"wrapper: {w}" for w in ww]
     if isinstance(top.get("projection_hidden_size"), int):
-        out["projection_hidden_size"] = up.get("hidden_size", d.get("hidden_size"))
-    return out, _vision_reasons(type(vc).__name__, d, top, out, unread)
+        out["projection_hidden_size"] = out.get("vision_config.hidden_size", top["vision_config"].get("hidden_size"))
+    return out, why
+
+
+def _non_text_parts(full) -> list[str]:
+    """The sub-config attributes of a wrapper config other than its text part (vision, audio, ...)."""
+    from transformers import PretrainedConfig
+
+    names = [k for k, v in vars(full).items() if isinstance(v, PretrainedConfig) and k not in TEXT_PARTS]
+    return sorted(names, key=lambda k: k != "vision_config")
+
+
+TEXT_PARTS = ("text_config", "language_config", "llm_config")
 
 
 def _vision_keys(vc) -> tuple[dict, list[str]]:
@@ -835,7 +1017,7 @@ def _vision_projector(d: dict, up: dict) -> None:
 
 
 def _vision_tables(d: dict, up: dict) -> None:
-    """Image and position tables small but covering the synthetic image; one layer."""
+    """Image and position tables small but covering the synthetic image (layers: ``plan_part_layers``)."""
     if isinstance(d.get("image_size"), int) and isinstance(d.get("patch_size"), int):
         up["image_size"] = 4 * d["patch_size"]
     if isinstance(d.get("num_position_embeddings"), int):
@@ -845,16 +1027,15 @@ def _vision_tables(d: dict, up: dict) -> None:
             up[k] = 8
     if isinstance(d.get("position_embedding_size"), int):
         up["position_embedding_size"] = 64
-    if isinstance(d.get("num_hidden_layers"), int):
-        up["num_hidden_layers"] = 1
 
 
-def _vision_reasons(cls: str, d: dict, top: dict, out: dict, unread: list[str]) -> list[str]:
-    changed = ", ".join(f"{k.split('.', 1)[-1]} {(d.get(k.split('.', 1)[-1]) if k.startswith('vision_config.') else top.get(k))}"
+def _vision_reasons(cls: str, d: dict, top: dict, out: dict, unread: list[str], name: str = "vision_config") -> list[str]:
+    changed = ", ".join(f"{k.split('.', 1)[-1]} {(d.get(k.split('.', 1)[-1]) if k.startswith(name + '.') else top.get(k))}"
                         f" -> {v}" for k, v in out.items())
-    why = [f"vision part from {cls} (defaults included): {changed}"]
+    what = name.removesuffix("_config")
+    why = [f"{what} part from {cls} (defaults included): {changed}"]
     if unread:
-        why.append(f"published vision keys {cls} does not read (left as published): {', '.join(unread)}")
+        why.append(f"published {what} keys {cls} does not read (left as published): {', '.join(unread)}")
     return why
 
 
@@ -919,6 +1100,6 @@ def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
         plan = plan_config(raw, decoder_only=False)
         plan.architecture = arch if arch != (raw.get("architectures") or [None])[0] else None
         plan.why.insert(1, f"wrapper {arch}: transformers has no causal LM for {part} model_type {text_mt!r}, so "
-                           "the whole wrapper runs on text-only input with a 1-layer vision tower")
+                           "the whole wrapper runs on text-only input with a tiny vision tower")
     plan.notes += notes
     return plan, arch

@@ -14,8 +14,11 @@ What the smoke check's ``wrapper`` variant builds (docs/adding-a-model.md):
   its knobs (patch / merge / temporal patch / pooling sizes, a fixed tower's image size) read from the
   pruned vision config, its token or patch budget the smallest it accepts. No model type is listed.
   Where transformers ships only a torchvision processor, ``pixel_values`` are built from the config in
-  its layout and value range where harness reproduces it (``CONFIG_BUILT``: Llama 4, Kimi-K2.5, LFM2-VL), and
-  otherwise the item is NotApplicable in one line naming the processor.
+  its layout and value range where harness reproduces it (``CONFIG_BUILT``: Llama 4, Kimi-K2.5, LFM2-VL),
+  otherwise in the first shape built from the vision config (patch, channels, temporal patch, merge
+  sizes) that the tiny wrapper's own ``get_image_features`` takes (``_from_shapes``: Muse-Glimmer's
+  patches [N, T*C*p*p] with image_grid_thw), and where none fits the item is NotApplicable in one line
+  naming the processor.
 * **image tokens**: how many positions one image fills is counted by the model itself: a float32 CPU
   copy of the tiny wrapper runs to its ``get_placeholder_mask``, whose image features [tokens, hidden]
   are the count it will check (or the rows of ``get_image_features`` where a model has no such check).
@@ -100,9 +103,8 @@ def wrapper_config(ls, suite_mc: ModelConfig, overrides: dict | None = None) -> 
     else:  # the suite builds the wrapper itself (dotted keys reach every part)
         apply_prune(d, ls.suite.prune)
     full = _effective(raw, arch)
-    text_hidden = suite_mc.config.get_text_config().hidden_size if hasattr(suite_mc.config, "get_text_config") \
-        else suite_mc.config.hidden_size
-    up, why = plan_wrapper_vision(full, text_hidden)
+    tc = suite_mc.config.get_text_config() if hasattr(suite_mc.config, "get_text_config") else suite_mc.config
+    up, why = plan_wrapper_vision(full, tc.hidden_size, tc)
     for k, v in {**up, **(overrides or {})}.items():
         _set_path(d, k, v)
     for k, v in full.to_dict().items():  # token ids transformers fills in (Llama 4's image_token_index)
@@ -170,6 +172,68 @@ def _lfm2_vl(cfg, n: int, seed: int):
         "built from the config (Lfm2VlImageProcessor needs torchvision)", {}
 
 
+def _vision_int(vc, *parts: str, default: int = 1) -> int:
+    """The first positive integer attribute of ``vc`` whose name contains one of ``parts``."""
+    for k, v in sorted(vars(vc).items()):
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and any(x in k for x in parts):
+            return v
+    return default
+
+
+def _shape_candidates(cfg, n: int, seed: int, params: set[str]) -> list[tuple[str, dict]]:
+    """Inputs of the shapes a vision tower may take, from its config: patches [N, C*T*p*p] (Qwen-VL's
+    Conv3d / Muse-Glimmer's Linear patch embedding) or [N, C, p, p] with a [t, h, w] grid per image where
+    get_image_features takes a grid, else whole images [n, C, side, side]. Pixels: seeded, in [-1, 1]
+    (rescale 1/255, mean/std 0.5), repeated over the temporal patch as a still image is."""
+    vc = cfg.vision_config
+    p = getattr(vc, "patch_size", None) or 14
+    c = _vision_int(vc, "num_channels", "in_channels", default=3)
+    t = _vision_int(vc, "temporal")
+    merge = _vision_int(vc, "spatial_merge_size", "merge_size", "downsample_factor", "merge_kernel")
+    grid_key = next((k for k in sorted(params) if "grid" in k), None)
+    if grid_key is None:
+        fixed = getattr(vc, "image_size", None)
+        side = fixed if isinstance(fixed, int) and fixed > 0 else p * merge * 2
+        px = torch.stack([_image(seed + i, side).float() / 255 * 2 - 1 for i in range(n)])
+        return [(f"images [{n}, {c}, {side}, {side}]", {"pixel_values": px[:, :c]})]
+    g = 2 * merge  # a 2x2 grid of merged tokens per image
+    imgs = [_image(seed + i, p * g).float()[:c] / 255 * 2 - 1 for i in range(n)]
+    patches = torch.cat([im.reshape(c, g, p, g, p).permute(1, 3, 0, 2, 4).reshape(g * g, c, p, p) for im in imgs])
+    flat = patches.unsqueeze(2).expand(-1, -1, t, -1, -1).reshape(n * g * g, c * t * p * p)
+    grid = {grid_key: torch.tensor([[1, g, g]] * n)}
+    return [(f"patches [{n * g * g}, {c * t * p * p}] (C*T*p*p) + {grid_key}", {"pixel_values": flat, **grid}),
+            (f"patches [{n * g * g}, {c}, {p}, {p}] + {grid_key}", {"pixel_values": patches, **grid})]
+
+
+def _from_shapes(cfg, n: int, seed: int, *, processor: str, architecture: str | None = None):
+    """A torchvision-only processor with no CONFIG_BUILT layout: the image inputs built from the vision
+    config in the first shape (``_shape_candidates``) the tiny wrapper's own get_image_features takes
+    (a float32 CPU copy runs it); the model's own check then counts the image tokens. The values are
+    seeded pixels in the processor's usual range, not its patch order: they are noise either way, and
+    the item checks that the image reaches the logits, not what it shows. None fits: one line."""
+    import inspect
+
+    from harness.models.config import architecture_class
+
+    arch = architecture or (getattr(cfg, "architectures", None) or [""])[0]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = architecture_class(arch)(copy.deepcopy(cfg)).float().eval()
+    params = set(inspect.signature(model.get_image_features).parameters)
+    tried = []
+    for what, inputs in _shape_candidates(cfg, n, seed, params):
+        try:
+            _image_feature_rows(model, inputs)
+        except Exception as e:  # noqa: BLE001 - not the shape this tower takes: the next candidate
+            tried.append(f"{what}: {type(e).__name__}")
+            continue
+        return inputs, None, f"built from the config ({processor} needs torchvision): {what}", {}
+    raise WrapperNotApplicable(
+        f"its image processor {processor} needs torchvision, which is not installed, and no input shape "
+        f"built from the vision config fits {arch}.get_image_features({', '.join(sorted(params - {'kwargs'}))}) "
+        f"(tried {'; '.join(tried)}): pip install torchvision matching the installed torch")
+
+
 # Processors transformers ships only for torchvision (not a dependency here): the layout and value
 # range they produce, built from the config. Keyed by the processor's class name, the thing whose
 # output they reproduce; any other processor runs itself (_from_processor).
@@ -221,8 +285,9 @@ def image_layout(model_type: str) -> tuple[Callable | None, str]:
     name = names.get("torchvision")
     if name in CONFIG_BUILT:
         return CONFIG_BUILT[name], f"built from the config ({name} needs torchvision)"
-    return None, (f"its image processor {name or names}{via} needs torchvision, which is not installed "
-                  "(pip install torchvision matching the installed torch); no config-built layout for it")
+    if name:  # the tower's own get_image_features picks the shape (_from_shapes), or says none fits
+        return functools.partial(_from_shapes, processor=name), f"built from the config ({name} needs torchvision)"
+    return None, f"its image processors {names}{via} are none harness can run"
 
 
 def _from_processor(cfg, n: int, seed: int, *, processor):
@@ -361,13 +426,17 @@ def image_batch(cfg, batch: int, text_len: int, seed: int, image_seed: int | Non
         image_id = getattr(cfg, "image_token_index", None)
     if image_id is None:
         raise WrapperNotApplicable(f"{type(cfg).__name__} has no image_token_id")
+    arch = architecture or (getattr(cfg, "architectures", None) or [""])[0]
+    if isinstance(layout, functools.partial) and layout.func is _from_shapes:
+        layout = functools.partial(layout, architecture=arch)
     with torch.random.fork_rng(devices=[]):
-        extra, per, _, types = layout(cfg, batch, seed if image_seed is None else image_seed)
+        extra, per, made, types = layout(cfg, batch, seed if image_seed is None else image_seed)
+    if isinstance(made, str) and made.startswith("built from the config") and len(made) > len(how):
+        how = made  # the shape the tower took
     import inspect
 
     from harness.models.config import architecture_class
 
-    arch = architecture or (getattr(cfg, "architectures", None) or [""])[0]
     fwd = set(inspect.signature(architecture_class(arch).forward).parameters)
     extra = {k: v for k, v in extra.items() if k in fwd and isinstance(v, torch.Tensor)}
     if per is None:
