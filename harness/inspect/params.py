@@ -44,7 +44,7 @@ from harness.anatomy.moe import (
     num_experts,
     text_config,
 )
-from harness.anatomy.quant import QuantScheme, quant_scheme
+from harness.anatomy.quant import QuantLayout, QuantScheme, quant_layout, quant_scheme
 from harness.models.build import instantiate, model_config
 from harness.models.config import (
     ModelConfig,
@@ -151,6 +151,9 @@ class _Count:
     n_exp: int = 0
     top_k: int | None = None
     scheme: QuantScheme | None = None
+    layout: QuantLayout | None = None
+    groups: dict = field(default_factory=dict)  # parameter -> its QuantGroup (a mixed release's layout)
+    per_label: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # label -> [weights, scales]
     parents: set[str] = field(default_factory=set)  # MoE blocks holding routed experts
     by_kind: dict = field(default_factory=lambda: defaultdict(int))
     act_by_kind: dict = field(default_factory=lambda: defaultdict(float))
@@ -178,6 +181,13 @@ def _find_experts(c: _Count) -> None:
     c.top_k = experts_per_token(c.mc.config) if c.n_exp else None
     c.parents = expert_parents(c.model, c.n_exp)
     c.scheme = quant_scheme(c.mc.quantization)
+    c.layout = quant_layout(c.mc.quantization)
+    if c.layout is not None and (c.layout.mixed or any(not g.catch_all for g in c.layout.groups)):
+        # which module is stored in which format, by the model's names and the checkpoint's (issue #50:
+        # NVFP4 experts beside FP8 attention were counted as FP8 throughout, 1.5-1.7x the real size)
+        from harness.weights.rename import checkpoint_names
+
+        c.groups = {p: c.layout.group_of(names) for p, names in checkpoint_names(c.model).items()}
 
 
 def _tally(c: _Count) -> None:
@@ -200,21 +210,31 @@ def _tally(c: _Count) -> None:
                 c.act_by_kind[kind] += n
             # Quantized: Linear weights of attention / MLP / experts of the language model, unless the
             # config's ignore list keeps them; everything else stays bf16.
-            quantized = (scheme is not None and part == "text"
-                         and kind in ("attention", "dense_mlp", "routed_experts", "shared_experts")
+            pscheme = scheme
+            if c.groups:  # a layout that names its modules: this parameter's own format, or none
+                g = c.groups.get(f"{fqn}.{pname}" if fqn else pname)
+                pscheme = g.scheme if g is not None else None
+                head = g is not None and not g.catch_all and kind == "lm_head"
+            else:
+                head = False
+            quantized = (pscheme is not None and part == "text"
+                         and (kind in ("attention", "dense_mlp", "routed_experts", "shared_experts") or head)
                          and p.dim() >= 2 and pname != "bias" and not pname.endswith("_bias")
-                         and not scheme.skips(fqn) and not scheme.skips(f"{fqn}.{pname}"))
+                         and not pscheme.skips(fqn) and not pscheme.skips(f"{fqn}.{pname}"))
             if not quantized:
                 c.keep16 += n
-            elif p.dim() == 2:
-                a, b = scheme.bytes_of(p.shape[0], p.shape[1])
-                c.qbytes, c.scales = c.qbytes + a, c.scales + b
+                continue
+            if p.dim() == 2:
+                a, b = pscheme.bytes_of(p.shape[0], p.shape[1])
             else:  # fused experts [E, out, in] (or [E, in, out] when transposed); gate_up is two weights
                 e, d1, d2 = p.shape
                 out_f, in_f = (d2, d1) if getattr(mod, "is_transposed", False) else (d1, d2)
                 parts = 2 if "gate_up" in pname else 1
-                a, b = scheme.bytes_of(out_f // parts, in_f)
-                c.qbytes, c.scales = c.qbytes + e * parts * a, c.scales + e * parts * b
+                a, b = pscheme.bytes_of(out_f // parts, in_f)
+                a, b = e * parts * a, e * parts * b
+            c.qbytes, c.scales = c.qbytes + a, c.scales + b
+            c.per_label[pscheme.label][0] += a
+            c.per_label[pscheme.label][1] += b
     persistent = set(c.model.state_dict(keep_vars=True))
     c.buffers = sum(b.numel() for n, b in c.model.named_buffers() if n in persistent)
 
@@ -239,12 +259,35 @@ def _summarize(c: _Count) -> None:
         rep.notes.append("parts: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in rep.by_part.items()))
 
 
+def _mixed_bytes(c: _Count) -> None:
+    """A release of several formats: one scenario with each format's weights and scales beside the
+    modules it keeps in 16 bits, and a note of which format stores which modules."""
+    rep, lay = c.rep, c.layout
+    label = "mixed " + " + ".join(c.per_label) + ""
+    entry = {}
+    for g in lay.groups:
+        lab = g.scheme.label
+        if lab in c.per_label and f"{g.scheme.weight_dtype} ({lab})" not in entry:
+            entry[f"{g.scheme.weight_dtype} ({lab})"] = c.per_label[lab][0]
+            entry[f"{g.scheme.scale_dtype} ({lab} {g.scheme.scale_name})"] = c.per_label[lab][1]
+    entry["bfloat16 (embeddings, norms, router, modules no format names)"] = c.keep16 * 2
+    entry["float32 (buffers)"] = c.buffers * 4
+    rep.bytes[label] = entry
+    parts = [f"{g.family} ({g.scheme.label}{'; ' + g.act.describe() if g.act else ''}): "
+             + (", ".join(g.targets[:3]) + (f" (+{len(g.targets) - 3} more)" if len(g.targets) > 3 else ""))
+             for g in lay.groups]
+    rep.notes.append(f"checkpoint is {describe_quantization(c.mc.quantization)}, several formats by module: "
+                     + "; ".join(parts) + (f"; not read: {'; '.join(lay.unread)}" if lay.unread else ""))
+
+
 def _checkpoint_bytes(c: _Count) -> None:
     """Bytes per format: float32, bfloat16, and the config's quantized checkpoint format."""
     rep, scheme, quant, buffers, total = c.rep, c.scheme, c.mc.quantization, c.buffers, c.rep.total
     rep.bytes["float32"] = {"float32": total * 4 + buffers * 4}
     rep.bytes["bfloat16"] = {"bfloat16": total * 2, "float32 (buffers)": buffers * 4}
-    if scheme is not None:
+    if c.groups and c.layout.mixed:
+        _mixed_bytes(c)
+    elif scheme is not None:
         rep.bytes[scheme.label] = {
             f"{scheme.weight_dtype} (weights)": c.qbytes, f"{scheme.scale_dtype} ({scheme.scale_name})": c.scales,
             "bfloat16 (embeddings, lm_head, norms, router)": c.keep16 * 2, "float32 (buffers)": buffers * 4}

@@ -318,11 +318,15 @@ def _text_part(raw: dict, part: str) -> dict:
 
 
 def _pop_quantization(d: dict) -> dict | None:
-    """The config's quantization_config (or its text_config's), removed from it."""
+    """The config's quantization_config (or its text_config's), removed from it; DeepSeek-V4's
+    ``expert_dtype`` (fp4 routed experts beside FP8 blocks) copied in as ``_expert_dtype``, so the
+    readers of the format see both (harness.anatomy.quant.quant_layout)."""
     quant = d.pop("quantization_config", None)
-    if quant is None and isinstance(d.get("text_config"), dict):
-        quant = d["text_config"].pop("quantization_config", None)
-    return quant
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    if quant is None and text:
+        quant = text.pop("quantization_config", None)
+    expert_dtype = d.get("expert_dtype") or text.get("expert_dtype")
+    return {**quant, "_expert_dtype": expert_dtype} if isinstance(quant, dict) and expert_dtype else quant
 
 
 def _nest_flat_config(d: dict, sub: dict, arch: str, notes: list[str]) -> dict:

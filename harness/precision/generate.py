@@ -205,9 +205,9 @@ def _quantization(ls: LoadedSuite, model, dev, ids, draws, runs, numerics_entry)
     """``{"quantization": ...}``: the quantized model's own error per activation dtype, for suites
     with a quantization scheme (the quantization check's budgets); ``{}`` otherwise."""
     from harness.anatomy.capture import forward_logits
-    from harness.precision.quantization import SIMULATED, measure, quant_scheme
+    from harness.precision.quantization import SIMULATED, formats, measure
 
-    if quant_scheme(ls) not in SIMULATED or not ls.suite.checks.quantization.enabled:
+    if not set(formats(ls)) & set(SIMULATED) or not ls.suite.checks.quantization.enabled:
         return {}
     draws = draws or budget_draws(ls, ids)
     if len(runs) == len(draws):

@@ -289,3 +289,28 @@ def check_against(ckpt: Checkpoint, p: Plan) -> list[str]:
     from harness.weights.quant import locate
 
     return [e.source for e in p.entries if locate(ckpt, e.source) is None]
+
+
+def checkpoint_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Every parameter's names as a checkpoint's quantization config may write them: the parameter's
+    own module path and its path first, then the checkpoint's spelling of each (transformers'
+    renamings reversed: DeepSeek-V4's ``layers.0.attn.wq_b`` for ``model.layers.0.self_attn.q_b_proj``)
+    and, for experts fused on load, each source tensor of expert 0 (``layers.0.ffn.experts.0.w1``).
+    A config's targets and per-layer entries name modules by either spelling (issue #50)."""
+    renamings, converters = _conversions(model)
+    out: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        names = [owner, name]
+        try:
+            ck = [_to_checkpoint(name, renamings)]
+            c, prefix = _converter_for(name, converters)
+            if c is not None:
+                ck += [_to_checkpoint(prefix + _plain(s).replace("*", "0"), renamings)
+                       for s in c._original_source_patterns]
+        except Exception:  # noqa: BLE001 - a renaming transformers cannot reverse: the model's names stand
+            ck = []
+        for k in ck:
+            names += [k.rsplit(".", 1)[0] if k.endswith((".weight", ".bias")) else k, k]
+        out[name] = list(dict.fromkeys(names))
+    return out

@@ -292,6 +292,8 @@ COVERED = {
     "GLM-5": "glm_moe_dsa: DeepSeek-V3.2's MLA + DSA indexer, in PIPELINE, without the FP8 blocks",
     "DeepSeek-V4-Flash": "its init-written suite through the precision check in tests/precision/test_routing.py, "
                          "its weights in tests/weights/test_stream_day0.py (its run: 69 s)",
+    "DeepSeek-V4-Flash-NVFP4-FP8": "DeepSeek-V4-Flash's architecture; its two formats (regex targets by the "
+                                   "checkpoint's names, 4-bit inputs) in tests/precision/test_quantization_mixed.py",
     "Laguna-XS.2-FP8": "its plan's golden replay (frozen router bias) in tests/precision/test_backward.py, its "
                        "FP8 format in tests/precision/test_quantization_formats.py",
     "Nemotron-3-Nano-30B-A3B-BF16": "init -> golden -> the decode check (Mamba hybrid) in tests/checks/test_decode.py",
@@ -301,6 +303,9 @@ COVERED = {
                        "its wrapper in tests/models/test_wrappers.py",
     "Kimi-K2.5": "init and the wrapper item through the CLI in tests/models/test_wrappers.py",
     "LFM2-VL-450M": "its wrapper end to end in tests/models/test_wrappers.py",
+    "Muse-Glimmer-30B": "its vision tower's layer kinds, projector widths and torchvision-free image input in "
+                        "tests/models/test_prune_subconfigs.py, its wrapper in tests/models/test_wrappers.py "
+                        "(init -> golden -> run: 14 passed, 8 skipped, 60 s)",
     "Qwen3-VL-30B-A3B-Instruct": "its wrapper end to end in tests/models/test_wrappers.py (its run: 70-140 s)",
     "Nemotron-3-Ultra-550B-A55B-BF16": "init (layer count from layers_block_type alone, 32 Mamba heads per group, "
                                        "its 32:1 GQA's cap printed) in tests/models/test_prune_ratios.py; its "
