@@ -43,6 +43,7 @@ from harness.compiler import dynamo as dyn
 from harness.compiler import numerics as num
 from harness.compiler.backward import Backward
 from harness.golden.sections import load_golden_for
+from harness.precision import signed
 from harness.suite.schema import DTYPES
 
 SPEED = "speed"  # the nightly variant: compiled / eager speed and memory
@@ -67,6 +68,11 @@ metrics.declare("compile_vs_eager_rel_rmse", "", "lower", "compile: ||compiled -
                 "same backend and dtype")
 metrics.declare("compile_router_flips", "", "none", "compile (MoE, numerics judged with routing forced): token "
                 "choices of the compiled run's routers that differ from the golden's")
+metrics.declare("compile_signed_min_p", "", "higher", "compile: smallest sign-test p of the compiled logits' "
+                "per-position scale and offset against eager (harness.precision.signed.one_signed; fails below "
+                "1e-4 / 2 with an effect above the dtype's floor)")
+metrics.declare("compile_signed_max_effect", "", "lower", "compile: largest |mean per-position scale or offset| of "
+                "the compiled logits against eager")
 metrics.declare("compile_loss_abs_err", "nats", "lower", "compile: |LM loss of the compiled logits - the golden's|")
 metrics.declare("compile_forward_s", "s", "lower", "compile (nightly): median compiled forward time")
 metrics.declare("compile_eager_forward_s", "s", "lower", "compile (nightly): median eager forward time, "
@@ -238,7 +244,7 @@ class CompileCheck(Check):
         if ctx.variant == SPEED:
             return
         st.num = n = bounds.numerics(st.g, st.model, st.ids, st.logits, st.eager_logits, st.compile_kw, st.bounds,
-                                     ctx.backend.name, st.cfg.loss)
+                                     ctx.backend.name, st.cfg.loss, ctx.dtype)
         ctx.notes.extend(n.notes)
         if n.source is not None:  # the bounds replaced: the recorded source and tolerances with them
             ctx.properties[:] = [p for p in ctx.properties if p[0] != SRC]
@@ -300,9 +306,11 @@ class CompileCheck(Check):
         if ctx.variant == SPEED or st.num.diverged is None or not st.cfg.bisect:
             return
         routes = num.golden_routes(st.g) if st.num.routing_forced else None
+        by_sign = None if st.num.one_signed is None else \
+            (lambda got: signed.one_signed(got, st.num.eager_logits, ctx.dtype)[0] is not None)
         with num.routed(st.model, routes):
             st.bisection = bis.localize(st.model, lambda m: num.logits(m, st.ids), st.num.eager_logits,
-                                        st.num.eager_budget, st.compile_kw, st.cfg.bisect_depth)
+                                        st.num.eager_budget, st.compile_kw, st.cfg.bisect_depth, by_sign)
         st.bisect_text = bis.describe(st.bisection)
         ctx.detail("compile_bisection", st.bisect_text)
 

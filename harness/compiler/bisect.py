@@ -71,9 +71,11 @@ def compiled_only(module: torch.nn.Module, compile_kw: dict) -> Iterator[None]:
 
 
 def localize(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.Tensor], reference: torch.Tensor,
-             budget: float, compile_kw: dict, depth: int = 3) -> Bisection:
+             budget: float, compile_kw: dict, depth: int = 3,
+             diverges: Callable[[torch.Tensor], bool] | None = None) -> Bisection:
     """Bisect ``model``'s compiled numerics: ``forward(model)`` gives logits, compared with
-    ``reference`` (the eager logits) under ``budget`` (rel_rmse)."""
+    ``reference`` (the eager logits) under ``budget`` (rel_rmse), or by ``diverges(logits)`` where the
+    failure was the error's direction (a one-signed error inside the budget)."""
     out = Bisection()
     names = top_regions(model)
     for _ in range(depth):
@@ -82,7 +84,7 @@ def localize(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
             with fresh(), compiled_only(model.get_submodule(name), compile_kw):
                 got = forward(model)
             err = tensor_metrics(got, reference)["rel_rmse"]
-            r = Region(name, err, not err <= budget)
+            r = Region(name, err, diverges(got) if diverges is not None else not err <= budget)
             out.tried.append(r)
             if r.diverges:
                 hit = r
@@ -106,6 +108,8 @@ def where(b: Bisection | None, eager_budget: float) -> str:
     """Where the compiled numerics diverge, as the failure names it."""
     if b is None:
         return "not bisected ([checks.compile] bisect = false)"
+    if b.region and not b.path[-1].rel_rmse > eager_budget:  # judged by direction, inside the size budget
+        return f"{b.region} compiled alone gives it (rel_rmse {b.path[-1].rel_rmse:.3g}, within {eager_budget:.3g})"
     if b.region:
         return f"{b.region} compiled alone diverges from eager (rel_rmse {b.path[-1].rel_rmse:.3g} > {eager_budget:.3g})"
     return "no single region compiled alone diverges (a fusion across region boundaries, or the whole graph)"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.compiler import numerics as num
+from harness.precision import signed
 
 FORCED_SOURCE = "the golden's propagated logits budget in this dtype, measured with the routers forced to the reference's choices"
 UNFORCED_SOURCE = "the golden's propagated logits budget in this dtype"
@@ -65,6 +66,8 @@ class Numerics:
     rebound: bool = False  # the bounds differ from the recorded tolerances: record them again
     routing: str | None = None  # the forced rerun, in words (the compile_routing detail)
     moe: bool = False  # the golden has routes: the forced rerun, not eager's distance, widens the bound
+    signed: list = field(default_factory=list)  # harness.precision.signed.OneSigned of compiled vs eager
+    one_signed: object = None  # the failing one, where the direction (not the size) failed
 
     def figures(self) -> dict[str, float]:
         """The metrics of the judgement, in recording order."""
@@ -76,10 +79,19 @@ class Numerics:
             out["compile_router_flips"] = self.router_flips
         if self.loss_err is not None:
             out["compile_loss_abs_err"] = self.loss_err
+        if self.signed:
+            out["compile_signed_min_p"] = min(t.p for t in self.signed)
+            out["compile_signed_max_effect"] = max(abs(t.effect) for t in self.signed)
         return out
 
     def failure(self, where: str, details: str | None) -> tuple[str, dict]:
         """The diverging numerics' failure, ``where`` the bisection found it: message and fields."""
+        t = self.one_signed
+        if t is not None:  # the direction failed, not the size: the sign test's figures
+            limit = signed.ALPHA / max(len(self.signed), 1)
+            return (f"{where}: {self.diverged}",
+                    dict(metric="compile_signed_min_p", expected=f">= {limit:.2g} or |effect| <= floor",
+                         observed=f"p={t.p:.2g}, effect {t.effect:+.3g}", tolerance=limit, details=details))
         return (f"{where}: {self.diverged}",
                 dict(metric="compile_logits_rel_rmse", expected=f"<= {self.golden_bound:.3g}",
                      observed=f"{self.vs_golden['rel_rmse']:.4g} (vs eager {self.vs_eager['rel_rmse']:.4g})",
@@ -142,7 +154,7 @@ def _forced_rerun(n: Numerics, model, routes: dict[str, torch.Tensor], ids, comp
 
 
 def numerics(g, model, ids, logits: torch.Tensor, eager_logits: torch.Tensor, compile_kw: dict, b: Bounds,
-             backend_name: str, loss: bool) -> Numerics:
+             backend_name: str, loss: bool, dtype: str = "float32") -> Numerics:
     """Compiled logits and LM loss against the golden under ``b``, and against eager; a diverging
     MoE model judged again with its routers forced."""
     ref = g.modules["logits"]
@@ -164,4 +176,9 @@ def numerics(g, model, ids, logits: torch.Tensor, eager_logits: torch.Tensor, co
         n.loss_err, n.loss_bound = num.loss_error(ids, n.logits, ref, n.golden_bound)
         if n.diverged is None and not n.loss_err <= n.loss_bound:
             n.diverged = f"compiled LM loss differs from the golden's by {n.loss_err:.3g} nats (bound {n.loss_bound:.3g})"
+    # the direction beside the size: compiled against eager (the clean run of this backend and dtype)
+    bad, n.signed = signed.one_signed(n.logits, n.eager_logits, dtype)
+    if n.diverged is None and bad is not None:
+        n.diverged = f"compiled logits against eager: {bad.words()}, inside the magnitude budget"
+        n.one_signed = bad
     return n

@@ -131,3 +131,63 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
                 tensors[f"{dtype}/{n}"] = rows
         del model
     return {"dtypes": list(ref.dtypes), "alpha": ALPHA, "effect_floors": EFFECT_FLOORS}, tensors
+
+
+# --- one-signed error of a whole output against a same-dtype reference (the compile check) ---------
+# The compile check compares compiled logits with eager ones on the same backend and dtype: eager is
+# the clean run, so the clean signed difference is 0 and what is left is the compiler's. A magnitude
+# budget (k x bf16's rounding spread) lets a compiled-only scale error of 1 % pass in bfloat16 (issue
+# #51: a normalization 1 % high, eager exact, caught on 1 of 6 suites); its *direction* does not
+# average out: every position's logits are scaled the same way.
+# Floors of the per-position effect, relative to the logits: compiled and eager bf16 differ by
+# inductor's float32 intermediates, whose clean effect on the bundled suites is measured in
+# tests/precision/test_signed.py; a fault worth failing is far above it.
+COMPILE_FLOORS = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -12, "float32": 2.0 ** -20}
+
+
+@dataclass
+class OneSigned:
+    kind: str  # "scale" (got = (1 + e) x ref per position) or "offset" (got = ref + e x rms per position)
+    p: float  # sign-test p over positions
+    effect: float  # mean per-position e
+    rows: int  # positions with a nonzero e
+    same_sign: int  # of those, how many share the majority sign
+
+    def words(self) -> str:
+        what = "scaled" if self.kind == "scale" else "shifted"
+        return (f"one-signed {self.kind} error: {self.same_sign} of {self.rows} positions {what} the same way, mean "
+                f"{self.effect:+.2%} (sign test p={self.p:.2g})")
+
+
+def position_errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Per position (rows of the last dim), the offset (mean difference / rms(ref)) and the scale
+    (least-squares slope of the difference on the centred reference row), both [R]."""
+    if got.shape != ref.shape or got.dim() < 2:
+        return None
+    g, r = got.double().reshape(-1, got.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
+    if not (torch.isfinite(g).all() and torch.isfinite(r).all()):
+        return None
+    d = g - r
+    rms = r.pow(2).mean().sqrt()
+    c = r - r.mean(-1, keepdim=True)
+    den = c.pow(2).sum(-1)
+    if rms == 0 or bool((den == 0).any()):
+        return None
+    return {"scale": (d * c).sum(-1) / den, "offset": d.mean(-1) / rms}
+
+
+def one_signed(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> tuple[OneSigned | None, list[OneSigned]]:
+    """(the failing test or None, every test made) of ``got`` against ``ref`` (same dtype, clean
+    difference 0): scale and offset, each a sign test over positions at ALPHA / 2 with an effect
+    above COMPILE_FLOORS[dtype]."""
+    errs = position_errors(got, ref)
+    if errs is None:
+        return None, []
+    tests = []
+    for kind, e in errs.items():
+        nz = e[e != 0]
+        pos = int((nz > 0).sum())
+        tests.append(OneSigned(kind, sign_p(pos, nz.numel()), e.mean().item(), nz.numel(), max(pos, nz.numel() - pos)))
+    floor = COMPILE_FLOORS.get(dtype, 0.0)
+    bad = [t for t in tests if t.p < ALPHA / len(tests) and abs(t.effect) > floor]
+    return (min(bad, key=lambda t: t.p) if bad else None), tests

@@ -391,3 +391,35 @@ def test_moe_fault_under_the_unforced_cap_is_caught_by_the_forced_budget():
     assert bud["logits_forced"]["budget"] < observed < bud["logits"]["budget"], observed  # the cap would pass it
     assert float(dict(ctx.properties)["tolerance.compile_logits_rel_rmse"]) == pytest.approx(
         bud["logits_forced"]["budget"], rel=1e-3)
+
+
+def _compiled_only_scale(path: str, factor: float = 1.01):
+    """A compiled-only error: while dynamo traces ``path``'s forward its output is scaled by ``factor``
+    (a fused normalization kernel 1 % high); eager is exact."""
+    def transform(model):
+        mod = model.get_submodule(path)
+
+        def forward(x, _orig=mod.forward):
+            out = _orig(x)
+            return out * factor if torch.compiler.is_compiling() else out
+
+        mod.forward = forward
+        return model
+    return transform
+
+
+def test_a_one_signed_compiled_error_inside_the_magnitude_budget_fails_with_its_module_named():
+    """Issue #51: a compiled normalization 1 % high in bfloat16 stays inside the logits budget (budget
+    use 0.77), judged by size alone it passed on 5 of 6 suites. Every position's logits are scaled the
+    same way: the sign test over positions fails it, and the bisection, judging by direction, names
+    the module. Clean, the bundled suites' compile items sit at p >= 0.2 (tests/precision/test_signed.py)."""
+    ls = compile_suite(NAME, backend="aot_eager", gradients=False, prompt_lens=[], decode_step=False)
+    ctx, _, f = run(ls, dtype="bfloat16", transform=_compiled_only_scale("model.norm"))
+    assert isinstance(f, CheckFailure), f
+    line = str(f).splitlines()[0]
+    assert line.startswith("model.norm compiled alone gives it"), line
+    assert "one-signed scale error: 32 of 32 positions scaled the same way, mean +0.9" in line, line
+    assert metric(ctx, "compile_logits_budget_use") < 1 and metric(ctx, "compile_signed_min_p") < 1e-8
+    ctx, _, f = run(ls, dtype="bfloat16")
+    assert f is None, str(f)
+    assert metric(ctx, "compile_signed_min_p") > 1e-3

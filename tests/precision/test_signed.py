@@ -57,3 +57,23 @@ def test_unbiased_other_rounding_is_no_false_alarm(name, tmp_path):
     CPU's in many elements, without a direction: the signed test stays quiet."""
     ctx, failure = run_check(name, "bfloat16", tmp_path, context=lambda: MatmulKernel("other"))
     assert failure is None, failure.message
+
+
+def test_one_signed_scale_and_offset_over_positions():
+    """The compile check's test of a whole output against a same-dtype reference (clean difference 0):
+    a 1 % scale on every position fails as 'scale', a shift as 'offset'; symmetric rounding-like noise
+    and a one-signed effect under the dtype's floor do not. Clean on the bundled suites (compile
+    items, cpu, 2026-12-06): smallest p 0.22, largest effect 5.5e-5 in bfloat16 (floor 2^-9) and
+    3.4e-9 in float32 (floor 2^-20); the frontend items are bit-identical to eager."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 16, 200, generator=g, dtype=torch.float64)
+    noise = torch.randn(ref.shape, generator=g, dtype=torch.float64) * 1e-3
+    bad, tests = signed.one_signed(ref * 1.01 + noise, ref, "bfloat16")
+    assert bad is not None and bad.kind == "scale" and bad.same_sign == 32 and abs(bad.effect - 0.01) < 1e-3
+    assert {t.kind for t in tests} == {"scale", "offset"}
+    bad, _ = signed.one_signed(ref + 0.01 * ref.pow(2).mean().sqrt() + noise, ref, "bfloat16")
+    assert bad is not None and bad.kind == "offset"
+    assert signed.one_signed(ref + noise, ref, "bfloat16")[0] is None  # no direction
+    tiny = ref * (1 + 2.0 ** -11) + noise * 1e-3  # one-signed, under bfloat16's floor
+    assert signed.one_signed(tiny, ref, "bfloat16")[0] is None
+    assert signed.one_signed(tiny, ref, "float32")[0] is not None  # over float32's
