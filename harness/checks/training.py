@@ -147,15 +147,21 @@ class TrainingCheck(Check):
                               f"{sorted(st.entry.get('budgets') or {})}); add {ctx.dtype} to the suite's dtypes and "
                               f"regenerate with `harness golden generate {ctx.suite.name} --update`", step="budgets")
         if st.master:  # the optimizer's and the trajectory's budgets of the mixed-precision run
-            st.clean = {**st.clean, **(st.entry["budgets"].get(ctx.dtype + bw.MASTER) or {})}
+            mb = st.entry["budgets"].get(ctx.dtype + bw.MASTER) or {}
+            st.clean = {**st.clean, **mb, "bound": {**st.clean.get("bound", {}), **mb.get("bound", {})}}
             if ctx.dtype + bw.MASTER not in st.entry["budgets"]:
                 raise CouldNotRun(f"the golden's training section has no {ctx.dtype} master-weight budgets; regenerate "
                                   f"with `harness golden generate {ctx.suite.name} --update`", step="budgets")
         k = ctx.config.budget_k
-        st.budget = lambda kind, name: bw.budget(st.clean.get(kind, {}).get(name, math.inf), ctx.dtype, k)
+        # the larger of k x the clean maximum and the clean errors' spread bound over kernel choices and
+        # draws (issue #50; goldens made before it have no bounds: k x max alone)
+        bound = st.clean.get("bound", {})
+        st.budget = lambda kind, name: bw.budget(st.clean.get(kind, {}).get(name, math.inf), ctx.dtype, k,
+                                                 bound.get(kind, {}).get(name))
         st.routes = {r: st.t[f"route/{r}"] for r in st.entry.get("routers", [])}
         st.idx = {n: st.t[f"pidx/{n}"] for n in st.entry["params"]}
-        ctx.detail("budget_source", f"measured clean error x {k:g} + floor over {st.entry.get('draws')} draws "
+        ctx.detail("budget_source", f"measured clean error x {k:g} (or its spread's 99.9 % prediction bound over "
+                   f"kernel choices, where larger) + floor over {st.entry.get('draws')} draws "
                    f"({ctx.dtype}); above the ceiling {bw.CEILINGS.get(ctx.dtype, bw.CEILINGS['float32']):g}: not judged")
 
     def backward(self, ctx: CheckContext, st) -> None:

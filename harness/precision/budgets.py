@@ -46,6 +46,32 @@ SCALE_FLOORS = {"bfloat16": 1e-3, "float16": 1.5e-4, "float32": 5e-7, "float64":
 
 def scale_budget(stats: dict, dtype: str, k: float = K) -> float:
     return k * stats["max"] + SCALE_FLOORS.get(dtype, 0.0)
+
+
+# One-sided 99.9 % quantiles of Student's t by degrees of freedom (standard tables; a df between two
+# rows takes the smaller df's, the larger quantile). No scipy in the runtime dependencies.
+T999 = {1: 318.31, 2: 22.327, 3: 10.215, 4: 7.173, 5: 5.893, 6: 5.208, 7: 4.785, 8: 4.501, 9: 4.297,
+        10: 4.144, 11: 4.025, 12: 3.930, 13: 3.852, 14: 3.787, 15: 3.733, 16: 3.686, 17: 3.646, 18: 3.610,
+        19: 3.579, 20: 3.552, 24: 3.467, 30: 3.385, 40: 3.307, 60: 3.232, 120: 3.160}
+
+
+def prediction_bound(samples: list[float]) -> float | None:
+    """Upper 99.9 % prediction bound of one more draw from the distribution ``samples`` were drawn
+    from: mean + t(n-1) x std x sqrt(1 + 1/n). A clean error measured once per kernel choice and
+    input draw is one sample of what a correct backend measures; where those samples spread (bf16
+    weight changes after AdamW steps, whose few sign-following entries flip with the arithmetic order:
+    issue #50, kimi-k2's lm_head 0.08 to 0.127 over correct orders), their maximum times k is no bound
+    for an order not measured, this is. None: fewer than two finite samples."""
+    vals = [v for v in samples if math.isfinite(v)]
+    if len(vals) < 2 or len(vals) < len(samples):
+        return None
+    n = len(vals)
+    mean = sum(vals) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+    t = T999[max(d for d in T999 if d <= n - 1)]
+    return mean + t * std * math.sqrt(1 + 1 / n)
+
+
 MEASURED_DTYPES = ("bfloat16", "float16", "float32")
 
 
