@@ -14,7 +14,7 @@ The built-ins, one module each: ``smoke`` (load, forward, backward, a few optimi
 against the golden, graph breaks, recompiles, compile time), ``decode`` (the KV-cache decode step
 by step against the golden's), ``training`` (gradients module by module, optimizer steps and the
 loss trajectory against the golden's), ``quantization`` (quantized weights' error budget), ``ops`` (per-operator conformance), ``shapes`` (the unpruned model's operator signatures at their real shapes against float64), ``longctx`` (prefill, chunked prefill and cached decode at thousands of
-positions against float64, error against position), ``parallel`` (layouts on real process groups), ``rehearse`` (the plan's top layout at the production world size, meta device),
+positions against float64, error against position), ``width`` (one decoder layer of each kind at the published widths, each module against float64), ``parallel`` (layouts on real process groups), ``rehearse`` (the plan's top layout at the production world size, meta device),
 ``perf`` (throughput, latency, memory against baselines), ``comm`` (collective bandwidth against baselines),
 ``weights`` (real checkpoints), ``serve`` (the model through a serving engine against float64).
 ``collection`` is what the plugin and ``harness validate`` both refuse when items are generated

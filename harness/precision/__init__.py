@@ -15,4 +15,6 @@
 * ``quantization``  quantized weights' error against the reference and the budgets derived from it;
 * ``runner``        the precision check's run (build, compare, generation);
 * ``bisect``        the modules or ops that need higher precision or a fallback;
-* ``stream``        the streamed layer-by-layer float64 reference of a full-size checkpoint."""
+* ``stream``        the streamed layer-by-layer float64 reference of a full-size checkpoint;
+* ``width``         decoder layers at the published widths, each module alone against float64
+                    (the ``width`` check)."""

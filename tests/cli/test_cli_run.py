@@ -73,7 +73,7 @@ def test_run_unknown_suite_backend_and_check(project, capsys, monkeypatch):
     assert code == 2 and "unknown backend(s) tpu9" in out
     # a typo in --check used to select nothing and exit 0
     code, out = cli("run", "tiny", "--check", "smok", cwd=project, capsys=capsys, monkeypatch=monkeypatch)
-    assert code == 2 and "unknown check(s) smok (registered: smoke, precision, decode, longctx, compile, training, quantization, ops" in out
+    assert code == 2 and "unknown check(s) smok (registered: smoke, precision, decode, longctx, compile, training, width, quantization, ops" in out
     assert not (project / "results").exists()
 
 
