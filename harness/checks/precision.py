@@ -10,7 +10,8 @@ ceiling) -> ``compare`` (propagated: the whole target model on the golden's inpu
 flips at wide margins fail) -> ``record`` (metrics) -> ``report`` (layer table and plot on
 failure) -> ``verdict`` (first module over its budget, generation).
 
-Fails when a module's isolated error exceeds its budget (rel_rmse or scale error), a router flips at
+Fails when a module's isolated error exceeds its budget (rel_rmse or scale error) or is one-signed
+against the golden's clean dtype run (a sign test of its row offsets and row scales), a router flips at
 a wide margin, a module without an isolated comparison exceeds the tolerance propagated, or greedy
 generation disagrees beyond near ties. On a failure (or with ``layer_report = "always"``) it records
 the layer table and the first divergent module as details, prints the table with both comparisons
@@ -59,10 +60,11 @@ metrics.declare("router_expert_agreement", "share", "higher", "min share of rout
 metrics.declare("isolated_worst_rel_rmse", "", "lower", "largest rel_rmse of a module run on the golden's inputs")
 metrics.declare("isolated_worst_budget_use", "", "lower", "largest isolated rel_rmse / the module's budget (fails > 1)")
 metrics.declare("isolated_modules_over_budget", "", "lower", "modules whose isolated error exceeds their budget")
-metrics.declare("isolated_signed_min_p", "", "higher", "smallest sign-test p of a module's signed error against the "
-                "clean dtype run's (harness.precision.signed; fails below 1e-4 / modules with an effect above the floor)")
-metrics.declare("isolated_signed_max_effect", "", "lower", "largest |mean signed error - clean| of a module, relative "
-                "to its RMS")
+metrics.declare("isolated_signed_min_p", "", "higher", "smallest sign-test p of a module's row offsets or row scales "
+                "against the clean dtype run's (harness.precision.signed; fails below 1e-4 / tests with an effect above "
+                "the floor)")
+metrics.declare("isolated_signed_max_effect", "", "lower", "largest |mean row offset or row scale - clean| of a "
+                "module (offsets relative to its RMS)")
 metrics.declare("routing_flips_near_tie", "", "lower", "tokens left out of isolated MoE comparisons after a "
                 "legitimate near-tie routing flip")
 
@@ -251,16 +253,25 @@ class PrecisionCheck(Check):
                                                         for r in res.isolated))
             ctx.metric("isolated_modules_over_budget", sum(not r.ok for r in res.isolated))
             ctx.metric("routing_flips_near_tie", res.routing_flips)
-            tested = [r.signed for r in res.isolated if r.signed is not None]
-            if tested:
-                ctx.metric("isolated_signed_min_p", min(t.p for t in tested))
-                ctx.metric("isolated_signed_max_effect", max(abs(t.effect) for t in tested))
-            elif st.budgets.signed == {}:
-                ctx.notes.append("no signed-error test: the golden has no signed_error section for this dtype")
+            self._signed(ctx, st)
         if res.problems:
             raise CheckFailure(f"target outputs do not line up with the golden: {res.problems[0]}",
                                metric="captured_modules", expected="same modules and shapes as the golden",
                                observed=f"{len(res.problems)} problem(s)", details="\n".join(res.problems))
+
+    def _signed(self, ctx: CheckContext, st) -> None:
+        """The sign tests' figures (offset and scale of every module together), and a note where the
+        golden holds no clean rows to test against."""
+        tested = [t for r in st.res.isolated for t in (r.signed or ())]
+        if tested:
+            ctx.metric("isolated_signed_min_p", min(t.p for t in tested))
+            ctx.metric("isolated_signed_max_effect", max(abs(t.effect) for t in tested))
+        clean = st.budgets.signed or {}
+        if not any(clean.values()):
+            ctx.notes.append("no signed-error test: the golden has no signed_error section for this dtype")
+        elif not clean.get("scale"):
+            ctx.notes.append(f"no scale sign test: the golden's signed_error section has no clean row scales for "
+                             f"{ctx.dtype} (made before issue #51; `harness golden generate {ctx.suite.name} --update`)")
 
     def report(self, ctx: CheckContext, st) -> None:
         """Layer table, details and error plot, on failure or when the suite asks for them always."""

@@ -62,7 +62,7 @@ class ModuleResult:
     enforced: bool = True  # propagated rows of modules that have an isolated row are reported only
     excluded_tokens: int = 0  # tokens left out after a legitimate routing flip
     scale_budget: float | None = None  # the |scale_err| it was held to (isolated rows)
-    signed: object = None  # harness.precision.signed.Signed of isolated rows with a clean measurement
+    signed: object = None  # [harness.precision.signed.Signed] (offset, scale) of isolated rows with a clean measurement
 
 
 @dataclass
@@ -148,14 +148,13 @@ def compare_isolated(golden, replayed, tol: dict, budgets: dict[str, float], rou
     """Each module's isolated output (``replayed``: the target module on the golden's inputs) against
     the golden, held to its own budget; tokens whose routing flipped at a margin within the router
     noise (``router_limits``) are left out and counted, flips at wider margins fail the module.
-    ``signed``: the clean row errors per module (the golden's ``signed_error`` section in this dtype):
-    a module whose signed error departs from them beyond chance and the effect floor is biased
-    (harness.precision.signed), whatever its size."""
+    ``signed``: the clean rows per kind and module (the golden's ``signed_error`` section in this dtype,
+    ``signed.clean_rows``): a module whose row offsets or row scales depart from them beyond chance and
+    the effect floor is biased (harness.precision.signed), whatever its size."""
     from harness.precision import signed as sg
     from harness.precision.isolate import keep_tokens, routing_mask
 
     signed = signed or {}
-    p_lim, floor = sg.limit(dtype, len(signed))
     for name in golden.order:
         got = replayed.outputs.get(name)
         ref = golden.modules.get(name)
@@ -179,13 +178,12 @@ def compare_isolated(golden, replayed, tol: dict, budgets: dict[str, float], rou
             reasons.append(f"isolated cosine {m['cosine']:.6g} < {tol['min_cosine']:.6g}")
         reasons.extend(wide)
         excluded = int((~keep).sum()) if keep is not None else 0
-        # the sign test needs every row: with tokens left out after a routing flip it is not made
-        bias = sg.signed_test(got, ref, signed[name]) if name in signed and not excluded else None
-        if bias is not None and bias.p < p_lim and abs(bias.effect) > floor:
-            reasons.append(f"isolated signed error {bias.effect:+.3g} of its RMS, one sign in {bias.same_sign} "
-                           f"of {bias.rows} rows (sign test p {bias.p:.2g} < {p_lim:.2g}): a biased kernel")
+        # the sign tests need every row: with tokens left out after a routing flip they are not made
+        bias, why = sg.judge(name, got, ref, signed, dtype) if not excluded else ([], None)
+        if why:
+            reasons.append(why)
         res.isolated.append(ModuleResult(name, m, not reasons, "; ".join(reasons), budget=b,
-                                         excluded_tokens=excluded, scale_budget=sb, signed=bias))
+                                         excluded_tokens=excluded, scale_budget=sb, signed=bias or None))
 
 
 def compare_generation(golden, gen: dict[str, torch.Tensor], tol: dict, res: Comparison) -> None:

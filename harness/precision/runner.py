@@ -81,7 +81,7 @@ class Budgets:
     router_limits: dict[str, float] = field(default_factory=dict)  # widest legitimate flip margin per router
     logprob_atol: float | None = None  # greedy-token logprob budget
     tie_margin: float | None = None  # widest legitimate greedy flip (reference logprob gap), measured
-    signed: dict[str, torch.Tensor] = field(default_factory=dict)  # clean row errors per module (signed test)
+    signed: dict = field(default_factory=dict)  # clean rows per kind and module (signed.clean_rows; sign tests)
     dtype: str = ""
 
 
@@ -124,16 +124,15 @@ def budgets_for(golden: Golden, dtype: str, tol: dict, k: float, source: dict | 
     return out
 
 
-def signed_rows(golden: Golden, dtype: str) -> dict[str, torch.Tensor]:
-    """module -> the clean row errors in ``dtype`` from the golden's ``signed_error`` section ({} when
-    the golden has none: sampled mode, a reference not in float64)."""
+def signed_rows(golden: Golden, dtype: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{"offset" | "scale": {module: the clean rows in ``dtype``}} from the golden's ``signed_error``
+    section ({} when the golden has none: sampled mode, a reference not in float64)."""
     from harness.precision import signed
 
     sec = (golden.manifest.get("sections") or {}).get(signed.SECTION)
     if sec is None:
         return {}
-    rows = golden.section(signed.SECTION).tensors
-    return {k.split("/", 1)[1]: v for k, v in rows.items() if k.startswith(dtype + "/")}
+    return signed.clean_rows(golden.section(signed.SECTION).tensors, dtype)
 
 
 def compare_run(golden: Golden, run: TargetRun, tol: dict, budgets: Budgets | None = None,

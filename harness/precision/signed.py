@@ -23,7 +23,16 @@ A module fails when ``p < ALPHA / modules compared`` (Bonferroni: the whole item
 rate under no bias is at most ``ALPHA``) and the effect is above the floor. With R rows the
 smallest p is 2^(1-R): at R < 20 (few tokens) the test cannot reach ALPHA / M and says so.
 
-The golden's section ``signed_error`` holds the clean row errors, ``<dtype>/<module>`` [R] float32.
+The same test is made of each row's **scale** error (``row_scales``: the least-squares slope of
+``target - reference`` on the row's centred reference), against the clean run's: a kernel that scales
+its output by 1 + e has row means of e x mean(row), whose sign follows each row's own mean - on the
+near-zero-mean rows of a norm, an MLP or attention the offset statistic cannot see it (issue #51: a
+SiLU 0.1 % steep in bf16 passes every magnitude budget and the offset test) - while its slope is e on
+every row. Both tests of every module count in the Bonferroni limit.
+
+The golden's section ``signed_error`` holds the clean row errors, ``<dtype>/<module>`` [R] float32,
+and the clean row scales, ``scale/<dtype>/<module>`` [R] float32 (goldens made before issue #51 lack
+them: the scale test is then not made, and the check says so).
 """
 
 from __future__ import annotations
@@ -52,6 +61,27 @@ def row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor | None:
     return ((got.double() - r) / rms).reshape(-1, r.shape[-1]).mean(-1)
 
 
+def row_scales(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor | None:
+    """[R] per row (last dim), the least-squares slope of (got - ref) on the row's centred reference:
+    the row's scale error (0.01: 1 % too large), blind to an offset. A row whose reference is constant
+    (no slope to read: a cos table at position 0) gets 0; None for tensors without rows."""
+    if got.dim() < 2 or got.shape != ref.shape or not ref.is_floating_point():
+        return None
+    g, r = got.double().reshape(-1, got.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
+    c = r - r.mean(-1, keepdim=True)
+    den = c.pow(2).sum(-1)
+    top = den.max() if den.numel() else den.new_zeros(())
+    if not torch.isfinite(top) or top == 0:
+        return None
+    ok = den > top * 1e-12
+    return torch.where(ok, ((g - r) * c).sum(-1) / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(den))
+
+
+# what each kind of sign test reads of a row, and the prefix of its clean rows in the section
+ROWS = {"offset": row_errors, "scale": row_scales}
+PREFIX = {"offset": "", "scale": "scale/"}
+
+
 def sign_p(n_pos: int, n: int) -> float:
     """Exact two-sided sign-test p: P(at least max(k, n-k) of n fair coins land one way) x 2."""
     if n == 0:
@@ -67,11 +97,22 @@ class Signed:
     effect: float  # mean (target - clean) row error: the bias relative to the module's RMS
     rows: int  # rows with a nonzero difference
     same_sign: int  # of those, how many share the majority sign
+    kind: str = "offset"  # "offset": the row means (row_errors); "scale": the row slopes (row_scales)
+
+    def words(self, p_lim: float) -> str:
+        """The failure's reason, as the isolated comparison says it."""
+        if self.kind == "scale":
+            return (f"isolated scale error {self.effect:+.3g} per row against the clean run's, one sign in "
+                    f"{self.same_sign} of {self.rows} rows (sign test p {self.p:.2g} < {p_lim:.2g}): a one-signed "
+                    f"scale error")
+        return (f"isolated signed error {self.effect:+.3g} of its RMS, one sign in {self.same_sign} of {self.rows} "
+                f"rows (sign test p {self.p:.2g} < {p_lim:.2g}): a biased kernel")
 
 
-def signed_test(got: torch.Tensor, ref: torch.Tensor, clean: torch.Tensor) -> Signed | None:
-    """The target's signed error against the clean one (``clean``: the golden's row errors)."""
-    rows = row_errors(got, ref)
+def signed_test(got: torch.Tensor, ref: torch.Tensor, clean: torch.Tensor, kind: str = "offset") -> Signed | None:
+    """The target's signed error against the clean one (``clean``: the golden's row errors, or row
+    scales for ``kind="scale"``)."""
+    rows = ROWS[kind](got, ref)
     if rows is None or clean is None or rows.numel() != clean.numel():
         return None
     if not bool(torch.isfinite(rows).all()):
@@ -81,7 +122,7 @@ def signed_test(got: torch.Tensor, ref: torch.Tensor, clean: torch.Tensor) -> Si
     diff = rows.float().double() - clean.float().double().reshape(-1)
     nz = diff[diff != 0]
     pos = int((nz > 0).sum())
-    return Signed(sign_p(pos, nz.numel()), diff.mean().item(), nz.numel(), max(pos, nz.numel() - pos))
+    return Signed(sign_p(pos, nz.numel()), diff.mean().item(), nz.numel(), max(pos, nz.numel() - pos), kind)
 
 
 def limit(dtype: str, modules: int) -> tuple[float, float]:
@@ -94,6 +135,43 @@ def reachable(rows: int, modules: int) -> bool:
     return rows > 0 and 2.0 ** (1 - rows) < ALPHA / max(modules, 1)
 
 
+def clean_rows(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{kind: {module: clean rows}} of ``dtype`` from the section's tensors (``scale`` empty for a
+    golden made before the scale test)."""
+    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ROWS}
+    for key, v in tensors.items():
+        kind = "scale" if key.startswith(PREFIX["scale"]) else "offset"
+        rest = key[len(PREFIX[kind]):]
+        if rest.startswith(dtype + "/"):
+            out[kind][rest[len(dtype) + 1:]] = v
+    return out
+
+
+def _kinds(clean: dict) -> dict[str, dict[str, torch.Tensor]]:
+    # a flat {module: rows} is the offset rows alone (the form before the scale test)
+    if any(isinstance(v, torch.Tensor) for v in clean.values()):
+        return {"offset": clean}
+    return clean
+
+
+def tests_made(clean: dict) -> int:
+    """How many sign tests one item makes: every kind of every module with clean rows (Bonferroni)."""
+    return sum(len(m) for m in _kinds(clean).values())
+
+
+def judge(name: str, got: torch.Tensor, ref: torch.Tensor, clean: dict, dtype: str) -> tuple[list[Signed], str | None]:
+    """(the tests made of module ``name``, the reason it fails or None): the offset and the scale
+    sign test of its isolated output against the clean dtype run's rows (``clean``: clean_rows), each
+    failing at p < ALPHA / tests_made with an effect above the dtype's floor. The most significant
+    failing test is the reason."""
+    kinds = _kinds(clean)
+    made = [t for kind, rows in kinds.items() if name in rows
+            for t in [signed_test(got, ref, rows[name], kind)] if t is not None]
+    p_lim, floor = limit(dtype, tests_made(kinds))
+    bad = [t for t in made if t.p < p_lim and abs(t.effect) > floor]
+    return made, (min(bad, key=lambda t: t.p).words(p_lim) if bad else None)
+
+
 # --- the golden's section (declared by the precision check: harness.golden.sections) ----------------
 def spec(ls) -> dict | None:
     """Made with every full-mode golden that measures budgets (it needs the recorded module inputs)."""
@@ -104,10 +182,10 @@ def spec(ls) -> dict | None:
 
 
 def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Clean row errors per dtype and module on draw 0 (the golden's input): the same weights in the
-    dtype run each module on the recorded float64 inputs, against the float32-rounded reference
-    (what the check compares with: the golden stores float32), so the reference backend itself
-    differs from them by exactly 0."""
+    """Clean row errors and row scales per dtype and module on draw 0 (the golden's input): the same
+    weights in the dtype run each module on the recorded float64 inputs, against the float32-rounded
+    reference (what the check compares with: the golden stores float32), so the reference backend
+    itself differs from them by exactly 0."""
     from harness.models import numerics
     from harness.models.build import build_model, torch_dtype
     from harness.precision.isolate import replay
@@ -126,11 +204,13 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
         rp = replay(model, cap.inputs, outs, ins, torch_dtype(dtype), "cpu", names)
         for n in names:
             got, r = rp.outputs.get(n), outs.get(n)
-            rows = row_errors(got, r) if got is not None and r is not None else None
-            if rows is not None and bool(torch.isfinite(rows).all()):
-                tensors[f"{dtype}/{n}"] = rows
+            for kind, of in ROWS.items():
+                rows = of(got, r) if got is not None and r is not None else None
+                if rows is not None and bool(torch.isfinite(rows).all()):
+                    tensors[f"{PREFIX[kind]}{dtype}/{n}"] = rows
         del model
-    return {"dtypes": list(ref.dtypes), "alpha": ALPHA, "effect_floors": EFFECT_FLOORS}, tensors
+    return {"dtypes": list(ref.dtypes), "alpha": ALPHA, "effect_floors": EFFECT_FLOORS,
+            "kinds": list(ROWS)}, tensors
 
 
 # --- one-signed error of a whole output against a same-dtype reference (the compile check) ---------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness.precision import runner, signed
-from precision.faults import MatmulKernel
+from precision.faults import KernelFault, MatmulKernel
 from precision.helpers import props, run_check
 
 
@@ -77,3 +77,65 @@ def test_one_signed_scale_and_offset_over_positions():
     tiny = ref * (1 + 2.0 ** -11) + noise * 1e-3  # one-signed, under bfloat16's floor
     assert signed.one_signed(tiny, ref, "bfloat16")[0] is None
     assert signed.one_signed(tiny, ref, "float32")[0] is not None  # over float32's
+
+
+def test_row_scales_see_a_scale_the_row_means_cannot():
+    """Issue #51: a kernel that scales its output by 1 + e moves each row's mean by e x mean(row), whose
+    sign follows the row's own mean - on zero-mean rows (a norm's, an MLP's) the offset statistic sees
+    noise - while every row's slope is e."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(32, 64, generator=g, dtype=torch.float64)
+    ref = ref - ref.mean(-1, keepdim=True) + 0.01 * torch.randn(32, 1, generator=g, dtype=torch.float64)
+    noise = torch.randn(32, 64, generator=g, dtype=torch.float64) * 1e-3
+    clean_off, clean_sc = signed.row_errors(ref + noise, ref), signed.row_scales(ref + noise, ref)
+    got = (ref + noise) * 1.002
+    assert signed.signed_test(got, ref, clean_off).p > 1e-3  # the row means: no direction
+    sc = signed.signed_test(got, ref, clean_sc, "scale")
+    assert sc.kind == "scale" and sc.same_sign == 32 and sc.effect == pytest.approx(0.002, rel=1e-4)
+    # both kinds of one module count in the Bonferroni limit, and the failing one is named
+    clean = {"offset": {"m": clean_off}, "scale": {"m": clean_sc}}
+    made, why = signed.judge("m", got, ref, clean, "bfloat16")
+    assert {t.kind for t in made} == {"offset", "scale"} and "one-signed scale error" in why and "< 5e-05" in why
+    clean_made, why = signed.judge("m", ref + noise, ref, clean, "bfloat16")  # the clean run itself
+    assert why is None and all(t.rows == 0 and t.p == 1.0 for t in clean_made)
+    # a constant reference row has no slope to read: 0, not a division by zero
+    flat = torch.ones(2, 8, dtype=torch.float64)
+    flat[1] = torch.arange(8)
+    assert signed.row_scales(flat * 1.5, flat).tolist() == [0.0, pytest.approx(0.5)]
+    assert signed.row_scales(torch.zeros(2, 4), torch.zeros(2, 4)) is None
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b"])
+def test_one_signed_scale_inside_the_budget_fails_naming_the_module(name, tmp_path, monkeypatch):
+    """A bf16 SiLU 0.1 % steep (float32 inside, rounded to bf16: a quarter of a bf16 ulp) scales every
+    MLP's output the same way; its size is within every magnitude budget (rel_rmse and the scale budget)
+    and its row means have no direction, so before issue #51 the check passed it. The row-scale sign
+    test against the golden's clean bf16 run fails it, naming the MLP first."""
+    ctx, failure = run_check(name, "bfloat16", tmp_path, context=lambda: KernelFault("silu_slope", 0.001))
+    assert failure is not None
+    first = props(ctx)["harness.detail.first_divergent_module"]
+    assert first.endswith(".mlp") and failure.message.startswith(f"{first} diverges")
+    lead = failure.message.split("; propagated")[0]
+    assert "a one-signed scale error" in lead and "isolated rel_rmse" not in lead and "beyond budget" not in lead
+    # a golden without the clean row scales (made before #51): the scale test is skipped with a note,
+    # and the magnitude budgets and the offset test pass the fault - what the check did before
+    drop = runner.signed_rows
+    monkeypatch.setattr(runner, "signed_rows", lambda golden, dtype: {**drop(golden, dtype), "scale": {}})
+    ctx, failure = run_check(name, "bfloat16", tmp_path, context=lambda: KernelFault("silu_slope", 0.001))
+    assert failure is None, failure.message
+    assert any("no scale sign test" in n for n in ctx.notes)
+
+
+def test_three_percent_bf16_activation_scale_named(tmp_path):
+    """The fault of issue #51 as filed (a bf16 activation 3 % high: one layer's SiLU output x 1.03) fails
+    with its MLP named first, on the dense and on an MoE suite (measured: the magnitude budgets alone
+    already fail it at 3-3.4x the budget on all 6 bundled suites; the sign tests catch it far below)."""
+    def act_up(model):
+        mlp = model.model.layers[1].mlp
+        act = next(m.act_fn for m in mlp.modules() if hasattr(m, "act_fn"))
+        act.register_forward_hook(lambda _m, _a, y: y * 1.03 if y.dtype == torch.bfloat16 else y)
+        return model
+
+    for name, module in (("llama-3.1-8b", "model.layers.1.mlp"), ("mixtral-8x7b", "model.layers.1.mlp.experts")):
+        ctx, failure = run_check(name, "bfloat16", tmp_path, transform=act_up)
+        assert failure is not None and failure.message.startswith(f"{module} diverges"), name
