@@ -12,9 +12,11 @@ the same operator in float64 on the CPU under its own budget
 
 A tensor over ``max_numel`` elements (the 128256 x 4096 embedding) is sliced along its largest
 dimension that no kernel reduces over (the vocabulary), the same size everywhere in the signature
-(detail ``sliced``). Signatures that cannot run from their shapes alone, or whose float64 reference
-refuses the seeded inputs, are left out with the reason; so are those past ``max_signatures``
-(matmuls and attention are kept first). Metrics: ``shapes_signatures`` (the model runs),
+(detail ``sliced``); a grouped GEMM keeps its group count (the published expert count) and gets
+offsets as the router makes them, and its float64 reference is composed of per-expert float64 mm
+(the CPU's ``_grouped_mm`` has no float64). Signatures that cannot run from their shapes alone, or
+whose float64 reference refuses the seeded inputs, are left out with the reason; so are those past
+``max_signatures`` (matmuls and attention are kept first). Metrics: ``shapes_signatures`` (the model runs),
 ``shapes_checked``, ``shapes_coverage`` and ``shapes_forward_coverage`` (checked / run).
 A failure names the operator, the shape and the model's modules that call it.
 """
@@ -120,7 +122,16 @@ class ShapesCheck(Check):
 
     def _one(self, ctx: CheckContext, st, sig) -> str | None:
         """Compare one signature; returns why it was left out, or None when it was compared."""
-        from harness.inspect.signatures import ATTENTION, MATMUL, budget, make_inputs, resized, shrink
+        from harness.inspect.signatures import (
+            ATTENTION,
+            GROUPED,
+            MATMUL,
+            budget,
+            grouped_mm_reference,
+            make_inputs,
+            resized,
+            shrink,
+        )
 
         gemm = sig.op in MATMUL or sig.op.startswith(ATTENTION)
         plan = shrink(sig, st.cfg.max_numel if gemm else min(st.cfg.max_numel, st.cfg.max_numel_other))
@@ -130,12 +141,15 @@ class ShapesCheck(Check):
         if plan:
             st.sliced.append(f"{sig.op} " + ", ".join(f"{a}->{b}" for a, b in plan.items()))
         try:
-            a, k = make_inputs(args, kwargs, st.cfg.seed)
+            a, k = make_inputs(args, kwargs, st.cfg.seed, sig.op)
             func = resolve_op(sig.op)
         except (ValueError, AttributeError):
             return "arguments not rebuildable from the signature"
+        # an op with no float64 CPU kernel (_grouped_mm) gets one composed of float64 mm: otherwise
+        # the backend is compared with the CPU's kernel in its own dtype, and the CPU with itself
+        ref_func = grouped_mm_reference if sig.op == GROUPED else func
         try:
-            ref, ref_name = _execute(func, a, k, "cpu", torch.float64), "cpu float64"
+            ref, ref_name = _execute(ref_func, a, k, "cpu", torch.float64), "cpu float64"
         except Exception:
             try:
                 ref, ref_name = _execute(func, a, k, "cpu"), f"cpu {ctx.dtype}"

@@ -11,7 +11,9 @@ float64 (``max_numel``) along its largest dimension that is not a reduction the 
 (the vocabulary of the embedding and the lm_head, never a matmul's K or attention's head_dim), the
 same value replaced everywhere in the signature (``embedding_dense_backward``'s ``num_weights`` too),
 and :func:`make_inputs` fills it with seeded values: N(0, 1) floats, integers in
-``[0, smallest float dimension)`` (valid indices and class targets), mostly-true masks.
+``[0, smallest float dimension)`` (valid indices and class targets), mostly-true masks, and a grouped
+GEMM's offsets as the router makes them (:func:`routed_offsets`), the expert count kept
+(:func:`protected_dims`); :func:`grouped_mm_reference` is its float64 reference.
 
 :func:`budget` is the per-signature error budget: ``factor * (u(dtype) + u_acc * sqrt(R))`` with ``u``
 the unit roundoff of the lowest-precision float dtype of the signature (its output rounding), ``u_acc``
@@ -39,6 +41,7 @@ UNIT = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-
 MATMUL = {"aten.mm.default": 0, "aten.bmm.default": 0, "aten.addmm.default": 1, "aten.baddbmm.default": 1,
           "aten._grouped_mm.default": 0}
 ATTENTION = "aten._scaled_dot_product"
+GROUPED = "aten._grouped_mm.default"  # (mat_a, mat_b, offs): the MoE experts' GEMM in transformers 5
 
 
 def _enc(x: Any) -> Any:
@@ -186,8 +189,12 @@ def suite_signatures(ls, dtype: str, *, tokens: int = 32, backward: bool = True)
 
 # --- materializing one signature on the host ----------------------------------------------------------
 def protected_dims(sig: Signature) -> set[int]:
-    """Dimension sizes the kernel dispatches on, never sliced: a matmul's K, attention's head_dim."""
+    """Dimension sizes the kernel dispatches on, never sliced: a matmul's K, attention's head_dim,
+    and a grouped GEMM's group count (the expert count: grouped kernels pick tiles and schedules by
+    groups and rows per group, so 128 experts must stay 128)."""
     ts = sig.tensors()
+    if sig.op == GROUPED and len(ts) >= 3:
+        return {ts[0][0][-1], ts[2][0][0]}
     if sig.op in MATMUL and len(ts) > MATMUL[sig.op]:
         return {ts[MATMUL[sig.op]][0][-1]}
     if sig.op.startswith(ATTENTION) and ts:
@@ -211,7 +218,8 @@ def shrink(sig: Signature, max_numel: int) -> dict[int, int] | None:
         d = max(free)
         rest = math.prod(shape) // d
         new = max(1, max_numel // rest)
-        tile = 256 if new >= 512 else 16 if new >= 32 else 1  # whole tiles where there is room for them
+        # whole tiles where there is room for them; 16 rows at least (grouped GEMMs require 16-byte strides)
+        tile = 256 if new >= 512 else 16 if new >= 16 else 1
         plan[d] = new - new % tile
     return None
 
@@ -253,8 +261,9 @@ def _int_high(args, kwargs) -> int:
     return min(dims) if dims else 16
 
 
-def make_inputs(args: list, kwargs: dict, seed: int) -> tuple[tuple, dict]:
-    """Seeded CPU tensors for an encoded (args, kwargs); raises ValueError for an opaque argument."""
+def make_inputs(args: list, kwargs: dict, seed: int, op: str = "") -> tuple[tuple, dict]:
+    """Seeded CPU tensors for an encoded (args, kwargs); raises ValueError for an opaque argument.
+    A grouped GEMM's ``offs`` get routed offsets (:func:`routed_offsets`), not random integers."""
     g = torch.Generator().manual_seed(seed)
     high = _int_high(args, kwargs)
 
@@ -277,7 +286,63 @@ def make_inputs(args: list, kwargs: dict, seed: int) -> tuple[tuple, dict]:
             return getattr(torch, x["enum"])
         raise ValueError(f"argument {x['opaque']} cannot be rebuilt from the signature")
 
-    return tuple(dec(a) for a in args), {k: dec(v) for k, v in kwargs.items()}
+    a, k = tuple(dec(x) for x in args), {n: dec(v) for n, v in kwargs.items()}
+    if op == GROUPED:
+        a, k = _with_routed_offsets(a, k, g)
+    return a, k
+
+
+def grouped_length(mat_a: torch.Tensor, mat_b: torch.Tensor) -> int:
+    """The length ``offs`` partitions: tokens (2d x 3d: rows of a; 2d x 2d, the weight gradient: the
+    shared K) or the columns of b (3d x 2d)."""
+    if mat_a.dim() == 2:
+        return mat_a.shape[0] if mat_b.dim() == 3 else mat_a.shape[1]
+    return mat_b.shape[-1]
+
+
+def routed_offsets(length: int, groups: int, g: torch.Generator) -> torch.Tensor:
+    """Group ends as the experts' forward makes them (histc of the routed expert ids, cumsum): each of
+    ``length`` rows sent to a seeded uniform expert, so some experts get none and some several, and
+    the last offset is ``length`` (every row is computed: no uninitialized output to compare)."""
+    expert = torch.randint(0, groups, (length,), generator=g)
+    return torch.cumsum(torch.bincount(expert, minlength=groups), 0).to(torch.int32)
+
+
+def _with_routed_offsets(a: tuple, k: dict, g: torch.Generator) -> tuple[tuple, dict]:
+    offs = k.get("offs", a[2] if len(a) > 2 else None)
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
+        return a, k  # 3d x 3d: a plain batched GEMM, no groups
+    new = routed_offsets(grouped_length(a[0], a[1]), offs.shape[0], g)
+    if "offs" in k:
+        return a, {**k, "offs": new}
+    return a[:2] + (new,) + a[3:], k
+
+
+def grouped_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``aten._grouped_mm`` group by group with ``torch.mm``: its float64 reference (the CPU kernel
+    takes float32 and below only, so the check would otherwise compare the backend with the CPU's
+    kernel in the same dtype, and on the CPU with itself)."""
+    if offs is None:
+        out = torch.bmm(mat_a, mat_b)
+    else:
+        ends = offs.tolist()
+        starts = [0] + ends[:-1]
+        if mat_a.dim() == 2 and mat_b.dim() == 3:  # tokens grouped by expert: rows of a
+            out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[-1])
+            for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+                out[s:t] = mat_a[s:t] @ mat_b[e]
+        elif mat_a.dim() == 2:  # the weight gradient: one (M, N) per expert over its slice of K
+            out = mat_a.new_zeros(len(ends), mat_a.shape[0], mat_b.shape[-1])
+            for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+                out[e] = mat_a[:, s:t] @ mat_b[s:t]
+        else:  # 3d x 2d: columns of b grouped
+            out = mat_a.new_zeros(mat_a.shape[1], mat_b.shape[-1])
+            for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
+                out[:, s:t] = mat_a[e] @ mat_b[:, s:t]
+    if bias is not None:  # no model of the bundled suites passes one (transformers adds it after)
+        raise NotImplementedError("grouped_mm_reference: bias")
+    return out
 
 
 def _tensor(shape, stride, dtype, g, high) -> torch.Tensor:

@@ -31,6 +31,15 @@ def split_k_fault(min_k: int = 4096, factor: float = 1.01):
         torch.nn.functional.linear = linear
 
 
+def _tokens(ls, n: int):
+    """The suite with [checks.width] tokens = n (fewer GEMM rows: the kernel paths under test are chosen
+    by the inner dimension, not by the rows)."""
+    import dataclasses
+
+    checks = ls.suite.checks.model_copy(update={"width": ls.suite.checks.width.model_copy(update={"tokens": n})})
+    return dataclasses.replace(ls, suite=ls.suite.model_copy(update={"checks": checks}))
+
+
 def test_registered_nightly():
     check = registry().get("width")
     ls = suite("llama-3.1-8b")
@@ -41,11 +50,11 @@ def test_a_gemm_wrong_only_at_published_inner_dims_is_named_with_its_module_and_
     # the pruned precision check cannot see it: no GEMM of the pruned model reaches K = 4096
     _, f = run_check("llama-3.1-8b", "float32", tmp_path, context=split_k_fault)
     assert f is None, str(f)
-    ctx = CheckContext(suite("llama-3.1-8b"), _cpu(), "float32", check="width")
+    ctx = CheckContext(_tokens(suite("llama-3.1-8b"), 8), _cpu(), "float32", check="width")
     with pytest.raises(CheckFailure) as e:
         registry().get("width").run(ctx, context=split_k_fault)
     msg = str(e.value)
-    assert msg.startswith("published widths: model.layers.0.self_attn.q_proj (Linear, input [1, 32, 4096], "
+    assert msg.startswith("published widths: model.layers.0.self_attn.q_proj (Linear, input [1, 8, 4096], "
                           "weight [4096, 4096]) forward rel_rmse 0.01"), msg
     props = dict(ctx.properties)
     assert "hidden_size 128 -> 4096" in props["harness.detail.width_restored"]
