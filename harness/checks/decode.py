@@ -14,7 +14,11 @@ teacher-forced tokens) and against the target's own uncached forward of the same
 same dtype (the witness: on the reference backend a clean cache reproduces it to the bit in bf16,
 so a cache fault stands out even where the dtype's own error is large). A failure names the first
 step and decoder layer over budget and says whether the prefill (against the forward golden's
-logits) agrees.
+logits) agrees. Beside their size, the direction of the differences from the witness is judged
+(issue #51): a sign test over the decoded positions of their scale and offset (each the mean over the
+position's attention and layer outputs), so that a decode
+kernel whose output is a few float32 ulps high at every step - inside every budget - fails with its
+step and module named (docs/decode.md, "One-signed errors").
 
 Steps: ``golden`` -> ``budgets`` -> ``cache`` -> ``build`` -> ``decode`` -> ``compare`` -> ``record``
 -> ``verdict``.
@@ -73,6 +77,11 @@ metrics.declare("decode_uncached_worst_rel_rmse", "", "lower", "largest rel_rmse
 metrics.declare("decode_prefill_logits_rel_rmse", "", "lower", "rel_rmse of the cached prefill's logits against "
                 "the forward golden's")
 metrics.declare("decode_rows_over_budget", "", "lower", "(step, layer or logits) rows over their budget")
+metrics.declare("decode_signed_min_p", "", "higher", "smallest sign-test p of the cached decode's per-row scale and "
+                "offset against its own uncached forward, per decoded position over its attention and layer outputs "
+                "(harness.precision.signed.pooled_tests; fails below 1e-4 / 2 with an effect above the dtype's floor)")
+metrics.declare("decode_signed_max_effect", "", "lower", "largest |mean per-row scale or offset| of the cached decode "
+                "against its own uncached forward")
 metrics.declare("decode_steps", "", "none", "decode steps compared after the prefill")
 metrics.declare("decode_router_flips", "", "lower", "tokens of the cached decode (prefill and steps) whose router chose other "
                 "experts than the golden's (forced to the golden's: a near-tie flip is not a cache fault)")
@@ -313,7 +322,7 @@ class DecodeCheck(Check):
                              f"regenerate with `harness golden generate {ctx.suite.name} --update`")
 
     def compare(self, ctx: CheckContext, st) -> None:
-        from harness.precision.decode import errors, prefill_error
+        from harness.precision.decode import errors, prefill_error, signed_tests
 
         t = st.section.tensors
         pre = "padded." if st.variant == "padded" else ""
@@ -325,6 +334,9 @@ class DecodeCheck(Check):
         st.rows.sort(key=lambda r: r.order)
         # the forward golden's logits: whole only in a full golden (a sampled one keeps a sample)
         st.prefill = None if pre or st.g.sampled else prefill_error(st.run, st.g.modules["logits"])
+        st.signed, st.signed_cols, why = signed_tests(st.run, st.witness, ctx.dtype, st.variant, at)
+        if why:
+            ctx.notes.append(f"one-signed decode error not tested: {why}")
         ctx.detail("decode_cache_layers", ", ".join(st.run.cache_layers))
 
     def record(self, ctx: CheckContext, st) -> None:
@@ -340,6 +352,9 @@ class DecodeCheck(Check):
             if st.budgets["prefill"] is not None:
                 ctx.tolerance("decode_prefill_logits_rel_rmse", st.budgets["prefill"])
         ctx.metric("decode_rows_over_budget", sum(not r.ok for r in st.rows))
+        if st.signed:
+            ctx.metric("decode_signed_min_p", min(t.p for t in st.signed))
+            ctx.metric("decode_signed_max_effect", max(abs(t.effect) for t in st.signed))
         ctx.detail("decode_kind_budget_use", _kind_use(st.rows, st.section.entry))
         # each step's worst budget use, compact: `harness report` plots the decode step by step
         steps: dict[int, float] = {}
@@ -350,6 +365,9 @@ class DecodeCheck(Check):
     def verdict(self, ctx: CheckContext, st) -> None:
         bad = [r for r in st.rows if not r.ok]
         if not bad:
+            failure = _signed_failure(ctx, st)
+            if failure is not None:
+                raise failure
             return
         first = bad[0]
         entry = st.section.entry
@@ -360,6 +378,33 @@ class DecodeCheck(Check):
                            f"{where}: {_said(first)}; first of {len(bad)} row(s) over budget",
                            metric=f"decode.step{first.step}.{first.what}", expected=f"<= {first.budget:.3g}",
                            observed=f"{first.value:.4g}", tolerance=first.budget, details=_table(bad))
+
+
+def _signed_failure(ctx: CheckContext, st) -> CheckFailure | None:
+    """Every row inside its budget, but the cache path's error against the uncached witness one-signed:
+    what failed first (the step, the layer's module and cache), then the sign test's figures."""
+    from harness.precision import signed
+
+    t = signed.pooled_failure(st.signed, ctx.dtype)
+    if t is None:
+        return None
+    entry = st.section.entry
+    p_lim, floor = signed.pooled_limit(st.signed, ctx.dtype)
+    what, layer = st.signed_cols[t.column]
+    where = _where(Row(t.step, what, layer, "uncached", 0.0, 0.0, 0), entry)
+    ctx.detail("first_divergent_step", str(t.step))
+    ctx.detail("first_divergent_layer", where)
+    names = [f"{layer}{' attention' if w == 'attn' else ''}" for w, layer in st.signed_cols]
+    table = ["step  " + "  ".join(f"{n:>12}" for n in names)] + [
+        f"{s:<5} " + "  ".join(f"{v:>+12.3e}" for v in row) for s, row in enumerate(t.per)]
+    return CheckFailure(
+        f"cached decode: one-signed {t.kind} error from step {t.step} (position {entry['positions'][0] + t.step}), "
+        f"{where}, against the target's own uncached forward: {t.words(p_lim)}; inside every magnitude budget "
+        f"(worst use {max(r.value / r.budget for r in st.rows):.2g})",
+        metric=f"decode.signed.{t.kind}", expected=f"p >= {p_lim:.2g} or |effect| <= {floor:.3g}",
+        observed=f"p={t.p:.2g}, effect {t.effect:+.3g}", tolerance=p_lim,
+        details=f"mean {t.kind} error per step and layer (attention output, layer output) against the uncached "
+                "forward:\n" + "\n".join(table))
 
 
 def _config(ls):

@@ -533,3 +533,37 @@ def build(ref) -> tuple[dict, dict[str, torch.Tensor]]:
              "routers": sorted(r0.dec.routes[0]) if r0.dec.routes else [],
              "budgets": {dt: _measure_dtype(ref, dt, refs, sp) for dt in ref.dtypes}}
     return entry, tensors
+
+
+# --- the direction of the cache path's error (issue #51) --------------------------------------------
+# Compared with the target's own uncached forward (same backend and dtype: the clean difference is
+# rounding, either sign), per decoded position over its attention outputs (where a cache fault is
+# born) and decoder layers' outputs (a Mamba or linear-attention layer's cache shows only there). The
+# logits are not tested: one more row per position, with nothing a layer output does not show.
+
+
+def signed_tests(dec: Decoded, witness: dict[str, torch.Tensor], dtype: str, variant: str,
+                 attention_layers: list[int]) -> tuple[list, list[tuple[str, int]], str | None]:
+    """(the sign tests of the cached decode against its uncached witness (harness.precision.signed.
+    pooled_tests), their columns in order as ("attn" | "hidden", decoder layer index), why none were
+    made or None). A quantized cache's own error is its format's, one-signed by design (fp8 e4m3
+    values: llama's bf16 attention outputs 0.6 % small, 24 of 32 rows): judged by its size alone."""
+    from harness.precision import signed
+
+    if variant in QUANTIZED:
+        return [], [], f"{variant}: a quantized cache's error is its format's (one-signed by design), judged by size only"
+    cols: list[tuple[tuple[int, int], tuple[str, int], dict]] = []
+    for what, layers in (("attn", attention_layers), ("hidden", range(dec.hidden.shape[2]))):
+        e = signed.layer_position_errors(getattr(dec, what), witness[what])
+        if e is not None:  # a layer's attention before its output
+            cols += [((layer, what == "hidden"), (what, layer), {k: v[:, :, j] for k, v in e.items()})
+                     for j, layer in enumerate(layers)]
+    if not cols:
+        return [], [], "no finite decoded outputs to test"
+    cols.sort(key=lambda c: c[0])
+    errs = {k: torch.stack([c[2][k] for c in cols], -1) for k in cols[0][2]}
+    tests = signed.pooled_tests(errs)
+    positions = dec.hidden.shape[0] * dec.hidden.shape[1]
+    why = None if signed.reachable(positions, len(tests)) else (
+        f"{positions} decoded positions cannot reach the sign test's limit {signed.ALPHA / len(tests):.2g}")
+    return tests, [c[1] for c in cols], why

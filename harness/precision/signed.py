@@ -271,3 +271,91 @@ def one_signed(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> tuple[OneSig
     floor = COMPILE_FLOORS.get(dtype, 0.0)
     bad = [t for t in tests if t.p < ALPHA / len(tests) and abs(t.effect) > floor]
     return (min(bad, key=lambda t: t.p) if bad else None), tests
+
+
+# --- one-signed error per decoded position, over every layer (the decode check) ---------------------
+# The decode check compares the cached decode with the target's own uncached forward of the same
+# tokens, same backend and dtype: that difference is the cache path's own error; clean it is rounding
+# (0 to the bit on CPU in bf16 for most models), signed either way. A decode kernel whose output is a
+# few ulps high at every step stays inside every magnitude budget, but is one-signed.
+# The unit of the sign test is the decoded position (batch row, step), its value the mean of the
+# position's rows over every compared layer: an error carried from one layer into the next makes a
+# position's layers one sample, not L (pooling them as rows failed a clean gemma-4 bf16 decode: 62 of
+# 81 (row, step, layer) rows one way, p 1.8e-6, while its 16 positions were 12 to 4, p 0.08). With the
+# default 2 x 8 = 16 positions the smallest p is 2^-15 = 3.1e-5: reachable under ALPHA / 2 (the scale
+# and the offset test) only when every position shares the sign - a fault present at every step;
+# more steps or rows test more finely.
+# Effect floors, relative: the clean |mean effect| measured on the 6 bundled suites (cpu and the test
+# device, dynamic/static/padded caches) is at most 6.7e-5 in bf16 and 4.5e-8 in fp32 (gemma-4 with an
+# 8-token window: 8.4e-4 and 3.0e-8); in bf16 a scale under ~0.2 % rounds away (bf16's ulp is 0.4-0.8 %)
+# and one of 0.26 % already exceeds the witness's magnitude budget, so the window this test adds is
+# fp32's (a decode attention 4e-7 high passes every budget at 0.7 of it, docs/decode.md).
+DECODE_FLOORS = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -12, "float32": 2.0 ** -22}
+
+
+@dataclass
+class Pooled:
+    kind: str  # "scale" | "offset" (position_errors)
+    p: float  # sign-test p over the decoded positions
+    effect: float  # mean e over every (position, layer) row
+    rows: int  # positions with a nonzero mean e
+    same_sign: int  # of those, how many share the majority sign
+    column: int  # the first compared output (column) whose rows all share the majority sign (else whose
+    #              mean has it, else the largest |mean|): where the error is born
+    step: int  # in that column, the first step whose rows all share it (else whose mean has it)
+    per: list | None = None  # [[mean e per column] per step]: the failure's table
+
+    def words(self, p_lim: float) -> str:
+        what = "scaled" if self.kind == "scale" else "shifted"
+        return (f"{self.same_sign} of {self.rows} decoded positions {what} the same way over their layers, mean "
+                f"{self.effect:+.3g} (sign test p={self.p:.2g} < {p_lim:.2g})")
+
+
+def layer_position_errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """``got``/``ref`` [B, N, L, H] (batch row, step, layer, features): position_errors of each layer
+    on its own (its own RMS for the offset), as {kind: [B, N, L]}; None where any layer has none."""
+    if got.shape != ref.shape or got.dim() != 4 or got.shape[2] == 0 or got.shape[-1] < 2:
+        return None
+    per = [position_errors(got[:, :, i], ref[:, :, i]) for i in range(got.shape[2])]
+    if any(e is None for e in per):
+        return None
+    return {k: torch.stack([e[k].reshape(got.shape[:2]) for e in per], -1) for k in per[0]}
+
+
+def _first(e: torch.Tensor, sign: float) -> int | None:
+    """``e`` [K, rows]: the first k whose nonzero rows all have ``sign`` (a clean step or layer before
+    the fault's onset has mixed signs), else the first whose mean has it; None if none."""
+    for k, r in enumerate(e):
+        nz = r[r != 0]
+        if nz.numel() and bool((nz * sign > 0).all()):
+            return k
+    return next((k for k, v in enumerate(e.mean(1).tolist()) if v * sign > 0), None)
+
+
+def pooled_tests(errs: dict[str, torch.Tensor]) -> list[Pooled]:
+    """One sign test per kind (``errs``: {kind: [B, N, K]}, K the compared outputs of each position in
+    order), over the B x N positions' means, naming the column and step where its sign sets in."""
+    out = []
+    for kind, e in errs.items():
+        m = e.mean(2).flatten()
+        nz = m[m != 0]
+        pos = int((nz > 0).sum())
+        sign = 1.0 if pos >= nz.numel() - pos else -1.0
+        col = _first(e.permute(2, 0, 1).flatten(1), sign)  # [K, B x N]
+        col = int(e.mean((0, 1)).abs().argmax()) if col is None else col
+        step = _first(e[:, :, col].transpose(0, 1), sign)  # in that column: [N, B]
+        out.append(Pooled(kind, sign_p(pos, nz.numel()), e.mean().item(), nz.numel(), max(pos, nz.numel() - pos),
+                          col, step or 0, e.mean(0).tolist()))
+    return out
+
+
+def pooled_limit(tests: list[Pooled], dtype: str) -> tuple[float, float]:
+    """(p limit: ALPHA over every test made, effect floor) of one item's tests."""
+    return ALPHA / max(len(tests), 1), DECODE_FLOORS.get(dtype, 0.0)
+
+
+def pooled_failure(tests: list[Pooled], dtype: str) -> Pooled | None:
+    """The most significant test below the limit with an effect above the floor, or None."""
+    p_lim, floor = pooled_limit(tests, dtype)
+    bad = [t for t in tests if t.p < p_lim and abs(t.effect) > floor]
+    return min(bad, key=lambda t: t.p) if bad else None
