@@ -100,6 +100,9 @@ class WidthCheck(Check):
 
         ids = seeded_tokens(st.ref.config.get_text_config().vocab_size, 1, ctx.config.tokens, ctx.config.seed)
         st.cap = width.capture(st.ref, width.compared_modules(st.ref, st.prefix), ids)
+        if st.cap.skipped:
+            ctx.notes.append("not compared (inputs that cannot be stored): "
+                             + ", ".join(f"{k} ({v})" for k, v in st.cap.skipped.items()))
 
     def compare(self, ctx: CheckContext, st) -> None:
         import contextlib
@@ -114,9 +117,9 @@ class WidthCheck(Check):
         g = torch.Generator().manual_seed(ctx.config.seed)
         st.rows = []
         for name in st.cap.order:
-            args, kwargs = st.cap.args[name]
+            args, kwargs = st.cap.inputs(name)
             has_params = any(True for _ in mods["ref"][name].parameters())
-            go = torch.randn(st.cap.out[name].shape, generator=g, dtype=torch.float64) \
+            go = torch.randn(st.cap.output(name).shape, generator=g, dtype=torch.float64) \
                 if ctx.config.backward and has_params else None
             own = not width.is_attention(name)  # an attention's projections: compared as leaves
             ref = width.run_module(mods["ref"][name], args, kwargs, torch.float64, "cpu", go, own)
@@ -138,7 +141,7 @@ class WidthCheck(Check):
         ctx.detail("width_worst", "; ".join(f"{c.module} {c.kind} {c.error:.3g} / {c.budget:.3g}" for c in worst))
 
     def verdict(self, ctx: CheckContext, st) -> None:
-        from harness.precision.width import is_attention
+        from harness.precision.width import K, is_attention
 
         # the most specific module first: a leaf over budget before the attention module holding it
         over = sorted((c for c in st.rows if not c.error <= c.budget), key=lambda c: is_attention(c.module))
@@ -148,16 +151,10 @@ class WidthCheck(Check):
         others = sorted({o.module for o in over[1:]} - {c.module})
         raise CheckFailure(
             f"published widths: {c.module} ({c.shapes}) {c.kind} rel_rmse {c.error:.3g} over its budget "
-            f"{c.budget:.3g} (the CPU's {c.clean:.3g} x {_k()} + floor), {k.tokens} tokens",
+            f"{c.budget:.3g} (the CPU's {c.clean:.3g} x {K:g} + floor), {k.tokens} tokens",
             metric="width_worst_budget_use", expected="<= 1", observed=f"{c.use:.3g}", tolerance=1.0,
             details=("also over: " + ", ".join(others[:8]) + (f" (+{len(others) - 8})" if len(others) > 8 else ""))
             if others else None)
-
-
-def _k() -> str:
-    from harness.precision.width import K
-
-    return f"{K:g}"
 
 
 def register(registry: CheckRegistry) -> None:

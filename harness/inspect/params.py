@@ -263,7 +263,7 @@ def _mixed_bytes(c: _Count) -> None:
     """A release of several formats: one scenario with each format's weights and scales beside the
     modules it keeps in 16 bits, and a note of which format stores which modules."""
     rep, lay = c.rep, c.layout
-    label = "mixed " + " + ".join(c.per_label) + ""
+    label = "mixed " + " + ".join(c.per_label)
     entry = {}
     for g in lay.groups:
         lab = g.scheme.label

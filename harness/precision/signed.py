@@ -82,6 +82,13 @@ ROWS = {"offset": row_errors, "scale": row_scales}
 PREFIX = {"offset": "", "scale": "scale/"}
 
 
+def signs(v: torch.Tensor) -> tuple[float, int, int]:
+    """(two-sided sign-test p, values that are nonzero, how many of those share the majority sign)."""
+    nz = v[v != 0]
+    pos = int((nz > 0).sum())
+    return sign_p(pos, nz.numel()), nz.numel(), max(pos, nz.numel() - pos)
+
+
 def sign_p(n_pos: int, n: int) -> float:
     """Exact two-sided sign-test p: P(at least max(k, n-k) of n fair coins land one way) x 2."""
     if n == 0:
@@ -120,9 +127,8 @@ def signed_test(got: torch.Tensor, ref: torch.Tensor, clean: torch.Tensor, kind:
     # at the stored precision: the golden keeps the clean rows in float32, so the reference backend's
     # own rows (identical before the rounding) differ from them by exactly 0, not by float32's rounding
     diff = rows.float().double() - clean.float().double().reshape(-1)
-    nz = diff[diff != 0]
-    pos = int((nz > 0).sum())
-    return Signed(sign_p(pos, nz.numel()), diff.mean().item(), nz.numel(), max(pos, nz.numel() - pos), kind)
+    p, n, same = signs(diff)
+    return Signed(p, diff.mean().item(), n, same, kind)
 
 
 def limit(dtype: str, modules: int) -> tuple[float, float]:
@@ -240,20 +246,15 @@ class OneSigned:
 
 
 def position_errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """Per position (rows of the last dim), the offset (mean difference / rms(ref)) and the scale
-    (least-squares slope of the difference on the centred reference row), both [R]."""
-    if got.shape != ref.shape or got.dim() < 2:
+    """Per position (rows of the last dim), the scale (row_scales) and the offset (row_errors), both
+    [R]; None for non-finite values or a row whose reference is constant (no slope to read)."""
+    if got.shape != ref.shape or got.dim() < 2 or not (torch.isfinite(got).all() and torch.isfinite(ref).all()):
         return None
-    g, r = got.double().reshape(-1, got.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
-    if not (torch.isfinite(g).all() and torch.isfinite(r).all()):
+    r = ref.double().reshape(-1, ref.shape[-1])
+    if bool(((r - r.mean(-1, keepdim=True)).pow(2).sum(-1) == 0).any()):
         return None
-    d = g - r
-    rms = r.pow(2).mean().sqrt()
-    c = r - r.mean(-1, keepdim=True)
-    den = c.pow(2).sum(-1)
-    if rms == 0 or bool((den == 0).any()):
-        return None
-    return {"scale": (d * c).sum(-1) / den, "offset": d.mean(-1) / rms}
+    errs = {"scale": row_scales(got, ref), "offset": row_errors(got, ref)}
+    return None if any(v is None for v in errs.values()) else errs
 
 
 def one_signed(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> tuple[OneSigned | None, list[OneSigned]]:
@@ -265,9 +266,8 @@ def one_signed(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> tuple[OneSig
         return None, []
     tests = []
     for kind, e in errs.items():
-        nz = e[e != 0]
-        pos = int((nz > 0).sum())
-        tests.append(OneSigned(kind, sign_p(pos, nz.numel()), e.mean().item(), nz.numel(), max(pos, nz.numel() - pos)))
+        p, n, same = signs(e)
+        tests.append(OneSigned(kind, p, e.mean().item(), n, same))
     floor = COMPILE_FLOORS.get(dtype, 0.0)
     bad = [t for t in tests if t.p < ALPHA / len(tests) and abs(t.effect) > floor]
     return (min(bad, key=lambda t: t.p) if bad else None), tests
@@ -338,14 +338,12 @@ def pooled_tests(errs: dict[str, torch.Tensor]) -> list[Pooled]:
     out = []
     for kind, e in errs.items():
         m = e.mean(2).flatten()
-        nz = m[m != 0]
-        pos = int((nz > 0).sum())
-        sign = 1.0 if pos >= nz.numel() - pos else -1.0
+        p, n, same = signs(m)
+        sign = 1.0 if int((m > 0).sum()) == same else -1.0  # the majority's (positive on a tie)
         col = _first(e.permute(2, 0, 1).flatten(1), sign)  # [K, B x N]
         col = int(e.mean((0, 1)).abs().argmax()) if col is None else col
         step = _first(e[:, :, col].transpose(0, 1), sign)  # in that column: [N, B]
-        out.append(Pooled(kind, sign_p(pos, nz.numel()), e.mean().item(), nz.numel(), max(pos, nz.numel() - pos),
-                          col, step or 0, e.mean(0).tolist()))
+        out.append(Pooled(kind, p, e.mean().item(), n, same, col, step or 0, e.mean(0).tolist()))
     return out
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.anatomy.capture import Capture, decode, first_tensor
+
 K = 2.0  # another correct kernel may round differently: up to twice the reference backend's error
 FLOORS = {"float32": 1e-6, "bfloat16": 1e-3, "float16": 2e-4, "float64": 1e-12}
 # int keys of a text config that pruning narrows and kernels dispatch on; never the vocabulary, the
@@ -84,15 +86,6 @@ class Compared:
         return self.error / self.budget if self.budget else float("inf")
 
 
-@dataclass
-class Capture:
-    """The float64 reference's modules, in execution order: their inputs and outputs."""
-
-    order: list[str] = field(default_factory=list)
-    args: dict = field(default_factory=dict)
-    out: dict = field(default_factory=dict)
-
-
 def compared_modules(model: torch.nn.Module, layers_prefix: str) -> list[str]:
     """The modules inside the decoder layers a kernel runs: every leaf (a Linear, a norm, fused
     experts, an activation) and the attention modules, whose core (SDPA, MLA, linear attention) is
@@ -113,45 +106,36 @@ def is_attention(name: str) -> bool:
     return last.endswith(("attn", "attention")) or last in ("mixer", "linear_attn")
 
 
-def capture(model: torch.nn.Module, names: list[str], ids: torch.Tensor) -> Capture:
-    """One forward of the reference with every module's (args, kwargs) and first output kept."""
-    cap = Capture()
-    mods = dict(model.named_modules())
-    handles = []
-    for n in names:
-        def pre(_m, args, kwargs, _n=n):
-            if _n not in cap.args:
-                cap.order.append(_n)
-                cap.args[_n] = (_detach(args), _detach(kwargs))
-
-        def post(_m, _args, _kwargs, out, _n=n):
-            cap.out.setdefault(_n, _first(out).detach())
-        handles += [mods[n].register_forward_pre_hook(pre, with_kwargs=True),
-                    mods[n].register_forward_hook(post, with_kwargs=True)]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    cap.order = [n for n in cap.order if isinstance(cap.out.get(n), torch.Tensor) and cap.out[n].is_floating_point()]
-    return cap
+def capture(model: torch.nn.Module, names: list[str], ids: torch.Tensor) -> Reference:
+    """One forward of the reference recording every module's inputs and output
+    (harness.anatomy.capture.Capture: values snapshotted where the model later changes them in place,
+    identical tensors stored once); the modules whose inputs cannot be stored (a cache object) are
+    left out, said in ``skipped``."""
+    with Capture(model, [re.escape(n) for n in names], inputs=True) as cap, torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    order = [n for n, t in cap.outputs.items() if n in cap.inputs and t.is_floating_point()]
+    return Reference(cap, order, dict(cap.not_replayable))
 
 
-def _first(out):
-    while isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    return out
+@dataclass
+class Reference:
+    """The float64 reference's capture: ``order`` the compared modules in the order they finish
+    (a leaf before the attention module holding it)."""
 
+    cap: Capture
+    order: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)
 
-def _detach(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _detach(v) for k, v in x.items()}
-    return x
+    def output(self, name: str) -> torch.Tensor:
+        return self.cap.outputs[name]
+
+    def inputs(self, name: str) -> tuple[list, dict]:
+        """The module's (args, kwargs) as the reference called it (float64, on the CPU)."""
+        st = self.cap.inputs[name]
+
+        def resolve(kind, key):
+            return self.cap.outputs[key] if kind == "o" else self.cap.input_tensors[key]
+        return [decode(x, resolve) for x in st["args"]], {k: decode(v, resolve) for k, v in st["kwargs"].items()}
 
 
 def cast(x, dtype: torch.dtype, device, grad: bool = False):
@@ -178,7 +162,7 @@ def run_module(mod: torch.nn.Module, args, kwargs, dtype: torch.dtype, device, g
     for p in mod.parameters():
         p.grad = None
     with torch.set_grad_enabled(grad_out is not None):
-        out = _first(mod(*a, **kw))
+        out = first_tensor(mod(*a, **kw))
         grads = {}
         if grad_out is not None and out.requires_grad:
             out.backward(grad_out.to(device=device, dtype=out.dtype))
