@@ -101,15 +101,17 @@ class RehearseCheck(Check):
             if not (rep.ranked and rep.ranked[0].fits):
                 raise CheckFailure(f"no layout of {ctx.suite.name} fits its [plan] cluster: {rep.recommendation}",
                                    metric="plan", details=plan.render(rep))
-        st.layout = rehearse.chosen_layout(cfg.layout, world, rep, mode=p.mode, batch=cfg.batch)
-        st.plan_bytes = rehearse.plan_figures(cfg.layout, rep, p.mode) if rep else {}
+        st.layout, est, st.skipped = rehearse.chosen_layout(cfg.layout, world, rep, mode=p.mode, batch=cfg.batch)
+        st.plan_bytes, st.plan_messages = rehearse.plan_figures(est, rep, p.mode), rehearse.plan_messages(est)
         ctx.detail("rehearse_layout", st.layout.label)
 
     def rehearse(self, ctx: CheckContext, st) -> None:
         from harness.parallel import rehearse
 
         st.res = rehearse.rehearse(st.target, st.layout, batch=st.cfg.batch, context=st.cfg.context, fault=st.fault)
-        st.res.plan_bytes = st.plan_bytes
+        st.res.plan_bytes, st.res.plan_messages = st.plan_bytes, st.plan_messages
+        st.res.notes[:0] = st.skipped
+        st.res.training = ctx.suite.suite.plan.mode == "training"
 
     def record(self, ctx: CheckContext, st) -> None:
         from harness.parallel import rehearse

@@ -152,11 +152,14 @@ def _rehearse(args, rep, target) -> int:
     from harness.parallel import rehearse
 
     try:
-        lay = rehearse.chosen_layout(args.rehearse, rep.devices, rep, mode=args.mode, batch=args.batch)
+        lay, est, notes = rehearse.chosen_layout(args.rehearse, rep.devices, rep, mode=args.mode, batch=args.batch)
     except ValueError as e:
         print(f"harness plan: --rehearse: {e}", file=sys.stderr)
         return 2
     res = rehearse.rehearse(target, lay, batch=args.batch, context=args.context)
-    res.plan_bytes = rehearse.plan_figures(args.rehearse, rep, args.mode)
+    res.notes[:0] = notes
+    res.plan_bytes = rehearse.plan_figures(est, rep, args.mode)
+    res.plan_messages = rehearse.plan_messages(est)
+    res.training = args.mode == "training"
     print(rehearse.render(res))
     return 1 if res.failed else 0

@@ -131,6 +131,9 @@ class ParamReport:
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # scenario -> dtype -> bytes
     notes: list[str] = field(default_factory=list)
     by_part: dict[str, int] = field(default_factory=dict)  # multimodal wrappers: text, vision, projector, overall
+    # the checkpoint's bytes by kind where it is quantized (weights + scales, 16 bits for the rest; no
+    # buffers): the plan's per-kind weights, so a stage of bf16 attention and INT4 experts weighs its own
+    stored_by_kind: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,6 +161,7 @@ class _Count:
     by_kind: dict = field(default_factory=lambda: defaultdict(int))
     act_by_kind: dict = field(default_factory=lambda: defaultdict(float))
     by_part: dict = field(default_factory=lambda: defaultdict(int))
+    stored_by_kind: dict = field(default_factory=lambda: defaultdict(int))
     qbytes: int = 0
     scales: int = 0
     keep16: int = 0
@@ -167,9 +171,9 @@ class _Count:
 
 def count_parameters(model: torch.nn.Module, mc: ModelConfig) -> ParamReport:
     """Parameters by kind and part, activated per token, and checkpoint bytes per format, as named
-    steps: find_experts -> tally -> summarize -> checkpoint_bytes -> mtp_note."""
+    steps: find_experts -> tally -> summarize -> stored_by_kind -> checkpoint_bytes -> mtp_note."""
     c = _Count(model, mc)
-    for step in (_find_experts, _tally, _summarize, _checkpoint_bytes, _mtp_note):
+    for step in (_find_experts, _tally, _summarize, _stored_by_kind, _checkpoint_bytes, _mtp_note):
         step(c)
     return c.rep
 
@@ -193,7 +197,6 @@ def _find_experts(c: _Count) -> None:
 def _tally(c: _Count) -> None:
     """Each parameter once (tied ones too): its kind, part, activated share and checkpoint bytes."""
     seen: set[int] = set()
-    scheme = c.scheme
     for fqn, mod in c.model.named_modules():
         kind = module_kind(fqn, mod, c.n_exp, c.parents)
         part = module_part(fqn)
@@ -208,35 +211,76 @@ def _tally(c: _Count) -> None:
                 c.act_by_kind[kind] += n * c.top_k / p.shape[0]  # [E, out, in]: top_k of E experts per token
             else:
                 c.act_by_kind[kind] += n
-            # Quantized: Linear weights of attention / MLP / experts of the language model, unless the
-            # config's ignore list keeps them; everything else stays bf16.
-            pscheme = scheme
-            if c.groups:  # a layout that names its modules: this parameter's own format, or none
-                g = c.groups.get(f"{fqn}.{pname}" if fqn else pname)
-                pscheme = g.scheme if g is not None else None
-                head = g is not None and not g.catch_all and kind == "lm_head"
-            else:
-                head = False
-            quantized = (pscheme is not None and part == "text"
-                         and (kind in ("attention", "dense_mlp", "routed_experts", "shared_experts") or head)
-                         and p.dim() >= 2 and pname != "bias" and not pname.endswith("_bias")
-                         and not pscheme.skips(fqn) and not pscheme.skips(f"{fqn}.{pname}"))
-            if not quantized:
+            pscheme = _stored_scheme(c, fqn, mod, pname, p, kind, part)
+            if pscheme is None:
                 c.keep16 += n
+                c.stored_by_kind[kind] += 2 * n
                 continue
-            if p.dim() == 2:
-                a, b = pscheme.bytes_of(p.shape[0], p.shape[1])
-            else:  # fused experts [E, out, in] (or [E, in, out] when transposed); gate_up is two weights
-                e, d1, d2 = p.shape
-                out_f, in_f = (d2, d1) if getattr(mod, "is_transposed", False) else (d1, d2)
-                parts = 2 if "gate_up" in pname else 1
-                a, b = pscheme.bytes_of(out_f // parts, in_f)
-                a, b = e * parts * a, e * parts * b
+            a, b = _scheme_bytes(pscheme, mod, pname, p.shape)
             c.qbytes, c.scales = c.qbytes + a, c.scales + b
+            c.stored_by_kind[kind] += a + b
             c.per_label[pscheme.label][0] += a
             c.per_label[pscheme.label][1] += b
     persistent = set(c.model.state_dict(keep_vars=True))
     c.buffers = sum(b.numel() for n, b in c.model.named_buffers() if n in persistent)
+
+
+def _stored_scheme(c: _Count, fqn: str, mod: torch.nn.Module, pname: str, p: torch.Tensor, kind: str,
+                   part: str) -> QuantScheme | None:
+    """The format the checkpoint stores parameter ``fqn.pname`` in, or None (16 bits). Quantized:
+    Linear weights of attention / MLP / experts of the language model, unless the config's ignore
+    list keeps them; with a layout that names its modules, the parameter's own group's format."""
+    pscheme = c.scheme
+    head = False
+    if c.groups:
+        g = c.groups.get(f"{fqn}.{pname}" if fqn else pname)
+        pscheme = g.scheme if g is not None else None
+        head = g is not None and not g.catch_all and kind == "lm_head"
+    quantized = (pscheme is not None and part == "text"
+                 and (kind in ("attention", "dense_mlp", "routed_experts", "shared_experts") or head)
+                 and p.dim() >= 2 and pname != "bias" and not pname.endswith("_bias")
+                 and not pscheme.skips(fqn) and not pscheme.skips(f"{fqn}.{pname}"))
+    return pscheme if quantized else None
+
+
+def _scheme_bytes(pscheme: QuantScheme, mod: torch.nn.Module, pname: str, shape) -> tuple[int, int]:
+    """(weight bytes, scale bytes) of a stored parameter of ``shape``: [out, in], or fused experts
+    [E, out, in] ([E, in, out] when the module is transposed; gate_up holds two weights)."""
+    if len(shape) == 2:
+        return pscheme.bytes_of(shape[0], shape[1])
+    e, d1, d2 = shape
+    out_f, in_f = (d2, d1) if getattr(mod, "is_transposed", False) else (d1, d2)
+    parts = 2 if "gate_up" in pname else 1
+    a, b = pscheme.bytes_of(out_f // parts, in_f)
+    return e * parts * a, e * parts * b
+
+
+class StoredBytes:
+    """What a parameter, or a rank's shard of it, weighs as the checkpoint stores it: ``harness plan
+    --rehearse`` holds the plan's FP8 / NVFP4 / INT4 figures against the rehearsed ranks' local
+    shards (the rehearsal builds bf16 on the meta device). Built from the whole, unparallelized
+    model; parameters are looked up by their names there."""
+
+    def __init__(self, model: torch.nn.Module, mc: ModelConfig):
+        c = _Count(model, mc)
+        _find_experts(c)
+        self.by_name: dict[str, tuple[QuantScheme, torch.nn.Module, str]] = {}
+        for fqn, mod in model.named_modules():
+            kind, part = module_kind(fqn, mod, c.n_exp, c.parents), module_part(fqn)
+            for pname, p in mod.named_parameters(recurse=False):
+                pscheme = _stored_scheme(c, fqn, mod, pname, p, kind, part)
+                if pscheme is not None:
+                    self.by_name[f"{fqn}.{pname}" if fqn else pname] = (pscheme, mod, pname)
+
+    def of(self, name: str, local: torch.Tensor) -> int:
+        """Bytes of ``local`` (a shard of parameter ``name``) as stored: quantized weights and their
+        scales, or 2 B a parameter (16 bits, as inspect counts the rest of a quantized checkpoint)."""
+        hit = self.by_name.get(name)
+        if hit is None or local.dim() < 2:
+            return local.numel() * 2
+        pscheme, mod, pname = hit
+        a, b = _scheme_bytes(pscheme, mod, pname, tuple(local.shape))
+        return a + b
 
 
 def _summarize(c: _Count) -> None:
@@ -257,6 +301,12 @@ def _summarize(c: _Count) -> None:
         rep.by_part = {k: c.by_part[k] for k in ("text", "vision", "projector") if c.by_part.get(k)}
         rep.by_part["overall"] = total
         rep.notes.append("parts: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in rep.by_part.items()))
+
+
+def _stored_by_kind(c: _Count) -> None:
+    """The checkpoint's bytes by kind where it is quantized (the plan's per-kind weights)."""
+    if c.qbytes:
+        c.rep.stored_by_kind = {k: c.stored_by_kind[k] for k in KINDS if c.stored_by_kind.get(k)}
 
 
 def _mixed_bytes(c: _Count) -> None:

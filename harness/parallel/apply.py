@@ -86,6 +86,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh, plan: dict[str, str], kv_heads: in
     styles = {n: ColwiseParallel() if s == "colwise" else RowwiseParallel()
               for n, s in matched.items() if s in ("colwise", "rowwise")}
     if not styles:
+        if "moe_tp_experts" in matched.values():
+            # DeepSeek-V4's plan splits its fused experts only (harness.parallel.tp_experts does that):
+            # its attention stays whole on every tp rank, as the architecture's own plan says.
+            return []
         raise ValueError("the tensor-parallel plan matches no Linear layer of this model")
     parallelize_module(model, tp_mesh, styles)
     return [n for n, s in matched.items() if s == "replicated_with_grad_allreduce"]
@@ -220,10 +224,42 @@ def sync_grads(model: torch.nn.Module, group, skip: set[str] = frozenset(), only
 
 
 class _PassLayer(torch.nn.Module):
-    """A decoder layer owned by another stage: the hidden states pass through."""
+    """A decoder layer owned by another stage: the hidden states pass through. It returns what the
+    layer it stands for returns: GLM-5's DSA layers return ``(hidden_states, topk_indices)`` and the
+    base model's loop hands the top-k on as the next layer's ``prev_topk_indices`` ("shared" layers
+    reuse the previous full layer's selection), so a pass layer hands on what it was given. A stage
+    whose first owned layer is a "shared" one then gets None and transformers' own error says the
+    cut separates it from its indexer layer: a finding of the layout, not hidden by the stand-in."""
+
+    def __init__(self, layer: torch.nn.Module | None = None):
+        super().__init__()
+        self.carries = _carried_outputs(layer)
+        # what the base model's loop reads off a layer before calling it (Nemotron-H's block_type picks
+        # the mask it passes): the stand-in keeps the layer's plain attributes
+        for k, v in vars(layer or torch.nn.Module()).items():
+            if not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool))):
+                setattr(self, k, v)
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        if not self.carries:
+            return hidden_states
+        return (hidden_states, *(kwargs.get(k) for k in self.carries))
+
+
+def _carried_outputs(layer: torch.nn.Module | None) -> tuple[str, ...]:
+    """The keyword arguments (``prev_<name>``) a decoder layer's extra outputs come back in, read from
+    its forward's signature and return annotation: ``-> tuple[Tensor, Tensor | None]`` with a
+    ``prev_topk_indices`` parameter is GLM-5's; ``-> Tensor`` (every other bundled family) is none."""
+    import inspect
+
+    if layer is None:
+        return ()
+    sig = inspect.signature(type(layer).forward)
+    ret = sig.return_annotation
+    text = ret if isinstance(ret, str) else repr(ret)
+    if not text.startswith(("tuple", "typing.Tuple", "Tuple")):
+        return ()
+    return tuple(k for k in sig.parameters if k.startswith("prev_"))
 
 
 class StageModule(torch.nn.Module):
@@ -242,7 +278,7 @@ class StageModule(torch.nn.Module):
         self.owned = range(bounds[stage], bounds[stage + 1])
         for i in range(n):
             if i not in self.owned:
-                layers[i] = _PassLayer()
+                layers[i] = _PassLayer(layers[i])
         self.first, self.last = stage == 0, stage == num_stages - 1
         if not self.first:
             base.embed_tokens = None

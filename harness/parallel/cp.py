@@ -156,13 +156,21 @@ def attention_facts(cfg) -> dict:
     if getattr(cfg, "use_sliding_window", True) is False:
         window = None  # Qwen2/3 carry a window size that is off unless use_sliding_window
     sinks = "gpt_oss" in str(getattr(cfg, "model_type", "")) or bool(getattr(cfg, "attention_sinks", False))
-    return {"layer_types": kinds, "sliding_window": window, "sinks": sinks}
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks index_topk keys per
+    # query under the causal mask it reads from the model (attention_mask[:, 0]); this scheme builds
+    # its own mask inside the attention call, so the indexer would get none.
+    indexer = getattr(cfg, "index_topk", None)
+    return {"layer_types": kinds, "sliding_window": window, "sinks": sinks, "indexer_topk": indexer}
 
 
 def refusal(facts: dict, cp: int, seq_lens: tuple[int, ...]) -> str | None:
     """Why cp cannot run on this model and sequence length, in one line, or None."""
     if facts.get("sinks"):
         return "context parallelism does not support attention sinks (gpt-oss `sinks`: an extra per-head logit)"
+    if facts.get("indexer_topk"):
+        return (f"context parallelism does not support sparse attention's indexer (DSA, index_topk "
+                f"{facts['indexer_topk']}: it reads the model's causal mask, which this scheme builds inside "
+                "the attention call, and selects keys across the whole sequence)")
     # Layer kinds that do not mix tokens (Nemotron-H lists its MoE and MLP blocks) need nothing;
     # any other kind than full attention (sliding, chunked, linear/mamba, unknown) is refused.
     other = [k for k in facts.get("layer_types", []) if k not in ("full_attention", "moe", "mlp")]

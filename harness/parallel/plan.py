@@ -115,6 +115,13 @@ class ModelFacts:
     layer_kinds: list[dict[str, list[int]]] = field(default_factory=list)
     ends: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     kv_heads: int = 0  # key/value heads of the attention's projections (0: not known)
+    # collectives of each decoder layer as the check's steps issue them (``stage_facts``): tp forward
+    # all-reduces (one per rowwise Linear and split experts module), tp backward (one per colwise Linear's
+    # input gradient, two per split experts module), tp gradient sync (one per parameter of a
+    # replicated_with_grad_allreduce module, once a step), the layer's parameter tensors (a cp
+    # gradient sync reduces each) and those of its routed experts (0: a dense layer). Empty: the
+    # uniform count (two per layer and pass).
+    tp_calls: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 QUANTIZABLE = ("attention", "dense_mlp", "routed_experts", "shared_experts")
@@ -134,7 +141,9 @@ def model_facts(target, weights: str = "checkpoint", context: int = 4096) -> Mod
     sc = scen[fmt]
     buffers = int(sc.get("float32 (buffers)", 0)) if fmt != "float32" else p.buffers_persistent * 4
     wb: dict[str, float] = {}
-    if fmt in quant:
+    if fmt in quant and p.stored_by_kind:
+        wb = {k: float(v) for k, v in p.stored_by_kind.items()}  # each kind's own bytes as stored
+    elif fmt in quant:
         # inspect gives the quantized Linear weights + scales as one figure and the bf16 rest as another;
         # split them over kinds in proportion to parameters (totals stay inspect's exactly).
         keep16 = next(v for k, v in sc.items() if k.startswith("bfloat16"))
@@ -163,13 +172,64 @@ def model_facts(target, weights: str = "checkpoint", context: int = 4096) -> Mod
         moe_layers = p.num_layers - int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     notes = [f"weights as {fmt}: {gib(sum(wb.values()) + buffers)} GiB (harness inspect: "
              f"{gib(sc['total'])} GiB)"]
-    layer_kinds, ends = stage_facts(target)
+    layer_kinds, ends, tp_calls = stage_facts(target)
     return ModelFacts(target.name, by, p.total, wb, fmt, buffers, fl.kv_cache_bytes_per_token[kv_key],
                       1 if mla else kvh, p.num_layers, int(cfg.hidden_size), int(cfg.vocab_size), heads, inter,
-                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes, layer_kinds, ends, kvh)
+                      n_exp, top_k, moe_layers, fl.prefill_flops_per_token, notes, layer_kinds, ends, kvh,
+                      tp_calls)
 
 
-def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str, list[int]]]]:
+@dataclass
+class Decoder:
+    """What the parallel steps split: the model itself, or for a multimodal wrapper built whole (a
+    bare config.json such as Kimi-K2.5's) its language decoder, the class ``harness init`` would
+    build from the text part. The vision tower and projector are not split by any layout the check
+    applies: their parameters (``extra``, by kind) are held whole by the first stage's ranks."""
+
+    mc: object  # harness.models.config.ModelConfig of what is built
+    target: object  # the Target that builds it (meta_model(target, mc=mc))
+    extra: dict[str, int] = field(default_factory=dict)  # wrapper parts outside the decoder, by kind
+    note: str = ""
+
+
+def language_decoder(target) -> Decoder:
+    """The decoder the parallel check's steps split (``split_stage`` cuts a causal LM's layers)."""
+    import torch
+
+    from harness.anatomy.moe import expert_parents, module_kind, module_part, num_experts
+    from harness.inspect.params import meta_model
+    from harness.models.config import build_config
+    from harness.models.prune import PlanRefused, plan_for
+    from harness.models.wrapper import is_wrapper
+
+    mc = target.model_config(False)
+    if mc.part or not is_wrapper(target.raw_config):
+        return Decoder(mc, target)
+    try:
+        decoder = plan_for(target.raw_config, target.name)[0].architecture
+    except PlanRefused:
+        return Decoder(mc, target)
+    if not decoder or decoder == mc.architecture:
+        return Decoder(mc, target)  # no causal LM of its own: the wrapper runs whole
+    wrapper, _ = meta_model(target, pruned=False, dtype=torch.bfloat16, mc=mc)
+    n_exp = num_experts(mc.config)
+    parents = expert_parents(wrapper, n_exp)
+    extra: dict[str, int] = {}
+    for fqn, mod in wrapper.named_modules():
+        if module_part(fqn) == "text":
+            continue
+        for p in mod.parameters(recurse=False):
+            kind = module_kind(fqn, mod, n_exp, parents)
+            extra[kind] = extra.get(kind, 0) + p.numel()
+    dmc = build_config(target.raw_config, None, architecture=decoder)
+    n = sum(extra.values())
+    note = (f"multimodal wrapper {mc.architecture}: its language decoder {decoder} is what the layout splits; "
+            f"the vision tower and projector ({n / 1e9:.2f}B parameters) are held whole by the first stage's ranks")
+    return Decoder(dmc, target, extra, note)
+
+
+def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str, list[int]]],
+                                 list[tuple[int, int, int, int, int]]]:
     """The meta model's parameters as the parallel check splits them (``harness plan --rehearse``
     measured the uniform model 25-34 % under on a DeepSeek-V3 pipeline's last stage): per decoder
     layer, each kind's parameters that the tp plan splits (``tp_plan_of``: colwise / rowwise Linear
@@ -182,20 +242,24 @@ def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str,
     from harness.anatomy.moe import expert_parents, module_kind, num_experts
     from harness.inspect.params import meta_model
     from harness.parallel.apply import _match, tp_plan_of
+    from harness.parallel.tp_experts import splits
 
-    model, mc = meta_model(target, pruned=False, dtype=torch.bfloat16)
+    dec = language_decoder(target)
+    model, mc = meta_model(target, pruned=False, dtype=torch.bfloat16, mc=dec.mc)
     n_exp = num_experts(mc.config)
     parents = expert_parents(model, n_exp)
-    split = {n for n, st in _match(tp_plan_of(model)[0], model).items() if st in ("colwise", "rowwise",
-                                                                                   "moe_tp_experts")}
+    styles = {n: st for n, st in _match(tp_plan_of(model)[0], model).items()
+              if st != "moe_tp_experts" or splits(model.get_submodule(n))}
+    split = {n for n, st in styles.items() if st in ("colwise", "rowwise", "moe_tp_experts")}
     base = getattr(model, model.base_model_prefix, None)
     if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
-        return [], {}  # not a causal LM split_stage can cut (a multimodal wrapper): the uniform model
+        return [], {}, []  # not a causal LM split_stage can cut: the uniform model
     layers = list(base.layers)
     where = {f"{model.base_model_prefix}.layers.{i}": i for i in range(len(layers))}
     per_layer: list[dict[str, list[int]]] = [{} for _ in layers]
     ends: dict[str, dict[str, list[int]]] = {"first": {}, "last": {}}
     seen: set[int] = set()
+    expert_tensors = [0] * len(layers)
     for fqn, mod in model.named_modules():
         kind = module_kind(fqn, mod, n_exp, parents)
         tp_split = any(fqn == n or fqn.startswith(n + ".") for n in split)
@@ -206,9 +270,29 @@ def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str,
                     ends["last"].setdefault(kind, [0, 0])[int(not tp_split)] += p.numel()
                 continue
             seen.add(id(p))
+            if layer is not None and kind == "routed_experts":
+                expert_tensors[layer] += 1
             bucket = per_layer[layer] if layer is not None else ends["first" if kind == "embedding" else "last"]
             bucket.setdefault(kind, [0, 0])[int(not tp_split)] += p.numel()
-    return per_layer, ends
+    for kind, n in dec.extra.items():  # a wrapper's vision tower and projector: whole, on the first stage
+        ends["first"].setdefault(kind, [0, 0])[1] += n
+    calls = [[0, 0, 0] for _ in layers]
+    for name, st in styles.items():
+        layer = next((i for pre, i in where.items() if name.startswith(pre + ".")), None)
+        if layer is None:
+            continue
+        # rowwise: its output all-reduced in forward; colwise: its input's gradient in backward; split
+        # experts: both, the gradient of each differentiable input (hidden states and routing weights)
+        fwd = st in ("rowwise", "moe_tp_experts")
+        bwd = {"colwise": 1, "moe_tp_experts": 2}.get(st, 0)
+        sync = len(list(model.get_submodule(name).parameters())) if st == "replicated_with_grad_allreduce" else 0
+        calls[layer][0] += fwd
+        calls[layer][1] += bwd
+        calls[layer][2] += sync
+    for i, layer in enumerate(layers):  # parameter tensors: what a cp or replicated gradient sync reduces one by one
+        calls[i].append(len(list(layer.parameters())))
+        calls[i].append(expert_tensors[i])
+    return per_layer, ends, [tuple(c) for c in calls]
 
 
 @dataclass
@@ -250,6 +334,7 @@ class Estimate:
     why_not: str = ""
     comm_messages: float = 0.0  # collectives per step and device
     comm_latency_s: float = 0.0  # the part of comm_time_s that is per-collective latency
+    comm_messages_by: dict[str, float] = field(default_factory=dict)  # comm_messages by group (tp, pp, ep ...)
 
     @property
     def step_time_s(self) -> float:
@@ -283,9 +368,9 @@ def _share(kind: str, lay: Layout) -> float:
     return f
 
 
-def _stage_params(m: ModelFacts, lay: Layout) -> dict[str, float] | None:
-    """Parameters of each kind one device of the largest pipeline stage holds, split as the parallel
-    check splits them (``stage_facts``): stages cut at round(i x layers / pp) as ``split_stage`` cuts
+def _stage_params(m: ModelFacts, lay: Layout) -> list[dict[str, float]] | None:
+    """Parameters of each kind one device of each pipeline stage holds, split as the parallel check
+    splits them (``stage_facts``): stages cut at round(i x layers / pp) as ``split_stage`` cuts
     them; the tp-split part of each kind / tp, routed experts / ep (under ep the check gives the
     experts to ep, not tp). None without the per-layer facts."""
     if not m.layer_kinds:
@@ -300,26 +385,35 @@ def _stage_params(m: ModelFacts, lay: Layout) -> dict[str, float] | None:
             else:
                 out[k] = out.get(k, 0.0) + tp_split / lay.tp + whole
 
-    worst: dict[str, float] = {}
+    stages = []
     for j in range(lay.pp):
         got: dict[str, float] = {}
         for i in range(bounds[j], bounds[j + 1]):
             add(got, m.layer_kinds[i])
         for end in (["first"] if j == 0 else []) + (["last"] if j == lay.pp - 1 else []):
             add(got, m.ends.get(end, {}))
-        if sum(got.values()) > sum(worst.values()):
-            worst = got
-    return worst
+        stages.append(got)
+    return stages
+
+
+def stage_bytes(values: dict[str, float], lay: Layout, m: ModelFacts) -> list[float] | None:
+    """Per-kind totals (parameters, or bytes as the plan holds the weights) -> what one device of each
+    pipeline stage holds, by ``m``'s per-layer facts; None without them."""
+    stages = _stage_params(m, lay)
+    if stages is None:
+        return None
+    return [sum(values.get(k, 0.0) * got / m.params_by_kind[k] for k, got in stage.items() if m.params_by_kind.get(k))
+            for stage in stages]
 
 
 def _per_device(values: dict[str, float], lay: Layout, m: ModelFacts | None = None) -> float:
     """Per-kind totals -> what one device holds: with ``m``'s per-layer facts, the largest stage's
-    share of each kind (its parameters of that kind over the model's); otherwise the uniform model,
+    share of each kind (its parameters of that kind over the model's), largest by ``values`` (a
+    stage of bf16 embeddings may outweigh one of more INT4 experts); otherwise the uniform model,
     under pp the worst stage keeping the larger end."""
-    stage = _stage_params(m, lay) if m is not None else None
-    if stage is not None:
-        return sum(values.get(k, 0.0) * got / m.params_by_kind[k] for k, got in stage.items()
-                   if m.params_by_kind.get(k))
+    stages = stage_bytes(values, lay, m) if m is not None else None
+    if stages is not None:
+        return max(stages)
     s = sum(v * _share(k, lay) for k, v in values.items() if k not in ("embedding", "lm_head"))
     ends = [values.get("embedding", 0.0) * _share("embedding", lay), values.get("lm_head", 0.0) * _share("lm_head", lay)]
     return s + (max(ends) if lay.pp > 1 else sum(ends))
@@ -383,13 +477,41 @@ def _messages(m: ModelFacts, lay: Layout, train: bool, seqs: int, params_dev: fl
     passes = 2 if train else 1
     layers_dev = math.ceil(m.layers / pp)
     msgs: dict[str, float] = {}
-    if tp > 1:
+    if tp > 1 and m.tp_calls:
+        # the largest stage's layers (cut as split_stage cuts them), each microbatch of a pipeline
+        # running them again; the gradient sync once a step (the rehearsal counted 5 backward and 2
+        # forward all-reduces per Llama layer where "two per layer and pass" said 2 and 2)
+        n = len(m.tp_calls)
+        bounds = [round(i * n / pp) for i in range(pp + 1)]
+        per_mb = 1 if pp == 1 else seqs
+        stages = list(zip(bounds, bounds[1:], strict=False))
+        msgs["tp"] = max(sum(f * per_mb + (b * per_mb + g if train else 0) for f, b, g, *_ in m.tp_calls[lo:hi])
+                         for lo, hi in stages)
+    elif tp > 1:
         msgs["tp"] = layers_dev * 2 * passes
     if pp > 1:
-        msgs["pp"] = passes * seqs  # one send/recv per microbatch (a sequence each) and pass
-    if ep > 1 and m.num_experts:
+        # a stage inside the pipeline receives and sends every microbatch (a sequence each) in each pass
+        msgs["pp"] = 2 * passes * seqs
+    if ep > 1 and m.num_experts and m.tp_calls:
+        # the check's dispatch (harness.parallel.ep): 4 all-to-alls a MoE layer forward (counts, tokens,
+        # routing weights, combine), 2 backward, each microbatch; in training the other parameters'
+        # gradients all-reduced over ep (its ranks are data ranks to them), one by one, once a step
+        n = len(m.tp_calls)
+        bounds = [round(i * n / pp) for i in range(pp + 1)]
+        msgs["ep"] = max(sum((4 + (2 if train else 0)) * (1 if pp == 1 else seqs) * (c[4] > 0)
+                             + (c[3] - c[4] if train else 0) for c in m.tp_calls[lo:hi])
+                         for lo, hi in zip(bounds, bounds[1:], strict=False))
+    elif ep > 1 and m.num_experts:
         msgs["ep"] = math.ceil(m.moe_layers / pp) * 2 * passes
-    if cp > 1:
+    if cp > 1 and m.tp_calls:
+        # the check's cp (harness.parallel.cp) all-gathers K and V per layer in forward and reduces
+        # their gradients in backward; in training every parameter's gradient is all-reduced over cp
+        n = len(m.tp_calls)
+        bounds = [round(i * n / pp) for i in range(pp + 1)]
+        msgs["cp"] = max(2 * passes * (hi - lo) * (1 if pp == 1 else seqs)
+                         + (sum(c[3] for c in m.tp_calls[lo:hi]) if train else 0)
+                         for lo, hi in zip(bounds, bounds[1:], strict=False))
+    elif cp > 1:
         msgs["cp"] = passes * layers_dev * (cp - 1)
     if train and dp > 1:
         msgs["dp"] = 3 * layers_dev if lay.zero >= 3 else max(1, math.ceil(params_dev * 2 / DDP_BUCKET_BYTES))
@@ -439,7 +561,7 @@ def estimate(m: ModelFacts, lay: Layout, *, mode: str, batch: int, context: int,
     limit = device_memory * usable
     why = "" if total <= limit else f"needs {gib(total)} GiB per device, {gib(limit)} GiB usable"
     return Estimate(lay, weights, kv, act, grads, optim, total, total <= limit, limit - total, comm_total, cross,
-                    time_s, compute_s, why, sum(msgs.values()), latency_s)
+                    time_s, compute_s, why, sum(msgs.values()), latency_s, msgs)
 
 
 def _kv_heads_split(m: ModelFacts, tp: int) -> bool:

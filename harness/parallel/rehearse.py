@@ -61,6 +61,9 @@ class RankRehearsal:
     grad_bytes: int = 0
     optim_bytes: int = 0
     activation_bytes: int = 0  # peak of the meta forward + backward's tensors beyond the parameters
+    # the rank's parameters as the checkpoint stores them (FP8 / NVFP4 / INT4 weights and their scales
+    # where the release quantizes, 16 bits elsewhere): what an inference deployment holds
+    stored_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
     recorded: str = ""  # "forward+backward" or "parallelization only (<why>)"
     error: str = ""
@@ -83,6 +86,9 @@ class Rehearsal:
     hangs: list[str]
     seconds: float = 0.0
     plan_bytes: dict[str, float] = field(default_factory=dict)  # the plan's per-device figures, if any
+    plan_messages: dict[str, float] = field(default_factory=dict)  # the plan's collectives per step, by group
+    training: bool = True  # what the plan counts: forward, backward and gradient sync, or forward only
+    microbatch_scale: float = 1.0  # the layout's microbatches / those the pipeline schedule ran
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,38 +116,77 @@ def from_plan(b, mode: str, batch: int):
                          f"(its ep is a data dimension: ep must divide dp{b.dp})")
     deg = {"tp": b.tp, "pp": b.pp, "cp": b.cp, "ep": b.ep, data: b.dp // b.ep}
     zero = b.zero if mode == "training" and b.zero in (1, 2) else 0
+    if zero and deg[data] == 1:
+        raise ValueError(f"{b.name}: ZeRO-{zero} over the ep ranks is not a layout the parallel check applies (its "
+                         "ZeRO shards over dp, and ep took every data rank)")
     return Layout(**{k: v for k, v in deg.items() if v > 1}, zero=zero, recompute=b.recompute,
                   microbatches=max(1, -(-batch // b.dp)))
 
 
 def chosen_layout(name: str, world: int, rep=None, *, mode: str = "inference", batch: int = 1):
-    """What ``harness plan --rehearse [LAYOUT]`` and the nightly ``rehearse`` check rehearse: the plan
-    ``rep``'s top layout (``name`` "best", as the parallel check's Layout) or the parallel-check layout
-    ``name``; a ValueError saying why not (no layout at all, a world size other than the cluster's)."""
+    """What ``harness plan --rehearse [LAYOUT]`` and the nightly ``rehearse`` check rehearse, as
+    ``(layout, the plan's estimate of it or None, notes)``: for ``name`` "best" the plan ``rep``'s
+    top layout the parallel check applies (one it does not - ep over the tp ranks, ZeRO over the ep
+    ranks - is skipped and named in a note), else the parallel-check layout ``name``; a ValueError
+    saying why not (no layout at all, none the check applies, a world other than the cluster's)."""
     from harness.parallel.layouts import parse_name
 
+    est, notes = None, []
     if name == "best":
         if not rep.ranked:
             raise ValueError(rep.recommendation)
-        lay = from_plan(rep.ranked[0].layout, mode, batch)
+        for e in [e for e in rep.ranked if e.fits == rep.ranked[0].fits]:
+            try:
+                lay, est = from_plan(e.layout, mode, batch), e
+                break
+            except ValueError as why:
+                notes.append(f"the plan's better-ranked layout {why}: the next one is rehearsed")
+        else:
+            raise ValueError(f"no layout of the plan is one the parallel check applies ({notes[0]})")
     else:
         lay = parse_name(name)
     if lay.world != world:
         raise ValueError(f"{lay.label} has {lay.world} ranks, the cluster {world}")
-    return lay
+    return lay, est, notes
 
 
-def plan_figures(name: str, rep, mode: str) -> dict[str, float]:
-    """The plan's per-device figures the rehearsal is held against: only for the plan's own layout in
-    training (the plan counts training state in bf16 / fp32; in inference it counts the checkpoint's
-    format, FP8 where it is, and the rehearsal builds bf16)."""
-    if name != "best" or mode != "training" or not rep.ranked:
+def plan_figures(e, rep, mode: str) -> dict[str, float]:
+    """The plan's per-device figures the rehearsal is held against, from its estimate ``e``: in
+    training its bf16 weights and gradients and fp32 Adam state; in inference its weights in the
+    format it planned (the checkpoint's FP8 / NVFP4 where the release quantizes: held against the
+    ranks' shards as stored, ``stored_bytes``; bf16: against the bf16 shards; float32: not held)."""
+    if e is None:  # a layout named by the user: the plan has no figures of its own for it
         return {}
-    e = rep.ranked[0]
-    return {"weights": e.weights, "gradients": e.gradients, "optimizer": e.optimizer}
+    if mode == "training":
+        return {"weights": e.weights, "gradients": e.gradients, "optimizer": e.optimizer}
+    fmt = rep.model.weight_format
+    if fmt == "float32":
+        return {}
+    return {"weights" if fmt == "bfloat16" else "stored weights": e.weights}
 
 
-_FIGURES = {"weights": "param_bytes", "gradients": "grad_bytes", "optimizer": "optim_bytes"}
+_FIGURES = {"weights": "param_bytes", "gradients": "grad_bytes", "optimizer": "optim_bytes",
+            "stored weights": "stored_bytes"}
+
+
+def plan_messages(e) -> dict[str, float]:
+    """The plan's collectives per step and device, by group, in its estimate ``e`` of the layout."""
+    return {} if e is None else dict(e.comm_messages_by)
+
+
+def rehearsed_messages(rep: Rehearsal, rr: RankRehearsal) -> dict[str, float]:
+    """What ``rr`` issued per step on each group the plan counts: forward (and in training backward)
+    scaled from the microbatches the schedule ran to the layout's, the gradient sync once."""
+    steps = ("forward", "backward") if rep.training else ("forward",)
+    out: dict[str, float] = {}
+    for c in rr.collectives:
+        if c.group not in rep.plan_messages:
+            continue
+        if c.step in steps:
+            out[c.group] = out.get(c.group, 0.0) + rep.microbatch_scale
+        elif c.step == "grad_sync" and rep.training:
+            out[c.group] = out.get(c.group, 0.0) + 1
+    return out
 
 
 def plan_errors(rep: Rehearsal) -> dict[str, float]:
@@ -150,7 +195,7 @@ def plan_errors(rep: Rehearsal) -> dict[str, float]:
     out = {}
     for key, attr in _FIGURES.items():
         got = max((getattr(r, attr) for r in ok), default=0)
-        if rep.plan_bytes and got:
+        if key in rep.plan_bytes and got:
             out[key] = (rep.plan_bytes.get(key, 0.0) - got) / got
     return out
 
@@ -180,6 +225,26 @@ def divisibility(cfg, lay, *, batch: int, context: int) -> list[str]:
         out.append(f"batch {batch} over {slices} slices (data ranks x microbatches)")
     if lay.cp > 1 and context % (2 * lay.cp) and context % lay.cp:
         out.append(f"context {context} over cp={lay.cp}")
+    out += _shared_indexer_cuts(cfg, lay)
+    return out
+
+
+def _shared_indexer_cuts(cfg, lay) -> list[str]:
+    """GLM-5's DSA layers of kind "shared" reuse the top-k keys the previous "full" layer's indexer
+    chose (``indexer_types``); the pipeline sends its neighbour hidden states only, so a stage that
+    starts on a shared layer has no top-k to reuse (transformers raises in the stage's forward)."""
+    kinds = list(getattr(cfg, "indexer_types", None) or [])
+    n = int(cfg.num_hidden_layers)
+    if lay.pp < 2 or lay.pp > n or len(kinds) < n:
+        return []
+    out = []
+    for j, b in enumerate([round(i * n / lay.pp) for i in range(1, lay.pp)], start=1):
+        if kinds[b] == "shared":
+            full = max((i for i in range(b) if kinds[i] == "full"), default=None)
+            out.append(f"pipeline stage {j} starts at layer {b}, a 'shared' DSA layer: its top-k keys come from "
+                       f"layer {full}'s indexer on stage {j - 1}, and a stage sends its neighbour hidden states "
+                       "only (indexer_types; cut the stages at a 'full' layer)")
+            break
     return out
 
 
@@ -357,16 +422,21 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _state_bytes(s, rr: RankRehearsal) -> None:
-    """Parameters and gradients as this rank holds them (local shards), and Adam's float32 master
-    weights, m and v (12 B per local parameter, split by dp under ZeRO-1), as the plan counts them."""
-    seen, params = set(), 0
-    for p in s.wrapped.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+def _state_bytes(s, rr: RankRehearsal, stored, extra: int = 0) -> None:
+    """Parameters and gradients as this rank holds them (local shards), the same shards as the
+    checkpoint stores them (``stored``: harness.inspect.params.StoredBytes), and Adam's float32 master
+    weights, m and v (12 B per local parameter, split by dp under ZeRO-1), as the plan counts them.
+    ``extra``: parameters outside what the layout splits that this rank holds whole (a wrapper's
+    vision tower on the first stage), in bf16 as the rest."""
+    from harness.parallel.reference import clean_name
+
+    params = extra
+    rr.param_bytes = rr.stored_bytes = rr.grad_bytes = 2 * extra
+    for name, p in s.wrapped.named_parameters():
+        local = getattr(p, "_local_tensor", p)
         rr.param_bytes += _local_bytes(p)
-        params += getattr(p, "_local_tensor", p).numel()
+        rr.stored_bytes += stored.of(clean_name(name), local)
+        params += local.numel()
         if p.grad is not None:
             rr.grad_bytes += _local_bytes(p.grad)
     rr.optim_bytes = 12 * params // (s.lay.dp if s.lay.zero == 1 else 1)
@@ -393,21 +463,25 @@ def _build_step(model, cfg, lay, rank: int, batch: int, context: int, steps: _St
                         0)
 
 
-def rehearse_rank(target, lay, rank: int, *, batch: int, context: int) -> RankRehearsal:
+def rehearse_rank(target, lay, rank: int, *, batch: int, context: int, decoder=None) -> RankRehearsal:
     """One rank of ``lay`` at its real world size on the fake process group: parallelized by the
-    parallel check's steps, then its meta forward, backward and gradient reductions."""
+    parallel check's steps, then its meta forward, backward and gradient reductions. ``decoder``:
+    what the layout splits (``plan.language_decoder``: a wrapper's language decoder)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from harness.inspect.params import meta_model
+    from harness.inspect.params import StoredBytes, meta_model
     from harness.parallel import worker
+    from harness.parallel.plan import language_decoder
 
     rr = RankRehearsal(rank, {k: v for k, v in lay.coords(rank).items() if getattr(lay, k) > 1})
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world)
     try:
-        mc = target.model_config(False)
+        dec = decoder or language_decoder(target)
+        mc = dec.mc
         mc.config._experts_implementation = "batched_mm"  # no per-expert loop over routed tokens
-        model, _ = meta_model(target, pruned=False, dtype=torch.bfloat16, mc=mc)
+        model, _ = meta_model(dec.target, pruned=False, dtype=torch.bfloat16, mc=mc)
+        stored = StoredBytes(model, mc)  # by the whole model's names, before any step renames or splits
         model.train()
         steps = _Steps()
         s = _build_step(model, mc.config, lay, rank, batch, context, steps)
@@ -422,7 +496,7 @@ def rehearse_rank(target, lay, rank: int, *, batch: int, context: int) -> RankRe
                 _static_stage_meta(s, mc.config, batch // lay.data_degree, context // lay.cp)
                 _label_stage_steps(s.stage, steps)
             _forward_backward(s, steps, rr)
-        _state_bytes(s, rr)
+        _state_bytes(s, rr, stored, sum(dec.extra.values()) if lay.coords(rank).get("pp", 0) == 0 else 0)
     finally:
         dist.destroy_process_group()
     return rr
@@ -628,7 +702,7 @@ def _forked(fn, target, lay, rank: int, **kw) -> RankRehearsal:
     return RankRehearsal(rank, {}, error=f"rehearsal: the rank's process died ({_status_text(status)})")
 
 
-def _warm(target) -> None:
+def _warm(dec) -> None:
     """What every forked rank would otherwise import again on its own (transformers' modeling module,
     torch's pipelining, tensor-parallel and fake-group modules): imported once, here, before the forks.
     Nothing distributed is set up in this process."""
@@ -639,7 +713,7 @@ def _warm(target) -> None:
     from harness.inspect.params import meta_model
     from harness.parallel import worker  # noqa: F401
 
-    meta_model(target, pruned=False, dtype=torch.bfloat16)
+    meta_model(dec.target, pruned=False, dtype=torch.bfloat16, mc=dec.mc)
 
 
 def _status_text(status: int) -> str:
@@ -661,14 +735,22 @@ def rehearse(target, lay, *, batch: int, context: int, ranks: list[int] | None =
 
     from harness.inspect.flops import text_config
     from harness.parallel.layouts import ArchFacts, _combination_refusal
+    from harness.parallel.plan import language_decoder
 
     t0 = time.perf_counter()
-    cfg = target.model_config(False).config
+    dec = language_decoder(target)
+    cfg = dec.mc.config
     errors = divisibility(cfg, lay, batch=batch, context=context)
-    notes = [n for n in [stage_note(cfg, lay)] if n]
+    notes = [n for n in [dec.note, stage_note(cfg, lay)] if n]
     refused = _combination_refusal(dataclasses.replace(lay, cp=1), ArchFacts(moe=False, num_layers=0), ())
     if lay.cp > 1 and (lay.pp > 1 or lay.fsdp > 1 or lay.ep > 1 or lay.zero):
         refused = "context parallelism combines with dp and tp only so far"
+    if lay.cp > 1:
+        from harness.parallel.cp import attention_facts, refusal
+
+        # what the attention itself rules out (GLM-5's DSA indexer reads the mask cp builds inside the
+        # call): the ranks' forward then stops where the note says, not at an unexplained TypeError
+        refused = refusal(attention_facts(cfg), lay.cp, (context,)) or refused
     if refused:
         notes.append(f"the parallel check refuses this combination at the pruned size: {refused}")
     out = []
@@ -681,14 +763,15 @@ def rehearse(target, lay, *, batch: int, context: int, ranks: list[int] | None =
         notes.append(f"the pipeline schedule ran {MAX_MICROBATCHES} of the layout's {lay.microbatches} microbatches "
                      "(each repeats the same collectives)")
     if not errors:
-        _warm(target)
+        _warm(dec)
         stages = (largest_stage(cfg, lay),) if lay.pp > 1 and lay.pp <= int(text_config(cfg).num_hidden_layers) else ()
         for r in ranks if ranks is not None else sample_ranks(lay, stages=stages):
-            rr = _forked(rehearse_rank, target, run, r, batch=run_batch, context=context)
+            rr = _forked(rehearse_rank, target, run, r, batch=run_batch, context=context, decoder=dec)
             if fault is not None:
                 fault(r, rr)
             out.append(rr)
     rep = Rehearsal(target.name, lay.label, lay.world, errors, notes, out, order_mismatches(out))
+    rep.microbatch_scale = lay.microbatches / run.microbatches if lay.pp > 1 else 1.0
     rep.seconds = time.perf_counter() - t0
     return rep
 
@@ -704,7 +787,8 @@ def render(rep: Rehearsal) -> str:
             lines.append(f"  rank {rr.rank:>5} [{coords}]: {rr.error}")
             continue
         counts = ", ".join(f"{n} {k}" for k, n in sorted(rr.summary().items()))
-        lines.append(f"  rank {rr.rank:>5} [{coords}]: params {rr.param_bytes / gib:.2f} GiB, grads "
+        stored = f" ({rr.stored_bytes / gib:.2f} GiB as stored)" if rr.stored_bytes != rr.param_bytes else ""
+        lines.append(f"  rank {rr.rank:>5} [{coords}]: params {rr.param_bytes / gib:.2f} GiB{stored}, grads "
                      f"{rr.grad_bytes / gib:.2f} GiB, Adam {rr.optim_bytes / gib:.2f} GiB; "
                      f"{len(rr.collectives)} collectives ({counts or 'none'}); recorded: {rr.recorded}")
     lines += [f"  {h}" for h in rep.hangs]
@@ -717,8 +801,15 @@ def render(rep: Rehearsal) -> str:
 
 
 def _against_plan(rep: Rehearsal) -> list[str]:
-    """The plan's per-device weights / gradients / optimizer state against the largest rehearsed rank."""
+    """The plan's per-device weights / gradients / optimizer state against the largest rehearsed rank,
+    and its collectives per step against the busiest rank's, group by group."""
     out = []
+    ok = [r for r in rep.ranks if r.recorded.startswith("forward+backward")]
+    for group, planned in sorted(rep.plan_messages.items()):
+        got = max((rehearsed_messages(rep, r).get(group, 0.0) for r in ok), default=0.0)
+        if got:
+            out.append(f"  plan vs rehearsal, {group} collectives per step (busiest rank): {planned:.0f} vs {got:.0f} "
+                       f"({(planned - got) / got:+.1%})")
     for key, err in plan_errors(rep).items():
         got = max(getattr(r, _FIGURES[key]) for r in rep.ranks if not r.error)
         out.append(f"  plan vs rehearsal, {key} per device (largest rank): {rep.plan_bytes.get(key, 0.0) / 2**30:.2f} "

@@ -58,6 +58,12 @@ def _fused(mod: torch.nn.Module) -> bool:
             and gu.shape[1] == 2 * dn.shape[2])
 
 
+def splits(mod: torch.nn.Module) -> bool:
+    """Whether :func:`shard_fused_experts` splits this experts module (the plan counts by the same
+    rule: Nemotron-H's ungated ``up_proj`` experts stay whole on every tp rank)."""
+    return _fused(mod) and not getattr(mod, "is_transposed", False) and not getattr(mod, "has_bias", False)
+
+
 def shard_fused_experts(model: torch.nn.Module, names: list[str], tp_group) -> tuple[dict[str, tuple[int, bool]],
                                                                                       list[str]]:
     """Split the fused experts modules ``names`` over ``tp_group``. Returns {clean parameter name: (dim,
@@ -67,7 +73,7 @@ def shard_fused_experts(model: torch.nn.Module, names: list[str], tp_group) -> t
     notes: list[str] = []
     for name in names:
         mod = model.get_submodule(name)
-        if not _fused(mod) or getattr(mod, "is_transposed", False) or getattr(mod, "has_bias", False):
+        if not splits(mod):
             notes.append(f"{name}: not the [E, 2I, H] / [E, H, I] fused layout without biases; kept replicated "
                          "on the tp ranks")
             continue

@@ -304,7 +304,15 @@ def parallelize(s: _Step, spec: dict, cfg, recompute: bool) -> None:
     if lay.tp > 1:
         _apply_tp(s, spec.get("tp_plan") or None, cfg)
     if lay.ep > 1:
-        s.ep_names = apply_ep(s.model, _num_experts(cfg), s.groups["ep"], spec.get("capacity_factor", 0.0))
+        try:
+            s.ep_names = apply_ep(s.model, _num_experts(cfg), s.groups["ep"], spec.get("capacity_factor", 0.0))
+        except ValueError:
+            if lay.pp == 1:
+                raise
+            # a pipeline stage of dense layers only (DeepSeek-V3's first three): nothing to shard, its
+            # parameters are the data ranks' like any other
+            s.ep_names = []
+            s.res["notes"].append("this pipeline stage holds no routed experts: ep shards nothing on it")
     if lay.cp > 1:
         cp_mod.apply_cp(s.model, s.groups["cp"], s.cp_index, lay.cp)
     if recompute:

@@ -94,13 +94,17 @@ def test_every_collective_pays_the_link_latency(llama405):
     assert single.comm_messages == 0 and single.comm_latency_s == 0 and single.comm_time_s == 0
     tp = Layout(8, 1, 1, 1, 1, 0, False)
     no_lat, lat = comm(tp, intra_latency=0.0), comm(tp, intra_latency=1e-3)
-    assert lat.comm_messages == layers * 2 * 2  # two all-reduces per layer, forward and backward
-    assert lat.comm_latency_s == pytest.approx(layers * 4 * 1e-3)
-    assert lat.comm_time_s == pytest.approx(no_lat.comm_time_s + layers * 4 * 1e-3)
-    # tp8 x pp2 on 8 devices a node: the pipeline's boundary spans the nodes, its sends pay the
-    # inter-node latency; the tensor-parallel group stays within a node
+    # as the check's tp plan issues them: forward one per rowwise Linear (o_proj, down_proj), backward
+    # one per colwise Linear's input gradient (q, k, v, gate, up): 7 a layer
+    assert lat.comm_messages == layers * 7
+    assert lat.comm_latency_s == pytest.approx(layers * 7 * 1e-3)
+    assert lat.comm_time_s == pytest.approx(no_lat.comm_time_s + layers * 7 * 1e-3)
+    # tp8 x pp2 on 8 devices a node: the pipeline's boundary spans the nodes, its sends and receives pay
+    # the inter-node latency; the tensor-parallel group stays within a node, its 7 a layer repeated by
+    # each of the 8 microbatches
     tp_pp = comm(Layout(8, 2, 1, 1, 1, 0, False), intra_latency=1e-3, inter_latency=1.0)
-    assert tp_pp.comm_latency_s == pytest.approx((layers // 2) * 4 * 1e-3 + 2 * 8 * 1.0)  # 8 microbatches x 2 passes
+    assert tp_pp.comm_messages_by == {"tp": (layers // 2) * 7 * 8, "pp": 2 * 2 * 8}  # receive + send, 2 passes
+    assert tp_pp.comm_latency_s == pytest.approx((layers // 2) * 7 * 8 * 1e-3 + 2 * 2 * 8 * 1.0)
     # data parallelism: DDP's buckets of 25 MiB; ZeRO-3 three per layer
     dp = comm(Layout(1, 1, 8, 1, 1, 0, False), intra_latency=1.0)
     assert dp.comm_messages == pytest.approx(-(-dp.gradients // DDP_BUCKET_BYTES))
