@@ -286,8 +286,10 @@ class Worker:
     def close(self) -> None:
         """Polite shutdown at the end of the session (a kill if an item is still in flight). The
         child says ``{"bye": true}`` once its exit handlers have run: its process's end after that
-        (the kernel unmapping torch's address space: ~40 ms, measured) is not waited for."""
-        if self.alive() and not self.busy:
+        (the kernel unmapping torch's address space: ~40 ms, measured) is not waited for. A child that
+        has not said ready yet ran no item: it is killed, not asked (it would read the request only after
+        its imports, and a run that refuses its input in a second waited 5 s for that)."""
+        if self.alive() and not self.busy and self.ready:
             try:
                 self.cmd.write("null\n")
                 self.cmd.flush()
