@@ -31,13 +31,15 @@ def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
     """The runner's environment: the build's own settings (vLLM on CPU: KV cache space in GiB, its
     OpenMP threads unbound; a vendor's: its runtime's), unless the user set them; then the engine core
     in this process (one process to supervise, and a preloaded file's patches apply to the model that
-    runs), no usage statistics, the hub offline. Its caches live in the run directory (never the user's
-    ~/.cache), and its compile cache is off: a compiled graph from another run (made before a kernel
-    changed, or with a fault injected) must never stand in for this run's."""
+    runs), no usage statistics, the hub offline. Its caches live beside the run directory, shared by the
+    runs of one results folder (never the user's ~/.cache): all that is kept there is vLLM's model-class
+    inspection (keyed by the model file's hash; a ~10 s subprocess on every start without it), since its
+    compile cache is off: a compiled graph from another run (made before a kernel changed, or with a
+    fault injected) must never stand in for this run's."""
     env = dict(os.environ)
     for k, v in (engine.env if engine is not None else ()):
         env.setdefault(k, v)
-    env["VLLM_CACHE_ROOT"] = str(run_dir / "vllm-cache")
+    env["VLLM_CACHE_ROOT"] = str(run_dir.parent / "vllm-cache")
     env["VLLM_CONFIG_ROOT"] = str(run_dir / "vllm-config")
     env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -117,7 +117,8 @@ def mla_clean(results):
 
 @pytest.fixture(scope="module")
 def moe_dropped(results):
-    return _run(MOE, results_dir=results, preload=[EXPERT], variant="eager")
+    # judged on the plain run (its failure, and _first_routed reads only the plain run's prompts)
+    return _run(MOE, results_dir=results, preload=[EXPERT], variant="eager", probes=[])
 
 
 def _use(ctx, probe: str) -> float:
