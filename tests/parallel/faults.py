@@ -108,6 +108,18 @@ def several(ctx) -> None:
     fsdp_stale_shard(ctx)
 
 
+def several_after_healthy_ep2(ctx) -> None:
+    """`several` in a launch that first runs a healthy ep2 and fsdp2-ac: the faults on the layouts named
+    ``ep2-drop`` (its dispatch patch stays for the rest of the rank's life: it comes after ep2), ``pp2``
+    and ``fsdp2`` only."""
+    if ctx.layout.label == "ep2-drop":
+        ep_drop_tokens(ctx)
+    if ctx.layout.label == "pp2":
+        pp_reorder_microbatches(ctx)
+    if ctx.layout.label == "fsdp2":
+        fsdp_stale_shard(ctx)
+
+
 def abort_at_exit_pp2(ctx) -> None:
     """pp2: rank 0 aborts when its interpreter exits, after every result is written (as DTensor
     teardown sometimes does)."""
@@ -361,6 +373,16 @@ def silu_backward_off(ctx) -> None:
         _KEEP.append(SiluBackward().__enter__())
 
 
+def silu_backward_off_on_silu_layouts(ctx) -> None:
+    """silu_backward_off on the layouts named ``*-silu`` only: the layouts before them in the same
+    launch run the right kernel (the override is entered at the first ``*-silu`` layout, and left again
+    at any other layout after it)."""
+    if ctx.layout.label.endswith("-silu"):
+        silu_backward_off(ctx)
+    elif _KEEP:
+        _KEEP.pop().__exit__(None, None, None)
+
+
 def late_all_reduce_rank1(ctx, delay_s: float = 0.1) -> None:
     """Rank 1 enters every all-reduce ``delay_s`` late (a slow link or a straggler as its peers see
     it): rank 0's collective waits that long inside the collective library. Numerics unchanged."""
@@ -369,6 +391,24 @@ def late_all_reduce_rank1(ctx, delay_s: float = 0.1) -> None:
     import torch.distributed as dist
 
     orig = dist.all_reduce
+
+    def late(*args, **kwargs):
+        time.sleep(delay_s)
+        return orig(*args, **kwargs)
+
+    dist.all_reduce = late
+
+
+def late_all_reduce_rank1_on_dp2_late(ctx, delay_s: float = 0.1) -> None:
+    """late_all_reduce_rank1 on the layout named ``dp2-late`` only: the layouts before it in the same
+    launch run on time (the all-reduce is restored at the next layout too)."""
+    import torch.distributed as dist
+
+    _restore_all_reduce()
+    if ctx.layout.label != "dp2-late" or ctx.rank != 1:
+        return
+    orig = dist.all_reduce
+    _ORIG_ALL_REDUCE.append(orig)
 
     def late(*args, **kwargs):
         time.sleep(delay_s)
@@ -434,6 +474,21 @@ def dp_sum_not_mean(ctx, label: str = "dp2-sum") -> None:
         return orig(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_reduce = all_reduce
+
+
+def rowwise_and_zero1(ctx) -> None:
+    """One 2-rank launch shared by two tests: tp layouts skip layer 0's row-parallel all-reduce;
+    ``dp2-zero1-nobcast`` skips ZeRO-1's broadcast (dp2, pp2 and the other ZeRO layouts healthy)."""
+    skip_rowwise_allreduce(ctx)
+    zero1_skip_broadcast(ctx)
+
+
+def qwen3_moe_world4_faults(ctx) -> None:
+    """One 4-rank launch shared by three tests, each fault on its own named layouts: the 2-D faults,
+    the pp x tp / pp x fsdp last-stage faults and ep x fsdp's divide factor."""
+    two_d_faults(ctx)
+    pp_last_stage_faults(ctx)
+    ep_fsdp_expert_divide_factor(ctx)
 
 
 def tp_skip_and_dp_sum(ctx) -> None:

@@ -3,7 +3,9 @@
 Default run: two launches on tiny bundled-suite prunes - a matrix with a row-parallel layer whose
 all-reduce is skipped (caught and localized; the healthy layouts of the same launch still pass), and
 a healthy MoE matrix (expert parallelism, FSDP2 with recomputation: memory metrics). The heavier
-fault sets and a whole default matrix in bfloat16 are ``slow``.
+fault sets and a whole default matrix in bfloat16 are ``slow``. Tests of one model, dtype and world
+size share one launch (the module fixtures: a launch's start-up is most of its time on 2 cores), so
+the default run's two launches also run the ``slow`` tests' layouts of the same model.
 """
 
 from __future__ import annotations
@@ -30,10 +32,54 @@ def _launches():
     return {key: run.result().launches for key, (run, _) in par._LAUNCHES.items()}
 
 
-def test_skipped_rowwise_allreduce_is_caught_at_its_module_and_healthy_layouts_pass():
-    ls = suite_with("qwen3-8b", configs=[{"tp": 2}, {"dp": 2}, {"pp": 2}])
-    res = _run_all(ls, fault="tests.parallel.faults:skip_rowwise_allreduce")
-    assert list(_launches().values()) == [1], "every layout of world size 2 runs in one launch"
+def _shared_launch(ls, fault):
+    """(every item's (outcome, context), launches per world size) of one launch of ``ls``'s layouts,
+    for the tests that read it (read-only). The start-up of a launch (torchrun, imports, rendezvous:
+    10-20 s on 2 cores) is most of its time, so tests of one model and world size share one; each
+    fault targets layouts of its own test by name (tests/parallel/faults.py)."""
+    par.reset_launches()
+    try:
+        res = _run_all(ls, fault=fault)
+        return res, list(_launches().values())
+    finally:
+        par.reset_launches()
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b_world2():
+    """test_skipped_rowwise_allreduce_... (tp2 skips, dp2 and pp2 healthy), test_zero1_zero2_... and
+    test_recomputation_inside_pipeline_stages_...'s layouts: one 2-rank launch."""
+    ls = suite_with("qwen3-8b", configs=[{"tp": 2}, {"dp": 2}, {"pp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2},
+                                         {"dp": 2, "zero": 1, "name": "dp2-zero1-nobcast"},
+                                         {"pp": 2, "recompute": True, "schedule": "1F1B"}])
+    return _shared_launch(ls, "tests.parallel.faults:rowwise_and_zero1")
+
+
+@pytest.fixture(scope="module")
+def mixtral_world2():
+    """test_moe_expert_parallel_and_fsdp_memory's healthy ep2 and fsdp2-ac, then
+    test_ep_drop_pp_reorder_fsdp_stale_shard_each_caught's layouts: one 2-rank launch."""
+    ls = suite_with("mixtral-8x7b", configs=[{"ep": 2}, {"fsdp": 2, "recompute": True}, {"tp": 2}, {"pp": 2},
+                                             {"fsdp": 2}, {"ep": 2, "name": "ep2-drop"}, {"dp": 2}])
+    return _shared_launch(ls, "tests.parallel.faults:several_after_healthy_ep2")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_world4():
+    """test_two_d_..., test_pp_x_tp_pp_x_fsdp_... and test_ep_x_fsdp_...'s layouts: one 4-rank launch."""
+    two_d = [{"tp": 2, "fsdp": 2}, {"dp": 2, "fsdp": 2}, {"ep": 2, "dp": 2},
+             {"tp": 2, "fsdp": 2, "name": "tp2xfsdp2-skip-ar"}, {"dp": 2, "fsdp": 2, "name": "hsdp-mean"},
+             {"ep": 2, "dp": 2, "name": "ep2xdp2-no-ar"}]
+    pp = [{"pp": 2, "tp": 2}, {"pp": 2, "fsdp": 2, "recompute": True, "schedule": "1F1B"},
+          {"pp": 2, "tp": 2, "name": "pp2xtp2-skip-ar"}, {"pp": 2, "fsdp": 2, "name": "pp2xfsdp2-stale"}]
+    ep_fsdp = [{"ep": 2, "fsdp": 2}, {"ep": 2, "fsdp": 2, "name": "ep2xfsdp2-divide"}]
+    ls = suite_with("qwen3-30b-a3b", configs=two_d + pp + ep_fsdp)
+    return _shared_launch(ls, "tests.parallel.faults:qwen3_moe_world4_faults")
+
+
+def test_skipped_rowwise_allreduce_is_caught_at_its_module_and_healthy_layouts_pass(qwen3_8b_world2):
+    res, launches = qwen3_8b_world2  # tp2 (layer 0's o_proj skips its all-reduce), dp2, pp2 and the ZeRO layouts
+    assert launches == [1], "every layout of world size 2 runs in one launch"
     out, ctx = res["tp2"]
     assert isinstance(out, CheckFailure), out
     assert "First diverging module: model.layers.0.self_attn.o_proj on rank(s) [0, 1]" in str(out)
@@ -76,13 +122,18 @@ def test_a_backward_fault_on_every_rank_is_caught_against_float64():
     agree with the single-process bf16 run within its tolerance (grads 2^-2); against the float64
     reference each gradient is held to 2 x the single-process run's own error + floor, and fails,
     naming an MLP projection's gradient. The same layouts clean pass both comparisons."""
-    ls = suite_with("llama-3.1-8b", configs=[{"dp": 2}, {"tp": 2}])
-    clean = _run_all(ls, "bfloat16")
+    # One launch: the clean layouts first, then the same layouts named *-silu with the fault (entered
+    # at the first of them, for the rest of the launch; tests/parallel/faults.py) - a launch's start-up
+    # is most of its time on 2 cores.
+    ls = suite_with("llama-3.1-8b", configs=[{"dp": 2}, {"tp": 2}, {"dp": 2, "name": "dp2-silu"},
+                                             {"tp": 2, "name": "tp2-silu"}])
+    every = _run_all(ls, "bfloat16", fault="tests.parallel.faults:silu_backward_off_on_silu_layouts")
+    assert list(_launches().values()) == [1]
+    clean = {v: every[v] for v in ("dp2", "tp2")}
+    res = {v: every[v] for v in ("dp2-silu", "tp2-silu")}
     for v, (out, ctx) in clean.items():
         assert out is None, f"{v}: {out}"
         assert metrics_of(ctx)["parallel_f64_budget_use"] < 0.7  # measured 0.34-0.44
-    par.reset_launches()
-    res = _run_all(ls, "bfloat16", fault="tests.parallel.faults:silu_backward_off")
     for v, (out, ctx) in res.items():
         assert isinstance(out, CheckFailure), v
         msg = str(out)
@@ -93,10 +144,9 @@ def test_a_backward_fault_on_every_rank_is_caught_against_float64():
         assert m["parallel_f64_budget_use"] > 1
 
 
-def test_moe_expert_parallel_and_fsdp_memory():
-    ls = suite_with("mixtral-8x7b", configs=[{"ep": 2}, {"fsdp": 2, "recompute": True}])
-    res = _run_all(ls)
-    for v, (out, _) in res.items():
+def test_moe_expert_parallel_and_fsdp_memory(mixtral_world2):
+    res, _ = mixtral_world2  # ep2 and fsdp2-ac healthy (the launch's faulty layouts come after them)
+    for v, (out, _) in ((v, res[v]) for v in ("ep2", "fsdp2-ac")):
         assert out is None, f"{v}: {out}"
     ep = metrics_of(res["ep2"][1])
     assert ep["comm_all_to_all_count"] > 0 and ep["ep_dropped_tokens"] == 0 and ep["ep_max_expert_load"] > 0
@@ -108,11 +158,10 @@ def test_moe_expert_parallel_and_fsdp_memory():
 
 
 @pytest.mark.slow
-def test_ep_drop_pp_reorder_fsdp_stale_shard_each_caught():
-    ls = suite_with("mixtral-8x7b", configs=[{"tp": 2}, {"pp": 2}, {"fsdp": 2}, {"ep": 2}, {"dp": 2}])
-    res = _run_all(ls, fault="tests.parallel.faults:several")
-    assert list(_launches().values()) == [1]
-    out = res["ep2"][0]
+def test_ep_drop_pp_reorder_fsdp_stale_shard_each_caught(mixtral_world2):
+    res, launches = mixtral_world2  # ep2-drop, pp2 and fsdp2 faulty; tp2, dp2 (and ep2, fsdp2-ac) healthy
+    assert launches == [1]
+    out = res["ep2-drop"][0]
     assert isinstance(out, CheckFailure) and "model.layers.0.mlp.experts on rank(s) [1]" in str(out), out
     out = res["pp2"][0]
     # Stage 0 (rank 0) ran its microbatches in reverse: its first module's output is out of order.
@@ -143,11 +192,15 @@ def test_an_item_waits_for_its_own_layout_not_for_the_whole_launch(tmp_path, mon
 
 @pytest.mark.slow
 def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal_teardown_abort_a_note():
-    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"pp": 2}], timeout_s=25)
+    # The limit is waited out once (dp2's hang). Beyond that it must cover only what runs under it
+    # here: pp2's layout and its launch's teardown, and tp2's crash reaching the launcher - at most
+    # 2.5 s measured on a loaded 2-core machine (load 3); 12 s keeps ~5x that (it was 25 s).
+    limit = 12
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"pp": 2}], timeout_s=limit)
     res = _run_all(ls, fault="tests.parallel.faults:hang_and_abort")
     out, ctx = res["dp2"]
     msg = str(out)
-    assert isinstance(out, CheckFailure) and "no progress within the 25 s time limit" in msg, msg
+    assert isinstance(out, CheckFailure) and f"no progress within the {limit} s time limit" in msg, msg
     assert msg.startswith("layout dp2: hung rank(s) rank 1: layout dp2, step forward") and "model.layers.0" in msg
     assert "rank 0: layout dp2" in msg and "inside collective all_reduce" in msg
     out, _ = res["tp2"]
@@ -158,7 +211,7 @@ def test_hung_rank_killed_and_reported_aborting_rank_reported_with_signal_teardo
     (run, _), = par._LAUNCHES.values()
     rep = run.result()
     assert rep.launches == 3  # the layouts after a hang or a crash were launched again
-    assert metrics_of(ctx)["parallel_launch_time_s"] < 25 + 120
+    assert metrics_of(ctx)["parallel_launch_time_s"] < limit + 120
 
 
 @pytest.mark.slow
@@ -169,11 +222,16 @@ def test_a_rank_broken_for_every_layout_is_one_finding_not_a_time_limit_per_layo
     time limit."""
     from harness.checks import CouldNotRun
 
-    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"fsdp": 2}, {"pp": 2}], timeout_s=15)
+    # Both launches hang in their first layout, so the limit is waited out twice and only has to cover
+    # rank 1 reaching layer 0's forward and rank 0 its collective after entering the layout: under
+    # 0.5 s measured on a loaded 2-core machine (a whole qwen3-8b layout takes 0.4-0.9 s); 6 s keeps
+    # >6x that (it was 15 s).
+    limit = 6
+    ls = suite_with("qwen3-8b", configs=[{"dp": 2}, {"tp": 2}, {"fsdp": 2}, {"pp": 2}], timeout_s=limit)
     res = _run_all(ls, fault="tests.parallel.faults:rank1_stuck_every_layout")
     for v in ("dp2", "tp2"):
         out, _ = res[v]
-        assert isinstance(out, CheckFailure) and "no progress within the 15 s time limit" in str(out), (v, out)
+        assert isinstance(out, CheckFailure) and f"no progress within the {limit} s time limit" in str(out), (v, out)
         assert str(out).startswith(f"layout {v}: hung rank(s) rank 1: layout {v}, step forward"), str(out)
     for v in ("fsdp2", "pp2"):
         out, _ = res[v]
@@ -182,7 +240,7 @@ def test_a_rank_broken_for_every_layout_is_one_finding_not_a_time_limit_per_layo
                 "entered model.layers.0)") in str(out), str(out)
     (run, _), = par._LAUNCHES.values()
     rep = run.result()
-    assert rep.launches == 2 and rep.wall_s < 2 * 15 + 120
+    assert rep.launches == 2 and rep.wall_s < 2 * limit + 120
 
 
 @pytest.mark.slow
@@ -256,17 +314,14 @@ def test_bf16_moe_near_tie_routing_flips_pass_and_a_wrong_top_k_is_named_at_its_
 
 
 @pytest.mark.slow
-def test_two_d_fsdp_tp_hsdp_ep_dp_match_and_a_wrong_reduction_in_each_is_localized():
+def test_two_d_fsdp_tp_hsdp_ep_dp_match_and_a_wrong_reduction_in_each_is_localized(qwen3_moe_world4):
     # One 4-rank launch: fsdp x tp (FSDP2 over TP DTensors), dp x fsdp (HSDP: FSDP2 on a 2-D
     # (replicate, shard) mesh) and ep x dp, each healthy and each again with a fault of its own
     # reduction (named layouts; tests/parallel/faults.py). Qwen3-MoE: q/k norms on local heads
     # (replicated_with_grad_allreduce) under fsdp x tp, routers and fused experts under ep x dp.
-    healthy = [{"tp": 2, "fsdp": 2}, {"dp": 2, "fsdp": 2}, {"ep": 2, "dp": 2}]
-    faulty = [{"tp": 2, "fsdp": 2, "name": "tp2xfsdp2-skip-ar"}, {"dp": 2, "fsdp": 2, "name": "hsdp-mean"},
-              {"ep": 2, "dp": 2, "name": "ep2xdp2-no-ar"}]
-    ls = suite_with("qwen3-30b-a3b", configs=healthy + faulty)
-    res = _run_all(ls, fault="tests.parallel.faults:two_d_faults")
-    assert list(_launches().values()) == [1], "every layout of world size 4 runs in one launch"
+    # (The launch, shared with the pp x tp, pp x fsdp and ep x fsdp tests: the qwen3_moe_world4 fixture.)
+    res, launches = qwen3_moe_world4
+    assert launches == [1], "every layout of world size 4 runs in one launch"
     tol = par.DEFAULT_TOLERANCES["float32"]
     for v in ("tp2xfsdp2", "dp2xfsdp2", "ep2xdp2"):
         out, ctx = res[v]
@@ -296,15 +351,13 @@ def test_two_d_fsdp_tp_hsdp_ep_dp_match_and_a_wrong_reduction_in_each_is_localiz
     assert ".mlp.experts." in details_of(res["ep2xdp2-no-ar"][1])["worst_gradient"]
 
 
-def test_zero1_zero2_match_and_a_zero1_step_without_its_broadcast_is_localized():
+def test_zero1_zero2_match_and_a_zero1_step_without_its_broadcast_is_localized(qwen3_8b_world2):
     # One 2-rank launch: ZeRO-1 (DDP + ZeroRedundancyOptimizer), ZeRO-2 (FSDP2 with
     # reshard_after_forward=False), and ZeRO-1 again with the broadcast of the updated partitions
     # skipped (tests/parallel/faults.py): gradients right, weights after the step stale where the
-    # other rank owns them.
-    ls = suite_with("qwen3-8b", configs=[{"dp": 2, "zero": 1}, {"dp": 2, "zero": 2},
-                                         {"dp": 2, "zero": 1, "name": "dp2-zero1-nobcast"}])
-    res = _run_all(ls, fault="tests.parallel.faults:zero1_skip_broadcast")
-    assert list(_launches().values()) == [1], "every layout of world size 2 runs in one launch"
+    # other rank owns them. (The launch, shared with the tp2/dp2/pp2 test: the qwen3_8b_world2 fixture.)
+    res, launches = qwen3_8b_world2
+    assert launches == [1], "every layout of world size 2 runs in one launch"
     tol = par.DEFAULT_TOLERANCES["float32"]
     for v in ("dp2-zero1", "dp2-zero2"):
         out, ctx = res[v]
@@ -352,17 +405,15 @@ def test_pp_x_dp_matches_and_a_stage_that_skips_its_dp_sync_is_localized():
 
 
 @pytest.mark.slow
-def test_pp_x_tp_pp_x_fsdp_with_recompute_match_and_a_fault_in_the_last_stage_is_localized():
+def test_pp_x_tp_pp_x_fsdp_with_recompute_match_and_a_fault_in_the_last_stage_is_localized(qwen3_moe_world4):
     # One 4-rank launch (pp outer: ranks 0, 1 hold stage 0 = layer 0, ranks 2, 3 stage 1 = layer 1,
     # norm, lm_head): pipeline stages split first, then tp (Qwen3-MoE: q/k norms on local heads,
     # fused experts split over tp) or FSDP2 on each stage's chunk (torchtitan's order), the FSDP2
     # stage driven by torch.distributed.pipelining's own no-sync / reduce-grad; recomputation inside
     # the stages under 1F1B (forwards and backwards interleaved). Faults in the last stage only.
-    healthy = [{"pp": 2, "tp": 2}, {"pp": 2, "fsdp": 2, "recompute": True, "schedule": "1F1B"}]
-    faulty = [{"pp": 2, "tp": 2, "name": "pp2xtp2-skip-ar"}, {"pp": 2, "fsdp": 2, "name": "pp2xfsdp2-stale"}]
-    ls = suite_with("qwen3-30b-a3b", configs=healthy + faulty)
-    res = _run_all(ls, fault="tests.parallel.faults:pp_last_stage_faults")
-    assert list(_launches().values()) == [1], "every layout of world size 4 runs in one launch"
+    # (The launch, shared with the 2-D and ep x fsdp tests: the qwen3_moe_world4 fixture.)
+    res, launches = qwen3_moe_world4
+    assert launches == [1], "every layout of world size 4 runs in one launch"
     tol = par.DEFAULT_TOLERANCES["float32"]
     for v in ("tp2xpp2", "pp2xfsdp2-ac"):
         out, ctx = res[v]
@@ -392,10 +443,10 @@ def test_pp_x_tp_pp_x_fsdp_with_recompute_match_and_a_fault_in_the_last_stage_is
 
 
 @pytest.mark.slow
-def test_recomputation_inside_pipeline_stages_equal_gradients_and_a_lower_measured_peak():
+def test_recomputation_inside_pipeline_stages_equal_gradients_and_a_lower_measured_peak(qwen3_8b_world2):
     # 1F1B interleaves forwards and backwards; recomputed forwards (inside backward) are not captured.
-    ls = suite_with("qwen3-8b", configs=[{"pp": 2, "recompute": True, "schedule": "1F1B"}])
-    (out, ctx), = _run_all(ls).values()
+    # (pp2-ac of the launch shared with the tp2/dp2/pp2 and ZeRO tests: the qwen3_8b_world2 fixture.)
+    out, ctx = qwen3_8b_world2[0]["pp2-ac"]
     assert out is None, out
     m = metrics_of(ctx)
     assert m["parallel_peak_bytes"] > 0 and m["recompute_peak_ratio"] < 1
@@ -403,14 +454,14 @@ def test_recomputation_inside_pipeline_stages_equal_gradients_and_a_lower_measur
 
 
 @pytest.mark.slow
-def test_ep_x_fsdp_matches_and_expert_gradients_averaged_over_their_fsdp_mesh_only_are_named():
+def test_ep_x_fsdp_matches_and_expert_gradients_averaged_over_their_fsdp_mesh_only_are_named(qwen3_moe_world4):
     # One 4-rank launch (fsdp outer, ep inner: ranks 0 and 2 hold experts [0, E/2)): torchtitan's
     # dp_shard_in_ep - every non-expert parameter FSDP over all 4 data ranks, each expert partition
     # FSDP over the 2 ranks holding it with divide factor 4 (the all-to-all's backward already summed
     # the ep group's tokens); again with that factor left at FSDP's default (2): expert grads x 2.
-    ls = suite_with("qwen3-30b-a3b", configs=[{"ep": 2, "fsdp": 2}, {"ep": 2, "fsdp": 2, "name": "ep2xfsdp2-divide"}])
-    res = _run_all(ls, fault="tests.parallel.faults:ep_fsdp_expert_divide_factor")
-    assert list(_launches().values()) == [1]
+    # (The launch, shared with the 2-D and pp tests: the qwen3_moe_world4 fixture.)
+    res, launches = qwen3_moe_world4
+    assert launches == [1]
     tol = par.DEFAULT_TOLERANCES["float32"]
     out, ctx = res["ep2xfsdp2"]
     assert out is None, out
