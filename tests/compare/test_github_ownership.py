@@ -143,8 +143,11 @@ def test_identity_is_the_user_or_the_app_s_bot_asked_once_per_run(github):
     # GitHub Enterprise Server: REST under /api/v3, GraphQL at /api/graphql
     assert [p for _, p in github.state.requests[1:]] == ["/user", "/api/graphql"]
     github.state.fail_next(500, path="/user", times=5)
+    # the four retries' back-off (1+2+4+8 s) recorded, not slept: they were 15 s of this test's time
+    slept: list[float] = []
     with pytest.raises(SinkError, match="who GITHUB_TOKEN is: GET /user answered 500"):
-        _client(github).identity()
+        GitHubClient("acme/models", TOKEN, enterprise_url=github.url, sleep=slept.append).identity()
+    assert slept == [1.0, 2.0, 4.0, 8.0]
 
 
 def test_only_harness_s_own_comments_count_as_posted(github):

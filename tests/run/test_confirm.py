@@ -54,16 +54,19 @@ def props(tc: ET.Element) -> dict[str, str]:
 @pytest.mark.slow
 def test_deterministic_flaky_and_infrastructure_failures_are_told_apart(project):
     s = project / "suites"
-    (s / "a-nan.toml").write_text(suite("nan"))
-    (s / "b-flaky.toml").write_text(suite("flaky"))
-    (s / "c-oom.toml").write_text(suite("oom_killed"))
-    (s / "d-healthy.toml").write_text(suite(None))
+    # the healthy item first and the OOM-killed one last: no fresh worker is started only to run the
+    # healthy item after the last kill (that the item after a killed worker still runs is
+    # tests/run/test_isolation.py's hang/abort/leak test)
+    (s / "a-healthy.toml").write_text(suite(None))
+    (s / "b-nan.toml").write_text(suite("nan"))
+    (s / "c-flaky.toml").write_text(suite("flaky"))
+    (s / "d-oom.toml").write_text(suite("oom_killed"))
     r = harness(project, "run", "--check", "smoke", "--confirm", "2", "--results", "res")
     out = r.stdout + r.stderr
     assert r.returncode == 1, out  # the deterministic failure and the infrastructure error fail the run
     tc = cases(project / "res")
 
-    nan = tc["a-nan"]
+    nan = tc["b-nan"]
     p = props(nan)
     assert nan.find("failure") is not None and p["harness.detail.confirm"] == "deterministic"
     attempts = json.loads(p["harness.detail.confirm_attempts"])
@@ -71,7 +74,7 @@ def test_deterministic_flaky_and_infrastructure_failures_are_told_apart(project)
     assert len(nan.findall("rerunFailure")) == 2  # the reruns, beside the case's own <failure>
     assert "non-finite" in nan.find("failure").get("message")
 
-    flaky = tc["b-flaky"]
+    flaky = tc["c-flaky"]
     p = props(flaky)
     assert flaky.find("failure") is None and flaky.find("error") is None  # passed
     assert p["harness.detail.confirm"] == "flaky" and p["harness.detail.confirm_rate"] == "0.333"
@@ -80,12 +83,12 @@ def test_deterministic_flaky_and_infrastructure_failures_are_told_apart(project)
     assert "metric.loss_final" in p  # the passing attempt's metrics are the item's
     assert (project / "flaky.count").read_text() == "3"  # three processes built it: one per attempt
 
-    oom = tc["c-oom"]
+    oom = tc["d-oom"]
     p = props(oom)
     assert oom.find("error") is not None and p["harness.detail.confirm"] == "infrastructure"
     assert oom.find("error").get("message").startswith("infrastructure: crashed with SIGKILL")
 
-    assert props(tc["d-healthy"]).get("harness.detail.confirm") is None  # passed at once: never rerun
+    assert props(tc["a-healthy"]).get("harness.detail.confirm") is None  # passed at once: never rerun
     # the stack it ran with, for the upstream canary's comparison (installed versions, nothing imported)
     from importlib.metadata import version
 
@@ -101,9 +104,9 @@ def test_deterministic_flaky_and_infrastructure_failures_are_told_apart(project)
 
     found = {(f.category, f.suite, f.note) for f in classify(read_results([str(project / "res")]), None, None,
                                                                Config()).findings}
-    assert ("new_failure", "a-nan", "deterministic: failed 3 of 3 attempts") in found
-    assert ("flaky", "b-flaky", "flaky: failed 1 of 3 attempts") in found
-    assert ("infrastructure", "c-oom", "infrastructure: failed 3 of 3 attempts") in found
+    assert ("new_failure", "b-nan", "deterministic: failed 3 of 3 attempts") in found
+    assert ("flaky", "c-flaky", "flaky: failed 1 of 3 attempts") in found
+    assert ("infrastructure", "d-oom", "infrastructure: failed 3 of 3 attempts") in found
 
 
 @pytest.mark.slow

@@ -40,10 +40,12 @@ def _load(n: int) -> list[subprocess.Popen]:
 def test_slow_items_survive_a_loaded_machine_and_a_real_hang_is_caught_by_its_lack_of_progress(project):
     s = project / "suites"
     extra = f"stall_s = {STALL_S}\n"
-    (s / "a-busy.toml").write_text(suite("busy", extra))
-    (s / "b-busy-child.toml").write_text(suite("busy_child", extra))
-    (s / "c-hangs.toml").write_text(suite("hang", extra))
-    (s / "d-healthy.toml").write_text(suite(None, extra))
+    # the hang last: its killed worker is not replaced only to run one more item (that the item after
+    # a killed worker still runs is tests/run/test_isolation.py's hang/abort/leak test)
+    (s / "a-healthy.toml").write_text(suite(None, extra))
+    (s / "b-busy.toml").write_text(suite("busy", extra))
+    (s / "c-busy-child.toml").write_text(suite("busy_child", extra))
+    (s / "d-hangs.toml").write_text(suite("hang", extra))
     cmd, env = harness_cmd("run", "--check", "smoke", "--results", "res")
     # one spinner per core, beside the other pytest worker: the busy items' 6 CPU seconds then take
     # about twice that on the wall clock, past the STALL_S window (4 per core made this test take four
@@ -60,14 +62,14 @@ def test_slow_items_survive_a_loaded_machine_and_a_real_hang_is_caught_by_its_la
     out = r.stdout + r.stderr
     rows = items(project / "res")
     # 6 CPU seconds in one module, taking longer than STALL_S on this loaded machine: alive
-    busy = rows["a-busy.toml::smoke[cpu-float32]"]
+    busy = rows["b-busy.toml::smoke[cpu-float32]"]
     assert busy["outcome"] == "passed", (busy, out)
     assert metric(busy, "wall_time_s") > STALL_S + 3, busy  # it did outlast the window, well past it
     # the same work in a child process, the item's own process idle meanwhile: alive too
-    assert rows["b-busy-child.toml::smoke[cpu-float32]"]["outcome"] == "passed", out
-    assert rows["d-healthy.toml::smoke[cpu-float32]"]["outcome"] == "passed", out
+    assert rows["c-busy-child.toml::smoke[cpu-float32]"]["outcome"] == "passed", out
+    assert rows["a-healthy.toml::smoke[cpu-float32]"]["outcome"] == "passed", out
     # the real hang: named by its lack of progress, with where it stopped, after about STALL_S
-    hang = rows["c-hangs.toml::smoke[cpu-float32]"]
+    hang = rows["d-hangs.toml::smoke[cpu-float32]"]
     assert hang["outcome"] == "error", hang
     assert hang["message"].startswith(f"hung: no progress for {STALL_S} s (its processes used no CPU and entered "
                                       "no phase or module), killed in forward (last module entered: "
