@@ -145,6 +145,10 @@ def test_deepseek_v4_bf16_flip_from_selection_rounding_is_legitimate(tmp_path, s
     ls = load_suite(dsv4_suite)
     s = ls.suite.model_copy(deep=True)
     s.checks.precision.seed = seed
+    # the golden this test reads: the forward's (precision and its signed_error section) in bfloat16;
+    # the decode and training sections took most of the generation (about 85 %)
+    s.dtypes = ["bfloat16"]
+    s.checks.decode.enabled = s.checks.training.enabled = False
     ls = type(ls)(ls.path, ls.name, s, ls.config_path, ls.raw_config)
     generate(ls, tmp_path / "golden")
     ctx, failure = run_check(ls, "bfloat16", tmp_path, golden_root=tmp_path / "golden")
