@@ -8,6 +8,8 @@
   engine's own venv as a supervised process (harness.launch);
 * ``judge``   - the float64 transformers reference on the same checkpoint, and the verdict: prompt
   log-probabilities position by position, the greedy continuation teacher-forced.
+* ``routes``  - the engine's routed experts against the float64 reference's routers, position by position
+  and layer by layer, near ties within ``route_tie_margin`` a note;
 * ``probes``  - the engine's own features (batching, a prefix-cache hit, chunked prefill, preemption)
   as seeded requests served in the same engine instance, each judged against float64.
 

@@ -57,9 +57,10 @@ class Verdict:
         return max((r.err for r in self.rows if r.kind == kind and r.err is not None), default=0.0)
 
 
-def reference_logprobs(model_dir, sequences: list[list[int]]):
+def reference_logprobs(model_dir, sequences: list[list[int]], routes: list | None = None):
     """float64 log-probabilities [len(seq), vocab] for each sequence, from the checkpoint in
-    ``model_dir`` through transformers (eager attention: the plainest float64 path)."""
+    ``model_dir`` through transformers (eager attention: the plainest float64 path). ``routes``: a
+    list that gets, per sequence, its routers' choices by layer (harness.serve.routes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -68,10 +69,21 @@ def reference_logprobs(model_dir, sequences: list[list[int]]):
                                                  experts_implementation="eager", trust_remote_code=False)
     model.eval()
     out = []
-    with torch.no_grad():
-        for seq in sequences:
-            logits = model(torch.tensor([seq])).logits[0].double()
-            out.append(torch.log_softmax(logits, -1))
+    capture = None
+    if routes is not None:
+        from harness.serve.routes import ReferenceRoutes
+
+        capture = ReferenceRoutes(model)
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                logits = model(torch.tensor([seq])).logits[0].double()
+                out.append(torch.log_softmax(logits, -1))
+                if capture is not None:
+                    routes.append(capture.take())
+    finally:
+        if capture is not None:
+            capture.remove()
     return out
 
 
@@ -125,3 +137,18 @@ def table(rows: list[Row], limit: int = 30) -> str:
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more")
     return "\n".join(lines)
+
+
+def record(ctx, v: Verdict, budget: float, tie: float) -> None:
+    """The plain run's metrics and near-tie notes (the serve check's ``record`` step)."""
+    ctx.metric("serve_prompt_logprob_max_abs_diff", v.worst("prompt"))
+    ctx.metric("serve_step_logprob_max_abs_diff", v.worst("step"))
+    ctx.tolerance("serve_prompt_logprob_max_abs_diff", budget)
+    ctx.tolerance("serve_step_logprob_max_abs_diff", budget)
+    ctx.metric("serve_worst_budget_use", max((r.err / r.budget if r.err is not None else float("inf")) for r in v.rows))
+    ctx.metric("serve_greedy_mismatches", sum(r.kind == "step" and r.chosen != r.ref_token and not r.tie
+                                              for r in v.rows))
+    ctx.metric("serve_near_ties", len(v.ties))
+    for r in v.ties:
+        ctx.notes.append(f"near tie at prompt {r.prompt} step {r.index}: engine chose {r.chosen}, reference "
+                         f"{r.ref_token} ({r.margin:.2g} nats apart, tie margin {tie:g})")

@@ -163,3 +163,14 @@ def first_failure(outcomes: list[Outcome]) -> tuple[Outcome, Row | None] | None:
         if o.verdict.bad:
             return o, o.verdict.bad[0]
     return None
+
+
+def record_probe(ctx, name: str, o, budget: float) -> None:
+    """A judged probe's metrics, detail and near-tie notes (the serve check's probe steps)."""
+    ctx.metric(f"serve_{name}_logprob_max_abs_diff", o.worst)
+    ctx.tolerance(f"serve_{name}_logprob_max_abs_diff", budget)
+    ctx.metric(f"serve_{name}_budget_use", o.budget_use())
+    ctx.metric(f"serve_{name}_s", o.seconds)
+    ctx.detail(f"serve_probe_{name}", o.did)
+    ctx.notes.extend(f"probe {name}: near tie at {r.name} step {r.index} ({r.margin:.2g} nats apart)"
+                     for r in o.verdict.ties)

@@ -37,6 +37,7 @@ import pytest
 from harness.backends import get
 from harness.checks import CheckContext, CheckFailure, NotApplicable
 from harness.checks.serve import ServeCheck
+from harness.models.build import model_config
 from harness.serve import engine as eng
 from harness.suite.loader import load_suite
 from tests_support import REPO
@@ -46,6 +47,7 @@ STALE_KV = FAULT.with_name("serve_stale_kv_fault.py")
 BATCH = FAULT.with_name("serve_batch_fault.py")
 DECODE = FAULT.with_name("serve_decode_fault.py")
 EXPERT = FAULT.with_name("serve_expert_fault.py")
+ROUTE = FAULT.with_name("serve_route_fault.py")
 MOE = "qwen3-30b-a3b"  # an MoE suite through vLLM's CPU fused-MoE experts
 
 
@@ -119,6 +121,12 @@ def mla_clean(results):
 def moe_dropped(results):
     # judged on the plain run (its failure, and _first_routed reads only the plain run's prompts)
     return _run(MOE, results_dir=results, preload=[EXPERT], variant="eager", probes=[])
+
+
+@pytest.fixture(scope="module")
+def moe_misrouted(results):
+    # judged on the plain run; the eager variant's run directory is moe_dropped's, each reads its own ctx
+    return _run(MOE, results_dir=results, preload=[ROUTE], variant="eager", probes=[])
 
 
 def _use(ctx, probe: str) -> float:
@@ -218,6 +226,24 @@ def test_moe_suite_is_served_and_passes(moe_clean):
     p = dict(ctx.properties)
     assert 0 < float(p["metric.serve_worst_budget_use"]) <= 1
     assert all(0 < _use(ctx, probe) <= 1 for probe in ("batch", "prefix", "chunked", "preempt")), p
+    # the engine's routes read back and held to the reference's: 2 prompts x 23 positions x every MoE layer
+    layers = model_config(ctx.suite).config.num_hidden_layers
+    assert float(p["metric.serve_routes_compared"]) == 2 * (16 + 8 - 1) * layers, p
+    assert float(p["metric.serve_route_flips"]) == 0, p
+
+
+def test_a_decode_path_top_k_off_by_one_is_named_at_its_route_first(moe_misrouted):
+    """vLLM's CPU router gives each decode token's last top-k slot the (k+1)-th expert (prefill exact): the
+    failure leads with the route - the first decode position and the first MoE layer, both expert sets and
+    the reference's score gap - and only then the log-probabilities it moved."""
+    ctx, failure = moe_misrouted
+    assert isinstance(failure, CheckFailure), failure
+    msg = failure.message
+    assert msg.startswith("engine vllm routed differently from float64: prompt 0 position 16, layer 0: the engine "
+                          "routed to experts "), msg
+    assert "reference score gap" in msg and "route(s) beyond the tie margin" in msg, msg
+    rows = [r.split() for r in failure.details.splitlines()[1:] if not r.startswith("...")]
+    assert rows and all(int(r[1]) >= 16 for r in rows), failure.details  # prefill routed exactly
 
 
 @pytest.mark.slow

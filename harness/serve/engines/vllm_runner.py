@@ -7,7 +7,11 @@ imports nothing from it (standard library and vLLM only). The request:
 
     {"model": DIR, "dtype": "float32", "prompts": [[ids...], ...], "k": 5, "steps": 8,
      "max_model_len": 64, "gpu_memory_utilization": 0.1, "preload": [FILE, ...],
-     "block_size": 32, "max_num_seqs": 8, "probes": [PROBE, ...]}
+     "block_size": 32, "max_num_seqs": 8, "probes": [PROBE, ...], "routed_experts": true}
+
+``routed_experts`` (a MoE model): the runner records which experts the engine's routers chose in the
+plain run (``_Routes``), and each prompt's result carries them (``routed_experts``: per position, per
+layer, the top-k ids or null).
 
 ``prompts`` are served one at a time (each alone in the engine: the plain path every probe is held
 against). A probe runs the engine's own features on the same engine instance (one start-up for all):
@@ -51,10 +55,11 @@ def _logprob_dict(d):
 
 def _request_result(o):
     c = o.outputs[0]
-    return {"prompt_logprobs": [_logprob_dict(d) for d in (o.prompt_logprobs or [])],
-            "tokens": [int(t) for t in c.token_ids],
-            "logprobs": [_logprob_dict(d) for d in (c.logprobs or [])],
-            "num_cached_tokens": int(o.num_cached_tokens or 0)}
+    out = {"prompt_logprobs": [_logprob_dict(d) for d in (o.prompt_logprobs or [])],
+           "tokens": [int(t) for t in c.token_ids],
+           "logprobs": [_logprob_dict(d) for d in (c.logprobs or [])],
+           "num_cached_tokens": int(o.num_cached_tokens or 0)}
+    return out
 
 
 def _params(SamplingParams, k, steps, read_prefix_cache=False):
@@ -152,6 +157,69 @@ def probe(llm, SamplingParams, p, k, off=None):
     return {"name": p["name"], "groups": groups, "seconds": seconds, "free_kv_blocks": free, **seen}
 
 
+class _Routes:
+    """The experts each MoE layer's router chose, for the plain run (each prompt alone: its prefill's rows,
+    then one row per decode step, in position order). vLLM returns routed experts only through its
+    aux-output connector (``enable_return_routed_experts``), which needs its model runner V2, which needs
+    Triton: not on CPU. So the runner binds its own capture to every MoE layer's router the way vLLM's
+    capturer does (``router.set_capture_fn``: the chosen ids copied into a buffer per layer, a tensor
+    write that torch.compile keeps in the graph), at construction - before the warm-up compile traces
+    the model - and reads the buffers after every forward of the executor. Positions a forward did not
+    route (a buffer left at -1) come back as None: the capture did not run there."""
+
+    ROWS = 8192  # tokens one forward may route (the scheduler's budget is far below this here)
+
+    def __init__(self):
+        import torch
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        self.bufs, self.steps, self.on = {}, [], False
+        init = MoERunner.__init__
+        bufs = self.bufs
+
+        def patched(runner, *a, **kw):
+            init(runner, *a, **kw)
+            router = getattr(runner, "router", None)
+            if router is not None and hasattr(router, "set_capture_fn"):
+                buf = torch.full((self.ROWS, router.top_k), -1, dtype=torch.int32)
+                router.set_capture_fn(lambda ids, b=buf: b[: ids.shape[0]].copy_(ids.to(torch.int32)))
+                bufs[int(runner.layer_id)] = buf
+
+        MoERunner.__init__ = patched
+
+    def watch(self, llm):
+        ex = llm.llm_engine.engine_core.engine_core.model_executor
+        orig = ex.execute_model
+
+        def execute_model(so, *a, **kw):
+            for b in self.bufs.values():
+                b.fill_(-1)
+            out = orig(so, *a, **kw)
+            n = int(getattr(so, "total_num_scheduled_tokens", 0) or 0)
+            if self.on and n:
+                self.steps.append({layer: b[:n].tolist() for layer, b in self.bufs.items()})
+            return out
+
+        ex.execute_model = execute_model
+        self.on = True
+
+    def stop(self):
+        self.on = False
+
+    def positions(self):
+        """[position][layer] -> the ids (None for a layer without a router or not captured)."""
+        layers = max(self.bufs, default=-1) + 1
+        out = []
+        for step in self.steps:
+            rows = len(next(iter(step.values()))) if step else 0
+            for r in range(rows):
+                row = [None] * layers
+                for layer, ids in step.items():
+                    row[layer] = None if ids[r][0] < 0 else ids[r]
+                out.append(row)
+        return out
+
+
 def _platform():
     from vllm.platforms import current_platform
 
@@ -201,6 +269,8 @@ def run(req):
     import vllm
     from vllm import LLM, SamplingParams
 
+    routes = _Routes() if req.get("routed_experts") else None
+
     refused = _platform_refused(req.get("platform"))
     if refused:
         return {"engine": "vllm", "version": vllm.__version__, "refused": refused}
@@ -216,9 +286,18 @@ def run(req):
               model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)))
     t_ready = time.monotonic()
     sp = _params(SamplingParams, req["k"], req["steps"])
+    if routes is not None:
+        routes.watch(llm)
     # each prompt alone: the plain path; batching is a probe of its own
-    results = [_request_result(llm.generate([{"prompt_token_ids": list(p)}], sp, use_tqdm=False)[0])
-               for p in req["prompts"]]
+    results = []
+    for p in req["prompts"]:
+        if routes is not None:
+            routes.steps = []
+        results.append(_request_result(llm.generate([{"prompt_token_ids": list(p)}], sp, use_tqdm=False)[0]))
+        if routes is not None:
+            results[-1]["routed_experts"] = routes.positions()
+    if routes is not None:
+        routes.stop()
     t_done = time.monotonic()
     off = _off(llm, said.lines)
     probes = [probe(llm, SamplingParams, p, req["k"], off) for p in req.get("probes") or []]
