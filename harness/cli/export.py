@@ -27,6 +27,6 @@ def export(args) -> int:
     except (SuiteError, ModelBuildError, OSError) as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.dir}: {info['architecture']} {info['dtype']}, head_dim {info['head_dim']}; "
+    print(f"wrote {args.dir}: {info['architecture']} {info['dtype']}, head_dim {info['head_dim'] or 'per layer'}; "
           + "; ".join(info["kept"]))
     return 0

@@ -27,13 +27,18 @@ from pathlib import Path
 from harness.files import atomic
 
 README = "README.txt"
-VERSION = 2  # of what export writes: a cached export made by another version is remade
+VERSION = 3  # of what export writes: a cached export made by another version is remade
 # MLA (DeepSeek-V3, Kimi-K2): the widths an engine's MLA kernel dispatches on, kept at the published values
 MLA_DIMS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
-def published_head_dim(cfg) -> int:
-    hd = getattr(cfg, "head_dim", None)
+def published_head_dim(cfg) -> int | None:
+    """The attention's head size, or None where it varies by layer (Gemma-4's per-layer configs: transformers
+    refuses a global ``head_dim`` there)."""
+    try:
+        hd = getattr(cfg, "head_dim", None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, and kin
+        return None
     return int(hd) if hd else int(cfg.hidden_size // cfg.num_attention_heads)
 
 
@@ -47,18 +52,23 @@ def serving_config(ls):
     if getattr(mc.config, "kv_lora_rank", None):
         # MLA: the engine's kernel sees the latent (kv_lora_rank + qk_rope_head_dim: vLLM's CPU MLA decode
         # takes 512 + 64 only) and the per-head q/k/v widths; head_dim is the rotary width there (transformers)
-        was = {k: getattr(mc.config, k) for k in MLA_DIMS}
-        for k in MLA_DIMS:
+        # a DSA indexer (DeepSeek-V3.2, GLM-5) splits its index_head_dim by qk_rope_head_dim: kept with it
+        dims = MLA_DIMS + (("index_head_dim",) if getattr(pub, "index_head_dim", None) else ())
+        was = {k: getattr(mc.config, k) for k in dims}
+        for k in dims:
             setattr(mc.config, k, getattr(pub, k))
         mc.config.qk_head_dim = pub.qk_nope_head_dim + pub.qk_rope_head_dim
         mc.config.head_dim = pub.qk_rope_head_dim
-        kept.append("MLA widths " + ", ".join(f"{k} {getattr(pub, k)}" for k in MLA_DIMS) + " (published; the "
+        kept.append("MLA widths " + ", ".join(f"{k} {getattr(pub, k)}" for k in dims) + " (published; the "
                     "pruned model's " + ", ".join(map(str, was.values())) + "): engines choose their MLA kernel "
                     "by the latent and head widths")
         return mc, kept
     real = published_head_dim(pub)
     pruned = published_head_dim(mc.config)
-    if pruned != real:
+    if real is None or pruned is None:
+        kept.append("head_dim varies by layer in this config: the pruned per-layer widths are kept (the engine's "
+                    "kernels see the pruned head sizes)")
+    elif pruned != real:
         mc.config.head_dim = real
         kept.append(f"head_dim {real} (published; the pruned model's is {pruned}): engines choose their "
                     f"attention kernel by head size")
@@ -126,7 +136,7 @@ def export(ls, out: str | Path, dtype: str = "float32") -> dict:
     model.save_pretrained(out, safe_serialization=True)
     info = {"suite": ls.name, "architecture": mc.architecture, "dtype": dtype, "seed": p.seed,
             "fingerprint": fingerprint(ls, dtype), "kept": kept,
-            "vocab_size": int(mc.config.vocab_size), "head_dim": int(mc.config.head_dim)}
+            "vocab_size": int(mc.config.vocab_size), "head_dim": published_head_dim(mc.config)}  # None: it varies by layer
     atomic.write_text(out / README,
         f"harness export {ls.name} ({dtype}): the suite's pruned model, seeded weights (seed {p.seed}, as the\n"
         "precision golden), written with save_pretrained for a serving engine (docs/serving.md).\n"

@@ -60,3 +60,21 @@ def test_unknown_suite_is_one_line(tmp_path, capsys):
     assert main(["export", "nosuch", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("harness: error:") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("config, kept", [
+    # its DSA indexer splits index_head_dim by qk_rope_head_dim: kept at the published 128 beside the MLA widths
+    # (the pruned 32 - 64 failed the export: "split_sizes=[64, -32]")
+    ("DeepSeek-V3.2", "index_head_dim 128 (published"),
+    # head_dim varies by layer: transformers refuses a global one (the export raised
+    # AmbiguousGlobalPerLayerAttributeError); the per-layer widths stay the pruned ones, said in one line
+    ("gemma-4-26B-A4B", "head_dim varies by layer in this config"),
+])
+def test_day0_configs_export_and_say_what_they_kept(tmp_path, config, kept):
+    from harness.cli.init import init_suite
+
+    path = init_suite(REPO / "tests" / "data" / "day0" / f"{config}.json", name="d0", suites_dir=tmp_path / "s")
+    out = tmp_path / "out"
+    assert main(["export", str(path), str(out)]) == 0
+    assert kept in (out / "README.txt").read_text()
+    assert (out / "model.safetensors").is_file()
