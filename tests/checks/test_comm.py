@@ -187,7 +187,9 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
     # reduce_scatter, measured on gloo with all_reduce, slows with it; the failure's first line names
     # all_reduce. The baseline pools two launches (one launch's baseline judges only a doubling). On
     # this shared 2-core machine one launch's level can be 10x another's (seen at load 10: medians of
-    # 0.4 ms and 8 ms), so the slowed launch gets three tries; the failure must lead with all_reduce.
+    # 0.4 ms and 8 ms), so the slowed launch gets five tries; the failure must lead with all_reduce. (Three
+    # missed once in a CI run: the two baseline launches' medians were 0.6 and 4.5 ms, the other pytest
+    # worker's load between them, and the slowed all_reduce's p came to 0.021 against 0.01.)
     ls = load_suite(write_suite("commar", COMM.format(prune=TINY_PRUNE).replace(
         '"commit"', '"commit"\ncollectives = ["all_reduce", "reduce_scatter"]').replace("repeats = 8", "repeats = 12")))
     for i in range(2):
@@ -197,13 +199,13 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
     (golden,) = (tmp_path / "golden" / "perf" / "commar").glob("*.json")
     assert json.loads(golden.read_text())["items"]["cpu-float32-w2"]["runs"] == 2
     failures = []
-    for _ in range(3):
+    for _ in range(5):
         try:
             _run(ls, tmp_path, delay={"all_reduce": "50%"})
         except CheckFailure as e:
             failures.append(e)
             break
-    assert failures, "all_reduce 50% slower was not caught in three launches"
+    assert failures, "all_reduce 50% slower was not caught in five launches"
     first = failures[0].message.splitlines()[0]
     assert first.startswith("collective all_reduce regressed"), failures[0].message
     assert failures[0].metric == "comm_all_reduce_busbw"
