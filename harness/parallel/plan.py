@@ -276,6 +276,13 @@ def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str,
             bucket.setdefault(kind, [0, 0])[int(not tp_split)] += p.numel()
     for kind, n in dec.extra.items():  # a wrapper's vision tower and projector: whole, on the first stage
         ends["first"].setdefault(kind, [0, 0])[1] += n
+    return per_layer, ends, _layer_calls(model, styles, where, layers, expert_tensors)
+
+
+def _layer_calls(model, styles: dict[str, str], where: dict[str, int], layers: list,
+                 expert_tensors: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """Per decoder layer, what ``ModelFacts.tp_calls`` holds: tp forward / backward / gradient-sync
+    collectives by the tp plan's styles, the layer's parameter tensors and its routed experts'."""
     calls = [[0, 0, 0] for _ in layers]
     for name, st in styles.items():
         layer = next((i for pre, i in where.items() if name.startswith(pre + ".")), None)
@@ -283,16 +290,12 @@ def stage_facts(target) -> tuple[list[dict[str, list[int]]], dict[str, dict[str,
             continue
         # rowwise: its output all-reduced in forward; colwise: its input's gradient in backward; split
         # experts: both, the gradient of each differentiable input (hidden states and routing weights)
-        fwd = st in ("rowwise", "moe_tp_experts")
-        bwd = {"colwise": 1, "moe_tp_experts": 2}.get(st, 0)
-        sync = len(list(model.get_submodule(name).parameters())) if st == "replicated_with_grad_allreduce" else 0
-        calls[layer][0] += fwd
-        calls[layer][1] += bwd
-        calls[layer][2] += sync
-    for i, layer in enumerate(layers):  # parameter tensors: what a cp or replicated gradient sync reduces one by one
-        calls[i].append(len(list(layer.parameters())))
-        calls[i].append(expert_tensors[i])
-    return per_layer, ends, [tuple(c) for c in calls]
+        calls[layer][0] += st in ("rowwise", "moe_tp_experts")
+        calls[layer][1] += {"colwise": 1, "moe_tp_experts": 2}.get(st, 0)
+        if st == "replicated_with_grad_allreduce":
+            calls[layer][2] += len(list(model.get_submodule(name).parameters()))
+    # parameter tensors: what a cp or replicated gradient sync reduces one by one
+    return [(*c, len(list(layer.parameters())), n_exp) for c, layer, n_exp in zip(calls, layers, expert_tensors, strict=True)]
 
 
 @dataclass
