@@ -76,17 +76,13 @@ class ReferenceRoutes:
     """Forward hooks on the reference model's routers: per forward, layer -> (chosen [T, k], scores [T, E])."""
 
     def __init__(self, model: torch.nn.Module):
+        from harness.anatomy.moe import is_router
         from harness.precision.routing import RouterCapture
 
-        self.model = model
         self.capture = RouterCapture(model)
         self.capture.phase = "step"
-        self.routers = {name: mod for name, mod in model.named_modules() if name in self._names()}
-
-    def _names(self) -> set[str]:
-        from harness.anatomy.moe import is_router
-
-        return {name for name, _ in self.model.named_modules() if is_router(name)}
+        # the same routers RouterCapture hooks (harness.anatomy.moe.is_router), for their correction bias
+        self.routers = {name: mod for name, mod in model.named_modules() if is_router(name)}
 
     def take(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The last forward's routes by layer (and forget them)."""

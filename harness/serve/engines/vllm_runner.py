@@ -192,8 +192,9 @@ class _Routes:
         orig = ex.execute_model
 
         def execute_model(so, *a, **kw):
-            for b in self.bufs.values():
-                b.fill_(-1)
+            if self.on:  # a row the forward does not route stays -1: not captured
+                for b in self.bufs.values():
+                    b.fill_(-1)
             out = orig(so, *a, **kw)
             n = int(getattr(so, "total_num_scheduled_tokens", 0) or 0)
             if self.on and n:
