@@ -64,8 +64,9 @@ class CustomEngine(BaseModel):
     platform: str = Field(description="The platform the engine must report (vLLM: current_platform.device_type, npu); "
                           "a run on another platform (the plugin did not activate) is refused before the model loads.",
                           pattern=r"^[A-Za-z0-9_]+$")
-    architectures: list[str] = Field(min_length=1, description="transformers architectures the serve check drives "
-                                     "through it (LlamaForCausalLM, ...).")
+    architectures: list[str] = Field(default_factory=list, description="transformers architectures the serve check "
+                                     "drives through it (LlamaForCausalLM, ...); empty: whatever the engine itself "
+                                     "serves (its runner asks the engine and says why not, in the engine's words).")
     remove: list[str] = Field(default_factory=list, description="Packages uninstalled after the pins (built for "
                               "another torch, never needed for text models).")
     env: dict[str, str] = Field(default_factory=dict, description="The runner's environment on top of harness's "

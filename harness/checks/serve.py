@@ -17,8 +17,10 @@ another engine run; a failure names the probe, the request and the position or s
 Dense, MoE (Qwen3-MoE, Mixtral: vLLM's CPU fused-MoE experts) and MLA + MoE (DeepSeek-V3, Kimi-K2: its
 CPU MLA attention, which turns prefix caching and chunked prefill off - those probes are then noted as
 not applicable with the engine's own words) suites are served. Where the engine cannot run the item
-skips in one line: no engine environment (run `harness engine setup vllm`), an architecture outside the
-build's list, a backend with no build of the engine declared. The engine is ``--engine`` (else the
+skips in one line: no engine environment (run `harness engine setup vllm`), an architecture the engine
+has no model code for (asked of the engine itself, in its words: vLLM's ModelRegistry, or its
+transformers backend for the ``transformers`` variant), a backend with no build of the engine declared.
+What the engine's own config validation refuses is an error, never the model's failure. The engine is ``--engine`` (else the
 suite's ``engine``); the item's backend picks its build (harness.serve.engine: the built-in vLLM CPU
 build, a vendor's from the ``harness.engines`` entry point or harness.toml). A build that runs on another
 platform than it declares (its plugin did not activate) is refused before the model loads: an error of
@@ -225,11 +227,13 @@ class ServeCheck(Check):
                       **eng.VARIANTS.get(ctx.variant or "", {})}
 
     def serve(self, ctx: CheckContext, st) -> None:
-        from harness.serve.launch import EngineRefused, EngineRunError, run_engine
+        from harness.serve.launch import EngineRefused, EngineRunError, EngineUnsupported, run_engine
 
         t0 = time.monotonic()
         try:
             st.result = run_engine(st.engine, st.request, st.run_dir, ctx.config.timeout_s, st.engines_root)
+        except EngineUnsupported as e:  # the engine's own registry says it has no code for this architecture
+            raise NotApplicable(str(e)) from None
         except EngineRefused as e:
             raise CouldNotRun(str(e)) from None
         except EngineRunError as e:

@@ -34,6 +34,9 @@ def setup(args) -> int:
     return 0
 
 
+OWN = "the engine's own (its runner asks the engine)"
+
+
 def show(args) -> int:
     from harness.registry import broken_entry_points
     from harness.serve import engine as eng
@@ -43,7 +46,7 @@ def show(args) -> int:
         print(f"{e.name:<12} {e.serves:<8} {','.join(sorted(e.backends)):<9} {eng.status(e, args.root):<11} "
               f"{str(eng.env_dir(e, args.root)):<30} {e.pins:<14} {e.description}; platform {e.platform}"
               f"{'; plugin ' + e.plugin if e.plugin else ''}; variants {', '.join(e.variants) or 'none'}; "
-              f"architectures {', '.join(sorted(e.architectures))}; from {e.source}")
+              f"architectures {', '.join(sorted(e.architectures)) or OWN}; from {e.source}")
     for line in broken_entry_points():
         if "harness.engines" in line:
             print(line, file=sys.stderr)

@@ -1,11 +1,12 @@
 """Serving engines checked against float64 (docs/serving.md).
 
-* ``engine``  - the engines harness can drive (name, pins, runner script, the architectures it
-  checks), their environments under ``.harness/engines/<name>/`` and ``setup`` / ``status``;
+* ``engine``  - the engines harness can drive (name, pins, runner script; the architectures are the
+  engine's own unless a build narrows them), their environments under ``.harness/engines/<name>/`` and ``setup`` / ``status``;
 * ``export``  - a suite's pruned, seeded model as a checkpoint an engine loads (save_pretrained),
   keeping what engine kernels dispatch on (the published head_dim);
 * ``launch``  - one engine run: a request file in, a result file out, the runner script in the
-  engine's own venv as a supervised process (harness.launch);
+  engine's own venv as a supervised process (harness.launch); an engine that says it has no code for
+  the model (``EngineUnsupported``) or refuses the request (``EngineRefused``) in its own words;
 * ``judge``   - the float64 transformers reference on the same checkpoint, and the verdict: prompt
   log-probabilities position by position, the greedy continuation teacher-forced.
 * ``routes``  - the engine's routed experts against the float64 reference's routers, position by position

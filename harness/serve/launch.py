@@ -23,8 +23,15 @@ class EngineRunError(Exception):
 
 
 class EngineRefused(EngineRunError):
-    """The engine's runner refused before loading the model (it runs on another platform than its build
-    declares): a setup problem of the engine's, never the model's failure."""
+    """The engine's runner refused before loading the model: it runs on another platform than its build
+    declares, or the engine's own config validation refused the request (vLLM's ``ModelConfig`` ...).
+    A problem of the engine's or of its input, never the model's failure."""
+
+
+class EngineUnsupported(EngineRunError):
+    """The engine has no model code for the checkpoint's architecture (vLLM: not in its ModelRegistry;
+    the transformers variant: no such class in the engine's transformers), in the engine's words: the
+    item is not applicable there."""
 
 
 def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
@@ -50,6 +57,19 @@ def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
     return env
 
 
+def _during(log: Path) -> str:
+    """`` during probe NAME`` where the runner had started a probe and not finished it (it prints ``harness:
+    probe NAME starts`` and ``... done``): a probe that hangs is named even when the engine's own lines
+    push it out of the log's tail."""
+    import re
+
+    try:
+        marks = re.findall(r"^harness: probe (\w+) (starts|done)$", log.read_text(errors="replace"), re.M)
+    except OSError:
+        return ""
+    return f" during probe {marks[-1][0]}" if marks and marks[-1][1] == "starts" else ""
+
+
 def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: float, root=None) -> dict:
     """Write ``request``, run the engine on it, return its result (EngineRunError when there is none)."""
     run_dir = Path(run_dir)
@@ -63,10 +83,13 @@ def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: fl
         ended = group.wait(deadline_s=timeout_s)
         if not ended.ok or not res.is_file():
             tail = " / ".join(log_tail(group.log, 4))
-            how = (f"killed at its time limit ({timeout_s:g} s)" if ended.how == "timeout" else
+            how = (f"killed at its time limit ({timeout_s:g} s){_during(group.log)}" if ended.how == "timeout" else
                    f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
             raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
     out = json.loads(res.read_text())
+    if out.get("unsupported"):
+        raise EngineUnsupported(f"engine {engine.name} ({out.get('engine')} {out.get('version')}) does not serve this "
+                                f"model: {out['unsupported']}")
     if out.get("refused"):
         raise EngineRefused(f"engine {engine.name} refused to run: {out['refused']}")
     return out

