@@ -403,7 +403,9 @@ def _shrink_attention_heads(d: dict, up: dict, why: list[str], vision: bool) -> 
     """Every attention flavour: <prefix>num_attention_heads with <prefix>num_key_value_heads, GQA ratio
     kept; the main flavour's query heads also keep their ratio to every other count that divides them
     (``_query_divisors``), and its KV heads to every other query count over them (``_kv_sharers``)."""
-    for k, v in d.items():
+    main = d.get("num_attention_heads")
+    # the main flavour first: a prefixed one published with as many query heads follows it (below)
+    for k, v in sorted(d.items(), key=lambda kv_: kv_[0] != "num_attention_heads"):
         if not (k.endswith("num_attention_heads") and isinstance(v, int) and v > 0):
             continue
         pre = k[: -len("num_attention_heads")]
@@ -414,13 +416,23 @@ def _shrink_attention_heads(d: dict, up: dict, why: list[str], vision: bool) -> 
         if divisors:
             q = _joint_query_heads(v, q, ratio, divisors)
             kvn = q // min(ratio, MAX_GQA_RATIO)
+        tied = pre and v == main and "num_attention_heads" in up and up["num_attention_heads"] % min(ratio, MAX_GQA_RATIO) == 0
+        if tied:
+            # Published equal, kept equal: implementations read different keys for the same heads. MiMo-V2-Flash
+            # publishes swa_num_attention_heads = num_attention_heads (64) and swa KV heads = 2x the full ones;
+            # transformers builds its sliding layers from num_attention_heads (and 2 x num_key_value_heads), vLLM
+            # from the swa_ keys. Pruned apart (16 vs 8 query heads) the engine and the reference built two
+            # different models, and vLLM failed loading the sinks (8 vs 16).
+            q = up["num_attention_heads"]
+            kvn = q // min(ratio, MAX_GQA_RATIO)
         up[k] = q
         if kv_key in d and d[kv_key] is not None:
             up[kv_key] = kvn
         if vision:
             continue
         why.append(f"{k}: {v}:{kv} ({ratio}:1 GQA) -> {q} query / {kvn} KV heads" +
-                   (f" (ratio capped at {MAX_GQA_RATIO}:1)" if ratio > MAX_GQA_RATIO else ""))
+                   (f" (ratio capped at {MAX_GQA_RATIO}:1)" if ratio > MAX_GQA_RATIO else "") +
+                   (" (query heads kept equal to num_attention_heads, as published)" if tied else ""))
         if ratio > MAX_GQA_RATIO:
             why.append(f"{RATIO_CHANGED} {k} query:KV heads {ratio}:1 -> {MAX_GQA_RATIO}:1 (capped: more than "
                        f"{MAX_GQA_RATIO} query heads per KV head made a pruned float64 golden take minutes)")

@@ -27,7 +27,7 @@ from pathlib import Path
 from harness.files import atomic
 
 README = "README.txt"
-VERSION = 3  # of what export writes: a cached export made by another version is remade
+VERSION = 4  # of what export writes: a cached export made by another version is remade
 # MLA (DeepSeek-V3, Kimi-K2): the widths an engine's MLA kernel dispatches on, kept at the published values
 MLA_DIMS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
@@ -72,9 +72,24 @@ def serving_config(ls):
         mc.config.head_dim = real
         kept.append(f"head_dim {real} (published; the pruned model's is {pruned}): engines choose their "
                     f"attention kernel by head size")
+        kept.extend(_tie_head_dims(pub, mc.config, real))
     else:
         kept.append(f"head_dim {real} (the pruned model's is already the published one)")
     return mc, kept
+
+
+def _tie_head_dims(pub, cfg, real: int) -> list[str]:
+    """Another attention flavour's head size the release publishes equal to ``head_dim`` (MiMo-V2-Flash's
+    ``swa_head_dim`` 192) set to the published one with it. transformers builds every layer from
+    ``head_dim`` there, vLLM its sliding layers from ``swa_head_dim``: left pruned (48 against 192), the
+    engine built another model than the reference."""
+    out = []
+    for k, v in pub.to_dict().items():
+        if k != "head_dim" and k.endswith("_head_dim") and k not in MLA_DIMS and v == real \
+                and k[: -len("head_dim")] + "num_attention_heads" in pub.to_dict():
+            setattr(cfg, k, real)
+            out.append(f"{k} {real} (published equal to head_dim, kept equal)")
+    return out
 
 
 def fingerprint(ls, dtype: str) -> str:

@@ -88,6 +88,16 @@ def test_the_ratios_issue_50_found_changed_are_kept():
     assert kept("DeepSeek-V4-Flash.json", "num_attention_heads", "o_groups") == ((16, 2), True)  # was 16 per group
 
 
+def test_a_flavour_published_with_the_main_heads_keeps_them_when_pruned():
+    # MiMo-V2-Flash: swa_num_attention_heads 64 = num_attention_heads, swa KV heads 8 = 2 x 4. transformers
+    # builds its sliding layers from num_attention_heads (KV heads doubled), vLLM from the swa_ keys: pruned
+    # apart (16 vs 8 query heads) the engine and the reference were two models and vLLM failed loading the
+    # sinks ("size of tensor a (8) must match ... (16)"). Kept equal, each keeps its own GQA ratio.
+    pruned = _pruned(plan_config(_raw(DAY0 / "MiMo-V2-Flash.json")))
+    assert pruned["swa_num_attention_heads"] == pruned["num_attention_heads"] == 16
+    assert (pruned["swa_num_key_value_heads"], pruned["num_key_value_heads"]) == (2, 1)  # 8:1 and 16:1, as published
+
+
 @pytest.mark.parametrize("name", ["Qwen3.5-27B", "gemma-4-26B-A4B", "DeepSeek-V4-Flash",
                                   "Nemotron-3-Nano-30B-A3B-BF16", "Nemotron-3-Ultra-550B-A55B-BF16"])
 def test_pruned_models_with_the_kept_ratios_build_and_run(name):

@@ -69,6 +69,9 @@ def test_unknown_suite_is_one_line(tmp_path, capsys):
     # head_dim varies by layer: transformers refuses a global one (the export raised
     # AmbiguousGlobalPerLayerAttributeError); the per-layer widths stay the pruned ones, said in one line
     ("gemma-4-26B-A4B", "head_dim varies by layer in this config"),
+    # swa_head_dim published equal to head_dim (192): vLLM builds the sliding layers from it, transformers
+    # from head_dim; kept equal with it (left at the pruned 48, the engine built another model)
+    ("MiMo-V2-Flash", "swa_head_dim 192 (published equal to head_dim, kept equal)"),
 ])
 def test_day0_configs_export_and_say_what_they_kept(tmp_path, config, kept):
     from harness.cli.init import init_suite
