@@ -43,7 +43,6 @@ from harness.compiler import dynamo as dyn
 from harness.compiler import numerics as num
 from harness.compiler.backward import Backward
 from harness.golden.sections import load_golden_for
-from harness.precision import signed
 from harness.suite.schema import DTYPES
 
 SPEED = "speed"  # the nightly variant: compiled / eager speed and memory
@@ -74,6 +73,10 @@ metrics.declare("compile_signed_min_p", "", "higher", "compile: smallest sign-te
 metrics.declare("compile_signed_max_effect", "", "lower", "compile: largest |mean per-position scale or offset| of "
                 "the compiled logits against eager")
 metrics.declare("compile_loss_abs_err", "nats", "lower", "compile: |LM loss of the compiled logits - the golden's|")
+metrics.declare("compile_loss_signed_p", "", "higher", "compile: sign-test p of the compiled per-token LM loss against "
+                "eager's (fails below 1e-4 with an effect above the dtype's floor)")
+metrics.declare("compile_loss_signed_effect", "", "lower", "compile: |mean per-token loss difference| of the compiled "
+                "logits against eager, relative to eager's loss")
 metrics.declare("compile_forward_s", "s", "lower", "compile (nightly): median compiled forward time")
 metrics.declare("compile_eager_forward_s", "s", "lower", "compile (nightly): median eager forward time, "
                 "interleaved with the compiled one")
@@ -87,6 +90,12 @@ metrics.declare("compile_grad_worst_budget_use", "", "lower", "compile: largest 
 metrics.declare("compile_grad_vs_eager_worst_budget_use", "", "none", "compile: the same of the eager backward, "
                 "beside it")
 metrics.declare("compile_backward_time_s", "s", "lower", "compile: first compiled forward + backward (its compile)")
+metrics.declare("compile_grad_signed_min_p", "", "higher", "compile: smallest sign-test p of a parameter gradient's "
+                "per-row scale or offset, compiled backward against eager (fails below 1e-4 / tests made with an "
+                "effect above the dtype's floor)")
+metrics.declare("compile_grad_signed_max_effect", "", "lower", "compile: largest |scale or mean row offset| of a "
+                "parameter gradient against eager's among the sign tests below the limit (fails above the dtype's "
+                "floor, harness.precision.signed.GRAD_FLOORS; 0: none below it)")
 
 
 TOL_GOLDEN = metrics.tolerance_property("compile_logits_rel_rmse", 0.0)[0]
@@ -306,8 +315,7 @@ class CompileCheck(Check):
         if ctx.variant == SPEED or st.num.diverged is None or not st.cfg.bisect:
             return
         routes = num.golden_routes(st.g) if st.num.routing_forced else None
-        by_sign = None if st.num.one_signed is None else \
-            (lambda got: signed.one_signed(got, st.num.eager_logits, ctx.dtype)[0] is not None)
+        by_sign = st.num.sign_judge(st.ids, ctx.dtype)
         with num.routed(st.model, routes):
             st.bisection = bis.localize(st.model, lambda m: num.logits(m, st.ids), st.num.eager_logits,
                                         st.num.eager_budget, st.compile_kw, st.cfg.bisect_depth, by_sign)

@@ -14,6 +14,7 @@ from harness.compiler import dynamo as dyn
 @dataclass
 class Backward:
     rows: list = field(default_factory=list)  # gradients.GradRow per sketched parameter
+    signed: dict = field(default_factory=dict)  # parameter -> its sign tests against eager (gradients.signed_tests)
     seconds: float | None = None  # the first compiled forward + backward (its compile)
     notes: list[str] = field(default_factory=list)
     details: dict[str, str] = field(default_factory=dict)
@@ -25,9 +26,11 @@ class Backward:
         judged = [r for r in self.rows if r.budget]
         if not judged:
             return {}
+        from harness.compiler.gradients import signed_figures
+
         return {"compile_grad_worst_budget_use": max(r.compiled / r.budget for r in judged),
                 "compile_grad_vs_eager_worst_budget_use": max(r.eager / r.budget for r in judged),
-                "compile_backward_time_s": self.seconds}
+                "compile_backward_time_s": self.seconds} | signed_figures(self.signed)
 
 
 def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, grad_k: float) -> Backward:
@@ -46,15 +49,22 @@ def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, 
     eager = grd.eager_grads(ref, model)
     k = suite.suite.checks.training.budget_k
     t0 = time.perf_counter()
-    out.rows = grd.rows(ref, grd.compiled_grads(ref, model, compile_kw), eager, dtype, k, grad_k)
+    compiled = grd.compiled_grads(ref, model, compile_kw)
     out.seconds = time.perf_counter() - t0
-    bad = grd.over_budget(out.rows)
-    if bad and dtype in ("bfloat16", "float16") and dyn.can_emulate_precision(compiler):
-        emulated, text = grd.with_precision_casts(ref, model, compile_kw, eager, bad, dtype, k, grad_k)
+    out.rows = grd.rows(ref, compiled, eager, dtype, k, grad_k)
+    # the direction beside the size: each gradient against eager's (the clean run), a one-signed error
+    # well inside the budget fails too
+    out.signed = grd.signed_tests(ref, compiled, eager)
+    bad, one = grd.over_budget(out.rows), grd.one_signed(out.signed, out.rows, dtype)
+    if (bad or one) and dtype in ("bfloat16", "float16") and dyn.can_emulate_precision(compiler):
+        emulated, text = grd.with_precision_casts(ref, model, compile_kw, eager, bad, one, dtype, k, grad_k)
         if emulated is not None:
             out.details["compile_grad_precision_casts"] = text
             out.notes.append(f"compile: {text}")
-            out.rows, bad = emulated, []
+            (out.rows, grads), bad, one = emulated, [], []
+            out.signed = grd.signed_tests(ref, grads, eager)
     if bad:
         out.failure = grd.failure(grd.in_backward_order(bad, ref.order))
+    elif one:
+        out.failure = grd.signed_failure(grd.in_backward_order(one, ref.order), out.signed, dtype, ref.order)
     return out

@@ -68,6 +68,7 @@ class Numerics:
     moe: bool = False  # the golden has routes: the forced rerun, not eager's distance, widens the bound
     signed: list = field(default_factory=list)  # harness.precision.signed.OneSigned of compiled vs eager
     one_signed: object = None  # the failing one, where the direction (not the size) failed
+    loss_signed: object = None  # signed.OneSigned of the compiled LM loss against eager's, token by token
 
     def figures(self) -> dict[str, float]:
         """The metrics of the judgement, in recording order."""
@@ -82,15 +83,29 @@ class Numerics:
         if self.signed:
             out["compile_signed_min_p"] = min(t.p for t in self.signed)
             out["compile_signed_max_effect"] = max(abs(t.effect) for t in self.signed)
+        if self.loss_signed is not None:
+            out["compile_loss_signed_p"] = self.loss_signed.p
+            out["compile_loss_signed_effect"] = abs(self.loss_signed.effect)
         return out
+
+    def sign_judge(self, ids, dtype: str):
+        """The bisection's judge of a region's logits by the direction that failed (None: the size did)."""
+        t = self.one_signed
+        if t is None:
+            return None
+        if t.kind == "loss":
+            return lambda got: signed.failing([num.loss_signed(ids, got, self.eager_logits)], dtype, 1) is not None
+        return lambda got: signed.one_signed(got, self.eager_logits, dtype)[0] is not None
 
     def failure(self, where: str, details: str | None) -> tuple[str, dict]:
         """The diverging numerics' failure, ``where`` the bisection found it: message and fields."""
         t = self.one_signed
         if t is not None:  # the direction failed, not the size: the sign test's figures
-            limit = signed.ALPHA / max(len(self.signed), 1)
+            loss = t.kind == "loss"  # the loss's test is a family of its own (one test at ALPHA)
+            limit = signed.ALPHA / (1 if loss else max(len(self.signed), 1))
             return (f"{where}: {self.diverged}",
-                    dict(metric="compile_signed_min_p", expected=f">= {limit:.2g} or |effect| <= floor",
+                    dict(metric="compile_loss_signed_p" if loss else "compile_signed_min_p",
+                         expected=f">= {limit:.2g} or |effect| <= floor",
                          observed=f"p={t.p:.2g}, effect {t.effect:+.3g}", tolerance=limit, details=details))
         return (f"{where}: {self.diverged}",
                 dict(metric="compile_logits_rel_rmse", expected=f"<= {self.golden_bound:.3g}",
@@ -181,4 +196,10 @@ def numerics(g, model, ids, logits: torch.Tensor, eager_logits: torch.Tensor, co
     if n.diverged is None and bad is not None:
         n.diverged = f"compiled logits against eager: {bad.words()}, inside the magnitude budget"
         n.one_signed = bad
+    if loss and ids.shape[1] > 1:  # the loss's direction, token by token (no golden needed: eager is the clean run)
+        n.loss_signed = num.loss_signed(ids, n.logits, n.eager_logits)
+        bad = signed.failing([n.loss_signed], dtype, 1) if n.loss_signed is not None else None
+        if n.diverged is None and bad is not None:
+            n.diverged = f"compiled LM loss against eager: {bad.words()}, inside the magnitude bound"
+            n.one_signed = bad
     return n

@@ -17,6 +17,7 @@ import torch
 from harness.compiler import dynamo as dyn
 from harness.compiler.numerics import routed
 from harness.precision import backward as bw
+from harness.precision import signed
 
 
 class GradRow(NamedTuple):
@@ -100,23 +101,86 @@ def over_budget(rs: list[GradRow]) -> list[GradRow]:
     return [r for r in rs if r.budget is not None and not r.compiled <= r.budget]
 
 
-def in_backward_order(bad: list[GradRow], order: list[str]) -> list[GradRow]:
-    """``bad`` walking backward (the golden's backward order): where a wrong backward kernel is met
-    first; parameters upstream of it inherit its error (the embedding last)."""
-
-    def first_met(row: GradRow) -> int:
-        owners = [i for i, m in enumerate(order) if row.name.startswith(m + ".")]
-        return max(owners, key=lambda i: len(order[i])) if owners else len(order)
-
-    return sorted(bad, key=first_met)
+def owner(name: str, order: list[str]) -> int:
+    """The index in the golden's backward order of the innermost module holding parameter ``name``
+    (len(order) where none does)."""
+    owners = [i for i, m in enumerate(order) if name.startswith(m + ".")]
+    return max(owners, key=lambda i: len(order[i])) if owners else len(order)
 
 
-def precision_casts_text(bad: list[GradRow]) -> str:
-    """What is said where every over-budget gradient is within budget with inductor's precision casts."""
-    worst = max(bad, key=lambda r: r.compiled / r.budget)
-    return (f"{len(bad)} parameter gradient(s) over budget under inductor's default precision (worst "
-            f"{worst.name}: {worst.compiled:.3g} > {worst.budget:.3g}), all within budget with emulate_precision_casts "
-            f"(the roundings eager does between fused ops)")
+def in_backward_order(bad: list, order: list[str]) -> list:
+    """``bad`` (GradRow or SignedRow) walking backward (the golden's backward order): where a wrong
+    backward kernel is met first; parameters upstream of it inherit its error (the embedding last)."""
+    return sorted(bad, key=lambda row: owner(row.name, order))
+
+
+# --- the direction beside the size: compiled against eager (the clean run of this backend and dtype) ---
+# A backward kernel 1 % high in bfloat16 moves every gradient upstream of it by 1 %, far inside the
+# budget (grad_k x the training check's, measured on eager draws); its direction does not average out:
+# every row of those gradients is scaled the same way. Eager on the same backend and dtype is the
+# clean run, so the clean signed difference is 0 (harness.precision.signed.tensor_tests).
+class SignedRow(NamedTuple):
+    name: str  # the parameter
+    test: signed.OneSigned  # its failing sign test
+    use: float | None  # its compiled gradient's magnitude budget use (None: no budget in the dtype)
+
+
+def signed_tests(ref: BackwardReference, compiled: dict, eager: dict) -> dict[str, list[signed.OneSigned]]:
+    """Per parameter with something to test, the scale and offset sign tests of its compiled gradient
+    against eager's (the whole gradient, not the sketch: rows are the test's samples)."""
+    return {n: t for n in ref.names if (t := signed.tensor_tests(compiled[n], eager[n]))}
+
+
+def one_signed(tests: dict[str, list[signed.OneSigned]], rs: list[GradRow], dtype: str) -> list[SignedRow]:
+    """The parameters whose compiled gradient is one-signed against eager: a test below ALPHA / every
+    test made (Bonferroni over the item's gradients) with an effect above the dtype's floor."""
+    made, use = sum(map(len, tests.values())), {r.name: r.compiled / r.budget if r.budget else None for r in rs}
+    return [SignedRow(n, bad, use.get(n)) for n, ts in tests.items()
+            if (bad := signed.failing(ts, dtype, made, signed.GRAD_FLOORS)) is not None]
+
+
+def signed_figures(tests: dict[str, list[signed.OneSigned]]) -> dict[str, float]:
+    """The smallest p, and the largest effect of a test significant at the item's limit (the figure the
+    floor judges: a failure above it; 0 where none is - a noisy row mean's large effect at p 0.1 says
+    nothing)."""
+    flat = [t for ts in tests.values() for t in ts]
+    if not flat:
+        return {}
+    return {"compile_grad_signed_min_p": min(t.p for t in flat),
+            "compile_grad_signed_max_effect": max((abs(t.effect) for t in signed.significant(flat, len(flat))),
+                                                  default=0.0)}
+
+
+def signed_failure(bad: list[SignedRow], tests: dict, dtype: str, order: list[str]) -> tuple[str, dict]:
+    """The compiled backward's one-signed failure: the module of the first parameter met walking
+    backward (``bad`` in that order) leads, as the forward's bisected region does."""
+    n, t, use = bad[0]
+    i = owner(n, order)
+    module = order[i] if i < len(order) else n.rpartition(".")[0] or n
+    limit = signed.ALPHA / max(sum(map(len, tests.values())), 1)
+    inside = "" if use is None else f" ({use:.2g} of it)"
+    table = "\n".join(f"  {r.name}: {r.test.words()}" + ("" if r.use is None else f", budget use {r.use:.2g}")
+                      for r in bad[:40])
+    return (f"{module}: compiled backward against eager: gradient of {n}: {t.words()}, inside the magnitude "
+            f"budget{inside}; first of {len(bad)} parameter(s)",
+            dict(metric="compile_grad_signed_min_p",
+                 expected=f">= {limit:.2g} or |effect| <= {signed.GRAD_FLOORS.get(dtype, 0.0):.2g}",
+                 observed=f"p={t.p:.2g}, effect {t.effect:+.3g}", tolerance=limit,
+                 details="parameter gradients one-signed against eager (sign tests over rows):\n" + table))
+
+
+def precision_casts_text(bad: list[GradRow], one: list[SignedRow] = ()) -> str:
+    """What is said where every over-budget (``bad``) and one-signed (``one``) gradient is within budget
+    and without direction with inductor's precision casts."""
+    said = []
+    if bad:
+        worst = max(bad, key=lambda r: r.compiled / r.budget)
+        said.append(f"{len(bad)} parameter gradient(s) over budget (worst {worst.name}: {worst.compiled:.3g} > "
+                    f"{worst.budget:.3g})")
+    if one:
+        said.append(f"{len(one)} one-signed against eager (first {one[0].name}: {one[0].test.words()})")
+    return (f"{' and '.join(said)} under inductor's default precision, all within budget and without direction "
+            "with emulate_precision_casts (the roundings eager does between fused ops)")
 
 
 def table(bad: list[GradRow]) -> str:
@@ -135,15 +199,17 @@ def failure(bad: list[GradRow]) -> tuple[str, dict]:
 
 
 def with_precision_casts(ref: BackwardReference, model: torch.nn.Module, compile_kw: dict, eager: dict,
-                         bad: list[GradRow], dtype: str, k: float, grad_k: float) -> tuple[list[GradRow] | None, str | None]:
+                         bad: list[GradRow], one: list[SignedRow], dtype: str, k: float,
+                         grad_k: float) -> tuple[tuple[list[GradRow], dict] | None, str | None]:
     """Inductor fuses and skips the low-precision roundings eager does between ops (its
     emulate_precision_casts is off by default): a different, legitimate arithmetic whose error the
     budgets (measured on eager draws) do not model. Measured: DeepSeek-V4-Flash's attn_hc.base
     gradient, bfloat16, 1.12 x its budget, 0.80 x with the casts emulated. A kernel fault stays over
-    budget either way; only a divergence that the emulation removes is explained (and said), never
-    silently passed. Returns the rows with the casts emulated and what to say where that explains
-    ``bad``, else (None, None)."""
-    emulated = rows(ref, compiled_grads(ref, model, compile_kw, emulate=True), eager, dtype, k, grad_k)
-    if over_budget(emulated):
+    budget (and one-signed) either way; only a divergence that the emulation removes is explained (and
+    said), never silently passed. Returns the rows and the gradients with the casts emulated and what to
+    say where that explains ``bad`` and ``one``, else (None, None)."""
+    grads = compiled_grads(ref, model, compile_kw, emulate=True)
+    emulated = rows(ref, grads, eager, dtype, k, grad_k)
+    if over_budget(emulated) or one_signed(signed_tests(ref, grads, eager), emulated, dtype):
         return None, None
-    return emulated, precision_casts_text(bad)
+    return (emulated, grads), precision_casts_text(bad, one)

@@ -108,14 +108,33 @@ def divergence(vs_golden: dict, vs_eager: dict, eager_vs_golden: dict, golden_bo
 def loss_error(ids: torch.Tensor, compiled: torch.Tensor, ref: torch.Tensor, budget: float) -> tuple[float, float]:
     """|loss(compiled) - loss(golden)| and its bound from the logits budget: the mean cross-entropy's
     gradient in the logits has norm <= sqrt(2 / tokens), so |d loss| <= that x ||d logits||."""
+    tokens = ids[:, 1:].numel()
+    bound = math.sqrt(2 / tokens) * budget * ref[:, :-1].double().norm().item()
+    return abs(token_losses(ids, compiled).mean().item() - token_losses(ids, ref).mean().item()), bound
+
+
+def token_losses(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Each predicted token's cross entropy [B x (T - 1)] in float64 (the LM loss is their mean)."""
     labels = ids.to("cpu")[:, 1:].reshape(-1)
+    lg = logits[:, :-1].double()
+    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels, reduction="none")
 
-    def loss(lg):
-        lg = lg[:, :-1].double()
-        return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels).item()
 
-    bound = math.sqrt(2 / labels.numel()) * budget * ref[:, :-1].double().norm().item()
-    return abs(loss(compiled) - loss(ref)), bound
+def loss_signed(ids: torch.Tensor, compiled: torch.Tensor, eager: torch.Tensor):
+    """The sign test of the compiled LM loss against eager's (same backend and dtype: the clean
+    difference is 0), token by token: a compiled error that raises (or lowers) most tokens' loss. Its
+    effect is the mean difference relative to eager's loss. A scale of the logits moves a token's loss
+    by e x (E_p[z] - z_label), whose sign varies with the token: the logits' own scale test sees that;
+    this one sees what lifts the loss one way - the label's logit lowered at every position, a
+    log-softmax off by a constant - which a row's offset dilutes over the vocabulary. None where
+    nothing can be tested (non-finite values)."""
+    from harness.precision import signed
+
+    if not (torch.isfinite(compiled).all() and torch.isfinite(eager).all()):
+        return None
+    got, ref = token_losses(ids, compiled), token_losses(ids, eager)
+    p, n, same = signed.signs(got - ref)
+    return signed.OneSigned("loss", p, ((got - ref).mean() / ref.mean().clamp_min(1e-12)).item(), n, same, "tokens")
 
 
 def forced_forward(model: torch.nn.Module, routes: dict[str, torch.Tensor], ids: torch.Tensor, compile_kw: dict):

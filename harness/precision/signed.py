@@ -94,8 +94,14 @@ def sign_p(n_pos: int, n: int) -> float:
     if n == 0:
         return 1.0
     k = max(n_pos, n - n_pos)
-    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2.0 ** n
-    return min(1.0, 2 * tail)
+    if n <= 1000:
+        tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2.0 ** n
+        return min(1.0, 2 * tail)
+    # a gradient has thousands of rows (an MoE's fused experts): 2.0 ** n overflows a float past 1023, so
+    # the same sum in logs (log-sum-exp of log C(n, i) - n log 2)
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in range(k, n + 1)]
+    top = max(logs)
+    return min(1.0, 2 * math.exp(top - n * math.log(2) + math.log(sum(math.exp(v - top) for v in logs))))
 
 
 @dataclass
@@ -238,10 +244,11 @@ class OneSigned:
     effect: float  # mean per-position e
     rows: int  # positions with a nonzero e
     same_sign: int  # of those, how many share the majority sign
+    unit: str = "positions"  # what a row is, in words ("rows" of a gradient, "tokens" of the loss)
 
     def words(self) -> str:
-        what = "scaled" if self.kind == "scale" else "shifted"
-        return (f"one-signed {self.kind} error: {self.same_sign} of {self.rows} positions {what} the same way, mean "
+        what = {"scale": "scaled", "offset": "shifted"}.get(self.kind, "moved")
+        return (f"one-signed {self.kind} error: {self.same_sign} of {self.rows} {self.unit} {what} the same way, mean "
                 f"{self.effect:+.2%} (sign test p={self.p:.2g})")
 
 
@@ -268,9 +275,65 @@ def one_signed(got: torch.Tensor, ref: torch.Tensor, dtype: str) -> tuple[OneSig
     for kind, e in errs.items():
         p, n, same = signs(e)
         tests.append(OneSigned(kind, p, e.mean().item(), n, same))
-    floor = COMPILE_FLOORS.get(dtype, 0.0)
-    bad = [t for t in tests if t.p < ALPHA / len(tests) and abs(t.effect) > floor]
-    return (min(bad, key=lambda t: t.p) if bad else None), tests
+    return failing(tests, dtype, len(tests)), tests
+
+
+# Floors of a parameter gradient's effect, compiled backward against eager: clean, inductor's backward is
+# one-signed against eager's by a little in every dtype (float32: every row of a gradient the same way,
+# p down to 1e-117, at a scale of 2.5e-7 to 7.4e-7; bfloat16: 0.08 % on an MLP's down_proj, the skipped
+# roundings), which only the floor keeps from failing; the bundled suites' figures are in docs/compile.md.
+# float32's sits above its logits' floor: a one-signed gradient error of 2^-18 is already about twice the
+# gradients' magnitude budget (~2e-6), so nothing the sign test adds there is lost.
+GRAD_FLOORS = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -12, "float32": 2.0 ** -18}
+
+
+def failing(tests: list[OneSigned], dtype: str, made: int, floors: dict = COMPILE_FLOORS) -> OneSigned | None:
+    """The most significant of ``tests`` below ALPHA / ``made`` (Bonferroni over the tests of one family)
+    with an effect above ``floors[dtype]``, or None."""
+    floor = floors.get(dtype, 0.0)
+    bad = [t for t in significant(tests, made) if abs(t.effect) > floor]
+    return min(bad, key=lambda t: t.p) if bad else None
+
+
+def significant(tests: list[OneSigned], made: int) -> list[OneSigned]:
+    """The tests below ALPHA / ``made``: one-signed beyond chance, failing where the effect is over the floor."""
+    return [t for t in tests if t.p < ALPHA / max(made, 1)]
+
+
+def tensor_tests(got: torch.Tensor, ref: torch.Tensor) -> list[OneSigned]:
+    """The scale and offset sign tests of ``got`` against ``ref`` (same dtype, clean difference 0) for a
+    tensor whose rows may be constant - a gradient: the embedding's rows of absent tokens are 0, an
+    unrouted expert's all of it. Rows of the last dim, those whose reference varies (the others say
+    nothing of a scale); a vector's nonzero elements are its rows, the sign of each one's scale that of
+    (g - r) x r (one element has no spread). The scale's effect is the least-squares slope over the rows
+    tested (each row weighted by its spread: a plain mean of slopes is dominated by the rows near 0),
+    the offset's the mean row offset. [] where nothing can be tested (no variation, non-finite values)."""
+    if got.shape != ref.shape or not ref.is_floating_point():
+        return []
+    g, r = got.double(), ref.double()
+    if not bool(torch.isfinite(g).all() and torch.isfinite(r).all()):
+        return []  # a non-finite gradient fails on its size; its sign says nothing more
+    if r.dim() < 2:
+        keep = r.reshape(-1) != 0
+        g, r = g.reshape(-1)[keep], r.reshape(-1)[keep]
+        if r.numel() < 2:
+            return []
+        d = g - r
+        off = d / r.pow(2).mean().sqrt()
+        rows = {"scale": (d * r, (d * r).sum().item() / r.pow(2).sum().item()), "offset": (off, off.mean().item())}
+    else:
+        g, r = g.reshape(-1, r.shape[-1]), r.reshape(-1, r.shape[-1])
+        den = (r - r.mean(-1, keepdim=True)).pow(2).sum(-1)
+        keep = den > den.max() * 1e-12
+        if not bool(keep.any()):
+            return []
+        sc, off = row_scales(g[keep], r[keep]), row_errors(g[keep], r[keep])
+        rows = {"scale": (sc, (sc * den[keep]).sum().item() / den[keep].sum().item()), "offset": (off, off.mean().item())}
+    tests = []
+    for kind, (e, effect) in rows.items():
+        p, n, same = signs(e)
+        tests.append(OneSigned(kind, p, effect, n, same, "rows"))
+    return tests
 
 
 # --- one-signed error per decoded position, over every layer (the decode check) ---------------------
