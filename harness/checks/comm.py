@@ -4,8 +4,10 @@ One item per world size (``comm[cpu-float32-w2]``): one launch of that many rank
 collective library (harness/perf/comm.py: all-reduce, all-gather, reduce-scatter, all-to-all,
 broadcast, send/recv at each message size), algorithm and bus bandwidth as nccl-tests defines them,
 compared with the baseline of this machine class by the perf check's rule (harness.perf.decide: the
-threshold *and* one-sided Mann-Whitney), per collective and size. A collective that is slower at at
-least half its sizes is a regression named by collective, with its bandwidth then and now.
+threshold *and* one-sided Mann-Whitney), per collective and size, on each launch's fastest half
+calibrated by that launch's other collectives (harness/perf/commjudge.py ``judge``: one launch's
+samples share its load). A collective that is slower at at least half its sizes is a regression named
+by collective, with its bandwidth then and now; what the machine was too noisy to back is noted.
 
 Steps: ``setup`` -> ``launch`` (torchrun through harness.launch, the whole tree killed at ``timeout_s``;
 results written before teardown) -> ``bandwidth`` (algbw / busbw per collective and size; metrics) ->
@@ -41,7 +43,6 @@ from harness.perf import baseline as store
 from harness.perf import commjudge, stats
 from harness.perf import fingerprint as fpmod
 from harness.perf.comm import COLLECTIVES, bandwidths
-from harness.perf.decide import decide
 
 for _c in COLLECTIVES:
     metrics.declare(f"comm_{_c}_busbw", "bytes/s", "higher", f"comm: {_c} bus bandwidth at the largest size (nccl-tests)")
@@ -181,16 +182,20 @@ class CommCheck(Check):
             st.status, st.baseline_why = "incomparable", f"baseline measured another grid ({base.get('shape')}); not compared"
             ctx.notes.append(st.baseline_why)
             return
-        for key, now in st.raw["samples"].items():  # each collective and size by its own samples
-            then = base["samples"].get(key)
-            if then:
-                st.decisions[key] = decide(f"comm {key}", now, then, direction="lower", threshold=st.cfg.threshold,
-                                           alpha=st.cfg.alpha, kernel_ratio=None, baseline_runs=store.runs(base),
-                                           thin_margin=st.cfg.thin_margin)
+        # each collective and size by its own samples, each launch calibrated by its own load (commjudge.judge)
+        st.decisions = commjudge.judge(st.raw["samples"], base, st.raw.get("backend", ""), threshold=st.cfg.threshold,
+                                       alpha=st.cfg.alpha, thin_margin=st.cfg.thin_margin)
         st.regressed = commjudge.regressed(st.decisions, st.cfg.collectives)
         ctx.notes.extend(f"comm {k}: {why}" for k, why in commjudge.held(st.decisions).items())
         st.slow_pairs = {k: d for k, d in st.decisions.items() if k.startswith("pair/") and d.verdict == "regression"}
+        if st.slow_pairs and len(set(st.raw.get("hosts") or [])) < 2:  # one host: no link between nodes to name
+            ctx.notes.extend(f"comm {k}: {d.why} (ranks on one host: no link; not a regression)"
+                             for k, d in st.slow_pairs.items())
+            st.slow_pairs = {}
         st.status = "regression" if st.regressed or st.slow_pairs else "unchanged"
+        if st.status == "unchanged" and (noisy := commjudge.noisy(st.decisions, st.cfg.collectives)):
+            st.status = "noisy"  # said, not filed: the machine could not back what the rule saw
+            ctx.notes.append(f"comm: too noisy to judge {', '.join(noisy)} (sizes held: see the notes above)")
 
     @staticmethod
     def _shape(st) -> dict:
@@ -213,7 +218,7 @@ class CommCheck(Check):
     def record(self, ctx: CheckContext, st) -> None:
         verdict = {"status": st.status, "baseline": st.baseline_why, "class": fpmod.class_key(st.fp),
                    "regressed": {c: sorted(b) for c, b in st.regressed.items()},
-                   "held": commjudge.held(st.decisions),  # noted, not regressions: a one-launch baseline
+                   "held": commjudge.held(st.decisions),  # noted, not regressions: noisy or thin
                    "decisions": {k: d.to_dict() for k, d in st.decisions.items()}}
         rec = {"suite": ctx.suite.name, "key": st.key, "backend": ctx.backend.name, "dtype": ctx.dtype,
                "variant": ctx.variant, "fingerprint": st.fp, "class": fpmod.class_key(st.fp),

@@ -227,6 +227,37 @@ def runs(item: dict) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
+def splits(item: dict) -> dict[str, list[int]]:
+    """Per metric, how many of the item's samples each pooled process (launch) gave, in order
+    (``splits``, kept by :func:`_pool`); one process for an item that does not say or whose counts
+    do not add up to its samples."""
+    said = item.get("splits") if isinstance(item.get("splits"), dict) else {}
+    out = {}
+    for k, v in (item.get("samples") or {}).items():
+        n = said.get(k)
+        ok = isinstance(n, list) and all(isinstance(x, int) and x > 0 for x in n) and sum(n) == len(v)
+        out[k] = list(n) if ok else [len(v)]
+    return out
+
+
+def launches(item: dict) -> list[dict[str, list[float]]]:
+    """The item's pooled samples split back into the processes they came from: one dict of samples
+    per launch, metrics that every launch has. One launch's samples share that launch's load level
+    (the comm check's calibration rests on it: harness/perf/commjudge.py); an item whose metrics
+    disagree on the split is one launch."""
+    sp, samples = splits(item), item.get("samples") or {}
+    counts = {len(v) for v in sp.values()}
+    if len(counts) != 1:
+        return [dict(samples)]
+    out: list[dict[str, list[float]]] = [{} for _ in range(counts.pop())]
+    for k, n in sp.items():
+        at = 0
+        for i, c in enumerate(n):
+            out[i][k] = list(samples[k][at:at + c])
+            at += c
+    return out
+
+
 def _pool(old: dict, new: dict) -> dict:
     """``new``'s samples added to ``old``'s (same workload and calibration kernels): a baseline
     of several processes. One process's level can be 15% off another's on a loaded CPU
@@ -236,6 +267,10 @@ def _pool(old: dict, new: dict) -> dict:
                             f"({old.get('shape')} vs {new.get('shape')}); update without --append")
     out = dict(new)
     out["samples"] = {k: list(old.get("samples", {}).get(k, [])) + list(v) for k, v in new["samples"].items()}
+    # where each process's samples start: a launch's samples share its load (launches())
+    old_sp, new_sp = splits(old), splits(new)
+    out["splits"] = {k: [n for n in old_sp.get(k, []) if old.get("samples", {}).get(k)] + new_sp[k]
+                     for k in new["samples"]}
     ref = {}
     for phase in set(old.get("reference") or {}) | set(new.get("reference") or {}):
         a, b = (old.get("reference") or {}).get(phase, {}), (new.get("reference") or {}).get(phase, {})

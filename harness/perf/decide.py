@@ -77,10 +77,13 @@ class Decision:
 def decide(metric: str, current: Sequence[float], baseline: Sequence[float], *, direction: str = "lower",
            threshold: float = 0.05, alpha: float = 0.01, kernel_ratio: float | None = None,
            kernel_spread: float | None = None, baseline_runs: int | None = None,
-           thin_margin: float | None = None) -> Decision:
+           thin_margin: float | None = None, raw_baseline: Sequence[float] | None = None) -> Decision:
     """Apply the rule. ``kernel_ratio``: calibration kernel time now / then (None: uncalibrated);
     ``kernel_spread``: the kernel's IQR / median (the larger of now and then); ``baseline_runs``:
-    processes of the baseline; ``thin_margin``: the change a one-process baseline still judges."""
+    processes of the baseline; ``thin_margin``: the change a one-process baseline still judges;
+    ``raw_baseline``: the baseline as measured where ``baseline`` was rescaled (the comm check brings
+    each launch to one load level before pooling): the raw ratio and raw p, which the holds read,
+    are then against these."""
     kr = kernel_ratio if kernel_ratio and math.isfinite(kernel_ratio) and kernel_ratio > 0 else 1.0
     cur = [float(v) for v in current if math.isfinite(v)]
     base = [float(v) for v in baseline if math.isfinite(v)]
@@ -117,6 +120,10 @@ def decide(metric: str, current: Sequence[float], baseline: Sequence[float], *, 
         why = "; ".join(parts)
     d = Decision(metric, verdict, direction, ratio, cal, kr, p, threshold, alpha, len(cur), len(base), why,
                  stats.mann_whitney_u(cur, base, "greater" if worse_up else "less").p_value, baseline_runs)
+    raw = [float(v) for v in raw_baseline if math.isfinite(v)] if raw_baseline is not None else []
+    if raw:
+        d.ratio = m_cur / stats.summarize(raw).median
+        d.raw_p_value = stats.mann_whitney_u(cur, raw, "greater" if worse_up else "less").p_value
     if verdict == "regression":
         _hold(d, kernel_spread, thin_margin)
     return d
