@@ -14,26 +14,58 @@ against both baselines by both rules, from the same samples:
 
 A trial counts as an alarm when any timed metric is a regression by the rule (its first decision:
 the check re-measures a suspected regression once more before failing, which cannot be replayed
-offline; the check's own final verdict against the pooled baseline is reported beside it).
+offline; the check's own final verdict against the pooled baseline is reported beside it). The check's
+operator verdicts (issue #51 item 2: every operator and module judged on its own CPU-clock profile
+repeats, judge.operator_verdicts) are counted from the same runs: confirmed on the re-profile, suspected
+but not confirmed, phases noted too noisy; and the item as a whole (failed: a phase, memory or operator
+regression). ``--attn`` more trials slow the CPU attention kernel alone by ``--attn-share`` (busy work
+registered at its BackendSelect dispatch key), to be named by its operator verdict.
 
-Usage: python benchmarks/bench_perf_holds.py [--suite llama-3.1-8b] [--clean 20] [--slow 20]
-       [--baseline-runs 3] [--per-child 5] [--phases prefill,decode]
+Usage: python benchmarks/bench_perf_holds.py [--suite llama-3.1-8b] [--clean 20] [--slow 20] [--attn 5]
+       [--attn-share 0.4] [--baseline-runs 3] [--per-child 5] [--phases prefill,decode] [--work DIR]
+       python benchmarks/bench_perf_holds.py --report DIR/trials.json   (a saved, even partial, run)
 
-Figures (this 2-core machine shared with other engineers' jobs, load 10-13; 2026-12-05, suite
-llama-3.1-8b, phases prefill + decode; `--clean 6 --slow 4 --baseline-runs 2 --per-child 2`, 10.7 min:
-a short run, the >= 20 reruns the issue asks for are still to be measured). Trials with an alarm on
-any timed metric (first decision, before the check's re-measurement):
+Figures, 2026-12-06 09:32-09:57 UTC, this 2-core machine shared with other engineers' jobs (1-minute
+load average 1.3-9.8, mean 5.9: ~9-10 while the 3 baseline processes ran, 2-6 during most trials),
+suite llama-3.1-8b, phases prefill + decode, `--clean 20 --slow 20 --attn 2 --baseline-runs 3
+--per-child 7`, 24.3 min, op_min_time 1 ms and op_min_call_time 100 us (judged: 11 operators and
+modules in prefill, 8 in decode; 1 and 16 left under the floors):
 
-    rule / baseline        false alarms (clean)   detected (20% of every Linear)
-    old, one process       1 of 6                 4 of 4
-    new, one process       0 of 6                 2 of 4   (thin: prefill +19-21% held, within 25%)
-    old, 2 pooled          1 of 6                 4 of 4
-    new, 2 pooled          1 of 6                 4 of 4   (the clean alarm: decode, raw slower too)
-    the check, 2 pooled    0 of 6                 4 of 4   (new rule, confirmed on re-measure)
+    rule / baseline          false alarms (clean)   detected (20% of every Linear)
+    old, one process         0 of 20                20 of 20
+    new, one process         0 of 20                 2 of 20   (thin: within the 25% margin)
+    old, 3 pooled            0 of 20                19 of 20
+    new, 3 pooled            0 of 20                11 of 20
+    the check, phases        0 of 20                 9 of 20   (new rule, pooled, confirmed on re-measure)
+    the check, operators     0 of 20                 0 of 20   (confirmed on re-profile; none even suspected
+                                                                 in the clean trials, no phase noted noisy)
+    the check, whole item    0 of 20                 9 of 20
+    attention kernel +40%    named 2 of 2 (one in prefill +30%, one in decode +92%; each one's other
+                             phase suspected, not confirmed), item failed 2 of 2
 
-In this run no clean trial had a raw time faster than the baseline with a slower calibrated one (the
-issue's 7 of 8), so the raw hold did not fire; the thin hold removed the one-process false alarm and,
-by design, 20% slowdowns that a one-process baseline cannot separate from another process's level.
+**Operators: 0 false alarms in 20 clean reruns** (the goal: at most 1 in 20). **The 20% slowdown: 9 of
+20 items, not the 19 the goal asks**, and not for the operators' sake: 10 of the 11 misses are the
+phase rule's calibration-spread hold (decide.py: "too noisy to judge", calibration kernel spread 10%
+over the 5% threshold with a raw change within it) and one its raw hold. The baseline processes ran at
+load ~9-10 and most trials at 2-6: the calibration kernel ran faster in the slowed trials (prefill
+kernel ratio median 0.859, 0.82-1.14), so a 20% slower model read a median +3.7% raw (e.g. +2.7% raw,
++21% calibrated at 0.848); clean trials spread from -16.7% to +30.5% raw (kernel ratio 0.82-1.26). The old rule caught 19 of 20
+with no false alarm in this run; the holds trade that detection for the issue's 8-in-21 false alarms
+of a night when the load moved the other way. The Linear slowdown is not an operator finding: it is
++20% of every Linear, under ``op_threshold`` (25%).
+
+Before the per-call floor (same command, stopped after 8 trials, 09:12-09:28, load 8-10; only
+op_min_time 1 ms): 1 of 4 clean items failed on an operator, decode's ``aten::mean`` +43% (40 calls of
+37 us per decode, over 1 ms per phase call) with the decoder layer's own time +33% (126 us a call);
+replayed offline on the first profile with a 100 us per-call floor, 0 of 4. Before the CPU clock (the
+profiler's wall-clock times) the tiny perf suite gave 2 operator false alarms in ~60 clean reruns,
+both a ~17 us decode attention kernel; on the llama-3.1-8b perf model at load 10, consecutive profiles
+in one process moved judged operators by a median 16-39% (90th percentile over 100%) on the
+profiler's clock, 5-6.5% (at most 25%) on the CPU clock.
+
+The earlier short run (2026-12-05, load 10-13, `--clean 6 --slow 4 --baseline-runs 2 --per-child 2`,
+phases only, before the operator verdicts): old / new with one process 1 / 0 of 6 false alarms, 4 / 2
+of 4 detected; pooled 1 / 1 of 6, 4 / 4; the check 0 of 6, 4 of 4.
 """
 
 from __future__ import annotations
@@ -41,8 +73,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -63,17 +97,68 @@ def _detection():
     return mod
 
 
+SDPA = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def slow_attention(share: float):
+    """The CPU attention kernel ``share`` slower, every other operator as it was (the issue's case:
+    attention 3% of the prefill, so its phase moves ~1%, under any phase threshold): busy work for
+    ``share`` of the CPU time the kernel itself just took, registered at the dispatcher's BackendSelect
+    key (right above the CPU kernel it redispatches to), so the check's profile and its CPU-clock
+    operator timing see it inside the operator, as they would a slower kernel."""
+    import time as _t
+
+    import torch
+
+    op = getattr(torch.ops.aten, SDPA).default
+
+    def slow(keyset, *args, **kwargs):
+        t0 = _t.thread_time()
+        out = op.redispatch(keyset.remove(torch._C.DispatchKey.BackendSelect), *args, **kwargs)
+        now = _t.thread_time()
+        end = now + share * (now - t0)
+        while _t.thread_time() < end:
+            pass
+        return out
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl(SDPA, slow, "BackendSelect", with_keyset=True)
+    return lib
+
+
+def _operators(verdict: dict) -> dict:
+    """What the check's operator verdicts did: confirmed (filed), suspected on the first profile but not
+    confirmed on the re-profile, held (too noisy / thin), and phases noted too noisy to judge."""
+    ops = verdict.get("operators") or {}
+    return {"confirmed": [f"{ph} {x['kind']} {x['name']} {x['change']:+.0%}" for ph, r in ops.items()
+                          for x in r.get("regressions", [])],
+            "unconfirmed": [f"{ph} {k}" for ph, r in ops.items() for k, why in r.get("held", {}).items()
+                            if why.startswith("suspected")],
+            "held": [f"{ph} {k}" for ph, r in ops.items() for k, why in r.get("held", {}).items()
+                     if not why.startswith("suspected")],
+            "noisy_phases": [ph for ph, r in ops.items() if (r.get("note") or "").startswith("too noisy")],
+            "judged": {ph: r.get("judged", 0) for ph, r in ops.items()},
+            "under_floor": {ph: len(r.get("under_floor", [])) for ph, r in ops.items()}}
+
+
 def child(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     det = _detection()
     ls = det._suite(spec)
     out = []
-    for i, share in enumerate(spec["levels"]):
+    for i, level in enumerate(spec["levels"]):
         res = Path(spec["results"]) / f"t{i}"
-        r = det._run_check(ls, {}, res, Path(spec["golden"]), share)
-        out.append({"share": share, "results": str(res), "outcome": r["outcome"],
+        attn = isinstance(level, str)  # "attn:<share>": the attention operator slowed, not the Linears
+        lib = slow_attention(float(level.split(":")[1])) if attn else None
+        try:
+            r = det._run_check(ls, {}, res, Path(spec["golden"]), 0.0 if attn else level)
+        finally:
+            if lib is not None:
+                lib._destroy()
+        out.append({"share": level, "results": str(res), "outcome": r["outcome"],
                     "confirmed": sorted(m for m, d in r["verdict"].get("metrics", {}).items()
-                                        if d.get("verdict") == "regression")})
+                                        if d.get("verdict") == "regression"),
+                    "operators": _operators(r["verdict"])})
     Path(spec["out"]).write_text(json.dumps(out))
 
 
@@ -124,19 +209,28 @@ def main() -> int:
     ap.add_argument("--suite", default="llama-3.1-8b")
     ap.add_argument("--clean", type=int, default=20)
     ap.add_argument("--slow", type=int, default=20, help="trials with every Linear 20%% slower")
+    ap.add_argument("--attn", type=int, default=5, help="trials with the attention operator slowed alone")
+    ap.add_argument("--attn-share", type=float, default=0.4, help="how much slower the attention operator is")
     ap.add_argument("--baseline-runs", type=int, default=3)
     ap.add_argument("--per-child", type=int, default=5)
     ap.add_argument("--phases", default="prefill,decode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default=str(REPO / "results" / "bench-perf-holds"), help="scratch folder (emptied)")
+    ap.add_argument("--report", help="print the table of a saved trials.json")
     a = ap.parse_args()
+    if a.report:
+        report(json.loads(Path(a.report).read_text()), math.nan)
+        return 0
     if a.child:
         child(a.child)
         return 0
     from harness.perf import baseline as store
 
     t0 = time.perf_counter()
-    work = REPO / "results" / "bench-perf-holds"
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work)
+    if work.exists():  # a fresh baseline each run: update() would pool an earlier run's samples in
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
     base = {"suite": a.suite, "phases": a.phases.split(",")}
     dirs = []
     for b in range(a.baseline_runs):  # one process each: the check's own run writes the sidecar
@@ -146,16 +240,19 @@ def main() -> int:
     thin, pooled = work / "golden-thin", work / "golden-pooled"
     store.update(dirs[:1], thin)
     store.update(dirs, pooled)
-    plan = [0.0] * a.clean + [0.2] * a.slow
+    plan = [0.0] * a.clean + [0.2] * a.slow + [f"attn:{a.attn_share}"] * a.attn
     random.Random(a.seed).shuffle(plan)
     trials = []
     for ci in range(0, len(plan), a.per_child):
         got = spawn({**base, "levels": plan[ci:ci + a.per_child], "results": str(work / f"trials-{ci}"),
                      "golden": str(pooled)}, work, f"trials-{ci}")
         for t in got:
+            if isinstance(t["share"], str):
+                continue  # the phases' rules are not what the attention trials test
             t["judged"] = {f"{rule} {name}": sorted(judge(t["results"], g, rule == "new"))
                            for rule in ("old", "new") for name, g in (("thin", thin), ("pooled", pooled))}
         trials += got
+        (work / "trials.json").write_text(json.dumps(trials, indent=1))  # a partial run reports too
         print(f"[{time.perf_counter() - t0:5.0f} s] {len(trials)}/{len(plan)}", flush=True)
     (work / "trials.json").write_text(json.dumps(trials, indent=1))
     report(trials, time.perf_counter() - t0)
@@ -164,8 +261,9 @@ def main() -> int:
 
 def report(trials: list[dict], seconds: float) -> None:
     clean = [t for t in trials if t["share"] == 0]
-    slow = [t for t in trials if t["share"] > 0]
-    print(f"\n{len(clean)} clean, {len(slow)} at 20%, {seconds / 60:.1f} min")
+    slow = [t for t in trials if not isinstance(t["share"], str) and t["share"] > 0]
+    attn = [t for t in trials if isinstance(t["share"], str)]
+    print(f"\n{len(clean)} clean, {len(slow)} at 20%, {len(attn)} attention slowed, {seconds / 60:.1f} min")
     print(f"{'rule / baseline':<16} {'false alarms (clean)':>22} {'detected (20%)':>16}")
     for col in ("old thin", "new thin", "old pooled", "new pooled"):
         fa = sum(bool(t["judged"][col]) for t in clean)
@@ -173,8 +271,24 @@ def report(trials: list[dict], seconds: float) -> None:
         print(f"{col:<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}")
     fa = sum(bool(t["confirmed"]) for t in clean)
     det = sum(bool(t["confirmed"]) for t in slow)
-    print(f"{'check (pooled)':<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  "
-          "(new rule, confirmed on re-measure)")
+    print(f"{'check phases':<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  "
+          "(new rule, pooled, confirmed on re-measure)")
+    fa = sum(bool(t["operators"]["confirmed"]) for t in clean)
+    det = sum(bool(t["operators"]["confirmed"]) for t in slow)
+    print(f"{'check operators':<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  (confirmed on re-profile)")
+    fa = sum(t["outcome"] != "passed" for t in clean)
+    det = sum(t["outcome"] != "passed" for t in slow)
+    print(f"{'check item':<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  (failed: phase, memory or operator)")
+    named = sum(any(SDPA in x for x in t["operators"]["confirmed"]) for t in attn)
+    print(f"attention slowed ({attn[0]['share'] if attn else '-'}): named {named} of {len(attn)}; item failed "
+          f"{sum(t['outcome'] != 'passed' for t in attn)} of {len(attn)}")
+    for t in clean + slow + attn:
+        o = t["operators"]
+        if o["confirmed"] or o["unconfirmed"] or o["noisy_phases"]:
+            print(f"  {t['share']!s:>8}: confirmed {o['confirmed']} unconfirmed {o['unconfirmed']} "
+                  f"noisy {o['noisy_phases']}")
+    print("judged per phase (first trial):", clean[0]["operators"]["judged"] if clean else "-",
+          "under the floor:", clean[0]["operators"]["under_floor"] if clean else "-")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ for _m in PHASE_OF:
 for _ph in TIMED:
     metrics.declare(f"{_ph}_tensor_peak_bytes", "bytes", "lower",
                     f"perf: peak of live tensor storage during one {_ph} repeat (counted by op, every backend)")
+    metrics.declare(f"{_ph}_worst_op_change", "", "none", f"perf: largest calibrated change of an operator of "
+                    f"at least op_min_share of {_ph}, over its profile repeats (judged on its own)")
     metrics.declare(f"{_m}_p_value", "", "none", f"perf: Mann-Whitney p of {_m} against the baseline (one-sided)")
     metrics.declare(f"{_m}_change", "", "none", f"perf: calibrated relative change of {_m} against the baseline")
 
@@ -131,9 +133,26 @@ class PerfConfig(CheckConfig):
         default_factory=dict, description="Declared peak FLOP/s per dtype for MFU (absent: the calibration matmul).")
     peak_bandwidth: float | None = Field(None, gt=0, description="Declared peak bytes/s for MBU (absent: calibration copy).")
     profile_repeats: int = Field(
-        3, ge=0, description="Repeats of each phase under torch.profiler with module ranges, apart from the timed "
+        5, ge=0, description="Repeats of each phase under torch.profiler with module ranges, apart from the timed "
         "ones (harness/perf/profile.py): operator and module times and the tensor-memory peak by module, stored "
         "with the samples and the baseline; a regression names what grew. 0: no profile.")
+    op_min_share: float = Field(
+        0.02, ge=0, le=1, description="An operator (a module's own time) holding at least this share of its phase "
+        "in the baseline's profile is judged on its own profile repeats, whatever its phase did.")
+    op_min_time: float = Field(
+        1e-3, ge=0, description="Seconds per phase call (the baseline's median over the profile repeats) under "
+        "which an operator (a module's own time) is not judged on its own, whatever its share: timing an "
+        "operator costs a few microseconds per call (measured on this project's CPU: ~2 us inside each call on "
+        "the CPU clock, 0.2-2 us per profiler event), as much as a ~17 us kernel itself (docs/perf.md, \"Profiles\").")
+    op_min_call_time: float = Field(
+        1e-4, ge=0, description="Seconds per timed call (baseline; a module's own time: per call and per operator "
+        "call in it) under which an operator (module) is not judged on its own: the timing costs ~2 us inside "
+        "each operator call and ~7 us in its module's own time, so 40 calls of a 37 us operator are over "
+        "op_min_time and as noisy as one.")
+    op_threshold: float = Field(
+        0.25, gt=0, description="Calibrated growth of such an operator (or module, own time) that is a regression "
+        "with p < alpha over its profile repeats, confirmed on a re-profile (5 repeats a side: the smallest exact "
+        "p of 3 is 0.05). At least thin_margin: a profile is one process's samples.")
     memory_threshold: float = Field(
         0.01, ge=0, description="Relative growth of a phase's tensor-memory peak (live storage, counted exactly) "
         "that is a memory regression, named by the module holding the extra bytes at the peak.")
@@ -227,7 +246,7 @@ class PerfCheck(Check):
             cfg = st.cfg = cfg.model_copy(update={"width": "published", "phases": cfg.published_phases})
         st.key = store.item_key(ctx.backend.name, ctx.dtype, ctx.variant or shape_id(st.batch, st.seq))
         st.samples, st.memory, st.ref = {}, {}, {}  # ref: phase -> {kernel key: interleaved samples}
-        st.profile, st.cmp = {}, judge.Comparison()
+        st.profile, st.cmp, st.ops = {}, judge.Comparison(), {}
         ok, why = timer_safety(ctx.backend)
         if not ok:
             ctx.detail("perf_timing", why)
@@ -293,10 +312,19 @@ class PerfCheck(Check):
         st.cmp.memory = judge.memory_regressions(st.profile, st.cmp.base_profile, st.cfg.memory_threshold)
         if st.cmp.memory:
             st.cmp.status = "regression"
+        # operators judged on their own repeats; a suspect is profiled once more before it counts
+        st.ops = judge.operator_verdicts(st.cmp, st.profile, st.cfg, lambda ph: meas.profile_phases(
+            st.wl, ctx.backend, [ph], st.cfg.profile_repeats)[ph])
+        for phase, rec in st.ops.items():
+            if "worst_op_change" in rec:
+                ctx.metric(f"{phase}_worst_op_change", rec["worst_op_change"])
+            ctx.notes.extend(f"perf {phase} {what}: {why}" for what, why in rec["held"].items())
+            ctx.notes.extend([f"perf {phase}: {rec['note']}"] if rec["note"] else [])
 
     def record(self, ctx: CheckContext, st) -> None:
         summary = {m: stats.summarize(v).to_dict() for m, v in st.samples.items()}
         st.verdict, figures = judge.verdict(st.cmp, summary, st.clock, st.fp, st.roof, st.cfg.memory_threshold)
+        st.verdict["operators"] = st.ops
         for name, v in figures.items():
             ctx.metric(name, v)
         item = {"suite": ctx.suite.name, "key": st.key, "backend": ctx.backend.name, "dtype": ctx.dtype,
@@ -317,7 +345,7 @@ class PerfCheck(Check):
     def verdict(self, ctx: CheckContext, st) -> None:
         if not st.cfg.fail_on_regression:
             return
-        found = judge.failure(st.cmp, st.verdict, st.clock, st.roof, st.profile, st.cfg.memory_threshold)
+        found = judge.failure(st.cmp, st.verdict, st.clock, st.roof, st.profile, st.cfg.memory_threshold, st.ops)
         if found is None:
             return
         if found.where is not None:
