@@ -47,7 +47,7 @@ from pathlib import Path
 from harness import settings
 from harness.files import atomic, paths
 from harness.launch.channel import LOG_TAIL_BYTES, versions
-from harness.launch.group import Ended, ProcessGroup
+from harness.launch.group import Ended, ProcessGroup, deadline
 from harness.launch.ready import NotReady
 from harness.messages import first_line
 
@@ -342,8 +342,11 @@ class RemoteGroup(ProcessGroup):
                 self._lose(f"is unreachable: the agents store did not answer ({first_line(e)})")
         return None if self._exit is None else self._exit.get("code")
 
-    def wait(self, deadline_s: float | None = None, interval_s: float = 0.1, **_progress) -> Ended:
-        """Until the agent reports the end (``NodeLaunch`` watches progress itself), killed at ``deadline_s``."""
+    def wait(self, deadline_s: float | None = None, interval_s: float = 0.1, within_s: float | None = None,
+             **_progress) -> Ended:
+        """Until the agent reports the end (``NodeLaunch`` watches progress itself), killed at ``deadline_s``
+        (or ``within_s`` from now, as ``ProcessGroup.wait``)."""
+        deadline_s = deadline(self.t0, deadline_s, within_s)
         try:
             while self.poll() is None and self._exit is None:
                 if deadline_s is not None and time.monotonic() - self.t0 > deadline_s:

@@ -125,6 +125,16 @@ class Ended:
         return self.how == "exited" and self.code == 0
 
 
+def deadline(t0: float, deadline_s: float | None, within_s: float | None) -> float | None:
+    """A wait's limit in seconds after ``t0`` (its group's start): ``deadline_s``, or ``within_s`` from
+    now if sooner. A group waited for long after its start (an agent at a run's end) is given
+    ``within_s``: a ``deadline_s`` already past would kill it at the first poll that finds it alive."""
+    if within_s is None:
+        return deadline_s
+    from_now = time.monotonic() - t0 + within_s
+    return from_now if deadline_s is None else min(deadline_s, from_now)
+
+
 class Progress:
     """The no-progress rule of a wait: ``progress()``'s value unchanged for ``stall_s`` (``startup_s``,
     default ``stall_s``, while it returns None: start-up is not progress) is a stall."""
@@ -174,11 +184,15 @@ class ProcessGroup:
         return self.proc.poll()
 
     def wait(self, deadline_s: float | None = None, stall_s: float | None = None, startup_s: float | None = None,
-             progress: Callable[[], object] | None = None, interval_s: float = 0.1) -> Ended:
-        """Wait for the group to end, killing it (the whole tree) at ``deadline_s`` after its start or
-        when ``progress()``'s value has not changed for ``stall_s`` (``startup_s``, default ``stall_s``,
-        while it returns None). ``progress`` is called at every poll; what it raises kills the group
-        and propagates (a cancelled launch), as does anything else raised meanwhile."""
+             progress: Callable[[], object] | None = None, interval_s: float = 0.1,
+             within_s: float | None = None) -> Ended:
+        """Wait for the group to end, killing it (the whole tree) at ``deadline_s`` after its start, at
+        ``within_s`` after this call (for a group started long before: its ``deadline_s`` may be past
+        already, and the first poll that finds it alive would kill it), or when ``progress()``'s value has
+        not changed for ``stall_s`` (``startup_s``, default ``stall_s``, while it returns None).
+        ``progress`` is called at every poll; what it raises kills the group and propagates (a cancelled
+        launch), as does anything else raised meanwhile."""
+        deadline_s = deadline(self.t0, deadline_s, within_s)
         watch = Progress(progress, stall_s, startup_s)
         try:
             while self.proc.poll() is None:

@@ -40,7 +40,16 @@ from pathlib import Path
 from harness import settings
 from harness.files import atomic
 from harness.launch import agents, channel, ready
-from harness.launch.group import Ended, LaunchSpec, ProcessGroup, Progress, Rendezvous, rank_env, torchrun
+from harness.launch.group import (
+    Ended,
+    LaunchSpec,
+    ProcessGroup,
+    Progress,
+    Rendezvous,
+    deadline,
+    rank_env,
+    torchrun,
+)
 from harness.launch.status import log_tail, read_exits
 
 LAUNCHERS = ("netns", "srun", "agents")
@@ -320,10 +329,12 @@ class NodeLaunch:
         return next((c for c in codes if c), 0)
 
     def wait(self, deadline_s: float | None = None, stall_s: float | None = None, startup_s: float | None = None,
-             progress: Callable[[], object] | None = None, interval_s: float = 0.1, grace_s: float = 10.0) -> Ended:
+             progress: Callable[[], object] | None = None, interval_s: float = 0.1, grace_s: float = 10.0,
+             within_s: float | None = None) -> Ended:
         """``ProcessGroup.wait`` over every node's agent; the store is mirrored at every poll. One
         agent that failed ends the launch ``grace_s`` later (its peers would wait in a collective
         until the process group's timeout)."""
+        deadline_s = deadline(self.t0, deadline_s, within_s)
         watch, failed_at = Progress(progress, stall_s, startup_s), None
         try:
             while True:

@@ -97,7 +97,7 @@ def test_a_launch_over_two_nodes_through_the_agent_returns_every_ranks_files(tmp
         assert all(tree.marked(t) == [] for t in tokens) and _ns_pids(n1) == {agent.pid}
         assert not list(Path(n1.tmp).glob("harness-*"))  # the agent removed its node-local run folder
         served.close()  # the run's end: the agent says goodbye and exits 0
-        assert agent.wait(deadline_s=15).ok, (tmp_path / "agent" / "agent.log").read_text()
+        assert agent.wait(within_s=15).ok, (tmp_path / "agent" / "agent.log").read_text()
     assert "the run ended; exiting" in (tmp_path / "agent" / "agent.log").read_text()
 
 
@@ -116,7 +116,7 @@ def test_a_kill_at_the_time_limit_leaves_nothing_on_node_1_and_the_agent_serves_
             on1 = _ns_pids(n1) - {agent.pid}
             assert len(on1) >= 5, on1  # torchrun, 2 wrappers, 2 ranks
             t0 = time.monotonic()
-            end = launch.wait(deadline_s=time.monotonic() - launch.t0 + 0.5)  # the limit is now
+            end = launch.wait(within_s=0.5)  # the limit is now
             took = time.monotonic() - t0
         assert end.how == "timeout" and remote.ended.how == "timeout", (end, remote.ended)
         assert took < 15, took
@@ -134,7 +134,7 @@ def test_a_kill_at_the_time_limit_leaves_nothing_on_node_1_and_the_agent_serves_
         hosts = sorted(json.loads((nxt / "out" / f"rank{r}.json").read_text())["host"] for r in range(4))
         assert hosts.count("node1") == 2, hosts
         served.close()
-        assert agent.wait(deadline_s=15).ok, (tmp_path / "agent" / "agent.log").read_text()
+        assert agent.wait(within_s=15).ok, (tmp_path / "agent" / "agent.log").read_text()
 
 
 @root
@@ -151,7 +151,7 @@ def test_an_agent_whose_coordinator_disappears_exits_and_leaves_nothing_behind(t
         assert set(pids.values()) <= _ns_pids(n1)
         served.group.kill()  # the coordinator's store goes away (the run was killed outright)
         t0 = time.monotonic()
-        ended = agent.wait(deadline_s=20)
+        ended = agent.wait(within_s=20)
         log = (tmp_path / "agent" / "agent.log").read_text()
         assert ended.how == "exited" and ended.code == agents.STORE_GONE, (ended, log)
         assert time.monotonic() - t0 < 10, log

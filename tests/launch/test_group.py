@@ -22,6 +22,20 @@ def _tree(tmp_path):
     return pids, [sys.executable, "-c", TREE, str(pids)]
 
 
+def test_a_wait_long_after_the_start_gives_the_group_its_time_from_now(tmp_path):
+    # an agent waited for at a run's end: its start was long ago, so a limit counted from the start is past
+    # already and the first poll that finds it alive kills it (CI saw an agent that exited 0 a moment later
+    # read as a timeout); ``within_s`` counts from the wait
+    def late():
+        g = ProcessGroup.start([sys.executable, "-c", "import time; time.sleep(1.5)"], tmp_path / f"run{time.monotonic_ns()}")
+        time.sleep(1.0)
+        return g
+    assert late().wait(deadline_s=0.5).how == "timeout"
+    end = late().wait(within_s=20)
+    assert end.how == "exited" and end.ok, end
+    assert late().wait(deadline_s=60, within_s=0.1).how == "timeout"  # the sooner of the two
+
+
 def test_a_launch_killed_at_its_time_limit_leaves_no_process_behind(tmp_path):
     pids, cmd = _tree(tmp_path)
     g = ProcessGroup.start(cmd, tmp_path / "run")
@@ -30,7 +44,7 @@ def test_a_launch_killed_at_its_time_limit_leaves_no_process_behind(tmp_path):
     # the escapes really escaped: the grandchild left the session, the daemon its parent
     assert os.getsid(got["setsid_grandchild"]) != os.getsid(g.pid) == g.pid
     assert psutil.Process(got["daemon"]).ppid() != got["root"]
-    end = g.wait(deadline_s=time.monotonic() - g.t0 + 1.0)
+    end = g.wait(within_s=1.0)
     assert end.how == "timeout" and end.code == -9, end
     assert still_alive(got.values()) == [], got
     assert {got[n] for n in NAMES if n != "root"} <= set(end.killed), (got, end.killed)
