@@ -16,6 +16,8 @@ seen, or refuse in one line saying why.
    transformers cannot run is noted in a comment (its item then skips with that one line);
 6. the compile check's code generation is put in the nightly scope (``[checks.compile] codegen_scope``):
    commit runs compile through the compiler's front end only, a new config's first run stays short;
+   its serve items are put in the commit scope (``[checks.serve] scope``): a new model's Day-0 path is the
+   serving engine a vendor ships (harness/checks/serve.py);
 7. the suite's smoke check runs once on the CPU in float32 (and its wrapper variant). Exit 0 when it passes.
 """
 
@@ -41,6 +43,14 @@ NEW_CONFIG_COMPILE = ({"codegen_scope": "nightly"}, [
     "code generation nightly: cold, it is minutes of a new config's first run on a CPU; commit runs check the",
     "compiler's front end (compile[...-frontend]: graph breaks, recompiles, forward and backward numerics of the",
     "graphs it is handed). Delete this line to generate code on every commit too (docs/compile.md)."])
+
+# A new config is served by the engine on every commit (issue #46 item 6: a Day-0 suite at commit scope beside
+# the bundled dense and MoE suites): the engine's path is the one a vendor announces on Day 0, and an engine
+# that lacks the architecture says so in one line (NotApplicable, ~20 s: its start stops before the weights).
+NEW_CONFIG_SERVE = ({"scope": "commit"}, [
+    "served by the engine on every commit: a new model's Day-0 path is the engine a vendor ships (one engine start,",
+    "25-100 s on a CPU; not applicable, in the engine's words, where it has no code for this architecture). Set",
+    '"nightly" (or "auto") to serve it nightly only (docs/serving.md).'])
 
 
 class InitRefused(Exception):
@@ -230,7 +240,7 @@ def _suite_writer(out: Path, cfg: Path, raw: dict, plan, name: str):
     def write(smoke=None, comments=None):
         atomic.write_text(out, suite_toml(rel, raw, plan.prune, plan.why, title=name, notes=notes,
                                           architecture=plan.architecture, smoke=smoke, smoke_comments=comments,
-                                          checks={"compile": NEW_CONFIG_COMPILE}))
+                                          checks={"compile": NEW_CONFIG_COMPILE, "serve": NEW_CONFIG_SERVE}))
 
     return write
 

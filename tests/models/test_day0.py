@@ -266,6 +266,10 @@ def test_new_config_compiles_through_the_front_end_on_commit(tmp_path, capsys):
     ls, check = load_suite(tmp_path / "s" / "oss.toml"), registry().get("compile")
     assert {v: check.scope(ls, v) for v in check.variants(ls, get("cpu"))} == {
         "frontend": "commit", None: "nightly", "speed": "nightly"}
+    # and the new model is served by the engine on every commit (issue #46 item 6), its variants nightly
+    serve = registry().get("serve")
+    assert tomllib.loads(text)["checks"]["serve"]["scope"] == "commit" and "Day-0 path" in text
+    assert serve.scope(ls, None) == "commit" and serve.scope(ls, "transformers") == "nightly"
 
 
 # The whole corpus through the CLI costs ~15 CPU-minutes, over the test suite's budget; it used to run
@@ -362,7 +366,10 @@ def test_day0_pipeline_through_the_cli(config, tmp_path):
     # config and dtype here; COMPILED runs it on one config
     from harness.checks import registry
 
-    checks = [a for c in registry().names() if c != "compile" or config.stem in COMPILED for a in ("--check", c)]
+    # and every check but serve: init's suite serves on commit, but an engine start per config and dtype (20-45 s)
+    # is tests/checks/test_serve_day0.py's, on the same Day-0 configs through the same suites
+    checks = [a for c in registry().names() if c != "serve" and (c != "compile" or config.stem in COMPILED)
+              for a in ("--check", c)]
     # the compiled front end in float32 only (bfloat16's doubled this test's time to two minutes in CI)
     r = _harness("run", name, "--backend", "cpu", "--dtype", "float32", "--dtype", "bfloat16", *checks,
                  "-k", "not (compile and bfloat16)", cwd=tmp_path)
