@@ -123,6 +123,25 @@ def test_a_calibration_noisier_than_the_threshold_cannot_carry_a_regression():
     assert decide("ttft_s", now, base, kernel_ratio=1.0, kernel_spread=0.12).verdict == "regression"
 
 
+def test_a_change_past_threshold_plus_the_kernels_spread_is_judged_though_the_raw_change_is_small():
+    # bench_perf_holds: a baseline taken at load 9-10 and a run at 2-6, every Linear 20% slower: the raw
+    # prefill was +0.3-3.9%, calibrated +20-23%, kernel spread 9.5%; the spread hold alone kept 10 of 20
+    base = _planted(0.100, 20, 9)
+    now = _planted(0.102, 20, 10)  # raw +2%
+    d = decide("prefill_s", now, base, kernel_ratio=0.84, kernel_spread=0.095)  # calibrated about +21%
+    assert d.verdict == "regression" and d.change > 0.05 + 0.095, d.why
+    assert "past threshold + the calibration kernel's spread 9.5%" in d.why, d.why
+    # the same raw samples where the kernel explains no more than threshold + spread: held
+    d = decide("prefill_s", now, base, kernel_ratio=0.92, kernel_spread=0.095)  # calibrated about +11%
+    assert d.verdict == "noisy" and "not past threshold + spread (14.5%)" in d.why, d.why
+    # a faster raw time stays no regression whatever the kernel says
+    assert decide("prefill_s", _planted(0.098, 20, 10), base, kernel_ratio=0.7,
+                  kernel_spread=0.095).verdict == "noisy"
+    # and a one-process baseline keeps its own margin after the spread
+    d = decide("prefill_s", now, base, kernel_ratio=0.84, kernel_spread=0.095, baseline_runs=1, thin_margin=0.25)
+    assert d.verdict == "thin-baseline", d.why
+
+
 def test_a_baseline_of_one_process_judges_only_large_changes():
     base = _planted(0.100, 20, 7)
     now = _planted(0.110, 20, 8)  # +10%
