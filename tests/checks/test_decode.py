@@ -43,7 +43,7 @@ def _init(name: str, dest: Path, window: int | None = None) -> Path:
     """A Day-0 suite through `harness init`; ``window``: the sliding window shortened so that the
     golden's 16 + 8 positions slide (the published 1024 never would)."""
     r = subprocess.run([sys.executable, "-m", "harness", "init", str(REPO / "tests/data/day0" / f"{DAY0[name]}.json"),
-                        "--suites-dir", str(dest), "--name", name], cwd=dest.parent, capture_output=True, text=True,
+                        "--suites-dir", str(dest), "--name", name, "--no-validate"], cwd=dest.parent, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
     path = dest / f"{name}.toml"
