@@ -71,10 +71,10 @@ class CustomEngine(BaseModel):
                               "another torch, never needed for text models).")
     env: dict[str, str] = Field(default_factory=dict, description="The runner's environment on top of harness's "
                                 "(VLLM_*, the vendor's runtime settings).")
-    variants: list[Literal["transformers", "eager"]] = Field(
+    variants: list[Literal["transformers", "eager", "server"]] = Field(
         default_factory=list, description="Variants of the serve item it serves besides the plain one (the engine's "
         "own model code, its default mode), each a nightly item: transformers (vLLM's model_impl=\"transformers\"), "
-        "eager (enforce_eager: no compilation, no graphs).")
+        "eager (enforce_eager: no compilation, no graphs), server (its OpenAI-compatible server over HTTP).")
     description: str = Field("", description="Free text shown by `harness engine show`.")
 
 

@@ -25,7 +25,8 @@ suite's ``engine``); the item's backend picks its build (harness.serve.engine: t
 build, a vendor's from the ``harness.engines`` entry point or harness.toml). A build that runs on another
 platform than it declares (its plugin did not activate) is refused before the model loads: an error of
 the engine's. Each model implementation the build serves is a variant: the engine's own model code
-(the plain item) and vLLM's transformers backend (``transformers``, nightly).
+(the plain item) and vLLM's transformers backend (``transformers``, nightly); ``eager`` is its uncompiled
+mode and ``server`` its OpenAI-compatible server over HTTP (both nightly; the server's probes are skipped).
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``
 -> ``probe_batch`` -> ``probe_prefix`` -> ``probe_chunked`` -> ``probe_preempt`` -> ``verdict``.
@@ -242,7 +243,8 @@ class ServeCheck(Check):
         ctx.metric("serve_engine_start_s", st.result["start_s"])
         ctx.metric("serve_engine_generate_s", st.result["generate_s"])
         ctx.detail("serve_engine", f"{st.result['engine']} {st.result['version']} on its {st.result.get('platform')} "
-                   f"platform, model {st.result.get('model_impl')}, compilation {st.result.get('compilation')}")
+                   f"platform, model {st.result.get('model_impl')}, compilation {st.result.get('compilation')}"
+                   + (f", api {st.result['api']}" if st.result.get("api") else ""))  # the server variant: openai
 
     def reference(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import reference_logprobs

@@ -41,8 +41,11 @@ STAMP = "harness-engine.json"
 # The serve item's variants an engine build may serve besides the plain one (the engine's own model code in
 # the engine's default mode: vLLM's compiled graph), each a second engine start, and what each asks the
 # runner for. "transformers": vLLM's transformers backend (the Day-0 path for an architecture vLLM has no
-# code for yet); "eager": no compilation (vLLM on CPU: torch.compile off; on a GPU also no CUDA graphs).
-VARIANTS = {"transformers": {"model_impl": "transformers"}, "eager": {"enforce_eager": True}}
+# code for yet); "eager": no compilation (vLLM on CPU: torch.compile off; on a GPU also no CUDA graphs);
+# "server": the engine's OpenAI-compatible server over HTTP (what vendors ship: `vllm serve`; some breaks
+# show only there), its probes skipped (they need the engine in the runner's process).
+VARIANTS = {"transformers": {"model_impl": "transformers"}, "eager": {"enforce_eager": True},
+            "server": {"api": "openai"}}
 
 
 class EngineError(Exception):
@@ -136,7 +139,7 @@ def register(registry: EngineRegistry) -> None:
         # vLLM on CPU: KV cache space in GiB (its default is sized for a server); its OpenMP threads left
         # unbound (the machine is shared; binding pins them to cores others use)
         env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind")),
-        variants=("transformers", "eager")))
+        variants=("transformers", "eager", "server")))
 
 
 _REGISTRY: EngineRegistry | None = None

@@ -334,9 +334,9 @@ def test_the_transformers_implementation_and_eager_mode_are_nightly_variants_of_
     # vLLM's transformers backend (model_impl="transformers", the Day-0 path for an architecture vLLM has no
     # code for yet) is a second item: a second engine start, so nightly, for the suites on every commit too
     check, llama = ServeCheck(), load_suite(REPO / "suites" / "llama-3.1-8b.toml")
-    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager"]
+    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager", "server"]
     assert check.scope(llama, "transformers") == "nightly" and check.scope(llama, None) == "commit"
-    assert check.scope(llama, "eager") == "nightly"
+    assert check.scope(llama, "eager") == "nightly" and check.scope(llama, "server") == "nightly"
     assert check.variants(llama, get("cuda")) == [None]  # no build there: the one item says why
 
 

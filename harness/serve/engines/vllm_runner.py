@@ -34,6 +34,11 @@ for prompt log-probabilities, which makes vLLM skip reading the prefix cache, un
 ``preload``: Python files run in this process before vLLM builds the engine (a vendor's platform
 hooks; the tests' injected faults, e.g. a rotary embedding that is wrong from position 4 on).
 
+``"api": "openai"`` (the ``server`` variant): the same request served through vLLM's OpenAI-compatible
+server, started as this process's child on a free loopback port, each prompt alone as ``POST
+/v1/completions``, the answers in the same result format plus ``"api": "openai"``; the probes come back
+skipped (they need the engine in this process). The code is vllm_server.py beside this file.
+
 The result: per prompt, ``prompt_logprobs`` (one {token id: logprob} per prompt position, null for
 position 0: nothing predicts it), ``tokens`` (the greedy continuation) and ``logprobs`` (one
 {token id: logprob} per generated token: the top k and the chosen one), plus the engine's version
@@ -377,7 +382,16 @@ def _model_impl(llm):
         return None
 
 
-def run(req):
+def _server_mode():
+    """vllm_server.py, from this file's own directory (the runner's cwd is harness's, not this folder)."""
+    spec = importlib.util.spec_from_file_location(
+        "harness_vllm_server", os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_server.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(req, work_dir=None):
     t0 = time.monotonic()
     for i, path in enumerate(req.get("preload") or []):
         # a real module in sys.modules: vLLM's compiler looks up the module of what it traces by name
@@ -387,7 +401,9 @@ def run(req):
         spec.loader.exec_module(mod)
     import vllm
 
-    routes = _Routes() if req.get("routed_experts") else None
+    server = req.get("api") == "openai"
+    # the capture binds to the routers of an engine in this process: the server's engine core is not
+    routes = _Routes() if req.get("routed_experts") and not server else None
 
     refused = _platform_refused(req.get("platform"))
     if refused:
@@ -395,6 +411,11 @@ def run(req):
     unsupported = _unsupported(req)
     if unsupported:
         return {"engine": "vllm", "version": vllm.__version__, "unsupported": unsupported}
+    if server:
+        import tempfile
+
+        return _server_mode().serve(req, work_dir or tempfile.mkdtemp(prefix="vllm-server-"), t0, vllm.__version__,
+                                    _platform())
     from vllm import LLM, SamplingParams  # after the refusals: its entry points take ~3 s more to import
     said = _Said()
 
@@ -441,7 +462,7 @@ def main(argv):
         return 2
     with open(argv[1]) as f:
         req = json.load(f)
-    out = run(req)
+    out = run(req, os.path.dirname(os.path.abspath(argv[2])))  # the server's files beside the result
     tmp = argv[2] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)
