@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from harness.files import atomic
@@ -256,6 +257,17 @@ def launches(item: dict) -> list[dict[str, list[float]]]:
             out[i][k] = list(samples[k][at:at + c])
             at += c
     return out
+
+
+def process_spread(item: dict, key: str) -> float | None:
+    """Half the range of the baseline's processes' medians of ``key``, relative to their median: how far
+    one process's level alone moves the metric (decide.py's ``process_spread`` hold). None with fewer than
+    two processes (a one-process baseline has the thin-baseline margin instead)."""
+    meds = [statistics.median(v[key]) for v in launches(item) if v.get(key)]
+    if len(meds) < 2:
+        return None
+    mid = statistics.median(meds)
+    return (max(meds) - min(meds)) / mid / 2 if mid > 0 else None
 
 
 def _pool(old: dict, new: dict) -> dict:

@@ -38,6 +38,8 @@ class Comparison:
     base_profile: dict = field(default_factory=dict)
     memory: dict[str, dict] = field(default_factory=dict)  # phase -> its tensor-memory regression
     spreads: dict[str, float | None] = field(default_factory=dict)  # metric -> calibration kernel spread
+    # metric -> half the range of the baseline processes' levels (baseline.process_spread)
+    process_spreads: dict[str, float | None] = field(default_factory=dict)
     runs: int = 1  # processes the baseline's samples come from (baseline.runs)
 
     @property
@@ -54,7 +56,7 @@ def _incomparable(why: str, status: str = "incomparable") -> Comparison:
 def _decide(m: str, now: list[float], then: list[float], cfg, ratio: float | None, c: Comparison) -> Decision:
     return decide(m, now, then, direction=metrics.direction(m), threshold=cfg.thresholds.get(m, cfg.threshold),
                   alpha=cfg.alpha, kernel_ratio=ratio, kernel_spread=c.spreads.get(m), baseline_runs=c.runs,
-                  thin_margin=getattr(cfg, "thin_margin", None))
+                  thin_margin=getattr(cfg, "thin_margin", None), process_spread=c.process_spreads.get(m))
 
 
 def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str, cfg, samples: dict, ref: dict,
@@ -80,6 +82,7 @@ def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str
     c = Comparison(baseline_why=why, ratios=ratios, base_profile=base.get("profile") or {}, runs=store.runs(base))
     c.spreads = {m: (calib.kernel_spread(m, cal, bcal, ref, base.get("reference"), clock) if cfg.calibrate else None)
                  for m in timed_metrics}
+    c.process_spreads = {m: store.process_spread(base, samples_key(clock, m)) for m in timed_metrics}
     for m in timed_metrics:
         k = samples_key(clock, m)
         c.decided[m] = (k, samples[k], base["samples"].get(k, []))
