@@ -181,7 +181,10 @@ def test_reduce_scatter_measured_as_all_reduce_leads_with_all_reduce():
     weak = {k: d for k, d in weak.items() if k in ("all_reduce/4096", "reduce_scatter/4096", "reduce_scatter/65536")}
     msg, fields = commjudge.collective_failure(commjudge.regressed(weak, ["all_reduce", "reduce_scatter"]), weak,
                                                table, 3, 0.25, "b", "gloo")
-    assert msg.startswith("collective all_reduce regressed +40.0% at 4 KiB (p=0.05)"), msg
+    # (not called a regression: on its own its evidence is short; CI's bench saw "all_reduce regressed +271%
+    # (p=0.28)" lead a clean launch whose reduce_scatter had regressed)
+    assert msg.startswith("collective all_reduce slower, +40.0% at 4 KiB (p=0.05: unchanged on its own; led with as "
+                          "what the slower collectives are measured as)"), msg
     # all_reduce clean at every size: reduce_scatter named, with what it measured
     clean = {**decisions, "all_reduce/4096": decide("c", base, base, threshold=0.25)}
     msg, _ = commjudge.collective_failure(slow, clean, table, 3, 0.25, "b", "gloo")
