@@ -30,7 +30,9 @@ calibration-spread hold widened to threshold + spread, and a process-spread hold
 range of the baseline processes' levels). A second night, 12:28-12:46 UTC (load 1.4-10.5, baseline
 processes at decode 0.87/1.00/1.28 of their median): before the second retune the check filed 2 of 20
 clean reruns (decode +21%, +29%, confirmed on re-measure) and caught 20 of 20; both nights replayed with
-the final rule, first decision: clean 0 of 20 and 0 of 20, 20% slower 18 of 20 and 18 of 20.
+the final rule, first decision: clean 0 of 20 and 0 of 20, 20% slower 18 of 20 and 18 of 20. The
+bench again with the final rule, 12:57-13:15 UTC (load 0.7-3.0): the check's whole item 0 of 20 clean,
+16 of 20 slowed (first decision 2 and 18), attention +40% named 2 of 2.
 
 Figures, 2026-12-06 09:32-09:57 UTC, this 2-core machine shared with other engineers' jobs (1-minute
 load average 1.3-9.8, mean 5.9: ~9-10 while the 3 baseline processes ran, 2-6 during most trials),
