@@ -152,6 +152,9 @@ _ALLOWED = {
     "harness/proc.py": "/proc/self/clear_refs: a kernel interface, not a file",
     "harness/serve/engines/vllm_runner.py": "runs in the engine's venv, where harness is not installed: "
                                             "its own temporary file and os.replace",
+    "harness/serve/engines/vllm_server.py": "runs in the engine's venv beside vllm_runner.py: its own temporary "
+                                            "file and os.replace for the port and status files; the server's "
+                                            "request file is written before the server that reads it starts",
     "harness/checks/parallel.py": "mkdtemp of scratch folders for launches, deleted after",
     "harness/launch/nodes.py": "mkdtemp of a rehearsal's node folders, removed with its node set",
     "harness/launch/agents.py": "mkdtemp of a node agent's launch folders, removed when it ends",
