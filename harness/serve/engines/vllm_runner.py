@@ -391,14 +391,19 @@ def _server_mode():
     return mod
 
 
-def run(req, work_dir=None):
-    t0 = time.monotonic()
-    for i, path in enumerate(req.get("preload") or []):
+def _preload(files):
+    """Run the request's preload files in this process, before vLLM builds anything."""
+    for i, path in enumerate(files or []):
         # a real module in sys.modules: vLLM's compiler looks up the module of what it traces by name
         spec = importlib.util.spec_from_file_location(f"serve_preload_{i}", path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
+
+
+def run(req, work_dir=None):
+    t0 = time.monotonic()
+    _preload(req.get("preload"))
     import vllm
 
     server = req.get("api") == "openai"
