@@ -180,8 +180,9 @@ def lead(slow: dict[str, dict[str, Decision]], decisions: dict[str, Decision], b
     # on gloo), then the largest change: CI saw a launch whose all_gather read +271% at one size from a
     # scheduler tick lead over the slowed all_reduce and the reduce_scatter measured with it
     measured = MEASURED_AS.get(backend, {})
-    explains = collections.Counter(measured.get(c, (None,))[0] or c for c in slow)
-    worst = max(slow, key=lambda c: (explains[measured.get(c, (None,))[0] or c], _worst(slow[c])[1].change))
+    root = {c: measured.get(c, (None,))[0] or c for c in slow}
+    explains = collections.Counter(root.values())
+    worst = max(slow, key=lambda c: (explains[root[c]], _worst(slow[c])[1].change))
     base = measured.get(worst, (None,))[0]
     if base and (base in slow or any(d.verdict in ("regression", "noisy") or d.change > d.threshold
                                      for k, d in decisions.items() if k.startswith(base + "/"))):

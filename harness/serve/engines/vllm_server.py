@@ -49,16 +49,20 @@ HOST = "127.0.0.1"
 PROBE_SKIPPED = ("the server mode serves over HTTP; the probe needs the engine in-process (run the plain item)")
 
 
+def _runner():
+    """vllm_runner.py, from this file's own directory (its preload and its sorting of refusals)."""
+    spec = importlib.util.spec_from_file_location(
+        "harness_vllm_runner", os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_runner.py"))
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    return runner
+
+
 def _preload():
-    """Run the preload files in this process (the runner does the same in its own): the server's
-    process and, through ``__mp_main__``, every process vLLM spawns from it."""
+    """Run the preload files in this process, as the runner does in its own: the server's process and,
+    through ``__mp_main__``, every process vLLM spawns from it."""
     files = json.loads(os.environ.get(PRELOAD_ENV) or "[]")
-    for i, path in enumerate(files):
-        # a real module in sys.modules: vLLM's compiler looks up the module of what it traces by name
-        spec = importlib.util.spec_from_file_location(f"serve_preload_{i}", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
+    _runner()._preload(files)
     if files:  # the log says in which processes the preload ran (the engine core's is the one that matters)
         print(f"harness: preloaded {len(files)} file(s) in process {os.getpid()} ({__name__})", flush=True)
 
@@ -304,12 +308,8 @@ def _server_main(argv):
     except Exception as e:
         # the runner's own sorting of an engine-building error: its config validation refusing the request
         # is the engine's or its input's problem, never the model's failure
-        spec = importlib.util.spec_from_file_location(
-            "harness_vllm_runner", os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_runner.py"))
-        runner = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(runner)
         with open(req_file) as f:
-            why = runner._refusal(e, json.load(f))
+            why = _runner()._refusal(e, json.load(f))
         if why is not None:
             _write(status_file, json.dumps(why))
         raise
