@@ -182,32 +182,35 @@ def spawn(spec: dict, work: Path, name: str) -> list[dict]:
 
 
 def judge(results: str, golden: Path, new: bool) -> set[str]:
-    """Timed metrics of one trial that are regressions by the old or the new rule (first decision)."""
+    """Timed metrics of one trial that are regressions by the old or the new rule (first decision).
+    The new rule is the check's own (harness.perf.judge.first_decisions, on the trial's sidecar); the
+    old one is the rule before the holds: the calibrated change and the test alone."""
     from harness import metrics
     from harness.checks.perf import PerfConfig  # declares the perf metrics (their directions)
     from harness.perf import baseline as store
     from harness.perf import calibrate as calib
+    from harness.perf import judge as perf_judge
     from harness.perf.decide import decide
     from harness.perf.measure import PHASE_OF, samples_key
 
     cfg = PerfConfig()
     ((_, rec),) = store.read_sidecars(results)
+    cal, clock = rec["calibration"], rec["calibration"].get("clock", "wall")
+    if new:
+        c, base = perf_judge.first_decisions(rec["suite"], rec["key"], rec["fingerprint"], golden, rec["shape"],
+                                             clock, cfg, rec["samples"], rec.get("reference"), cal)
+        assert base is not None, c.note
+        return {m for m, d in c.decisions.items() if d.verdict == "regression"}
     base, why = store.find_baseline(rec["suite"], rec["key"], rec["fingerprint"], golden)
     assert base is not None, why
-    cal, bcal = rec["calibration"], base["calibration"]
-    clock = cal.get("clock", "wall")
     bad = set()
     for m in PHASE_OF:
         k = samples_key(clock, m)
         if k not in rec["samples"]:
             continue
-        args = (m, cal, bcal, rec.get("reference"), base.get("reference"), clock)
-        kw = dict(kernel_spread=calib.kernel_spread(*args), baseline_runs=store.runs(base),
-                  process_spread=store.process_spread(base, k),
-                  thin_margin=cfg.thin_margin) if new else {}
+        ratio = calib.kernel_ratio(m, cal, base["calibration"], rec.get("reference"), base.get("reference"), clock)
         d = decide(m, rec["samples"][k], base["samples"][k], direction=metrics.direction(m),
-                   threshold=cfg.thresholds.get(m, cfg.threshold), alpha=cfg.alpha,
-                   kernel_ratio=calib.kernel_ratio(*args), **kw)
+                   threshold=cfg.thresholds.get(m, cfg.threshold), alpha=cfg.alpha, kernel_ratio=ratio)
         if d.verdict == "regression":
             bad.add(m)
     return bad

@@ -63,14 +63,30 @@ def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str
             cal: dict, wl, kernels) -> Comparison:
     """Every timed metric against the baseline; a suspected regression re-measured (``remeasure``:
     ``samples`` and ``ref`` get the re-measured samples, as the sidecar records them)."""
+    c, base = first_decisions(suite, key, fp, golden_root, shape, clock, cfg, samples, ref, cal)
+    if base is None:
+        return c
+    suspected = [m for m, d in c.decisions.items() if d.verdict == "regression"]
+    if suspected:
+        remeasure(c, suspected, base, clock, cfg, samples, ref, cal, wl, kernels)
+    verdicts = {d.verdict for d in c.decisions.values()}
+    c.status = "regression" if "regression" in verdicts else "improvement" if "improvement" in verdicts else "unchanged"
+    return c
+
+
+def first_decisions(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str, cfg, samples: dict,
+                    ref: dict, cal: dict) -> tuple[Comparison, dict | None]:
+    """The comparison's first decisions, before any re-measure, and the baseline they were taken against
+    (None: not compared, the Comparison says why). benchmarks/bench_perf_holds.py judges recorded trials
+    with it, so the benchmark measures the check's own rule."""
     base, why = store.find_baseline(suite, key, fp, golden_root)
     if base is None:
-        return _incomparable(why, "incomparable" if "incomparable" in why else "no-baseline")
+        return _incomparable(why, "incomparable" if "incomparable" in why else "no-baseline"), None
     bcal = base.get("calibration") or {}
     if base.get("shape") != shape:
-        return _incomparable(f"baseline measured another workload ({base.get('shape')}, now {shape}); not compared")
+        return _incomparable(f"baseline measured another workload ({base.get('shape')}, now {shape}); not compared"), None
     if bcal.get("clock", "wall") != clock:
-        return _incomparable(f"baseline timed on the {bcal.get('clock', 'wall')} clock, this run on the {clock} clock")
+        return _incomparable(f"baseline timed on the {bcal.get('clock', 'wall')} clock, this run on the {clock} clock"), None
     timed_metrics = [m for m in PHASE_OF if samples_key(clock, m) in samples]
     ratios = {m: (calib.kernel_ratio(m, cal, bcal, ref, base.get("reference"), clock) if cfg.calibrate else None)
               for m in timed_metrics}
@@ -78,7 +94,7 @@ def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str
     if wild:
         m, r = next(iter(wild.items()))
         return _incomparable(f"this machine runs the calibration kernel of {m} in {r:.2f}x the baseline's time "
-                             f"(limit {cfg.max_kernel_ratio}x): not comparable; {why}")
+                             f"(limit {cfg.max_kernel_ratio}x): not comparable; {why}"), None
     c = Comparison(baseline_why=why, ratios=ratios, base_profile=base.get("profile") or {}, runs=store.runs(base))
     c.spreads = {m: (calib.kernel_spread(m, cal, bcal, ref, base.get("reference"), clock) if cfg.calibrate else None)
                  for m in timed_metrics}
@@ -87,12 +103,7 @@ def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str
         k = samples_key(clock, m)
         c.decided[m] = (k, samples[k], base["samples"].get(k, []))
         c.decisions[m] = _decide(m, samples[k], base["samples"].get(k, []), cfg, ratios[m], c)
-    suspected = [m for m, d in c.decisions.items() if d.verdict == "regression"]
-    if suspected:
-        remeasure(c, suspected, base, clock, cfg, samples, ref, cal, wl, kernels)
-    verdicts = {d.verdict for d in c.decisions.values()}
-    c.status = "regression" if "regression" in verdicts else "improvement" if "improvement" in verdicts else "unchanged"
-    return c
+    return c, base
 
 
 def remeasure(c: Comparison, suspected: list[str], base: dict, clock: str, cfg, samples: dict, ref: dict, cal: dict,

@@ -89,3 +89,21 @@ def test_a_baseline_of_one_process_holds_a_small_slowdown_as_thin(tmp_path):
                       ref, cal, None, None)
     assert c.runs == 1 and c.decisions["prefill_s"].verdict == "thin-baseline" and c.status == "unchanged"
     assert c.held["prefill_s"].startswith("baseline too thin")
+
+
+def test_first_decisions_are_the_comparisons_before_any_re_measure(tmp_path):
+    """first_decisions is compare's own first step (benchmarks/bench_perf_holds.py judges recorded trials
+    with it): a 30 % slower run is a regression there, with the baseline it was judged against; the
+    re-measure that compare would run next is not run."""
+    from harness.checks.perf import PerfConfig
+
+    fp, cal = _baseline(tmp_path, runs=3)
+    now = {"prefill_s": [0.130 + i * 1e-4 for i in range(10)]}
+    ref = {"prefill": {"calib_matmul_s": [0.010 + i * 1e-5 for i in range(10)]}}
+    c, base = judge.first_decisions("s", "cpu-float32-b1-s8", fp, tmp_path / "golden", {"batch": 1}, "wall",
+                                    PerfConfig(), now, ref, cal)
+    assert base is not None and base["samples"]["prefill_s"] and c.runs == 3
+    assert c.decisions["prefill_s"].verdict == "regression" and not c.first  # nothing re-measured
+    c, base = judge.first_decisions("s", "cpu-float32-b1-s8", fp, tmp_path / "golden", {"batch": 2}, "wall",
+                                    PerfConfig(), now, ref, cal)
+    assert base is None and c.status == "incomparable" and "another workload" in c.note
