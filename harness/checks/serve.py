@@ -26,7 +26,8 @@ build, a vendor's from the ``harness.engines`` entry point or harness.toml). A b
 platform than it declares (its plugin did not activate) is refused before the model loads: an error of
 the engine's. Each model implementation the build serves is a variant: the engine's own model code
 (the plain item) and vLLM's transformers backend (``transformers``, nightly); ``eager`` is its uncompiled
-mode and ``server`` its OpenAI-compatible server over HTTP (both nightly; the server's probes are skipped).
+mode and ``server`` its OpenAI-compatible server over HTTP (both nightly; of the probes the server serves
+batch, its requests posted at once; the others are not applicable there).
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``
 -> ``probe_batch`` -> ``probe_prefix`` -> ``probe_chunked`` -> ``probe_preempt`` -> ``verdict``.

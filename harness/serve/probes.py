@@ -128,6 +128,10 @@ def _exercised(probe: dict, result: dict) -> tuple[str, str | None]:
     name, sched = probe["name"], result.get("scheduled_tokens") or []
     if name == "batch":
         g = probe["groups"][0]
+        held = result.get("scheduled_requests")
+        if held is not None:  # the steps' own count of requests (the server's clients arrive when they do)
+            did = f"{len(g)} requests, up to {max(held, default=0)} in one step ({max(sched, default=0)} tokens)"
+            return did, None if max(held, default=0) > 1 else "no step held more than one request"
         most = max(len(r["ids"]) for r in g)
         did = f"{len(g)} requests, up to {max(sched, default=0)} tokens in one step"
         return did, None if max(sched, default=0) > most else "no step held more than one request's prompt"

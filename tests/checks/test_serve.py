@@ -394,3 +394,20 @@ def test_a_probe_whose_feature_did_not_run_fails_naming_it():
     groups[1][0]["num_cached_tokens"] = 32
     o = judge_probe(prefix, {"name": "prefix", "groups": groups, "seconds": 0.1}, ref, 1e-9, 1e-9)
     assert o.ok and min(r.position for r in o.verdict.rows if r.name == "hit") == 32
+
+
+def test_a_batch_probe_is_exercised_only_where_a_step_held_two_of_its_requests():
+    """The server's batch probe posts its requests at once, but clients are batched only when they
+    arrive together: the engine core's step record (requests per step) decides, never the token count
+    alone (a long filler's prefill step outnumbers a short prompt's tokens with one request in it)."""
+    from harness.serve.probes import _exercised, build
+
+    tokens = lambda n, length, i: [[i % 50] * length for _ in range(n)]  # noqa: E731
+    (batch,) = build(["batch"], [[1] * 16, [2] * 16], tokens, steps=8, block_size=32, fillers=4, chunk_tokens=12)
+    alone = {"scheduled_tokens": [32, 16, 19, 8, 3] + [1] * 40, "scheduled_requests": [1] * 45}
+    did, problem = _exercised(batch, alone)
+    assert problem == "no step held more than one request" and did.startswith("6 requests, up to 1 in one step"), did
+    did, problem = _exercised(batch, {"scheduled_tokens": [51, 20, 4], "scheduled_requests": [2, 6, 4]})
+    assert problem is None and did == "6 requests, up to 6 in one step (51 tokens)", did
+    # the offline runner's results before the count: the tokens rule
+    assert _exercised(batch, {"scheduled_tokens": [94, 6]})[1] is None

@@ -37,7 +37,8 @@ hooks; the tests' injected faults, e.g. a rotary embedding that is wrong from po
 ``"api": "openai"`` (the ``server`` variant): the same request served through vLLM's OpenAI-compatible
 server, started as this process's child on a free loopback port, each prompt alone as ``POST
 /v1/completions``, the answers in the same result format plus ``"api": "openai"``; the probes come back
-skipped (they need the engine in this process). The code is vllm_server.py beside this file.
+skipped but ``batch`` (its group posted at once: the server batches concurrent clients). The code is
+vllm_server.py beside this file.
 
 The result: per prompt, ``prompt_logprobs`` (one {token id: logprob} per prompt position, null for
 position 0: nothing predicts it), ``tokens`` (the greedy continuation) and ``logprobs`` (one
@@ -134,13 +135,14 @@ def probe(llm, SamplingParams, p, k, off=None):
         return {"name": p["name"], "skipped": off[p["name"]], "groups": [], "seconds": 0.0}
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool
-    seen = {"scheduled_tokens": [], "preemptions": 0}
+    seen = {"scheduled_tokens": [], "scheduled_requests": [], "preemptions": 0}
     schedule, preempt = sched.schedule, sched._preempt_request
 
     def counting_schedule(*a, **kw):
         out = schedule(*a, **kw)
         if out.total_num_scheduled_tokens:
             seen["scheduled_tokens"].append(int(out.total_num_scheduled_tokens))
+            seen["scheduled_requests"].append(len(out.num_scheduled_tokens))
         return out
 
     def counting_preempt(*a, **kw):

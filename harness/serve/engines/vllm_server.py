@@ -23,8 +23,17 @@ unpickles its target, so the preload files run at this module's top level, in th
 again in the engine core (and in any worker the core spawns), before the model is built; with
 ``fork`` the child inherits them. Either way a preloaded fault lands where the model runs.
 
-The probes reach into the scheduler and the KV block pool of an engine in their own process; here the
-engine core is the server's child and is served over HTTP, so each comes back as skipped, saying why.
+The engine core's hooks (``_core_hooks``, run in the spawned core through ``__mp_main__`` as the
+preload is): an exception while the core builds the engine is sorted by the runner's own ``_refusal``
+(a ``NotImplementedError`` while the model class is built - vLLM's CPU platform lacking what the model
+needs - is "unsupported" there too, never the engine failing on the model), and every scheduler step
+is recorded (tokens, requests) so that a probe can show the feature ran.
+
+Probes. ``batch`` is served as a client makes a server batch: the group's requests posted at once, one
+thread each, and the core's step record shows that steps held more than one of them. The others reach
+into the scheduler's token budget, the prefix cache's reads (a request asking for prompt log-
+probabilities skips them, and the OpenAI protocol cannot ask otherwise) and the KV block pool of an
+engine in their own process: each comes back as skipped, saying why.
 Routed experts: vLLM returns them (``routed_experts`` in the response, with
 ``--enable-return-routed-experts``) only through its aux-output connector, which needs its model
 runner V2, which needs Triton: not on CPU (config validation refuses the server). The CPU build's
@@ -32,6 +41,7 @@ server mode returns no routes, and the check notes that they were not compared.
 """
 
 import collections
+import functools
 import importlib.util
 import json
 import os
@@ -45,8 +55,10 @@ import urllib.error
 import urllib.request
 
 PRELOAD_ENV = "SERVE_RUNNER_PRELOAD"  # the preload files, a JSON list, for the server and its children
+CORE_ENV = "SERVE_RUNNER_CORE"  # {"request", "status", "steps": FILE}: what the engine core's hooks read and write
 HOST = "127.0.0.1"
 PROBE_SKIPPED = ("the server mode serves over HTTP; the probe needs the engine in-process (run the plain item)")
+HTTP_PROBES = ("batch",)  # the probes a client of the server can drive
 
 
 def _runner():
@@ -67,8 +79,45 @@ def _preload():
         print(f"harness: preloaded {len(files)} file(s) in process {os.getpid()} ({__name__})", flush=True)
 
 
+def _core_hooks():
+    """In the engine core (vLLM's spawned child, this file as its ``__mp_main__``): the build's errors
+    sorted as the offline path sorts them, and the scheduler's steps recorded. Bound to the classes
+    before the core unpickles its target (``EngineCoreProc.run_engine_core``, looked up by name: the
+    wrapped one)."""
+    spec = json.loads(os.environ.get(CORE_ENV) or "null")
+    if not spec:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCoreProc
+
+    schedule, run = Scheduler.schedule, EngineCoreProc.run_engine_core
+
+    def counting_schedule(self, *a, **kw):
+        out = schedule(self, *a, **kw)
+        if out.total_num_scheduled_tokens:  # one line a step: its tokens and how many requests it held
+            with open(spec["steps"], "a") as f:
+                f.write(f"{int(out.total_num_scheduled_tokens)} {len(out.num_scheduled_tokens)}\n")
+        return out
+
+    @functools.wraps(run)
+    def run_engine_core(*a, **kw):
+        try:
+            return run(*a, **kw)
+        except Exception as e:  # the model class not buildable here: the runner's "unsupported", in its words
+            with open(spec["request"]) as f:
+                why = _runner()._refusal(e, json.load(f))
+            if why is not None:
+                _write(spec["status"], json.dumps(why))
+            raise
+
+    Scheduler.schedule = counting_schedule
+    EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
+
+
 if __name__ in ("__main__", "__mp_main__"):  # the server and what it spawns; never the runner's import
     _preload()
+if __name__ == "__mp_main__":
+    _core_hooks()
 
 
 # --- the response -> the runner's result ---------------------------------------------------------------
@@ -177,13 +226,15 @@ class Server:
     def __init__(self, req, work_dir, python=sys.executable):
         self.port_file = os.path.join(work_dir, "server.port")
         self.status_file = os.path.join(work_dir, "server.status.json")
+        self.steps_file = os.path.join(work_dir, "server.steps")
         req_file = os.path.join(work_dir, "server.request.json")
-        for f in (self.port_file, self.status_file):
+        for f in (self.port_file, self.status_file, self.steps_file):
             if os.path.exists(f):
                 os.unlink(f)
         with open(req_file, "w") as f:
             json.dump(req, f)
-        env = dict(os.environ, **{PRELOAD_ENV: json.dumps(list(req.get("preload") or []))})
+        core = {"request": req_file, "status": self.status_file, "steps": self.steps_file}
+        env = dict(os.environ, **{PRELOAD_ENV: json.dumps(list(req.get("preload") or [])), CORE_ENV: json.dumps(core)})
         cmd = [python, os.path.abspath(__file__), req_file, self.port_file, self.status_file, *server_args(req)]
         print("harness: starting the OpenAI server: " + " ".join(cmd[5:]), flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -230,6 +281,14 @@ class Server:
                 f.write(json.dumps(resp) + "\n")
         return resp
 
+    def steps(self):
+        """The engine core's scheduler steps so far: (tokens, requests) each."""
+        try:
+            with open(self.steps_file) as f:
+                return [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
     def stop(self):
         """SIGTERM to the server's group (vLLM shuts its engine core down), SIGKILL after 30 s."""
         if self.proc.poll() is None:
@@ -268,16 +327,49 @@ def serve(req, work_dir, t0, version, platform):
             os.unlink(keep)
         results = [result_of(server.complete(req, p, req["steps"], keep), req["steps"]) for p in req["prompts"]]
         t_done = time.monotonic()
+        probes = [probe(server, req, p) for p in req.get("probes") or []]
     finally:
         server.stop()
-    probes = [{"name": p["name"], "skipped": PROBE_SKIPPED, "groups": [], "seconds": 0.0}
-              for p in req.get("probes") or []]
     # start_s as the offline path counts it (from the runner's start: its own import of vLLM included);
     # server_start_s: the server's process alone, from its spawn to its first healthy answer
     return {"engine": "vllm", "version": version, "platform": platform, "api": "openai", "start_s": t_ready - t0,
             "server_start_s": t_ready - t_spawn,
             "model_impl": server.log.arch, "compilation": server.log.compilation, "generate_s": t_done - t_ready, "results": results,
             "probes": probes, "engine_said": [], "block_size": req.get("block_size", 32)}
+
+
+def probe(server, req, p):
+    """One probe through the server: ``batch``'s group posted at once (a thread each, released together),
+    the server batching them as it batches any clients'; the result as the offline probe's, with the
+    core's steps while it ran. The other probes: skipped, saying why."""
+    if p["name"] not in HTTP_PROBES:
+        return {"name": p["name"], "skipped": PROBE_SKIPPED, "groups": [], "seconds": 0.0}
+    print(f"harness: probe {p['name']} starts", flush=True)
+    (group,) = p["groups"]
+    before, out, errors = len(server.steps()), [None] * len(group), []
+    go = threading.Barrier(len(group))
+
+    def one(i, r):
+        try:
+            go.wait()
+            out[i] = result_of(server.complete(req, r["ids"], r["steps"]), r["steps"])
+        except Exception as e:  # noqa: BLE001 - raised below, the first request's first
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=one, args=(i, r), daemon=True) for i, r in enumerate(group)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.monotonic() - t0
+    if errors:
+        i, e = min(errors, key=lambda x: x[0])
+        raise RuntimeError(f"probe {p['name']}: request {i} of {len(group)}: {e}") from e
+    steps = server.steps()[before:]
+    print(f"harness: probe {p['name']} done", flush=True)
+    return {"name": p["name"], "groups": [out], "seconds": seconds, "preemptions": 0,
+            "scheduled_tokens": [t for t, _ in steps], "scheduled_requests": [n for _, n in steps]}
 
 
 # --- the server (its own process) ---------------------------------------------------------------------------
