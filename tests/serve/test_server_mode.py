@@ -3,13 +3,15 @@
 
 Two engine starts (module fixtures, each its own results folder):
 
-* llama-3.1-8b float32 through the server passes the check, and the result says ``api openai``; the
-  batch probe, its requests posted at once, ran batched (the engine core's step record says how many
-  requests a step held) and passed; the other probes, which need the engine in the runner's process,
-  are not applicable, saying why;
-* the batch-dependent reduction (tests/checks/serve_batch_fault.py) preloaded: the plain run (each prompt
-  alone) passes and the batch probe fails, naming it: the preload reached the process where the model
-  runs - vLLM's engine core, which the API server spawns - and the concurrent clients were batched there.
+* qwen3-30b-a3b (MoE) float32 through the server passes the check, and the result says ``api openai``;
+  the routes, captured by the engine core's hook on every MoE router, are compared at every routed
+  position of both prompts; the batch probe, its requests posted at once, ran batched (the engine
+  core's step record says how many requests a step held) and passed; the other probes, which need the
+  engine in the runner's process, are not applicable, saying why;
+* llama-3.1-8b with the batch-dependent reduction (tests/checks/serve_batch_fault.py) preloaded: the
+  plain run (each prompt alone) passes and the batch probe fails, naming it: the preload reached the
+  process where the model runs - vLLM's engine core, which the API server spawns - and the concurrent
+  clients were batched there.
 
 A server that vLLM's config validation refuses writes the runner's own sorting of it (``_refusal``,
 tests/serve/test_engine_runs.py) for the runner to return: its test, an engine start of ~30 s that
@@ -57,8 +59,11 @@ def _no_engine(why: str) -> None:
     pytest.skip(msg)
 
 
-def _run(results: Path, **opts):
-    ls = load_suite(REPO / "suites" / "llama-3.1-8b.toml")
+MOE = "qwen3-30b-a3b"
+
+
+def _run(results: Path, suite: str = "llama-3.1-8b", **opts):
+    ls = load_suite(REPO / "suites" / f"{suite}.toml")
     ctx = CheckContext(ls, get("cpu"), "float32", "server", check="serve")
     try:
         ServeCheck().run(ctx, results_dir=results, **opts)
@@ -73,15 +78,15 @@ def _engine_ready() -> None:
         _no_engine(f"the vllm engine environment is {state} ({eng.env_dir(eng.get('vllm'))})")
 
 
-def _run_dir(results: Path) -> Path:
-    return results / "serve" / "runs" / "llama-3.1-8b-cpu-float32-server"
+def _run_dir(results: Path, suite: str = "llama-3.1-8b") -> Path:
+    return results / "serve" / "runs" / f"{suite}-cpu-float32-server"
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     _engine_ready()
     results = tmp_path_factory.mktemp("server-clean")
-    return (*_run(results), results)
+    return (*_run(results, MOE), results)
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +103,18 @@ def test_the_server_variant_passes_and_says_it_served_over_the_openai_api(clean)
     assert 0 < float(p["metric.serve_worst_budget_use"]) <= 1, p
     assert float(p["metric.serve_greedy_mismatches"]) == 0, p
     assert p["harness.detail.serve_engine"].endswith(", api openai"), p["harness.detail.serve_engine"]
-    run = _run_dir(results)
+    run = _run_dir(results, MOE)
     res = json.loads((run / "result.json").read_text())
     assert res["api"] == "openai" and len(res["results"]) == 2
+    # routes from the server's engine core: every position the engine routed (16 prompt tokens and 7 fed
+    # back of the 8 steps) in every layer (all of Qwen3-MoE's are MoE), compared with float64's, none flipped
+    layers = json.loads((results / "serve" / "export" / f"{MOE}-float32" / "config.json").read_text())
+    layers = layers["num_hidden_layers"]
+    for r in res["results"]:
+        assert len(r["routed_experts"]) == 16 + 7, r["routed_experts"]
+        assert all(len(row) == layers and None not in row for row in r["routed_experts"]), r["routed_experts"]
+    assert float(p["metric.serve_routes_compared"]) == 2 * 23 * layers, p
+    assert float(p["metric.serve_route_flips"]) == 0, p
     # what the server said, request by request, is kept beside the result (what the mapping read)
     assert len((run / "server.responses.jsonl").read_text().splitlines()) == 2
     # the batch probe's clients were batched by the server (a step held more than one of them) and passed

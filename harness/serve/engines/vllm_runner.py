@@ -208,7 +208,11 @@ class _Routes:
         MoERunner.__init__ = patched
 
     def watch(self, llm):
-        ex = llm.llm_engine.engine_core.engine_core.model_executor
+        self.watch_executor(llm.llm_engine.engine_core.engine_core.model_executor)
+
+    def watch_executor(self, ex, sink=None):
+        """Capture around every forward of executor ``ex``; each step ({layer: rows}) is kept, or given
+        to ``sink`` (the server's engine core writes it where the client reads it)."""
         orig = ex.execute_model
 
         def execute_model(so, *a, **kw):
@@ -218,7 +222,8 @@ class _Routes:
             out = orig(so, *a, **kw)
             n = int(getattr(so, "total_num_scheduled_tokens", 0) or 0)
             if self.on and n:
-                self.steps.append({layer: b[:n].tolist() for layer, b in self.bufs.items()})
+                step = {layer: b[:n].tolist() for layer, b in self.bufs.items()}
+                self.steps.append(step) if sink is None else sink(step)
             return out
 
         ex.execute_model = execute_model
@@ -229,16 +234,21 @@ class _Routes:
 
     def positions(self):
         """[position][layer] -> the ids (None for a layer without a router or not captured)."""
-        layers = max(self.bufs, default=-1) + 1
-        out = []
-        for step in self.steps:
-            rows = len(next(iter(step.values()))) if step else 0
-            for r in range(rows):
-                row = [None] * layers
-                for layer, ids in step.items():
-                    row[layer] = None if ids[r][0] < 0 else ids[r]
-                out.append(row)
-        return out
+        return positions(self.steps, max(self.bufs, default=-1) + 1)
+
+
+def positions(steps, layers):
+    """Captured steps ({layer: per-row ids}, rows in position order) -> [position][layer] -> the ids
+    (None for a layer without a router, or a row the forward did not route: -1)."""
+    out = []
+    for step in steps:
+        rows = len(next(iter(step.values()))) if step else 0
+        for r in range(rows):
+            row = [None] * layers
+            for layer, ids in step.items():
+                row[int(layer)] = None if ids[r][0] < 0 else ids[r]
+            out.append(row)
+    return out
 
 
 def _platform():
@@ -409,7 +419,7 @@ def run(req, work_dir=None):
     import vllm
 
     server = req.get("api") == "openai"
-    # the capture binds to the routers of an engine in this process: the server's engine core is not
+    # the capture binds to the routers of an engine in this process (the server's engine core binds its own)
     routes = _Routes() if req.get("routed_experts") and not server else None
 
     refused = _platform_refused(req.get("platform"))

@@ -36,8 +36,10 @@ probabilities skips them, and the OpenAI protocol cannot ask otherwise) and the 
 engine in their own process: each comes back as skipped, saying why.
 Routed experts: vLLM returns them (``routed_experts`` in the response, with
 ``--enable-return-routed-experts``) only through its aux-output connector, which needs its model
-runner V2, which needs Triton: not on CPU (config validation refuses the server). The CPU build's
-server mode returns no routes, and the check notes that they were not compared.
+runner V2, which needs Triton: not on CPU (config validation refuses the server). So, as the offline
+runner does, the engine core's hook binds the runner's capture (``_Routes``) to every MoE router and
+writes each forward's routes as a line; the client reads the lines each plain request added (the
+plain requests go one after the other: a request's forwards are its own).
 """
 
 import collections
@@ -61,6 +63,7 @@ PROBE_SKIPPED = ("the server mode serves over HTTP; the probe needs the engine i
 HTTP_PROBES = ("batch",)  # the probes a client of the server can drive
 
 
+@functools.cache
 def _runner():
     """vllm_runner.py, from this file's own directory (its preload and its sorting of refusals)."""
     spec = importlib.util.spec_from_file_location(
@@ -88,9 +91,20 @@ def _core_hooks():
     if not spec:
         return
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
-    schedule, run = Scheduler.schedule, EngineCoreProc.run_engine_core
+    schedule, run, init = Scheduler.schedule, EngineCoreProc.run_engine_core, EngineCore.__init__
+    # a MoE model: the offline runner's capture on every router, bound at construction (before the
+    # warm-up compile traces the model); each forward's routes, one line, where the client reads them
+    routes = _runner()._Routes() if spec.get("routes") else None
+
+    def write_routes(step):
+        with open(spec["routes"], "a") as f:
+            f.write(json.dumps(step) + "\n")
+
+    def watched_init(self, *a, **kw):
+        init(self, *a, **kw)
+        routes.watch_executor(self.model_executor, write_routes)
 
     def counting_schedule(self, *a, **kw):
         out = schedule(self, *a, **kw)
@@ -112,6 +126,8 @@ def _core_hooks():
 
     Scheduler.schedule = counting_schedule
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
+    if routes is not None:
+        EngineCore.__init__ = watched_init
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the server and what it spawns; never the runner's import
@@ -199,6 +215,14 @@ class _Log:
         return " / ".join(self.tail)
 
 
+def _lines(path):
+    try:
+        with open(path) as f:
+            return [line for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
 def _post(url, body, timeout):
     data = json.dumps(body).encode()
     r = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -227,13 +251,14 @@ class Server:
         self.port_file = os.path.join(work_dir, "server.port")
         self.status_file = os.path.join(work_dir, "server.status.json")
         self.steps_file = os.path.join(work_dir, "server.steps")
+        self.routes_file = os.path.join(work_dir, "server.routes.jsonl") if req.get("routed_experts") else None
         req_file = os.path.join(work_dir, "server.request.json")
-        for f in (self.port_file, self.status_file, self.steps_file):
-            if os.path.exists(f):
+        for f in (self.port_file, self.status_file, self.steps_file, self.routes_file):
+            if f and os.path.exists(f):
                 os.unlink(f)
         with open(req_file, "w") as f:
             json.dump(req, f)
-        core = {"request": req_file, "status": self.status_file, "steps": self.steps_file}
+        core = {"request": req_file, "status": self.status_file, "steps": self.steps_file, "routes": self.routes_file}
         env = dict(os.environ, **{PRELOAD_ENV: json.dumps(list(req.get("preload") or [])), CORE_ENV: json.dumps(core)})
         cmd = [python, os.path.abspath(__file__), req_file, self.port_file, self.status_file, *server_args(req)]
         print("harness: starting the OpenAI server: " + " ".join(cmd[5:]), flush=True)
@@ -283,11 +308,11 @@ class Server:
 
     def steps(self):
         """The engine core's scheduler steps so far: (tokens, requests) each."""
-        try:
-            with open(self.steps_file) as f:
-                return [tuple(int(x) for x in line.split()) for line in f if line.strip()]
-        except FileNotFoundError:
-            return []
+        return [tuple(int(x) for x in line.split()) for line in _lines(self.steps_file)]
+
+    def routes(self):
+        """The engine core's captured forwards so far ({layer: per-row ids} each; [] without routes)."""
+        return [json.loads(line) for line in _lines(self.routes_file)] if self.routes_file else []
 
     def stop(self):
         """SIGTERM to the server's group (vLLM shuts its engine core down), SIGKILL after 30 s."""
@@ -325,7 +350,14 @@ def serve(req, work_dir, t0, version, platform):
         keep = os.path.join(work_dir, "server.responses.jsonl")
         if os.path.exists(keep):
             os.unlink(keep)
-        results = [result_of(server.complete(req, p, req["steps"], keep), req["steps"]) for p in req["prompts"]]
+        results = []
+        for p in req["prompts"]:
+            before = len(server.routes())
+            results.append(result_of(server.complete(req, p, req["steps"], keep), req["steps"]))
+            if server.routes_file:  # the forwards of this request alone: its prefill, then its steps
+                captured = server.routes()[before:]
+                layers = max((int(k) for step in captured for k in step), default=-1) + 1
+                results[-1]["routed_experts"] = _runner().positions(captured, layers)
         t_done = time.monotonic()
         probes = [probe(server, req, p) for p in req.get("probes") or []]
     finally:
