@@ -71,10 +71,11 @@ class CustomEngine(BaseModel):
                               "another torch, never needed for text models).")
     env: dict[str, str] = Field(default_factory=dict, description="The runner's environment on top of harness's "
                                 "(VLLM_*, the vendor's runtime settings).")
-    variants: list[Literal["transformers", "eager", "server"]] = Field(
+    variants: list[Literal["transformers", "eager", "server", "speculative"]] = Field(
         default_factory=list, description="Variants of the serve item it serves besides the plain one (the engine's "
         "own model code, its default mode), each a nightly item: transformers (vLLM's model_impl=\"transformers\"), "
-        "eager (enforce_eager: no compilation, no graphs), server (its OpenAI-compatible server over HTTP).")
+        "eager (enforce_eager: no compilation, no graphs), server (its OpenAI-compatible server over HTTP), "
+        "speculative (its speculative decoding, the checkpoint drafting for itself).")
     description: str = Field("", description="Free text shown by `harness engine show`.")
 
 

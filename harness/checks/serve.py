@@ -26,8 +26,9 @@ build, a vendor's from the ``harness.engines`` entry point or harness.toml). A b
 platform than it declares (its plugin did not activate) is refused before the model loads: an error of
 the engine's. Each model implementation the build serves is a variant: the engine's own model code
 (the plain item) and vLLM's transformers backend (``transformers``, nightly); ``eager`` is its uncompiled
-mode and ``server`` its OpenAI-compatible server over HTTP (both nightly; of the probes the server serves
-batch, its requests posted at once; the others are not applicable there).
+mode, ``server`` its OpenAI-compatible server over HTTP (of the probes the server serves batch, its
+requests posted at once; the others are not applicable there) and ``speculative`` its speculative decoding
+(the checkpoint drafting for itself; a run that drafted nothing fails as not run): all nightly.
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``
 -> ``probe_batch`` -> ``probe_prefix`` -> ``probe_chunked`` -> ``probe_preempt`` -> ``verdict``.
@@ -77,6 +78,10 @@ for _p, _what in PROBES.items():
     metrics.declare(f"serve_{_p}_budget_use", "", "lower", f"probe {_p}: largest log-probability error / its "
                     "budget (fails > 1)")
     metrics.declare(f"serve_{_p}_s", "s", "lower", f"probe {_p}: the engine's generate calls for it")
+metrics.declare("serve_spec_drafted", "", "none", "the speculative variant: draft tokens the engine proposed "
+                "and verified in the plain run")
+metrics.declare("serve_spec_accepted", "", "none", "the speculative variant: draft tokens the engine accepted "
+                "in the plain run (each then judged as every decode step is)")
 metrics.declare("serve_routes_compared", "", "none", "(position, MoE layer) pairs whose engine-chosen experts were "
                 "compared with the float64 reference's (the plain run)")
 metrics.declare("serve_route_flips", "", "lower", "positions and layers where the engine routed to other experts "
@@ -269,8 +274,10 @@ class ServeCheck(Check):
 
     def record(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import record
+        from harness.serve.probes import record_speculative
 
         record(ctx, st.verdict, st.budget, st.tie)
+        st.speculated = record_speculative(ctx, st.result)  # the speculative variant: what it drafted
 
     def routes(self, ctx: CheckContext, st) -> None:
         from harness.serve import routes
@@ -305,33 +312,14 @@ class ServeCheck(Check):
         record_probe(ctx, name, st.outcomes[-1], st.budget)
 
     def verdict(self, ctx: CheckContext, st) -> None:
-        from harness.serve.judge import describe, table
-        from harness.serve.probes import first_failure
+        from harness.serve.verdict import failure
 
-        failed = [o.name for o in st.outcomes if not o.ok]
-        also = f" (probes failing: {', '.join(failed)})" if failed else ""
-        if st.routes is not None and st.routes.flips:  # the root cause first: where a route went wrong
-            from harness.serve import routes
-
-            then = f"; log-probabilities: {len(st.verdict.bad)} position(s) over budget" if st.verdict.bad else ""
-            raise CheckFailure(routes.failure_text(st.routes, st.margin, ctx.config.engine) + then + also,
-                               metric=f"serve.route.layer{st.routes.flips[0].layer}", details=routes.table(st.routes))
-        bad, where, metric = st.verdict.bad, f"engine {ctx.config.engine} differs from float64", "serve."
-        if not bad:  # the plain run passed: the first failing probe, if any
-            hit = first_failure(st.outcomes)
-            if hit is None:
-                return
-            o, row = hit
-            if row is None:
-                raise CheckFailure(f"probe {o.name} did not exercise its feature: {o.problem} ({o.did}){also}",
-                                   metric=f"serve.{o.name}")
-            bad, where, metric = o.verdict.bad, f"{where} in probe {o.name} ({o.did})", f"serve.{o.name}."
-        first = bad[0]
-        ctx.detail("first_divergent_position", str(first.position))
-        raise CheckFailure(f"{where}: {describe(first)}; first of {len(bad)} position(s) over budget{also}",
-                           metric=f"{metric}{first.kind}{first.index}", expected=f"<= {first.budget:.3g}",
-                           observed="missing" if first.err is None else f"{first.err:.4g}",
-                           tolerance=first.budget, details=table(bad))
+        f = failure(ctx.config.engine, st.verdict, st.routes, st.margin, st.outcomes, st.speculated)
+        if f is None:
+            return
+        if "position" in f:
+            ctx.detail("first_divergent_position", str(f.pop("position")))
+        raise CheckFailure(f.pop("message"), **f)
 
 
 def register(registry: CheckRegistry) -> None:

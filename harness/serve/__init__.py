@@ -12,7 +12,10 @@
 * ``routes``  - the engine's routed experts against the float64 reference's routers, position by position
   and layer by layer, near ties within ``route_tie_margin`` a note;
 * ``probes``  - the engine's own features (batching, a prefix-cache hit, chunked prefill, preemption)
-  as seeded requests served in the same engine instance, each judged against float64.
+  as seeded requests served in the same engine instance, each judged against float64; what the
+  ``speculative`` variant's decoding drafted;
+* ``verdict`` - the item's failure, the root cause first (a route, the plain run, speculation that did
+  not run, a probe).
 
 ``engines/`` holds data the engine's environment uses: the pins and the standalone runner scripts
 (they run in the engine's venv, which has no harness: they import nothing from it).

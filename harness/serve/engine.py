@@ -43,9 +43,13 @@ STAMP = "harness-engine.json"
 # runner for. "transformers": vLLM's transformers backend (the Day-0 path for an architecture vLLM has no
 # code for yet); "eager": no compilation (vLLM on CPU: torch.compile off; on a GPU also no CUDA graphs);
 # "server": the engine's OpenAI-compatible server over HTTP (what vendors ship: `vllm serve`; some breaks
-# show only there), its probes but batch not applicable (they need the engine in the runner's process).
+# show only there), its probes but batch not applicable (they need the engine in the runner's process);
+# "speculative": the engine's speculative decoding (vLLM's draft-model method, the exported checkpoint as
+# its own draft: every step proposes 3 tokens, verified in one forward, and greedy accepts those the
+# model itself would choose; the same tokens, a different path through the engine's kernels and KV pages).
 VARIANTS = {"transformers": {"model_impl": "transformers"}, "eager": {"enforce_eager": True},
-            "server": {"api": "openai"}}
+            "server": {"api": "openai"},
+            "speculative": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}}}
 
 
 class EngineError(Exception):
@@ -139,7 +143,7 @@ def register(registry: EngineRegistry) -> None:
         # vLLM on CPU: KV cache space in GiB (its default is sized for a server); its OpenMP threads left
         # unbound (the machine is shared; binding pins them to cores others use)
         env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind")),
-        variants=("transformers", "eager", "server")))
+        variants=("transformers", "eager", "server", "speculative")))
 
 
 _REGISTRY: EngineRegistry | None = None

@@ -178,3 +178,24 @@ def record_probe(ctx, name: str, o, budget: float) -> None:
     ctx.detail(f"serve_probe_{name}", o.did)
     ctx.notes.extend(f"probe {name}: near tie at {r.name} step {r.index} ({r.margin:.2g} nats apart)"
                      for r in o.verdict.ties)
+
+
+def speculated(result: dict) -> tuple[str, str | None] | None:
+    """What the engine's speculative decoding did in the plain run (the ``speculative`` variant), and
+    why that is not speculation (None: drafts were proposed and verified); None: not speculating."""
+    s = result.get("speculative")
+    if s is None:
+        return None
+    did = (f"{s['method']}, {s['drafted']} draft token(s) verified in {s['verify_steps']} step(s), "
+           f"{s['accepted']} accepted")
+    return did, None if s["drafted"] > 0 else "the engine proposed no draft token"
+
+
+def record_speculative(ctx, result: dict) -> tuple[str, str | None] | None:
+    """The speculative variant's figures (nothing without speculation); what speculated() says."""
+    out = speculated(result)
+    if out is not None:
+        ctx.metric("serve_spec_drafted", result["speculative"]["drafted"])
+        ctx.metric("serve_spec_accepted", result["speculative"]["accepted"])
+        ctx.detail("serve_speculative", out[0])
+    return out

