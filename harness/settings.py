@@ -75,7 +75,7 @@ class CustomEngine(BaseModel):
         default_factory=list, description="Variants of the serve item it serves besides the plain one (the engine's "
         "own model code, its default mode), each a nightly item: transformers (vLLM's model_impl=\"transformers\"), "
         "eager (enforce_eager: no compilation, no graphs), server (its OpenAI-compatible server over HTTP), "
-        "speculative (its speculative decoding, the checkpoint drafting for itself).")
+        "speculative (its speculative decoding with a draft model).")
     description: str = Field("", description="Free text shown by `harness engine show`.")
 
 

@@ -28,7 +28,7 @@ the engine's. Each model implementation the build serves is a variant: the engin
 (the plain item) and vLLM's transformers backend (``transformers``, nightly); ``eager`` is its uncompiled
 mode, ``server`` its OpenAI-compatible server over HTTP (of the probes the server serves batch, its
 requests posted at once; the others are not applicable there) and ``speculative`` its speculative decoding
-(the checkpoint drafting for itself; a run that drafted nothing fails as not run): all nightly.
+(the export's weights perturbed as the draft; a run that drafted nothing fails as not run): all nightly.
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``
 -> ``probe_batch`` -> ``probe_prefix`` -> ``probe_chunked`` -> ``probe_preempt`` -> ``verdict``.
@@ -232,6 +232,14 @@ class ServeCheck(Check):
                       "gpu_memory_utilization": 0.1, "preload": [str(p) for p in st.preload],
                       "platform": st.engine.platform, "routed_experts": st.moe,
                       **eng.VARIANTS.get(ctx.variant or "", {})}
+        if "speculative" in st.request:  # the draft: the export with its weights perturbed (accepts and rejects)
+            from harness.serve.export import cached_draft
+
+            st.request["speculative"] = dict(st.request["speculative"], model=str(cached_draft(st.model_dir).resolve()))
+            if st.moe:  # the draft's routers are the model's layers again, and a verify forward routes drafts
+                ctx.notes.append("routes not compared under speculative decoding (a verify forward routes drafts the "
+                                 "engine then rejects); the plain item compares them")
+            st.request["routed_experts"] = st.moe = False
 
     def serve(self, ctx: CheckContext, st) -> None:
         from harness.serve.launch import EngineRefused, EngineRunError, EngineUnsupported, run_engine

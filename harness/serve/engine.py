@@ -44,9 +44,10 @@ STAMP = "harness-engine.json"
 # code for yet); "eager": no compilation (vLLM on CPU: torch.compile off; on a GPU also no CUDA graphs);
 # "server": the engine's OpenAI-compatible server over HTTP (what vendors ship: `vllm serve`; some breaks
 # show only there), its probes but batch not applicable (they need the engine in the runner's process);
-# "speculative": the engine's speculative decoding (vLLM's draft-model method, the exported checkpoint as
-# its own draft: every step proposes 3 tokens, verified in one forward, and greedy accepts those the
-# model itself would choose; the same tokens, a different path through the engine's kernels and KV pages).
+# "speculative": the engine's speculative decoding (vLLM's draft-model method; the check drafts with the
+# export's weights perturbed, harness.serve.export.cached_draft: every step proposes 3 tokens, verified in
+# one forward, and greedy accepts those the model itself would choose, rejects the others; the same
+# tokens, another path through the engine's kernels and KV pages).
 VARIANTS = {"transformers": {"model_impl": "transformers"}, "eager": {"enforce_eager": True},
             "server": {"api": "openai"},
             "speculative": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}}}

@@ -198,4 +198,9 @@ def record_speculative(ctx, result: dict) -> tuple[str, str | None] | None:
         ctx.metric("serve_spec_drafted", result["speculative"]["drafted"])
         ctx.metric("serve_spec_accepted", result["speculative"]["accepted"])
         ctx.detail("serve_speculative", out[0])
+        s = result["speculative"]
+        if 0 < s["drafted"] == s["accepted"]:
+            ctx.notes.append("speculative decoding: every draft was accepted (the rejected drafts' path not taken)")
+        elif s["drafted"] and not s["accepted"]:
+            ctx.notes.append("speculative decoding: every draft was rejected (the accepted drafts' path not taken)")
     return out

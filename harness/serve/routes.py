@@ -145,6 +145,8 @@ def record(ctx, v: RouteVerdict | None, margin: float, moe: bool) -> None:
             ctx.notes.append("the engine returned no routed experts: routes not compared")
         return
     ctx.metric("serve_routes_compared", v.compared)
+    if not v.compared:  # returned, but at no position the reference routed: nothing was held to it
+        ctx.notes.append("the engine's routed experts covered no routed position of the reference: routes not compared")
     ctx.metric("serve_route_flips", len(v.flips))
     ctx.metric("serve_route_near_ties", len(v.ties))
     gaps = [abs(d.gap) for d in v.ties]

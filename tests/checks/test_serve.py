@@ -15,8 +15,8 @@ compiled mode, where these tests ran before:
   step 1 while the prompt log-probabilities pass; a stale KV page after a prefix-cache hit
   (serve_stale_kv_fault.py) fails probe prefix only, at the hit's first computed position; a
   batch-dependent reduction (serve_batch_fault.py) fails probe batch at position 0;
-* the ``speculative`` variant (vLLM's draft-model speculation, the checkpoint drafting for itself): clean
-  llama-3.1-8b passes with its drafts verified and accepted, and its four probes under speculation; a
+* the ``speculative`` variant (vLLM's draft-model speculation, the export's weights perturbed as the
+  draft): clean llama-3.1-8b passes with drafts accepted and rejected, and its four probes under speculation; a
   fault in the verification forward only (serve_spec_fault.py: steps without drafts exact) fails it at
   decode step 1, the message saying how the engine decoded;
 * MoE: qwen3-30b-a3b through vLLM's CPU fused-MoE experts passes, and with one expert's route dropped
@@ -430,13 +430,13 @@ def test_a_batch_probe_is_exercised_only_where_a_step_held_two_of_its_requests()
 
 @pytest.mark.slow
 def test_speculative_decoding_is_served_drafts_verified_and_judged_as_the_plain_run(speculative):
-    """The checkpoint drafts for itself: every verify step proposes 3 tokens and greedy accepts what the
-    model would choose, so the continuation is the plain run's and is judged the same way, position by
-    position; the probes run under speculation too."""
+    """The draft is the export with its weights perturbed: every verify step proposes 3 tokens, greedy
+    accepts those the model would choose and rejects the others (both paths taken), so the continuation is
+    the plain run's and is judged the same way, position by position; the probes run under speculation."""
     ctx, failure = speculative
     assert failure is None, failure.report("serve") if isinstance(failure, CheckFailure) else failure
     p = dict(ctx.properties)
-    assert float(p["metric.serve_spec_drafted"]) > 0 and float(p["metric.serve_spec_accepted"]) > 0, p
+    assert float(p["metric.serve_spec_drafted"]) > float(p["metric.serve_spec_accepted"]) > 0, p
     assert p["harness.detail.serve_speculative"].startswith("draft_model, "), p["harness.detail.serve_speculative"]
     assert float(p["metric.serve_worst_budget_use"]) <= 1 and float(p["metric.serve_greedy_mismatches"]) == 0, p
     for probe in ("batch", "prefix", "chunked", "preempt"):

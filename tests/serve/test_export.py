@@ -81,3 +81,29 @@ def test_day0_configs_export_and_say_what_they_kept(tmp_path, config, kept):
     assert main(["export", str(path), str(out)]) == 0
     assert kept in (out / "README.txt").read_text()
     assert (out / "model.safetensors").is_file()
+
+
+def test_the_speculative_draft_is_the_export_perturbed_reproducibly_and_remade_when_its_inputs_change(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from harness.serve.export import cached_draft
+
+    src = tmp_path / "m-float32"
+    src.mkdir()
+    (src / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    w = {"model.layers.0.mlp.up_proj.weight": torch.randn(64, 32), "model.norm.weight": torch.ones(32),
+         "lm_head.weight": torch.randn(100, 32)}
+    save_file(w, src / "model.safetensors")
+    d = cached_draft(src, noise=0.05, seed=3)
+    assert d == tmp_path / "m-float32-draft" and (d / "config.json").read_text() == (src / "config.json").read_text()
+    got = load_file(d / "model.safetensors")
+    assert set(got) == set(w)
+    assert torch.equal(got["model.norm.weight"], w["model.norm.weight"])  # vectors (norms) kept
+    for k in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        rel = (got[k] / w[k] - 1).std().item()
+        assert 0.03 < rel < 0.07, (k, rel)  # each entry times 1 + 0.05 N(0, 1)
+    mtime = (d / "model.safetensors").stat().st_mtime_ns
+    assert cached_draft(src, noise=0.05, seed=3) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime
+    assert torch.equal(load_file(cached_draft(src, noise=0.05, seed=4) / "model.safetensors")["lm_head.weight"],
+                       got["lm_head.weight"]) is False  # another seed: remade, another draft

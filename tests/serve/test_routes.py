@@ -47,3 +47,16 @@ def test_a_biased_sigmoid_router_is_ranked_by_its_own_selection_score():
     assert s[0, 1] > s[0, 0]  # sigmoid(0) + 0.5 = 1.0 > sigmoid(2) = 0.88: the bias decides
     assert torch.equal(selection_scores(torch.nn.Linear(2, 2), logits), logits.double())
     assert layer_of("model.layers.12.mlp.gate") == 12 and layer_of("lm_head") is None
+
+
+def test_routes_that_cover_no_position_are_said_not_compared_never_passed_silently():
+    """Routes returned for positions the reference has none at (the speculative variant's draft once took
+    the model's capture buffers: every row came back empty) compare nothing: a note says so."""
+    from types import SimpleNamespace
+
+    from harness.serve.routes import record
+
+    ctx = SimpleNamespace(notes=[], metrics={}, metric=lambda k, v: ctx.metrics.__setitem__(k, v))
+    record(ctx, RouteVerdict(), 1e-4, True)
+    assert ctx.metrics["serve_routes_compared"] == 0
+    assert ctx.notes == ["the engine's routed experts covered no routed position of the reference: routes not compared"]
