@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harness import toml
 
@@ -56,7 +56,11 @@ class CustomEngine(BaseModel):
     engine: str = Field("", description="The engine it is a build of, as --engine names it (vllm); empty: NAME.",
                         pattern=r"^([A-Za-z0-9_][A-Za-z0-9_.+-]{0,99})?$")
     backends: list[str] = Field(min_length=1, description="The harness backends it serves (npu).")
-    pins: str = Field(description="pip requirements file, every line pinned, relative to this file.")
+    pins: str | None = Field(None, description="pip requirements file, every line pinned, relative to this file: "
+                             "harness makes the environment (.harness/engines/NAME). Exactly one of pins and python.")
+    python: str | None = Field(None, description="An existing environment's interpreter (a vendor's container, a "
+                               "build installed from its own tarball), absolute or relative to this file: setup "
+                               "checks that the engine and its plugin import there and installs nothing.")
     runner: str = Field("vllm_runner.py", description="The runner script (request.json in, result.json out; "
                         "docs/serving.md): a bare name is harness's own (vllm_runner.py), else relative to this file.")
     plugin: str | None = Field(None, description="The platform plugin's module (vllm_ascend): imported once at setup.",
@@ -77,6 +81,13 @@ class CustomEngine(BaseModel):
         "eager (enforce_eager: no compilation, no graphs), server (its OpenAI-compatible server over HTTP), "
         "speculative (its speculative decoding with a draft model).")
     description: str = Field("", description="Free text shown by `harness engine show`.")
+
+    @model_validator(mode="after")
+    def _pins_or_python(self):
+        if bool(self.pins) == bool(self.python):
+            raise ValueError("give pins (harness makes its environment) or python (an existing one), not both and "
+                             "not neither")
+        return self
 
 
 class KernelMap(BaseModel):

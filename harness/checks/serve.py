@@ -196,8 +196,8 @@ class ServeCheck(Check):
                 raise NotApplicable(f"no checks.serve.{table} for {ctx.dtype}")
         state = eng.status(st.engine, st.engines_root)
         if state != "ready":
-            raise NotApplicable(f"engine {st.engine.name} {state} ({eng.env_dir(st.engine, st.engines_root)}): "
-                                f"run `harness engine setup {st.engine.name}`")
+            where = eng.python(st.engine) if st.engine.python else eng.env_dir(st.engine, st.engines_root)
+            raise NotApplicable(f"engine {st.engine.name} {state} ({where}): run `harness engine setup {st.engine.name}`")
         ctx.detail("serve_engine_build", f"{st.engine.name} ({st.engine.source}; platform {st.engine.platform}; "
                    f"variant {ctx.variant or 'plain'})")
 

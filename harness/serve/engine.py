@@ -84,6 +84,10 @@ class Engine:
     variants: tuple[str, ...] = ()  # VARIANTS it serves, each an item of its own beside the plain one
     source: str = "builtin"  # where it was declared (a distribution's entry point, harness.toml)
     base: Path | None = None  # where relative pins/runner paths resolve (harness.toml's folder)
+    # an environment harness does not make (a vendor's container, a build installed from its own tarball):
+    # its interpreter, instead of pins. Setup only checks it (the engine and its plugin import) and never
+    # installs into it; pins is then "" (docs/serving.md, "An existing environment")
+    python: str | None = None
 
     @property
     def serves(self) -> str:
@@ -107,6 +111,11 @@ class Engine:
         return self._file(self.pins)
 
     @property
+    def made_by(self) -> str:
+        """What its environment is made from, in a few words (`harness engine show`)."""
+        return f"python {self.python}" if self.python else f"pins {self.pins}"
+
+    @property
     def runner_path(self) -> Path:
         return self._file(self.runner)
 
@@ -122,6 +131,9 @@ class EngineRegistry(NamedRegistry[Engine]):
         bad = [v for v in item.variants if v not in VARIANTS]
         if bad:
             raise ValueError(f"engine {item.name}: unknown variant(s) {bad} (known: {', '.join(VARIANTS)})")
+        if bool(item.pins) == bool(item.python):
+            raise ValueError(f"engine {item.name}: give pins (harness makes its environment) or python (an existing "
+                             "one), not both and not neither")
         return super().add(item, replace=replace)
 
 
@@ -157,10 +169,12 @@ def _build() -> EngineRegistry:
     reg = EngineRegistry().load_entry_points()
     base = settings_path()
     for ce in load_settings().engines:
-        reg.add(Engine(ce.name, ce.pins, ce.runner, tuple(ce.remove), frozenset(ce.architectures),
+        at = (base.parent if base else Path.cwd()).resolve()
+        # python is used as given (joined, never resolved): a venv's bin/python links to the base interpreter
+        reg.add(Engine(ce.name, ce.pins or "", ce.runner, tuple(ce.remove), frozenset(ce.architectures),
                        frozenset(ce.backends), ce.description, ce.engine, ce.plugin, ce.platform,
-                       tuple(sorted(ce.env.items())), tuple(ce.variants), source="harness.toml",
-                       base=(base.parent if base else Path.cwd()).resolve()), replace=True)
+                       tuple(sorted(ce.env.items())), tuple(ce.variants), source="harness.toml", base=at,
+                       python=str(at / ce.python) if ce.python else None), replace=True)
     return reg
 
 
@@ -236,10 +250,14 @@ def env_dir(engine: Engine, root: str | Path | None = None) -> Path:
 
 
 def python(engine: Engine, root: str | Path | None = None) -> Path:
-    return env_dir(engine, root) / "bin" / "python"
+    """The interpreter the runner runs in: the existing environment's, else the venv harness made."""
+    return Path(engine.python) if engine.python else env_dir(engine, root) / "bin" / "python"
 
 
 def pins_hash(engine: Engine) -> str:
+    if engine.python:  # an existing environment: what was checked is this interpreter, with this plugin
+        text = f"python {engine.python}" + (f"\nplugin {engine.plugin}" if engine.plugin else "")
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     # the interpreter's version too: a venv is tied to the python that made it
     text = (engine.pins_path.read_text() + f"\npython {sys.version_info.major}.{sys.version_info.minor}"
             + (f"\nplugin {engine.plugin}" if engine.plugin else ""))
@@ -247,7 +265,8 @@ def pins_hash(engine: Engine) -> str:
 
 
 def status(engine: Engine, root: str | Path | None = None) -> str:
-    """'ready', 'missing' (never set up, or half-built) or 'stale' (set up from other pins)."""
+    """'ready', 'missing' (never set up or checked, half-built, or an existing environment's interpreter
+    gone) or 'stale' (set up from other pins; an existing environment: checked at another interpreter)."""
     stamp = env_dir(engine, root) / STAMP
     if not stamp.is_file() or not python(engine, root).exists():
         return "missing"
@@ -271,11 +290,36 @@ def _run(cmd: list, log: Path, what: str) -> None:
         raise EngineError(f"{what} failed (exit {rc}; log {log}): {tail}")
 
 
+def _check_existing(engine: Engine, d: Path, log: Path, say) -> None:
+    """An existing environment: its interpreter runs, the engine (``engine.serves``: vllm) and the platform
+    plugin import there. Nothing is installed or removed: harness did not make it."""
+    py = python(engine)
+    if not py.is_file():
+        raise EngineError(f"engine {engine.name}: its python {py} does not exist (harness.toml [[engines]] python: "
+                          "an existing environment's interpreter)")
+    say(f"harness engine setup {engine.name}: checking the existing environment of {py} (log {log})")
+    _run([py, "-c", f"import {engine.serves}; print({engine.serves}.__version__)"], log,
+         f"import {engine.serves} (the engine) with {py}")
+    if engine.plugin:
+        _run([py, "-c", f"import {engine.plugin}"], log, f"import {engine.plugin} (the platform plugin) with {py}")
+
+
 def setup(engine: Engine, root: str | Path | None = None, say=print) -> bool:
-    """Make ``engine``'s environment; False when it was already there (nothing done)."""
+    """Make ``engine``'s environment (an existing one: check it); False when it was already there."""
     if status(engine, root) == "ready":
         return False
     d = env_dir(engine, root)
+    if engine.python:  # the stamp (a checked environment) lives in harness's folder; the environment does not
+        d.mkdir(parents=True, exist_ok=True)
+        (d / STAMP).unlink(missing_ok=True)
+        log = d.parent / f"{engine.name}-setup.log"
+        atomic.write_text(log, "")
+        t0 = time.monotonic()
+        _check_existing(engine, d, log, say)
+        atomic.write_json(d / STAMP, {"engine": engine.name, "python": engine.python, "pins_hash": pins_hash(engine),
+                                      "seconds": round(time.monotonic() - t0, 1)})
+        say(f"harness engine setup {engine.name}: {engine.python} checked in {time.monotonic() - t0:.0f} s")
+        return True
     d.parent.mkdir(parents=True, exist_ok=True)
     (d / STAMP).unlink(missing_ok=True)  # from here on the env is half-built until the stamp is back
     log = d.parent / f"{engine.name}-setup.log"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
 from vendor_plugin import harness, vendor_site
@@ -115,10 +114,30 @@ def test_an_unknown_engine_is_the_runs_usage_error(tmp_path):
     assert "--engine: unknown engine 'sglang' (declared: vllm; harness engine show)" in r.stdout + r.stderr
 
 
+def test_an_existing_environment_is_declared_by_its_python_and_never_installed_into(tmp_path, monkeypatch):
+    """A vendor's build that pip cannot make (a container's environment, a build from its own tarball) is
+    declared by its interpreter: exactly one of pins and python; one that does not exist is setup's
+    one-line error, and the item skips naming it until setup has checked it."""
+    cfg = tmp_path / "harness.toml"
+    monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
+    head = '[[engines]]\nname = "vllm-box"\nengine = "vllm"\nbackends = ["cpu"]\nplatform = "cpu"\n'
+    cfg.write_text(head + 'pins = "x.txt"\npython = "/opt/box/bin/python"\n')
+    with pytest.raises(SettingsError, match="give pins .* or python .*, not both and not neither"):
+        eng.registry()
+    cfg.write_text(head + 'python = "box/bin/python"\n')  # relative: beside the harness.toml
+    b = eng.get("vllm-box")
+    assert eng.python(b) == tmp_path.resolve() / "box" / "bin" / "python" and b.made_by.startswith("python /")
+    assert eng.status(b, tmp_path / "engines") == "missing"
+    with pytest.raises(eng.EngineError, match="engine vllm-box: its python .*/box/bin/python does not exist"):
+        eng.setup(b, tmp_path / "engines", say=lambda _: None)
+    assert not (tmp_path / "engines" / "vllm-box" / eng.STAMP).exists()
+
+
 @pytest.mark.slow
 def test_a_build_whose_platform_plugin_did_not_activate_is_refused_before_the_model_loads(tmp_path, monkeypatch):
-    # A build declared for platform npu, served here by vLLM's CPU build (the same pins, the same env):
-    # no plugin activates, vLLM picks its CPU platform, and the runner refuses before loading the model.
+    # A build declared for platform npu, on an existing environment: the vLLM CPU build's own interpreter,
+    # checked by setup (vllm imports there) and never installed into. No plugin activates, vLLM picks its
+    # CPU platform, and the runner refuses before loading the model.
     real = eng.get("vllm")
     if eng.status(real) != "ready":
         if os.environ.get("CI"):
@@ -126,14 +145,20 @@ def test_a_build_whose_platform_plugin_did_not_activate_is_refused_before_the_mo
         pytest.skip("run `harness engine setup vllm`")
     cfg = tmp_path / "harness.toml"
     cfg.write_text(f'[[engines]]\nname = "vllm-npu-here"\nengine = "vllm"\nbackends = ["cpu"]\n'
-                   f'pins = "{real.pins_path}"\nplatform = "npu"\narchitectures = ["LlamaForCausalLM"]\n')
+                   f'python = "{os.path.abspath(eng.python(real))}"\nplatform = "npu"\narchitectures = ["LlamaForCausalLM"]\n')
     monkeypatch.setenv("HARNESS_CONFIG", str(cfg))
     monkeypatch.setenv("HARNESS_ENGINE", "vllm-npu-here")
-    (tmp_path / "engines").mkdir()
-    (tmp_path / "engines" / "vllm-npu-here").symlink_to(Path(eng.env_dir(real)).resolve())
+    b, root = eng.get("vllm-npu-here"), tmp_path / "engines"
+    before = {p.name for p in eng.env_dir(real).iterdir()}
+    said = []
+    assert eng.setup(b, root, say=said.append) and eng.status(b, root) == "ready", said
+    assert said[0].startswith("harness engine setup vllm-npu-here: checking the existing environment of "), said
+    assert not eng.setup(b, root, say=said.append)  # checked once: the next setup does nothing
+    assert {p.name for p in eng.env_dir(real).iterdir()} == before and sorted(p.name for p in (root / b.name).iterdir()) \
+        == [eng.STAMP]  # nothing made in the environment; the stamp is harness's
     ctx = CheckContext(load_suite(REPO / "suites" / "llama-3.1-8b.toml"), get("cpu"), "float32", None, check="serve")
     with pytest.raises(CouldNotRun) as e:
-        ServeCheck().run(ctx, engines_root=tmp_path / "engines", results_dir=tmp_path)
+        ServeCheck().run(ctx, engines_root=root, results_dir=tmp_path)
     msg = str(e.value)
     assert msg.startswith("engine vllm-npu-here refused to run: vLLM runs on its cpu platform, not npu: the build's "
                           "platform plugin did not activate (vllm.platform_plugins entry points here: "), msg
