@@ -24,7 +24,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from harness.files import atomic
+from harness.files import atomic, paths
 
 README = "README.txt"
 VERSION = 4  # of what export writes: a cached export made by another version is remade
@@ -212,14 +212,15 @@ def cached_draft(model_dir: str | Path, noise: float = DRAFT_NOISE, seed: int = 
     out.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     for f in sorted(src.iterdir()):
+        dst = paths.join(out, f.name, source=str(src), field="export file")  # the export's own files, one name each
         if f.suffix == ".safetensors":
             tensors = load_file(f)
             for name, t in sorted(tensors.items()):
                 if t.is_floating_point() and t.dim() >= 2:
                     e = torch.randn(t.shape, generator=g, dtype=torch.float32)
                     tensors[name] = (t.float() * (1 + noise * e)).to(t.dtype)
-            save_file(tensors, out / f.name, metadata={"format": "pt"})
+            save_file(tensors, dst, metadata={"format": "pt"})
         elif f.suffix == ".json":
-            atomic.write_text(out / f.name, f.read_text())
+            atomic.write_text(dst, f.read_text())
     atomic.write_text(stamp, json.dumps(want, sort_keys=True))
     return out
