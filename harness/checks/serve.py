@@ -26,8 +26,8 @@ build, a vendor's from the ``harness.engines`` entry point or harness.toml). A b
 platform than it declares (its plugin did not activate) is refused before the model loads: an error of
 the engine's. Each model implementation the build serves is a variant: the engine's own model code
 (the plain item) and vLLM's transformers backend (``transformers``, nightly); ``eager`` is its uncompiled
-mode, ``server`` its OpenAI-compatible server over HTTP (of the probes the server serves batch, its
-requests posted at once; the others are not applicable there) and ``speculative`` its speculative decoding
+mode, ``server`` its OpenAI-compatible server over HTTP (the probes served through it, their settings
+handed to its engine core) and ``speculative`` its speculative decoding
 (the export's weights perturbed as the draft; a run that drafted nothing fails as not run): all nightly.
 
 Steps: ``engine`` -> ``export`` -> ``request`` -> ``serve`` -> ``reference`` -> ``judge`` -> ``record``

@@ -43,7 +43,7 @@ STAMP = "harness-engine.json"
 # runner for. "transformers": vLLM's transformers backend (the Day-0 path for an architecture vLLM has no
 # code for yet); "eager": no compilation (vLLM on CPU: torch.compile off; on a GPU also no CUDA graphs);
 # "server": the engine's OpenAI-compatible server over HTTP (what vendors ship: `vllm serve`; some breaks
-# show only there), its probes but batch not applicable (they need the engine in the runner's process);
+# show only there), its probes served through it;
 # "speculative": the engine's speculative decoding (vLLM's draft-model method; the check drafts with the
 # export's weights perturbed, harness.serve.export.cached_draft: every step proposes 3 tokens, verified in
 # one forward, and greedy accepts those the model itself would choose, rejects the others; the same

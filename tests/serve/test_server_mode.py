@@ -5,13 +5,13 @@ Two engine starts (module fixtures, each its own results folder):
 
 * qwen3-30b-a3b (MoE) float32 through the server passes the check, and the result says ``api openai``;
   the routes, captured by the engine core's hook on every MoE router, are compared at every routed
-  position of both prompts; the batch probe, its requests posted at once, ran batched (the engine
-  core's step record says how many requests a step held) and passed; the other probes, which need the
-  engine in the runner's process, are not applicable, saying why;
-* llama-3.1-8b with the batch-dependent reduction (tests/checks/serve_batch_fault.py) preloaded: the
-  plain run (each prompt alone) passes and the batch probe fails, naming it: the preload reached the
-  process where the model runs - vLLM's engine core, which the API server spawns - and the concurrent
-  clients were batched there.
+  position of both prompts; all four probes ran their feature (the engine core's record: a step that
+  held several of the batch's requests posted at once, a prefix-cache hit, a chunked prefill, a
+  preemption; their settings handed to the core through its control file) and passed;
+* llama-3.1-8b with the batch-dependent reduction (tests/checks/serve_batch_fault.py) and the stale KV
+  page after a prefix hit (serve_stale_kv_fault.py) preloaded: the plain run (each prompt alone) passes,
+  and the probes they reach fail - batch and preempt (two requests at once) and prefix: the preloads
+  reached the process where the model runs, vLLM's engine core, which the API server spawns.
 
 A server that vLLM's config validation refuses writes the runner's own sorting of it (``_refusal``,
 tests/serve/test_engine_runs.py) for the runner to return: its test, an engine start of ~30 s that
@@ -41,6 +41,7 @@ from harness.suite.loader import load_suite
 from tests_support import REPO
 
 FAULT = REPO / "tests" / "checks" / "serve_batch_fault.py"
+STALE_KV = FAULT.with_name("serve_stale_kv_fault.py")
 DATA = Path(__file__).resolve().with_name("data")
 
 
@@ -93,7 +94,7 @@ def clean(tmp_path_factory):
 def faulty(tmp_path_factory):
     _engine_ready()
     results = tmp_path_factory.mktemp("server-fault")
-    return (*_run(results, preload=[FAULT]), results)
+    return (*_run(results, preload=[FAULT, STALE_KV]), results)
 
 
 def test_the_server_variant_passes_and_says_it_served_over_the_openai_api(clean):
@@ -117,18 +118,17 @@ def test_the_server_variant_passes_and_says_it_served_over_the_openai_api(clean)
     assert float(p["metric.serve_route_flips"]) == 0, p
     # what the server said, request by request, is kept beside the result (what the mapping read)
     assert len((run / "server.responses.jsonl").read_text().splitlines()) == 2
-    # the batch probe's clients were batched by the server (a step held more than one of them) and passed
+    # every probe ran its feature through the server, its settings handed to the engine core, and passed
     did = p["harness.detail.serve_probe_batch"]
     assert did.startswith("6 requests, up to ") and int(did.split("up to ")[1].split()[0]) > 1, did
-    assert 0 < float(p["metric.serve_batch_budget_use"]) <= 1, p
     probe = next(x for x in res["probes"] if x["name"] == "batch")
     assert len(probe["groups"][0]) == 6 and max(probe["scheduled_requests"]) > 1, probe["scheduled_requests"]
-    # the in-process probes cannot reach a server's engine core: not applicable, saying why - never passed
-    for probe in ("prefix", "chunked", "preempt"):
-        said = p[f"harness.detail.serve_probe_{probe}"]
-        assert said == "not applicable: the server mode serves over HTTP; the probe needs the engine in-process " \
-                       "(run the plain item)", said
-        assert f"metric.serve_{probe}_budget_use" not in p
+    assert p["harness.detail.serve_probe_prefix"].startswith("hit: 32 of "), p["harness.detail.serve_probe_prefix"]
+    assert p["harness.detail.serve_probe_chunked"].startswith("prefill in "), p["harness.detail.serve_probe_chunked"]
+    assert p["harness.detail.serve_probe_preempt"].startswith("1 preemption"), p["harness.detail.serve_probe_preempt"]
+    for probe in ("batch", "prefix", "chunked", "preempt"):
+        assert 0 < float(p[f"metric.serve_{probe}_budget_use"]) <= 1, (probe, p)
+    assert not (run / "server.control.json").exists()  # every probe's settings taken back
     # the server ended with the runner: nothing listens on its port any more (SO_REUSEADDR: the closed
     # connections' TIME_WAIT does not count; a socket still listening there does)
     port = int((run / "server.port").read_text())
@@ -139,15 +139,19 @@ def test_the_server_variant_passes_and_says_it_served_over_the_openai_api(clean)
         s.bind(("127.0.0.1", port))
 
 
-def test_a_batch_fault_preloaded_in_the_servers_engine_core_fails_the_batch_probe_only(faulty):
+def test_faults_preloaded_in_the_servers_engine_core_fail_the_probes_they_reach(faulty):
     ctx, failure, results = faulty
     assert isinstance(failure, CheckFailure), failure
     assert "in probe batch (6 requests, up to " in failure.message, failure.message
+    assert failure.message.endswith("(probes failing: batch, prefix, preempt)"), failure.message
     assert failure.metric.startswith("serve.batch."), failure.metric
-    assert float(dict(ctx.properties)["metric.serve_worst_budget_use"]) <= 1  # each prompt alone: exact
+    p = dict(ctx.properties)
+    assert float(p["metric.serve_worst_budget_use"]) <= 1  # each prompt alone: exact
+    assert float(p["metric.serve_chunked_budget_use"]) <= 1  # one request, no cache hit: exact
+    assert float(p["metric.serve_prefix_budget_use"]) > 1  # the stale page read at the hit
     # the preload ran in the API server and in the engine core vLLM spawned from it (as __mp_main__)
     log = (_run_dir(results) / "engine.log").read_text()
-    assert "harness: preloaded 1 file(s) in process" in log and "(__mp_main__)" in log, log[-2000:]
+    assert "harness: preloaded 2 file(s) in process" in log and "(__mp_main__)" in log, log[-2000:]
 
 
 def test_a_completion_response_maps_into_the_offline_result_format():

@@ -41,8 +41,8 @@ hooks; the tests' injected faults, e.g. a rotary embedding that is wrong from po
 ``"api": "openai"`` (the ``server`` variant): the same request served through vLLM's OpenAI-compatible
 server, started as this process's child on a free loopback port, each prompt alone as ``POST
 /v1/completions``, the answers in the same result format plus ``"api": "openai"``; the probes come back
-skipped but ``batch`` (its group posted at once: the server batches concurrent clients). The code is
-vllm_server.py beside this file.
+served through it too (their settings handed to the server's engine core; each group's requests posted
+at once). The code is vllm_server.py beside this file.
 
 The result: per prompt, ``prompt_logprobs`` (one {token id: logprob} per prompt position, null for
 position 0: nothing predicts it), ``tokens`` (the greedy continuation) and ``logprobs`` (one

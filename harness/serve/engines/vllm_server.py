@@ -26,14 +26,16 @@ again in the engine core (and in any worker the core spawns), before the model i
 The engine core's hooks (``_core_hooks``, run in the spawned core through ``__mp_main__`` as the
 preload is): an exception while the core builds the engine is sorted by the runner's own ``_refusal``
 (a ``NotImplementedError`` while the model class is built - vLLM's CPU platform lacking what the model
-needs - is "unsupported" there too, never the engine failing on the model), and every scheduler step
-is recorded (tokens, requests) so that a probe can show the feature ran.
+needs - is "unsupported" there too, never the engine failing on the model); every scheduler step
+(tokens, requests) and every preemption is recorded, so that a probe can show the feature ran; and the
+probes' settings come from the client through a control file (``_Control``).
 
-Probes. ``batch`` is served as a client makes a server batch: the group's requests posted at once, one
-thread each, and the core's step record shows that steps held more than one of them. The others reach
-into the scheduler's token budget, the prefix cache's reads (a request asking for prompt log-
-probabilities skips them, and the OpenAI protocol cannot ask otherwise) and the KV block pool of an
-engine in their own process: each comes back as skipped, saying why.
+Probes: all four, as the offline runner serves them, their settings handed to the core before their
+requests: the prefix cache emptied; ``chunked``'s token budget per step; ``preempt``'s KV pages (all
+but what its requests need, held out of the pool by the core, counted by the runner's own
+``_free_blocks``); ``prefix``'s hit request allowed to read the prefix cache though it asks for prompt
+log-probabilities (the OpenAI protocol has no way to ask; the core knows it by its prompt). Each group's
+requests are posted at once (a thread each, released together), as a server's clients arrive.
 Routed experts: vLLM returns them (``routed_experts`` in the response, with
 ``--enable-return-routed-experts``) only through its aux-output connector, which needs its model
 runner V2, which needs Triton: not on CPU (config validation refuses the server). So, as the offline
@@ -59,8 +61,6 @@ import urllib.request
 PRELOAD_ENV = "SERVE_RUNNER_PRELOAD"  # the preload files, a JSON list, for the server and its children
 CORE_ENV = "SERVE_RUNNER_CORE"  # {"request", "status", "steps": FILE}: what the engine core's hooks read and write
 HOST = "127.0.0.1"
-PROBE_SKIPPED = ("the server mode serves over HTTP; the probe needs the engine in-process (run the plain item)")
-HTTP_PROBES = ("batch",)  # the probes a client of the server can drive
 
 
 @functools.cache
@@ -84,34 +84,22 @@ def _preload():
 
 def _core_hooks():
     """In the engine core (vLLM's spawned child, this file as its ``__mp_main__``): the build's errors
-    sorted as the offline path sorts them, and the scheduler's steps recorded. Bound to the classes
-    before the core unpickles its target (``EngineCoreProc.run_engine_core``, looked up by name: the
-    wrapped one)."""
+    sorted as the offline path sorts them, the scheduler's steps and preemptions recorded, the probes'
+    settings applied (``_Control``), a MoE model's routes captured. Bound to the classes before the core
+    unpickles its target (``EngineCoreProc.run_engine_core``, looked up by name: the wrapped one)."""
     spec = json.loads(os.environ.get(CORE_ENV) or "null")
     if not spec:
         return
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    _sort_build_errors(spec)
+    _watch_scheduler(spec, _Control(spec["control"]))
+    if spec.get("routes"):
+        _capture_routes(spec)
 
-    schedule, run, init = Scheduler.schedule, EngineCoreProc.run_engine_core, EngineCore.__init__
-    # a MoE model: the offline runner's capture on every router, bound at construction (before the
-    # warm-up compile traces the model); each forward's routes, one line, where the client reads them
-    routes = _runner()._Routes() if spec.get("routes") else None
 
-    def write_routes(step):
-        with open(spec["routes"], "a") as f:
-            f.write(json.dumps(step) + "\n")
+def _sort_build_errors(spec):
+    from vllm.v1.engine.core import EngineCoreProc
 
-    def watched_init(self, *a, **kw):
-        init(self, *a, **kw)
-        routes.watch_executor(self.model_executor, write_routes)
-
-    def counting_schedule(self, *a, **kw):
-        out = schedule(self, *a, **kw)
-        if out.total_num_scheduled_tokens:  # one line a step: its tokens and how many requests it held
-            with open(spec["steps"], "a") as f:
-                f.write(f"{int(out.total_num_scheduled_tokens)} {len(out.num_scheduled_tokens)}\n")
-        return out
+    run = EngineCoreProc.run_engine_core
 
     @functools.wraps(run)
     def run_engine_core(*a, **kw):
@@ -124,10 +112,101 @@ def _core_hooks():
                 _write(spec["status"], json.dumps(why))
             raise
 
-    Scheduler.schedule = counting_schedule
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
-    if routes is not None:
-        EngineCore.__init__ = watched_init
+
+
+def _watch_scheduler(spec, control):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    schedule, preempt, skip_reading = Scheduler.schedule, Scheduler._preempt_request, Request.get_skip_reading_prefix_cache
+
+    def record(line):
+        with open(spec["steps"], "a") as f:
+            f.write(line + "\n")
+
+    def counting_schedule(self, *a, **kw):
+        control.apply(self)
+        out = schedule(self, *a, **kw)
+        if out.total_num_scheduled_tokens:  # one line a step: its tokens and how many requests it held
+            record(f"{int(out.total_num_scheduled_tokens)} {len(out.num_scheduled_tokens)}")
+        return out
+
+    def counting_preempt(self, *a, **kw):
+        record("preempted")
+        return preempt(self, *a, **kw)
+
+    def reading(self):  # a probe's request that is to read the prefix cache (its hit), by its prompt
+        return False if control.reads(self.prompt_token_ids) else skip_reading(self)
+
+    Scheduler.schedule, Scheduler._preempt_request = counting_schedule, counting_preempt
+    Request.get_skip_reading_prefix_cache = reading
+
+
+def _capture_routes(spec):
+    """A MoE model: the offline runner's capture on every router, bound at construction (before the
+    warm-up compile traces the model); each forward's routes, one line, where the client reads them."""
+    from vllm.v1.engine.core import EngineCore
+
+    init, routes = EngineCore.__init__, _runner()._Routes()
+
+    def write_routes(step):
+        with open(spec["routes"], "a") as f:
+            f.write(json.dumps(step) + "\n")
+
+    def watched_init(self, *a, **kw):
+        init(self, *a, **kw)
+        routes.watch_executor(self.model_executor, write_routes)
+
+    EngineCore.__init__ = watched_init
+
+
+class _Control:
+    """The probes' settings, from the client to the engine core, through a file the client writes
+    (atomically) before a probe's requests and removes after them; read at each scheduler step (one
+    stat when it did not change). ``{"probe": name, "reset": N, "max_num_scheduled_tokens": ...,
+    "free": PROBE, "read": [[ids...], ...]}``: the prefix cache emptied once per ``reset``; the token
+    budget per step (chunked prefill); all but the probe's pages taken out of the KV block pool and held
+    (the runner's own count, ``_free_blocks``: preemption); the prompts that may read the prefix cache
+    though they ask for prompt log-probabilities (the hit). Gone: every setting undone."""
+
+    def __init__(self, path):
+        self.path, self.stamp, self.now, self.reset = path, None, {}, None
+        self.budget, self.held, self.read = None, [], set()
+
+    def reads(self, ids):
+        return tuple(ids) in self.read
+
+    def apply(self, sched):
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # each write is a new file (os.replace)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self.stamp:
+            return
+        self.stamp = stamp
+        now = {}
+        if stamp is not None:
+            with open(self.path) as f:
+                now = json.load(f)
+        pool = sched.kv_cache_manager.block_pool
+        if self.budget is None:
+            self.budget = sched.max_num_scheduled_tokens
+        if self.held:
+            pool.free_blocks(self.held)
+            self.held = []
+        if now.get("reset") is not None and now.get("reset") != self.reset:
+            self.reset = now["reset"]
+            if not sched.reset_prefix_cache():
+                raise RuntimeError(f"the engine refused to empty its prefix cache before probe {now.get('probe')}")
+        sched.max_num_scheduled_tokens = int(now.get("max_num_scheduled_tokens") or self.budget)
+        if now.get("free"):
+            free = _runner()._free_blocks(now["free"], sched.cache_config.block_size,
+                                          max(1, len(sched.kv_cache_config.kv_cache_groups)))
+            self.held = pool.get_new_blocks(max(0, pool.get_num_free_blocks() - int(free)))
+        self.read = {tuple(ids) for ids in now.get("read") or []}
+        self.now = now
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the server and what it spawns; never the runner's import
@@ -251,14 +330,16 @@ class Server:
         self.port_file = os.path.join(work_dir, "server.port")
         self.status_file = os.path.join(work_dir, "server.status.json")
         self.steps_file = os.path.join(work_dir, "server.steps")
+        self.control_file = os.path.join(work_dir, "server.control.json")
         self.routes_file = os.path.join(work_dir, "server.routes.jsonl") if req.get("routed_experts") else None
         req_file = os.path.join(work_dir, "server.request.json")
-        for f in (self.port_file, self.status_file, self.steps_file, self.routes_file):
+        for f in (self.port_file, self.status_file, self.steps_file, self.routes_file, self.control_file):
             if f and os.path.exists(f):
                 os.unlink(f)
         with open(req_file, "w") as f:
             json.dump(req, f)
-        core = {"request": req_file, "status": self.status_file, "steps": self.steps_file, "routes": self.routes_file}
+        core = {"request": req_file, "status": self.status_file, "steps": self.steps_file, "routes": self.routes_file,
+                "control": self.control_file}
         env = dict(os.environ, **{PRELOAD_ENV: json.dumps(list(req.get("preload") or [])), CORE_ENV: json.dumps(core)})
         cmd = [python, os.path.abspath(__file__), req_file, self.port_file, self.status_file, *server_args(req)]
         print("harness: starting the OpenAI server: " + " ".join(cmd[5:]), flush=True)
@@ -307,8 +388,17 @@ class Server:
         return resp
 
     def steps(self):
-        """The engine core's scheduler steps so far: (tokens, requests) each."""
-        return [tuple(int(x) for x in line.split()) for line in _lines(self.steps_file)]
+        """The engine core's record so far: (tokens, requests) a scheduler step, "preempted" a preemption."""
+        return [line.strip() if line.startswith("preempted") else tuple(int(x) for x in line.split())
+                for line in _lines(self.steps_file)]
+
+    def control(self, settings):
+        """The probes' settings for the engine core (``_Control``); None: none."""
+        if settings is None:
+            if os.path.exists(self.control_file):
+                os.unlink(self.control_file)
+        else:
+            _write(self.control_file, json.dumps(settings))
 
     def routes(self):
         """The engine core's captured forwards so far ({layer: per-row ids} each; [] without routes)."""
@@ -359,7 +449,7 @@ def serve(req, work_dir, t0, version, platform):
                 layers = max((int(k) for step in captured for k in step), default=-1) + 1
                 results[-1]["routed_experts"] = _runner().positions(captured, layers)
         t_done = time.monotonic()
-        probes = [probe(server, req, p) for p in req.get("probes") or []]
+        probes = [probe(server, req, p, i + 1) for i, p in enumerate(req.get("probes") or [])]
     finally:
         server.stop()
     # start_s as the offline path counts it (from the runner's start: its own import of vLLM included);
@@ -370,15 +460,10 @@ def serve(req, work_dir, t0, version, platform):
             "probes": probes, "engine_said": [], "block_size": req.get("block_size", 32)}
 
 
-def probe(server, req, p):
-    """One probe through the server: ``batch``'s group posted at once (a thread each, released together),
-    the server batching them as it batches any clients'; the result as the offline probe's, with the
-    core's steps while it ran. The other probes: skipped, saying why."""
-    if p["name"] not in HTTP_PROBES:
-        return {"name": p["name"], "skipped": PROBE_SKIPPED, "groups": [], "seconds": 0.0}
-    print(f"harness: probe {p['name']} starts", flush=True)
-    (group,) = p["groups"]
-    before, out, errors = len(server.steps()), [None] * len(group), []
+def _concurrently(server, req, group):
+    """One group's requests posted at once (a thread each, released together by a barrier), as a server's
+    clients arrive: the server batches what it holds at a step. Results in the group's order."""
+    out, errors = [None] * len(group), []
     go = threading.Barrier(len(group))
 
     def one(i, r):
@@ -389,18 +474,39 @@ def probe(server, req, p):
             errors.append((i, e))
 
     threads = [threading.Thread(target=one, args=(i, r), daemon=True) for i, r in enumerate(group)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    seconds = time.monotonic() - t0
     if errors:
         i, e = min(errors, key=lambda x: x[0])
-        raise RuntimeError(f"probe {p['name']}: request {i} of {len(group)}: {e}") from e
-    steps = server.steps()[before:]
+        raise RuntimeError(f"request {i} of {len(group)}: {e}") from e
+    return out
+
+
+def probe(server, req, p, n=0):
+    """One probe through the server, its settings handed to the engine core first (``_Control``: the
+    prefix cache emptied, the token budget, the KV pages left free, the requests that read the prefix
+    cache), its groups served in order, each group's requests at once; the result as the offline probe's,
+    with the core's steps and preemptions while it ran. ``n``: the probe's number (its cache reset)."""
+    print(f"harness: probe {p['name']} starts", flush=True)
+    frees = p.get("free_kv_blocks") is not None or p.get("free_kv_blocks_after_prefill") is not None
+    server.control({"probe": p["name"], "reset": n, "max_num_scheduled_tokens": p.get("max_num_scheduled_tokens"),
+                    "free": p if frees else None,
+                    "read": [r["ids"] for g in p["groups"] for r in g if r.get("read_prefix_cache")]})
+    before = len(server.steps())
+    t0 = time.monotonic()
+    try:
+        groups = [_concurrently(server, req, g) for g in p["groups"]]
+    except RuntimeError as e:
+        raise RuntimeError(f"probe {p['name']}: {e}") from e
+    finally:
+        server.control(None)
+    seconds = time.monotonic() - t0
+    seen = server.steps()[before:]
+    steps = [x for x in seen if isinstance(x, tuple)]
     print(f"harness: probe {p['name']} done", flush=True)
-    return {"name": p["name"], "groups": [out], "seconds": seconds, "preemptions": 0,
+    return {"name": p["name"], "groups": groups, "seconds": seconds, "preemptions": seen.count("preempted"),
             "scheduled_tokens": [t for t, _ in steps], "scheduled_requests": [n for _, n in steps]}
 
 
