@@ -141,6 +141,28 @@ def _watch_scheduler(spec, control):
 
     Scheduler.schedule, Scheduler._preempt_request = counting_schedule, counting_preempt
     Request.get_skip_reading_prefix_cache = reading
+    _finite_placeholders()
+
+
+def _finite_placeholders():
+    """A request that reads the prefix cache and asks for prompt log-probabilities (the prefix probe's
+    hit) gets placeholders at its cached positions: vLLM's model runner makes them with
+    ``LogprobsTensors.empty_cpu``, uninitialised memory, and the server's JSON encoder refuses the NaN or
+    inf that memory may hold ("Out of range float values are not JSON compliant", HTTP 400: the clean
+    server test failed so once in three runs). Filled here with the server's own -inf (-9999.0, token 0,
+    rank 0); the check never judges those positions (the result's num_cached_tokens says how many)."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    empty = LogprobsTensors.empty_cpu
+
+    def filled(*a, **kw):
+        t = empty(*a, **kw)
+        t.logprob_token_ids.zero_()
+        t.logprobs.fill_(-9999.0)
+        t.selected_token_ranks.zero_()
+        return t
+
+    LogprobsTensors.empty_cpu = staticmethod(filled)
 
 
 def _capture_routes(spec):
