@@ -449,6 +449,20 @@ def _preload(files):
         spec.loader.exec_module(mod)
 
 
+def _plain(llm, sp, prompts, routes=None):
+    """Each prompt alone (the plain path; batching is a probe of its own), with its routes where captured."""
+    results = []
+    for p in prompts:
+        if routes is not None:
+            routes.steps = []
+        results.append(_request_result(llm.generate([{"prompt_token_ids": list(p)}], sp, use_tqdm=False)[0]))
+        if routes is not None:
+            results[-1]["routed_experts"] = routes.positions()
+    if routes is not None:
+        routes.stop()
+    return results
+
+
 def run(req, work_dir=None):
     t0 = time.monotonic()
     _preload(req.get("preload"))
@@ -492,16 +506,7 @@ def run(req, work_dir=None):
     if routes is not None:
         routes.watch(llm)
     drafts = _Drafts(llm, req["speculative"]["method"]) if req.get("speculative") else None
-    # each prompt alone: the plain path; batching is a probe of its own
-    results = []
-    for p in req["prompts"]:
-        if routes is not None:
-            routes.steps = []
-        results.append(_request_result(llm.generate([{"prompt_token_ids": list(p)}], sp, use_tqdm=False)[0]))
-        if routes is not None:
-            results[-1]["routed_experts"] = routes.positions()
-    if routes is not None:
-        routes.stop()
+    results = _plain(llm, sp, req["prompts"], routes)
     spec = drafts.stop() if drafts is not None else None  # the plain run's drafts only
     t_done = time.monotonic()
     off = _off(llm, said.lines)
