@@ -20,6 +20,7 @@ figures recorded, the one failure raised).
 from __future__ import annotations
 
 import copy
+import json
 import math
 from types import SimpleNamespace
 from typing import Literal
@@ -39,6 +40,7 @@ from harness.checks import (
 from harness.golden.sections import GoldenSection, load_golden_for
 from harness.precision import backward as bw
 from harness.precision import backward_judge as judge
+from harness.precision import kernels
 
 metrics.declare("training_backward_worst_budget_use", "", "lower", "largest module/parameter gradient error "
                 "against the float64 golden / its measured budget (fails > 1)")
@@ -88,6 +90,12 @@ class TrainingConfig(CheckConfig):
                                   "the trajectory envelope (stream 0 is the one the check runs).")
     budget_k: float = Field(1.5, ge=1, description="A quantity fails above budget_k x its clean error (max "
                             "over draws) + the dtype's floor.")
+    machine_budgets: bool = Field(True, description="On a device other than the CPU, also measure the weight "
+                                  "change's clean error on this machine's CPU (the check's stream, once per kernel "
+                                  "choice) and judge it against the larger budget: the golden's is measured on the "
+                                  "machine that made it, and another machine's order of arithmetic moves the few "
+                                  "sign-following entries of an AdamW update otherwise. The CPU's own item keeps "
+                                  "the golden's (measuring the CPU under test would excuse its own faults).")
 
     @field_validator("betas")
     @classmethod
@@ -118,8 +126,9 @@ class TrainingCheck(Check):
     config_model = TrainingConfig
     description = "backward, optimizer and loss trajectory against the float64 golden"
     headline = ("training_backward_worst_budget_use", "training_trajectory_worst_envelope_use")
-    steps = ("golden", "budgets", "backward", "localize", "replay", "optimizer", "trajectory", "record", "verdict")
-    setup_steps = ("golden", "budgets")
+    steps = ("golden", "budgets", "machine", "backward", "localize", "replay", "optimizer", "trajectory", "record",
+             "verdict")
+    setup_steps = ("golden", "budgets", "machine")
     golden_sections = (SECTION,)
 
     def variants(self, suite, backend) -> list[str | None]:
@@ -163,6 +172,32 @@ class TrainingCheck(Check):
         ctx.detail("budget_source", f"measured clean error x {k:g} (or its spread's 99.9 % prediction bound over "
                    f"kernel choices, where larger) + floor over {st.entry.get('draws')} draws "
                    f"({ctx.dtype}); above the ceiling {bw.CEILINGS.get(ctx.dtype, bw.CEILINGS['float32']):g}: not judged")
+
+    def machine(self, ctx: CheckContext, st) -> None:
+        """On a device other than the CPU: the weight change's clean error measured on this machine's
+        CPU (``bw.machine_update_errors``), its budget the larger of the golden's and this machine's."""
+        import torch
+
+        from harness.backends import get
+        from harness.precision.runner import build_target
+
+        st.machine = {}
+        if torch.device(ctx.device).type == "cpu" or not ctx.config.machine_budgets:
+            return
+        model, _ = build_target(ctx.suite, get("cpu"), ctx.dtype, None, st.g)
+        st.machine = bw.machine_update_errors(model, self._batches(ctx, st, model, "cpu"), st.spec, st.idx,
+                                              {n: st.t[f"upd/{n}"] for n in st.idx}, self._routes(st), st.master)
+        golden, k = st.budget, ctx.config.budget_k
+        st.budget = lambda kind, name: (bw.widened(golden(kind, name), st.machine.get(name), ctx.dtype, k)
+                                        if kind == "upd" else golden(kind, name))
+        wider = {n: round(st.budget("upd", n) / golden("upd", n), 3) for n in st.idx
+                 if golden("upd", n) and st.budget("upd", n) > golden("upd", n)}
+        ctx.detail("machine_budgets", json.dumps({"worst_clean": max((max(v) for v in st.machine.values()), default=0.0),
+                                                  "widened": wider}))
+        if wider:
+            top = max(wider, key=wider.get)
+            st.notes.append(f"weight-change budgets of {len(wider)} parameter(s) widened to this machine's own clean "
+                            f"error (CPU, {len(kernels.KERNELS)} kernel choices; largest x{wider[top]:g}: {top})")
 
     def backward(self, ctx: CheckContext, st) -> None:
         from harness.precision.runner import build_target
@@ -224,15 +259,27 @@ class TrainingCheck(Check):
     def trajectory(self, ctx: CheckContext, st) -> None:
         """``steps`` AdamW steps on the golden's batch stream (routers forced to the golden's choices
         at every step): per-step loss, gradient norm and update norm against the reference's curve."""
-        p, sp = ctx.suite.suite.checks.precision, st.spec
-        vocab = st.model.config.get_text_config().vocab_size
-        batches = [b.to(ctx.device) for b in bw.batch_stream(vocab, p.batch_size, p.seq_len, sp["seed"], 0, sp["steps"])]
-        routes = [{r: st.t[f"troute/{s}/{r}"] for r in st.entry.get("routers", [])} for s in range(sp["steps"])]
-        st.traj = bw.trajectory(st.model, batches, sp, sp["optimizer"], routes if st.routes else None, st.context, st.master)
+        sp = st.spec
+        st.traj = bw.trajectory(st.model, self._batches(ctx, st, st.model, ctx.device), sp, sp["optimizer"],
+                                self._routes(st), st.context, st.master)
         st.model = None
         st.rows += judge.rows({"upd": judge.weight_errors(st.traj.delta, st.idx, st.t, "upd")}, st.budget)
         st.judged = judge.trajectory(st.traj, st.entry["trajectory"], st.clean["traj"], ctx.dtype, ctx.config.budget_k,
                                      sp["steps"])
+
+    @staticmethod
+    def _batches(ctx: CheckContext, st, model, device) -> list:
+        """The golden's batch stream (draw 0): ``steps`` batches [B, S] on ``device``."""
+        p, sp = ctx.suite.suite.checks.precision, st.spec
+        vocab = model.config.get_text_config().vocab_size
+        return [b.to(device) for b in bw.batch_stream(vocab, p.batch_size, p.seq_len, sp["seed"], 0, sp["steps"])]
+
+    @staticmethod
+    def _routes(st) -> list | None:
+        """The golden's router choices at every step (None for a model without routers)."""
+        if not st.routes:
+            return None
+        return [{r: st.t[f"troute/{s}/{r}"] for r in st.entry.get("routers", [])} for s in range(st.spec["steps"])]
 
     def record(self, ctx: CheckContext, st) -> None:
         for name, v in judge.figures(st.rows, st.judged).items():

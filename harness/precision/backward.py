@@ -522,6 +522,15 @@ def budget(clean_max: float, dtype: str, k: float, bound: float | None = None) -
     return b if math.isfinite(b) and b <= CEILINGS.get(dtype, CEILINGS["float32"]) else None
 
 
+def widened(golden: float | None, machine: list[float] | None, dtype: str, k: float) -> float | None:
+    """The larger of the golden's budget and this machine's own (k x its clean maximum + floor,
+    ``machine_update_errors``): a golden's budget None (not resolvable in the dtype) stays None."""
+    if golden is None or not machine:
+        return golden
+    own = budget(max(machine), dtype, k)
+    return golden if own is None else max(golden, own)
+
+
 def envelope(clean_max: list[float], ref: list[float], dtype: str, k: float, relative: bool) -> list[float]:
     """Per step: k x the largest clean deviation over the stream draws + floor (the floor relative to
     the reference's value for the loss, whose deviation is absolute)."""
@@ -628,6 +637,24 @@ def _measure_training(ref, model, dtype: str, sp: dict, refs: list[Trajectory], 
     alone = optimizer_alone(copy.deepcopy(model), sp, sp["optimizer"], master=master)
     _add_samples(acc, {"opt": {n: rel_rmse(at(alone[n], i), at(opt_ref[n], i)) for n, i in idx.items()}})
     return acc
+
+
+def machine_update_errors(model, batches: list[torch.Tensor], sp: dict, idx: dict, ref_upd: dict,
+                          routes: list | None = None, master: bool = False) -> dict[str, list[float]]:
+    """{parameter: [rel_rmse of its weight change per kernel choice]}: the check's own trajectory
+    (stream 0, ``batches``) of ``model`` (the CPU's, in the target's dtype) once per kernel choice,
+    against the golden's ``upd/<name>`` (``ref_upd``). The weight change's clean error is a handful
+    of sign-following entries, so it depends on the exact order of the arithmetic: measured on the
+    machine that made the golden, its budget is a budget for that machine's BLAS (issue #51: a
+    correct test device on an AVX-512 CPU used 1.07 of one made on another CPU; the CPU's own math
+    choice there measured 5.75e-06 against the golden machine's 3.1e-06)."""
+    out: dict[str, list[float]] = {}
+    for kind in kernels.KERNELS:
+        with kernels.attention(kind):
+            got = trajectory(copy.deepcopy(model), batches, sp, sp["optimizer"], routes, master=master)
+        for n, i in idx.items():
+            out.setdefault(n, []).append(rel_rmse(at(got.delta[n], i), ref_upd[n]))
+    return out
 
 
 def _f32(d: dict) -> dict:

@@ -196,3 +196,13 @@ def test_clean_and_bounds_keeps_every_sample():
     out = bw.clean_and_bounds(acc)
     assert out["upd"] == {"w": 0.3} and out["traj"] == {"loss": [3.0, 2.0]} and out["samples"] == {"upd": 3}
     assert out["bound"]["upd"]["w"] > 0.3
+
+
+def test_a_budget_is_widened_to_this_machines_own_clean_error_never_narrowed():
+    """Issue #51: the device's weight-change budget is the larger of the golden's and k x this
+    machine's clean maximum + floor; a quantity the golden cannot resolve in the dtype stays unjudged."""
+    floor = bw.FLOORS["float32"]
+    assert bw.widened(5.15e-6, [3.6e-6, 5.75e-6, 2.8e-6], "float32", 1.5) == pytest.approx(1.5 * 5.75e-6 + floor)
+    assert bw.widened(5.15e-6, [1e-6, 2e-6], "float32", 1.5) == 5.15e-6
+    assert bw.widened(5.15e-6, None, "float32", 1.5) == 5.15e-6 and bw.widened(None, [1e-6], "float32", 1.5) is None
+    assert bw.widened(5.15e-6, [float("inf")], "float32", 1.5) == 5.15e-6  # an unmeasurable order widens nothing
