@@ -69,9 +69,11 @@ def test_collectives_measured_baselined_and_a_slowed_one_named(write_suite, tmp_
     assert "all_gather (2 of 2 sizes)" in e.value.message.partition("slower: ")[2]
     assert e.value.metric == "comm_all_gather_busbw" and "busbw now" in e.value.details
     rows = [line.split() for line in e.value.details.splitlines()[1:] if line.strip() and "baseline:" not in line]
-    # 20 ms on calls of a few ms at most: several times slower at each size, whatever the load did
+    # 20 ms on calls of a few ms at most: at least twice as slow at each size. Not "several times": how
+    # many times depends on the baseline launch's own load (CI's run of 68e6724: the 4 KiB baseline took
+    # ~7 ms a call beside the other worker, and 20 ms more measured +292 %, against +5103 % at 256 KiB)
     changes = [float(r[-2].rstrip("%")) for r in rows if r[0] == "all_gather"]
-    assert len(changes) == 2 and min(changes) > 300.0, rows
+    assert len(changes) == 2 and min(changes) > 100.0, rows
 
 
 def test_one_rank_is_not_a_collective(write_suite, tmp_path):
@@ -209,7 +211,10 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
     # samples the slowed all_reduce came to p=0.021); each launch is now calibrated by its own other
     # collectives (all_gather, broadcast here: harness/perf/commjudge.py), so the first slowed launch
     # is expected to be caught. A second try is left for a launch the machine made too noisy to
-    # judge (its verdict "noisy"); a wrong collective named fails at once.
+    # judge (its verdict "noisy"), and for one that caught only reduce_scatter, said as measured with
+    # all_reduce (a fresh clone here: reduce_scatter +368 % at 4 KiB under the other worker's load,
+    # all_reduce's own 50 % within its noise in that launch: a detection miss, not a wrong name); any
+    # other collective named fails at once.
     ls = load_suite(write_suite("commar", COMM.format(prune=TINY_PRUNE).replace(
         '"commit"', '"commit"\ncollectives = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]')
         .replace("repeats = 8", "repeats = 12")))
@@ -226,7 +231,11 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
             ctx = _run(ls, tmp_path, delay={"all_reduce": "50%"})
         except CheckFailure as e:
             failure = e
-            break
+            if not e.message.startswith("collective reduce_scatter (measured on gloo as all_reduce"):
+                break
+            held.append(e.message.splitlines()[0])
+            failure = None
+            continue
         held.append(json.loads(dict(ctx.properties)["harness.detail.comm_verdict"]))
     assert failure is not None, f"all_reduce 50% slower was not caught in two launches: {held}"
     first = failure.message.splitlines()[0]
