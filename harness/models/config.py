@@ -307,6 +307,14 @@ def build_config(raw: dict, prune: PruneSection | None = None, *, architecture: 
     return ModelConfig(cfg, arch, raw.get("model_type") or model_type, via, quant, notes, part)
 
 
+def text_config_dict(raw: dict, architecture: str | None = None) -> dict:
+    """The published config dict of what a suite builds (a copy): a wrapper's language decoder part
+    (its ``text_config``, as ``build_config`` takes it), else the whole config; unpruned."""
+    arch, _via, _notes = resolve_architecture(raw, architecture)
+    part = _text_part_for(raw, architecture_class(arch))
+    return _text_part(raw, part) if part else copy.deepcopy(raw)
+
+
 def _text_part(raw: dict, part: str) -> dict:
     """A multimodal wrapper's language decoder: the causal LM built from text_config alone (with the
     wrapper's tie_word_embeddings and quantization_config where it has none)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from harness.files import atomic, paths
 
 README = "README.txt"
-VERSION = 4  # of what export writes: a cached export made by another version is remade
+VERSION = 5  # of what export writes: a cached export made by another version is remade
 # MLA (DeepSeek-V3, Kimi-K2): the widths an engine's MLA kernel dispatches on, kept at the published values
 MLA_DIMS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
@@ -66,9 +66,8 @@ def serving_config(ls):
     real = published_head_dim(pub)
     pruned = published_head_dim(mc.config)
     if real is None or pruned is None:
-        kept.append("head_dim varies by layer in this config: the pruned per-layer widths are kept (the engine's "
-                    "kernels see the pruned head sizes)")
-    elif pruned != real:
+        return _per_layer_head_dims(ls, mc)
+    if pruned != real:
         mc.config.head_dim = real
         kept.append(f"head_dim {real} (published; the pruned model's is {pruned}): engines choose their "
                     f"attention kernel by head size")
@@ -76,6 +75,32 @@ def serving_config(ls):
     else:
         kept.append(f"head_dim {real} (the pruned model's is already the published one)")
     return mc, kept
+
+
+def _per_layer_head_dims(ls, mc):
+    """A config whose head size varies by layer (Gemma-4: ``head_dim`` 256 on sliding layers,
+    ``global_head_dim`` 512 on full ones; transformers derives ``per_layer_config`` from them and
+    refuses a global ``head_dim``): every head size the suite prunes set back to the published one and
+    the config rebuilt, so each layer's attention runs the kernel the release's does (vLLM's CPU
+    attention refused the pruned 16; it takes 256 and 512). Widths, heads and layers stay pruned."""
+    from harness.models.config import build_config, text_config_dict
+
+    prune = ls.suite.prune
+    published = text_config_dict(ls.raw_config, ls.suite.model.architecture)
+    heads = {k: published[k] for k in [*type(prune).model_fields, *prune.overrides]
+             if k.endswith("head_dim") and k != "overrides" and k not in MLA_DIMS and isinstance(published.get(k), int)}
+    fields = {k: v for k, v in heads.items() if k in type(prune).model_fields}
+    over = {**prune.overrides, **{k: v for k, v in heads.items() if k not in fields}}
+    changed = {k: v for k, v in heads.items()
+               if (getattr(prune, k, None) if k in fields else prune.overrides.get(k)) not in (None, v)}
+    if not changed:
+        return mc, ["head sizes vary by layer in this config; the pruned model already has the published ones"]
+    kept_prune = prune.model_copy(update={**fields, "overrides": over})
+    m = ls.suite.model
+    mc = build_config(ls.raw_config, kept_prune, architecture=m.architecture, trust_remote_code=m.trust_remote_code)
+    return mc, [f"per-layer head sizes {', '.join(f'{k} {v}' for k, v in changed.items())} (published; pruned "
+                + ", ".join(str(getattr(prune, k, None) if k in fields else prune.overrides.get(k)) for k in changed)
+                + "): engines choose each layer's attention kernel by its head size"]
 
 
 def _tie_head_dims(pub, cfg, real: int) -> list[str]:

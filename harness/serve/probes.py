@@ -34,6 +34,8 @@ PROBES = {
 # after 5 decode steps; one page free beyond their prefills (the runner counts them in the engine's own
 # pages: 3 of 32 tokens, 5 of 16 where vLLM's CPU MLA forces 16) holds one more page, so one request is
 # preempted, and each alone fits: it finishes after the other. Fixed: the shape depends on it.
+# the prefix probe's shared part may grow to this many pages (the engine's hit unit: fit_prefix)
+PREFIX_ROOM = 4
 PREEMPT_KV_BLOCKS_AFTER_PREFILL = 1
 
 
@@ -61,10 +63,13 @@ def build(names, prompts: list[list[int]], tokens, steps: int, block_size: int, 
                 group += fill[j:j + 1] + ([_req(prompts[j], steps, f"prompt {j}")] if j < len(prompts) else [])
             out.append({"name": name, "groups": [group]})
         elif name == "prefix":
-            # one full page shared (only full pages are cached); the hit recomputes its own tail only
+            # one full page shared (only full pages are cached); the hit recomputes its own tail only. The
+            # engine grows the shared part to its hit unit where that is longer (pages of two sizes: the
+            # runner's fit_prefix), up to PREFIX_ROOM pages: the engine's length limit leaves room for it
             shared, (a, b) = tokens(1, block_size, 20)[0], tokens(2, half, 21)
             out.append({"name": name, "groups": [[_req(shared + a, steps, "miss")],
-                                                  [_req(shared + b, steps, "hit", read_prefix_cache=True)]]})
+                                                  [_req(shared + b, steps, "hit", read_prefix_cache=True)]],
+                        "shared": block_size, "grow_to": PREFIX_ROOM * block_size})
         elif name == "chunked":
             ids = tokens(1, block_size + half, 30)[0]
             out.append({"name": name, "groups": [[_req(ids, steps, "chunked")]],
@@ -83,7 +88,9 @@ def requests(probes: list[dict]) -> list[dict]:
 
 
 def max_len(probes: list[dict]) -> int:
-    return max((len(r["ids"]) + r["steps"] for r in requests(probes)), default=0)
+    """The longest sequence a probe may send (a prefix probe's shared part grown to its room)."""
+    return max((len(r["ids"]) + r["steps"] + p.get("grow_to", 0) - p.get("shared", 0)
+                for p in probes for g in p["groups"] for r in g), default=0)
 
 
 def max_seqs(probes: list[dict]) -> int:
@@ -92,8 +99,9 @@ def max_seqs(probes: list[dict]) -> int:
 
 def judged(probe: dict, result: dict) -> list[tuple[dict, dict]]:
     """(request, its result) of every judged request of a probe, in order."""
-    pairs = [(r, res) for g, gres in zip(probe["groups"], result["groups"], strict=True)
-             for r, res in zip(g, gres, strict=True)]
+    served = result.get("served") or [[r["ids"] for r in g] for g in probe["groups"]]  # what the engine was sent
+    pairs = [(dict(r, ids=ids), res) for g, gres, gids in zip(probe["groups"], result["groups"], served, strict=True)
+             for r, res, ids in zip(g, gres, gids, strict=True)]
     return [(r, res) for r, res in pairs if r["judge"]]
 
 
@@ -136,9 +144,16 @@ def _exercised(probe: dict, result: dict) -> tuple[str, str | None]:
         did = f"{len(g)} requests, up to {max(sched, default=0)} tokens in one step"
         return did, None if max(sched, default=0) > most else "no step held more than one request's prompt"
     if name == "prefix":
-        hit = result["groups"][1][0]["num_cached_tokens"]
-        did = f"hit: {hit} of {len(probe['groups'][1][0]['ids'])} prompt tokens from the prefix cache"
-        return did, None if hit > 0 else "the engine served the hit request from 0 cached tokens"
+        hit, unit = result["groups"][1][0]["num_cached_tokens"], result.get("prefix_unit")
+        ids = (result.get("served") or [[r["ids"] for r in g] for g in probe["groups"]])[1][0]
+        grown = f"; shared part grown to the engine's hit unit, {unit} tokens" if result.get("served") else ""
+        did = f"hit: {hit} of {len(ids)} prompt tokens from the prefix cache{grown}"
+        if hit > 0:
+            return did, None
+        if unit and unit > probe.get("grow_to", probe.get("shared", 0)):
+            return did, (f"the engine caches prefixes in units of {unit} tokens here (KV pages of several sizes), "
+                         f"more than the probe's room of {probe.get('grow_to')}")
+        return did, "the engine served the hit request from 0 cached tokens"
     if name == "chunked":
         chunks = sum(1 for t in sched if t > 1)  # one request: every step of more than one token is prefill
         did = f"prefill in {chunks} chunk(s) of <= {probe['max_num_scheduled_tokens']} tokens"

@@ -67,8 +67,9 @@ def test_unknown_suite_is_one_line(tmp_path, capsys):
     # (the pruned 32 - 64 failed the export: "split_sizes=[64, -32]")
     ("DeepSeek-V3.2", "index_head_dim 128 (published"),
     # head_dim varies by layer: transformers refuses a global one (the export raised
-    # AmbiguousGlobalPerLayerAttributeError); the per-layer widths stay the pruned ones, said in one line
-    ("gemma-4-26B-A4B", "head_dim varies by layer in this config"),
+    # AmbiguousGlobalPerLayerAttributeError); each layer kind's published head size is kept (the pruned 16
+    # was refused by vLLM's CPU attention: "Unsupported CPU attention configuration: head_dim=16")
+    ("gemma-4-26B-A4B", "per-layer head sizes head_dim 256, global_head_dim 512 (published; pruned 16, 32)"),
     # swa_head_dim published equal to head_dim (192): vLLM builds the sliding layers from it, transformers
     # from head_dim; kept equal with it (left at the pruned 48, the engine built another model)
     ("MiMo-V2-Flash", "swa_head_dim 192 (published equal to head_dim, kept equal)"),
@@ -81,6 +82,21 @@ def test_day0_configs_export_and_say_what_they_kept(tmp_path, config, kept):
     assert main(["export", str(path), str(out)]) == 0
     assert kept in (out / "README.txt").read_text()
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_config_whose_head_size_varies_by_layer_exports_each_layers_published_one(tmp_path):
+    """Gemma-4: sliding layers 256-wide heads, full layers 512 (``global_head_dim``); the checkpoint reloads
+    with those per layer, every other width pruned."""
+    from transformers import AutoConfig
+
+    from harness.cli.init import init_suite
+
+    path = init_suite(REPO / "tests" / "data" / "day0" / "gemma-4-26B-A4B.json", name="g4", suites_dir=tmp_path / "s")
+    assert main(["export", str(path), str(tmp_path / "out")]) == 0
+    cfg = AutoConfig.from_pretrained(tmp_path / "out")
+    heads = {cfg.layer_types[i]: cfg.per_layer_config[i].head_dim for i in range(cfg.num_hidden_layers)}
+    assert heads == {"sliding_attention": 256, "full_attention": 512}, heads
+    assert cfg.hidden_size == 64 and cfg.num_hidden_layers == 6
 
 
 def test_the_speculative_draft_is_the_export_perturbed_reproducibly_and_remade_when_its_inputs_change(tmp_path):

@@ -60,6 +60,7 @@ this model: raised, and its traceback is the log's tail.
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -118,6 +119,38 @@ def _off(llm, said):
             "chunked": None if cfg.scheduler_config.enable_chunked_prefill else why("chunked prefill")}
 
 
+def prefix_unit(sched):
+    """The tokens a prefix-cache hit comes in on this engine: the lcm of its KV cache groups' page sizes
+    (a hit covers whole pages of every group). A model whose layers keep KV of two sizes gets pages of two
+    sizes, the pool's page bytes made equal: Gemma-4's sliding layers (256-wide heads) 32 tokens, its full
+    ones (512-wide, one KV head) 64 - a hit there is a multiple of 64 tokens. None: not known."""
+    try:
+        sizes = [int(g.kv_cache_spec.block_size) for g in sched.kv_cache_config.kv_cache_groups]
+    except AttributeError:
+        return None
+    return math.lcm(*sizes) if sizes else None
+
+
+def fit_prefix(p, unit):
+    """The prefix probe with its shared prefix grown to the engine's hit ``unit`` where the page it was
+    built with is shorter, up to the room it was built with (``grow_to``): the shared tokens repeated, the
+    requests' own tails after them. Other probes, and a prefix that needs no growing, as they are."""
+    shared = p.get("shared")
+    if p["name"] != "prefix" or not unit or not shared or unit <= shared or unit > p.get("grow_to", shared):
+        return p
+    head = p["groups"][0][0]["ids"][:shared]
+    grown = (head * -(-unit // shared))[:unit]
+    groups = [[dict(r, ids=grown + r["ids"][shared:]) for r in g] for g in p["groups"]]
+    return dict(p, groups=groups, shared=unit)
+
+
+def served_ids(p, fitted):
+    """What a probe's result says of the requests it served, where they are not the ones it was sent."""
+    if fitted is p:
+        return {}
+    return {"served": [[r["ids"] for r in g] for g in fitted["groups"]], "shared": fitted["shared"]}
+
+
 def _free_blocks(p, block_size, kv_groups=1):
     """The KV pages left free for a probe: ``free_kv_blocks``, or ``free_kv_blocks_after_prefill`` more
     than its requests' prompts take in pages of the engine's own size (which the engine may have chosen
@@ -154,6 +187,8 @@ def probe(llm, SamplingParams, p, k, off=None):
         return preempt(*a, **kw)
 
     print(f"harness: probe {p['name']} starts", flush=True)  # the log's tail names a probe that hangs
+    unit = prefix_unit(sched)
+    sent, p = p, fit_prefix(p, unit)
     if not llm.reset_prefix_cache():
         raise RuntimeError("the engine refused to empty its prefix cache before probe " + p["name"])
     budget, held = sched.max_num_scheduled_tokens, []
@@ -178,7 +213,8 @@ def probe(llm, SamplingParams, p, k, off=None):
         if held:
             pool.free_blocks(held)
     print(f"harness: probe {p['name']} done", flush=True)
-    return {"name": p["name"], "groups": groups, "seconds": seconds, "free_kv_blocks": free, **seen}
+    return {"name": p["name"], "groups": groups, "seconds": seconds, "free_kv_blocks": free, "prefix_unit": unit,
+            **served_ids(sent, p), **seen}
 
 
 class _Routes:

@@ -120,12 +120,16 @@ def _watch_scheduler(spec, control):
     from vllm.v1.request import Request
 
     schedule, preempt, skip_reading = Scheduler.schedule, Scheduler._preempt_request, Request.get_skip_reading_prefix_cache
+    unit = []
 
     def record(line):
         with open(spec["steps"], "a") as f:
             f.write(line + "\n")
 
     def counting_schedule(self, *a, **kw):
+        if not unit:  # the prefix cache's hit unit, once (the client grows the prefix probe's shared page to it)
+            unit.append(_runner().prefix_unit(self))
+            record(f"unit {unit[0] or 0}")
         control.apply(self)
         out = schedule(self, *a, **kw)
         if out.total_num_scheduled_tokens:  # one line a step: its tokens and how many requests it held
@@ -412,7 +416,12 @@ class Server:
     def steps(self):
         """The engine core's record so far: (tokens, requests) a scheduler step, "preempted" a preemption."""
         return [line.strip() if line.startswith("preempted") else tuple(int(x) for x in line.split())
-                for line in _lines(self.steps_file)]
+                for line in _lines(self.steps_file) if not line.startswith("unit ")]
+
+    def prefix_unit(self):
+        """The engine core's prefix-cache hit unit in tokens (``prefix_unit``; None: not said yet)."""
+        said = [int(line.split()[1]) for line in _lines(self.steps_file) if line.startswith("unit ")]
+        return (said[0] or None) if said else None
 
     def control(self, settings):
         """The probes' settings for the engine core (``_Control``); None: none."""
@@ -512,6 +521,8 @@ def probe(server, req, p, n=0):
     cache), its groups served in order, each group's requests at once; the result as the offline probe's,
     with the core's steps and preemptions while it ran. ``n``: the probe's number (its cache reset)."""
     print(f"harness: probe {p['name']} starts", flush=True)
+    unit = server.prefix_unit()
+    sent, p = p, _runner().fit_prefix(p, unit)
     frees = p.get("free_kv_blocks") is not None or p.get("free_kv_blocks_after_prefill") is not None
     server.control({"probe": p["name"], "reset": n, "max_num_scheduled_tokens": p.get("max_num_scheduled_tokens"),
                     "free": p if frees else None,
@@ -529,7 +540,8 @@ def probe(server, req, p, n=0):
     steps = [x for x in seen if isinstance(x, tuple)]
     print(f"harness: probe {p['name']} done", flush=True)
     return {"name": p["name"], "groups": groups, "seconds": seconds, "preemptions": seen.count("preempted"),
-            "scheduled_tokens": [t for t, _ in steps], "scheduled_requests": [n for _, n in steps]}
+            "scheduled_tokens": [t for t, _ in steps], "scheduled_requests": [n for _, n in steps],
+            "prefix_unit": unit, **_runner().served_ids(sent, p)}
 
 
 # --- the server (its own process) ---------------------------------------------------------------------------
