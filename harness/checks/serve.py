@@ -63,6 +63,11 @@ metrics.declare("serve_prompt_logprob_max_abs_diff", "nats", "lower", "largest |
 metrics.declare("serve_step_logprob_max_abs_diff", "nats", "lower", "largest |engine - float64| log-probability "
                 "of the reference's top-1 token over the greedy decode steps (teacher-forced on the engine's tokens)")
 metrics.declare("serve_worst_budget_use", "", "lower", "largest log-probability error / its budget (fails > 1)")
+metrics.declare("serve_unordered_positions", "", "none", "positions whose reference top-1 the engine did not report "
+                "while its k-th log-probability is within the budget of the reference's value (not judged)")
+metrics.declare("serve_clean_logprob_max_abs_diff", "nats", "none", "largest |float64 - harness's own run of the "
+                "export in the served dtype| log-probability of the reference's top-1 token (the budget takes "
+                "budget_k x this where it is above the dtype's floor)")
 metrics.declare("serve_greedy_mismatches", "", "lower", "decode steps whose greedy token is not the reference's "
                 "argmax beyond the tie margin")
 metrics.declare("serve_near_ties", "", "none", "decode steps whose greedy token differs from the reference's "
@@ -118,6 +123,10 @@ class ServeConfig(CheckConfig):
         default_factory=lambda: dict(LOGPROB_ATOL),
         description="Budget per dtype: |engine - float64| log-probability (nats) of the reference's top-1 token, "
         "per position. Measured clean worst: float32 1.0e-06, bfloat16 8.5e-03 (docs/serving.md).")
+    budget_k: float = Field(1.5, ge=1, description="The budget is the larger of logprob_atol and budget_k x the "
+                            "worst error of harness's own run of the export in the served dtype (transformers, CPU) "
+                            "on the same tokens: a model whose own dtype run is further from float64 than the floor "
+                            "gets room for it.")
     tie_margin: dict[str, float] = Field(
         default_factory=lambda: dict(TIE_MARGIN),
         description="Per dtype: a greedy token that differs from the reference's argmax by at most this many nats "
@@ -261,7 +270,7 @@ class ServeCheck(Check):
                    + (f", api {st.result['api']}" if st.result.get("api") else ""))  # the server variant: openai
 
     def reference(self, ctx: CheckContext, st) -> None:
-        from harness.serve.judge import reference_logprobs
+        from harness.serve.judge import clean_worst, reference_logprobs
         from harness.serve.probes import sequences
 
         st.probe_results = {p["name"]: p for p in st.result.get("probes", [])}
@@ -270,14 +279,19 @@ class ServeCheck(Check):
         routes = [] if st.moe else None
         st.ref = dict(zip(uniq, reference_logprobs(st.model_dir, [list(q) for q in uniq], routes), strict=True))
         st.ref_routes = dict(zip(uniq, routes, strict=True)) if st.moe else {}
+        # harness's own run of the export in the served dtype on the same sequences: the budget takes k x its worst
+        st.clean_worst = clean_worst(st.model_dir, st.ref, ctx.dtype)
+        ctx.metric("serve_clean_logprob_max_abs_diff", st.clean_worst)
 
     def judge(self, ctx: CheckContext, st) -> None:
-        from harness.serve.judge import judge
+        from harness.serve.judge import judge, measured_budget
 
         cfg = ctx.config
-        st.budget, st.tie = cfg.logprob_atol[ctx.dtype], cfg.tie_margin[ctx.dtype]
-        refs = [st.ref[tuple(p + r["tokens"])] for p, r in zip(st.prompts, st.result["results"], strict=True)]
-        st.verdict = judge(st.prompts, st.result["results"], refs, st.budget, st.tie)
+        st.budget, said = measured_budget(cfg.logprob_atol[ctx.dtype], st.clean_worst, cfg.budget_k, ctx.dtype)
+        st.tie = cfg.tie_margin[ctx.dtype]
+        ctx.notes.extend(said)
+        seqs = [tuple(p + r["tokens"]) for p, r in zip(st.prompts, st.result["results"], strict=True)]
+        st.verdict = judge(st.prompts, st.result["results"], [st.ref[q] for q in seqs], st.budget, st.tie)
         st.outcomes = []
 
     def record(self, ctx: CheckContext, st) -> None:

@@ -128,7 +128,7 @@ class Outcome:
         return max(self.verdict.worst("prompt"), self.verdict.worst("step"))
 
     def budget_use(self) -> float:
-        return max((r.err / r.budget if r.err is not None else float("inf") for r in self.verdict.rows), default=0.0)
+        return max((r.use for r in self.verdict.rows), default=0.0)
 
 
 def _exercised(probe: dict, result: dict) -> tuple[str, str | None]:
@@ -166,8 +166,8 @@ def judge_probe(probe: dict, result: dict, ref: dict, budget: float, tie_margin:
     """One probe's outcome. ``ref``: tuple(sequence) -> float64 log-probabilities (sequences())."""
     did, problem = _exercised(probe, result)
     pairs = judged(probe, result)
-    v = judge([r["ids"] for r, _ in pairs], [res for _, res in pairs],
-              [ref[tuple(r["ids"] + res["tokens"])] for r, res in pairs], budget, tie_margin,
+    seqs = [tuple(r["ids"] + res["tokens"]) for r, res in pairs]
+    v = judge([r["ids"] for r, _ in pairs], [res for _, res in pairs], [ref[q] for q in seqs], budget, tie_margin,
               names=[r["label"] for r, _ in pairs],
               # the cached positions come back as placeholders: judge what the engine computed
               starts=[res.get("num_cached_tokens", 0) if r["read_prefix_cache"] else 0 for r, res in pairs])

@@ -390,6 +390,40 @@ def test_near_tie_is_a_note_a_clear_mismatch_fails():
     assert "the engine's greedy token 6 is not the reference's 5" in describe(v.bad[0])
 
 
+def test_a_top1_the_engine_did_not_report_fails_only_where_its_kth_shows_an_error_beyond_the_budget():
+    """Gemma-4 in bfloat16 (a flat distribution over 512 tokens): the reference's top-1 sat just below the
+    engine's 5 others at one position of the preemption probe, and the item failed on a correct engine.
+    Not reported with the engine's k-th within the budget of the reference's value: not judged, counted.
+    The engine's k-th further below than the budget: the error is at least that, a failure as before."""
+    import torch
+
+    from harness.serve.judge import describe, judge
+
+    lp = torch.log_softmax(torch.tensor([[0.0, 0.01, 0.02, 0.03, -5.0], [3.0, 0.0, 0.0, 0.0, 0.0]],
+                                        dtype=torch.float64), -1)
+    prompt = [4, 3]  # position 0 predicts token 3, the reference's top-1 by 0.01
+    close = {"prompt_logprobs": [None, {"2": float(lp[0, 3]) - 0.02, "1": float(lp[0, 3]) - 0.03}],
+             "tokens": [0], "logprobs": [{"0": float(lp[1, 0])}]}
+    v = judge([prompt], [close], [lp], budget=0.05, tie_margin=1e-3)
+    assert not v.bad and [r.unordered for r in v.rows] == [True, False] and v.rows[0].use == 0.0
+    far = {**close, "prompt_logprobs": [None, {"2": float(lp[0, 3]) - 0.2, "1": float(lp[0, 3]) - 0.3}]}
+    v = judge([prompt], [far], [lp], budget=0.05, tie_margin=1e-3)
+    assert [(r.kind, r.position) for r in v.bad] == [("prompt", 0)] and v.bad[0].use == float("inf")
+    assert "is not among the engine's top-k" in describe(v.bad[0])
+
+
+def test_the_budget_takes_the_models_own_dtype_run_where_it_is_above_the_floor():
+    import torch
+
+    from harness.serve.judge import clean_error, measured_budget
+
+    ref = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0]], dtype=torch.float64), -1)
+    assert clean_error(ref, ref + torch.tensor([[0.07, -0.3, 0.0]], dtype=torch.float64)) == pytest.approx(0.07)
+    budget, said = measured_budget(0.05, 0.0697, 1.5, "bfloat16")  # Gemma-4 bf16's own run
+    assert budget == pytest.approx(0.10455) and "1.5 x the model's own bfloat16 run" in said[0]
+    assert measured_budget(0.05, 0.0085, 1.5, "bfloat16") == (0.05, [])  # llama-3.1-8b bf16: the floor, as before
+
+
 def test_a_probe_whose_feature_did_not_run_fails_naming_it():
     """A prefix probe whose hit request came back with 0 cached tokens probed nothing: a failure of its
     own, even with every log-probability exact (here the float64 reference itself)."""
