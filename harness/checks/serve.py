@@ -291,7 +291,7 @@ class ServeCheck(Check):
         st.tie = cfg.tie_margin[ctx.dtype]
         ctx.notes.extend(said)
         seqs = [tuple(p + r["tokens"]) for p, r in zip(st.prompts, st.result["results"], strict=True)]
-        st.verdict = judge(st.prompts, st.result["results"], [st.ref[q] for q in seqs], st.budget, st.tie)
+        st.verdict = judge(st.prompts, st.result["results"], [st.ref[q] for q in seqs], st.budget, st.tie, k=cfg.k)
         st.outcomes = []
 
     def record(self, ctx: CheckContext, st) -> None:
@@ -330,7 +330,7 @@ class ServeCheck(Check):
             ctx.detail(f"serve_probe_{name}", f"not applicable: {st.probe_results[name]['skipped']}")
             ctx.notes.append(f"probe {name} not applicable: the engine says {st.probe_results[name]['skipped']!r}")
             return
-        st.outcomes.append(judge_probe(spec, st.probe_results[name], st.ref, st.budget, st.tie))
+        st.outcomes.append(judge_probe(spec, st.probe_results[name], st.ref, st.budget, st.tie, ctx.config.k))
         record_probe(ctx, name, st.outcomes[-1], st.budget)
 
     def verdict(self, ctx: CheckContext, st) -> None:

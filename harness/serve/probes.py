@@ -162,15 +162,16 @@ def _exercised(probe: dict, result: dict) -> tuple[str, str | None]:
     return f"{n} preemption(s)", None if n > 0 else "no request was preempted"
 
 
-def judge_probe(probe: dict, result: dict, ref: dict, budget: float, tie_margin: float) -> Outcome:
-    """One probe's outcome. ``ref``: tuple(sequence) -> float64 log-probabilities (sequences())."""
+def judge_probe(probe: dict, result: dict, ref: dict, budget: float, tie_margin: float, k: int | None = None) -> Outcome:
+    """One probe's outcome. ``ref``: tuple(sequence) -> float64 log-probabilities (sequences()); ``k``: the
+    engine's top k (``judge``)."""
     did, problem = _exercised(probe, result)
     pairs = judged(probe, result)
     seqs = [tuple(r["ids"] + res["tokens"]) for r, res in pairs]
     v = judge([r["ids"] for r, _ in pairs], [res for _, res in pairs], [ref[q] for q in seqs], budget, tie_margin,
               names=[r["label"] for r, _ in pairs],
               # the cached positions come back as placeholders: judge what the engine computed
-              starts=[res.get("num_cached_tokens", 0) if r["read_prefix_cache"] else 0 for r, res in pairs])
+              starts=[res.get("num_cached_tokens", 0) if r["read_prefix_cache"] else 0 for r, res in pairs], k=k)
     return Outcome(probe["name"], float(result.get("seconds", 0.0)), did, problem, v)
 
 

@@ -401,13 +401,15 @@ def test_a_top1_the_engine_did_not_report_fails_only_where_its_kth_shows_an_erro
 
     lp = torch.log_softmax(torch.tensor([[0.0, 0.01, 0.02, 0.03, -5.0], [3.0, 0.0, 0.0, 0.0, 0.0]],
                                         dtype=torch.float64), -1)
-    prompt = [4, 3]  # position 0 predicts token 3, the reference's top-1 by 0.01
-    close = {"prompt_logprobs": [None, {"2": float(lp[0, 3]) - 0.02, "1": float(lp[0, 3]) - 0.03}],
-             "tokens": [0], "logprobs": [{"0": float(lp[1, 0])}]}
-    v = judge([prompt], [close], [lp], budget=0.05, tie_margin=1e-3)
+    prompt = [0, 4]  # position 0 predicts token 4 (the prompt's); the reference's top-1 is 3, by 0.01
+    # the engine's top 2, and the prompt's own token 4 far below them (vLLM adds it wherever it ranks)
+    top2 = {"2": float(lp[0, 3]) - 0.02, "1": float(lp[0, 3]) - 0.03, "4": float(lp[0, 4])}
+    close = {"prompt_logprobs": [None, top2], "tokens": [0], "logprobs": [{"0": float(lp[1, 0])}]}
+    v = judge([prompt], [close], [lp], budget=0.05, tie_margin=1e-3, k=2)
     assert not v.bad and [r.unordered for r in v.rows] == [True, False] and v.rows[0].use == 0.0
-    far = {**close, "prompt_logprobs": [None, {"2": float(lp[0, 3]) - 0.2, "1": float(lp[0, 3]) - 0.3}]}
-    v = judge([prompt], [far], [lp], budget=0.05, tie_margin=1e-3)
+    assert judge([prompt], [close], [lp], budget=0.05, tie_margin=1e-3).bad  # k unknown: fails as before
+    far = {**close, "prompt_logprobs": [None, {**top2, "2": float(lp[0, 3]) - 0.2, "1": float(lp[0, 3]) - 0.3}]}
+    v = judge([prompt], [far], [lp], budget=0.05, tie_margin=1e-3, k=2)
     assert [(r.kind, r.position) for r in v.bad] == [("prompt", 0)] and v.bad[0].use == float("inf")
     assert "is not among the engine's top-k" in describe(v.bad[0])
 
