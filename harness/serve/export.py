@@ -85,22 +85,20 @@ def _per_layer_head_dims(ls, mc):
     attention refused the pruned 16; it takes 256 and 512). Widths, heads and layers stay pruned."""
     from harness.models.config import build_config, text_config_dict
 
-    prune = ls.suite.prune
-    published = text_config_dict(ls.raw_config, ls.suite.model.architecture)
-    heads = {k: published[k] for k in [*type(prune).model_fields, *prune.overrides]
-             if k.endswith("head_dim") and k != "overrides" and k not in MLA_DIMS and isinstance(published.get(k), int)}
-    fields = {k: v for k, v in heads.items() if k in type(prune).model_fields}
-    over = {**prune.overrides, **{k: v for k, v in heads.items() if k not in fields}}
-    changed = {k: v for k, v in heads.items()
-               if (getattr(prune, k, None) if k in fields else prune.overrides.get(k)) not in (None, v)}
+    prune, m = ls.suite.prune, ls.suite.model
+    fields = type(prune).model_fields
+    published = text_config_dict(ls.raw_config, m.architecture)
+    pruned = {k: getattr(prune, k) if k in fields else prune.overrides[k] for k in [*fields, *prune.overrides]
+              if k.endswith("head_dim") and k not in MLA_DIMS and isinstance(published.get(k), int)}
+    changed = {k: published[k] for k, v in pruned.items() if v not in (None, published[k])}
     if not changed:
         return mc, ["head sizes vary by layer in this config; the pruned model already has the published ones"]
-    kept_prune = prune.model_copy(update={**fields, "overrides": over})
-    m = ls.suite.model
-    mc = build_config(ls.raw_config, kept_prune, architecture=m.architecture, trust_remote_code=m.trust_remote_code)
+    kept = prune.model_copy(update={**{k: v for k, v in changed.items() if k in fields},
+                                    "overrides": {**prune.overrides, **{k: v for k, v in changed.items() if k not in fields}}})
+    mc = build_config(ls.raw_config, kept, architecture=m.architecture, trust_remote_code=m.trust_remote_code)
     return mc, [f"per-layer head sizes {', '.join(f'{k} {v}' for k, v in changed.items())} (published; pruned "
-                + ", ".join(str(getattr(prune, k, None) if k in fields else prune.overrides.get(k)) for k in changed)
-                + "): engines choose each layer's attention kernel by its head size"]
+                + ", ".join(str(pruned[k]) for k in changed) + "): engines choose each layer's attention kernel by "
+                "its head size"]
 
 
 def _tie_head_dims(pub, cfg, real: int) -> list[str]:

@@ -48,9 +48,8 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        if self.err is None:
-            return self.unordered and (self.chosen in (None, self.ref_token) or self.tie)
-        return self.err <= self.budget and (self.chosen in (None, self.ref_token) or self.tie)
+        greedy = self.chosen in (None, self.ref_token) or self.tie
+        return greedy and (self.unordered if self.err is None else self.err <= self.budget)
 
 
 @dataclass

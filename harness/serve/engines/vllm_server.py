@@ -521,8 +521,8 @@ def probe(server, req, p, n=0):
     cache), its groups served in order, each group's requests at once; the result as the offline probe's,
     with the core's steps and preemptions while it ran. ``n``: the probe's number (its cache reset)."""
     print(f"harness: probe {p['name']} starts", flush=True)
-    unit = server.prefix_unit()
-    sent, p = p, _runner().fit_prefix(p, unit)
+    runner, unit = _runner(), server.prefix_unit()
+    sent, p = p, runner.fit_prefix(p, unit)
     frees = p.get("free_kv_blocks") is not None or p.get("free_kv_blocks_after_prefill") is not None
     server.control({"probe": p["name"], "reset": n, "max_num_scheduled_tokens": p.get("max_num_scheduled_tokens"),
                     "free": p if frees else None,
@@ -541,7 +541,7 @@ def probe(server, req, p, n=0):
     print(f"harness: probe {p['name']} done", flush=True)
     return {"name": p["name"], "groups": groups, "seconds": seconds, "preemptions": seen.count("preempted"),
             "scheduled_tokens": [t for t, _ in steps], "scheduled_requests": [n for _, n in steps],
-            "prefix_unit": unit, **_runner().served_ids(sent, p)}
+            "prefix_unit": unit, **runner.served_ids(sent, p)}
 
 
 # --- the server (its own process) ---------------------------------------------------------------------------
