@@ -15,7 +15,7 @@ from pathlib import Path
 from harness.files import atomic
 from harness.launch.group import ProcessGroup
 from harness.launch.status import log_tail
-from harness.serve.engine import Engine, python
+from harness.serve.engine import Engine, env_dir, python
 
 
 class EngineRunError(Exception):
@@ -39,10 +39,9 @@ def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
     OpenMP threads unbound; a vendor's: its runtime's), unless the user set them; then the engine core
     in this process (one process to supervise, and a preloaded file's patches apply to the model that
     runs), no usage statistics, the hub offline. Its caches live beside the run directory, shared by the
-    runs of one results folder (never the user's ~/.cache): all that is kept there is vLLM's model-class
-    inspection (keyed by the model file's hash; a ~10 s subprocess on every start without it), since its
-    compile cache is off: a compiled graph from another run (made before a kernel changed, or with a
-    fault injected) must never stand in for this run's."""
+    runs of one results folder (never the user's ~/.cache), and its compile cache is off: a compiled graph
+    from another run (made before a kernel changed, or with a fault injected) must never stand in for this
+    run's. vLLM's model-class inspection is shared wider (``share_inspection``)."""
     env = dict(os.environ)
     for k, v in (engine.env if engine is not None else ()):
         env.setdefault(k, v)
@@ -55,6 +54,24 @@ def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.pop("PYTHONPATH", None)  # harness's own path must not leak into the engine's venv
     return env
+
+
+def share_inspection(run_dir: Path, shared: Path) -> None:
+    """vLLM's model-class inspection (``VLLM_CACHE_ROOT/modelinfos``: whether the class is a hybrid, takes
+    pipeline stages ...) is a subprocess of ~7 s on a start that finds no entry for the class. An entry
+    is keyed by the hash of vLLM's own model file, so it depends on the engine's code and never on the
+    checkpoint, a run, or a fault preloaded into one: every run of one engine environment shares it
+    (``shared``, a folder in harness's folder for that engine). vLLM writes an entry atomically and
+    re-inspects where one is stale or unreadable. Where the link cannot be made, the run keeps its own."""
+    link = run_dir.parent / "vllm-cache" / "modelinfos"
+    if link.exists() or link.is_symlink():
+        return
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared.resolve(), target_is_directory=True)
+    except OSError:  # a read-only engines folder, or another run made the link first
+        pass
 
 
 def _during(log: Path) -> str:
@@ -79,6 +96,7 @@ def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: fl
     (run_dir / "engine.log").unlink(missing_ok=True)
     atomic.write_json(req, request)
     cmd = [str(python(engine, root)), str(engine.runner_path), str(req), str(res)]
+    share_inspection(run_dir, env_dir(engine, root) / "cache" / "modelinfos")
     with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir, engine), log_name="engine.log") as group:
         ended = group.wait(deadline_s=timeout_s)
         if not ended.ok or not res.is_file():

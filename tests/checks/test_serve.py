@@ -165,6 +165,10 @@ def test_clean_engine_run_passes(clean, results):
     # the export keeps the published head_dim (vLLM's CPU attention refuses the pruned 16)
     assert any(n.startswith("head_dim 128 (published; the pruned model's is 16)") for n in ctx.notes), ctx.notes
     assert (results / "serve" / "export" / "llama-3.1-8b-float32" / "model.safetensors").is_file()
+    # vLLM's model-class inspection is shared by every run of the engine environment, not made per results folder
+    cache = results / "serve" / "runs" / "vllm-cache" / "modelinfos"
+    assert cache.is_symlink() and cache.resolve() == (eng.env_dir(eng.get("vllm")) / "cache" / "modelinfos").resolve()
+    assert (cache / "vllm-model_executor-models-llama-LlamaForCausalLM.json").is_file()
 
 
 def test_clean_probes_pass_and_show_their_feature_ran(clean):

@@ -63,3 +63,19 @@ def test_a_time_limit_names_the_probe_that_had_started_and_not_finished(tmp_path
     log.write_text("harness: probe preempt starts\nharness: probe preempt done\nINFO exiting\n")
     assert _during(log) == ""  # every probe finished: the hang was elsewhere
     assert _during(tmp_path / "missing.log") == ""
+
+
+def test_the_model_class_inspection_is_shared_by_the_runs_of_one_engine_environment(tmp_path):
+    """vLLM's inspection entries depend on its own model files only (keyed by their hash): two results
+    folders link one folder of them; a folder a run already has is left as it is."""
+    from harness.serve.launch import share_inspection
+
+    shared = tmp_path / "engine" / "cache" / "modelinfos"
+    for results in ("a", "b"):
+        share_inspection(tmp_path / results / "runs" / "item", shared)
+    (tmp_path / "a" / "runs" / "vllm-cache" / "modelinfos" / "x.json").write_text("{}")
+    assert (tmp_path / "b" / "runs" / "vllm-cache" / "modelinfos" / "x.json").read_text() == "{}"
+    own = tmp_path / "c" / "runs" / "vllm-cache" / "modelinfos"
+    own.mkdir(parents=True)
+    share_inspection(tmp_path / "c" / "runs" / "item", shared)
+    assert not own.is_symlink() and not any(own.iterdir())
