@@ -200,6 +200,10 @@ class ServeCheck(Check):
             raise NotApplicable(str(e)) from None
         except eng.EngineError as e:
             raise CouldNotRun(str(e)) from None
+        from harness.serve.export import no_mtp
+
+        if (why := no_mtp(eng.VARIANTS.get(ctx.variant or "", {}), model_config(ctx.suite).config.to_dict())):
+            raise NotApplicable(why)
         for table in ("logprob_atol", "tie_margin"):
             if ctx.dtype not in getattr(cfg, table):
                 raise NotApplicable(f"no checks.serve.{table} for {ctx.dtype}")
@@ -242,9 +246,9 @@ class ServeCheck(Check):
                       "platform": st.engine.platform, "routed_experts": st.moe,
                       **eng.VARIANTS.get(ctx.variant or "", {})}
         if "speculative" in st.request:  # the draft: the export with its weights perturbed (accepts and rejects)
-            from harness.serve.export import cached_draft
+            from harness.serve.export import drafter
 
-            st.request["speculative"] = dict(st.request["speculative"], model=str(cached_draft(st.model_dir).resolve()))
+            st.request.update(drafter(st.request, st.model_dir))
             if st.moe:  # the draft's routers are the model's layers again, and a verify forward routes drafts
                 ctx.notes.append("routes not compared under speculative decoding (a verify forward routes drafts the "
                                  "engine then rejects); the plain item compares them")

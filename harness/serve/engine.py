@@ -47,10 +47,14 @@ STAMP = "harness-engine.json"
 # "speculative": the engine's speculative decoding (vLLM's draft-model method; the check drafts with the
 # export's weights perturbed, harness.serve.export.cached_draft: every step proposes 3 tokens, verified in
 # one forward, and greedy accepts those the model itself would choose, rejects the others; the same
-# tokens, another path through the engine's kernels and KV pages).
+# tokens, another path through the engine's kernels and KV pages);
+# "mtp": the same with the model's own multi-token-prediction layers as the drafter (vLLM's mtp method; the
+# export gets MTP weights of the DeepSeek layout, harness.serve.export.cached_mtp; not applicable to a model
+# without MTP layers).
 VARIANTS = {"transformers": {"model_impl": "transformers"}, "eager": {"enforce_eager": True},
             "server": {"api": "openai"},
-            "speculative": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}}}
+            "speculative": {"speculative": {"method": "draft_model", "num_speculative_tokens": 3}},
+            "mtp": {"speculative": {"method": "mtp", "num_speculative_tokens": 1}}}
 
 
 class EngineError(Exception):
@@ -156,7 +160,7 @@ def register(registry: EngineRegistry) -> None:
         # vLLM on CPU: KV cache space in GiB (its default is sized for a server); its OpenMP threads left
         # unbound (the machine is shared; binding pins them to cores others use)
         env=(("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind")),
-        variants=("transformers", "eager", "server", "speculative")))
+        variants=("transformers", "eager", "server", "speculative", "mtp")))
 
 
 _REGISTRY: EngineRegistry | None = None

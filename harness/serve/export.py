@@ -248,3 +248,90 @@ def cached_draft(model_dir: str | Path, noise: float = DRAFT_NOISE, seed: int = 
             atomic.write_text(dst, f.read_text())
     atomic.write_text(stamp, json.dumps(want, sort_keys=True))
     return out
+
+
+# The model's own multi-token-prediction (MTP) layers in the DeepSeek-V3 layout (``num_nextn_predict_layers``:
+# DeepSeek-V3/V3.2, Kimi-K2, GLM-4.5 and GLM-5): layer ``num_hidden_layers + i`` of the checkpoint holds
+# enorm, hnorm, eh_proj [H, 2H] (the next token's embedding and the last hidden state, normed and joined),
+# a decoder layer of the model's own kind, and shared_head (norm, head) plus its embed_tokens.
+MTP_KEYS = ("num_nextn_predict_layers",)
+MTP_MIX = 0.1
+
+
+def mtp_layers(config: dict) -> int:
+    """How many MTP layers the (exported) config declares in the DeepSeek layout; 0: none."""
+    return max((int(config.get(k) or 0) for k in MTP_KEYS), default=0)
+
+
+def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
+    """The export beside itself with its MTP layers' weights (``<export>-mtp``), for the engine's MTP
+    speculative decoding. transformers builds no MTP module, so harness makes them from the export's own
+    weights: the decoder layer a copy of the model's last one, shared_head the model's final norm and
+    lm_head, embed_tokens the model's, enorm and hnorm ones, and eh_proj seeded (N(0, 1/(2H))) - so the
+    MTP head proposes tokens the model sometimes takes and sometimes rejects, and every draft is verified
+    by the model's own forward: the served tokens stay the model's, judged against float64 as the plain
+    item's. The reference is the export itself (without these weights). Remade when the export is newer."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(f"{model_dir}-mtp")
+    stamp = out / "harness-mtp.json"
+    want = {"seed": seed, "source": read_info(src)}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return out
+    cfg = json.loads((src / "config.json").read_text())
+    n_mtp, n_layers = mtp_layers(cfg), int(cfg["num_hidden_layers"])
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    weights: dict = {}
+    for f in sorted(src.iterdir()):
+        dst = paths.join(out, f.name, source=str(src), field="export file")
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            weights.update(tensors)
+            save_file(tensors, dst, metadata={"format": "pt"})
+        elif f.suffix in (".json", ".txt"):
+            atomic.write_text(dst, f.read_text())
+    g = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n_layers - 1}."
+    h = int(cfg["hidden_size"])
+    mtp = {}
+    for i in range(n_mtp):
+        p = f"model.layers.{n_layers + i}."
+        dt = weights["model.norm.weight"].dtype
+        mtp.update({name.replace(last, p, 1): t.clone() for name, t in weights.items() if name.startswith(last)})
+        mtp[p + "enorm.weight"] = torch.ones(h, dtype=dt)
+        mtp[p + "hnorm.weight"] = torch.ones(h, dtype=dt)
+        # [embedding | hidden] -> H: the next token's embedding (the identity) and a little of the last hidden
+        # state (seeded): the head then runs that token through a copy of the model's last layer and its head,
+        # roughly what the model itself will predict after it, the token after next
+        eh = torch.cat([torch.eye(h), torch.randn(h, h, generator=g) * (MTP_MIX / h ** 0.5)], dim=1)
+        mtp[p + "eh_proj.weight"] = eh.to(dt)
+        mtp[p + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+        mtp[p + "shared_head.head.weight"] = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).clone()
+        mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(mtp, out / "mtp.safetensors", metadata={"format": "pt"})
+    atomic.write_text(stamp, json.dumps(want, sort_keys=True))
+    return out
+
+
+def no_mtp(variant: dict, config: dict) -> str | None:
+    """Why an item of engine ``variant`` (harness.serve.engine.VARIANTS) cannot run on a model of ``config``:
+    MTP decoding on a model without MTP layers in the DeepSeek layout. None: it can."""
+    if (variant.get("speculative") or {}).get("method") == "mtp" and not mtp_layers(config):
+        return (f"the model has no multi-token-prediction layers to draft with ({', '.join(MTP_KEYS)} 0 or absent "
+                "in its config)")
+    return None
+
+
+def drafter(request: dict, model_dir: Path) -> dict:
+    """What a speculative request serves: the MTP method the export with its MTP weights (``cached_mtp``,
+    the model's own layers draft), the draft-model method the export as the model and its perturbed copy as
+    the draft (``cached_draft``)."""
+    spec = request["speculative"]
+    if spec["method"] == "mtp":
+        return {"model": str(cached_mtp(model_dir).resolve())}
+    return {"speculative": dict(spec, model=str(cached_draft(model_dir).resolve()))}

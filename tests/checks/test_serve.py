@@ -1,7 +1,7 @@
 """Issue #46: the ``serve`` check - the suite's model through the serving engine (vLLM, in its own
 venv) against transformers in float64 on the same exported checkpoint.
 
-Ten engine starts for the whole file (module fixtures, each used by its tests however pytest-xdist
+Eleven engine starts for the whole file (module fixtures, each used by its tests however pytest-xdist
 splits the file). The llama and MoE clean runs are the plain items (vLLM's default mode: compiled); the faults run in
 the ``eager`` variant (enforce_eager, vLLM's other mode, a nightly item of its own): its start skips the
 warm-up compile (11 s against 24 s on a quiet machine), and each fault is caught there as in the
@@ -22,7 +22,9 @@ compiled mode, where these tests ran before:
 * MoE: qwen3-30b-a3b through vLLM's CPU fused-MoE experts passes, and with one expert's route dropped
   in that kernel (serve_expert_fault.py) fails at the first position the float64 reference routes to
   it; MLA + MoE: deepseek-v3 passes (eager, bfloat16), its prefix and chunked probes not applicable in the
-  engine's words where vLLM picks its CPU_MLA backend (its AMX MLA, on a CPU with AMX, keeps and passes them).
+  engine's words where vLLM picks its CPU_MLA backend (its AMX MLA, on a CPU with AMX, keeps and passes them);
+  deepseek-v3 under MTP decoding (the ``mtp`` variant: its own MTP layer drafts, weights made by the export)
+  passes with drafts verified and its prefix probe hitting one of two shared pages.
 
 The rest needs no engine: a missing engine environment skips in one line naming `harness engine setup
 vllm`, an architecture outside the engine's row and other backends skip with the reason, and the
@@ -126,6 +128,13 @@ def speculative_fault(results):
 @pytest.fixture(scope="module")
 def moe_clean(results):
     return _run(MOE, results_dir=results)
+
+
+@pytest.fixture(scope="module")
+def mtp(results):
+    # the prefix probe only: under an EAGLE-style drafter vLLM drops a hit's last page (the others run as in
+    # the speculative variant's test)
+    return _run("deepseek-v3", "bfloat16", results_dir=results, variant="mtp", probes=["prefix"])
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +369,7 @@ def test_the_transformers_implementation_and_eager_mode_are_nightly_variants_of_
     # vLLM's transformers backend (model_impl="transformers", the Day-0 path for an architecture vLLM has no
     # code for yet) is a second item: a second engine start, so nightly, for the suites on every commit too
     check, llama = ServeCheck(), load_suite(REPO / "suites" / "llama-3.1-8b.toml")
-    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager", "server", "speculative"]
+    assert check.variants(llama, get("cpu")) == [None, "transformers", "eager", "server", "speculative", "mtp"]
     assert check.scope(llama, "transformers") == "nightly" and check.scope(llama, None) == "commit"
     assert check.scope(llama, "eager") == "nightly" and check.scope(llama, "server") == "nightly"
     assert check.variants(llama, get("cuda")) == [None]  # no build there: the one item says why
@@ -488,6 +497,25 @@ def test_speculative_decoding_is_served_drafts_verified_and_judged_as_the_plain_
     assert float(p["metric.serve_worst_budget_use"]) <= 1 and float(p["metric.serve_greedy_mismatches"]) == 0, p
     for probe in ("batch", "prefix", "chunked", "preempt"):
         assert _use(ctx, probe) <= 1, probe
+
+
+@pytest.mark.slow
+def test_mtp_decoding_drafts_with_the_models_own_layers_and_is_judged_as_the_plain_run(mtp, results):
+    """deepseek-v3 (one MTP layer, num_nextn_predict_layers) served with vLLM's mtp method: the export's MTP
+    weights (harness.serve.export.cached_mtp) draft one token a step and the model's forward verifies it,
+    so the continuation is the model's own, judged position by position against float64. Under an
+    EAGLE-style drafter the engine drops a prefix hit's last page: the prefix probe shares two pages and
+    hits one. A model without MTP layers is not applicable, before any engine starts."""
+    ctx, failure = mtp
+    assert failure is None, failure.report("serve") if isinstance(failure, CheckFailure) else failure
+    p = dict(ctx.properties)
+    assert p["harness.detail.serve_speculative"].startswith("mtp, "), p["harness.detail.serve_speculative"]
+    assert float(p["metric.serve_spec_drafted"]) > 0, p
+    assert float(p["metric.serve_worst_budget_use"]) <= 1 and float(p["metric.serve_greedy_mismatches"]) == 0, p
+    assert p["harness.detail.serve_probe_prefix"].startswith("hit: 32 of 72"), p["harness.detail.serve_probe_prefix"]
+    assert _use(ctx, "prefix") <= 1
+    _, na = _run("llama-3.1-8b", variant="mtp", results_dir=results)
+    assert isinstance(na, NotApplicable) and str(na).startswith("the model has no multi-token-prediction layers"), na
 
 
 @pytest.mark.slow

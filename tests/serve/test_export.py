@@ -123,3 +123,38 @@ def test_the_speculative_draft_is_the_export_perturbed_reproducibly_and_remade_w
     assert cached_draft(src, noise=0.05, seed=3) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime
     assert torch.equal(load_file(cached_draft(src, noise=0.05, seed=4) / "model.safetensors")["lm_head.weight"],
                        got["lm_head.weight"]) is False  # another seed: remade, another draft
+
+
+def test_mtp_weights_follow_the_deepseek_layout_and_are_remade_when_the_export_changes(tmp_path):
+    """The ``mtp`` variant serves ``<export>-mtp``: the export's own tensors unchanged, and for each MTP layer
+    (DeepSeek-V3: one, ``num_nextn_predict_layers``) at index num_hidden_layers the tensors vLLM's DeepSeek
+    MTP loads - a copy of the model's last decoder layer, enorm/hnorm, eh_proj [H, 2H] whose embedding half is
+    the identity, shared_head from the final norm and lm_head, its embed_tokens. A model without MTP layers
+    has none to make."""
+    from safetensors.torch import load_file
+
+    from harness.serve.export import cached_mtp, mtp_layers
+
+    ls = load_suite(REPO / "suites" / "deepseek-v3.toml")
+    d, _, _ = cached_export(ls, tmp_path, "float32")
+    assert mtp_layers(json.loads((d / "config.json").read_text())) == 1
+    m = cached_mtp(d)
+    base, mtp = load_file(d / "model.safetensors"), load_file(m / "mtp.safetensors")
+    assert load_file(m / "model.safetensors").keys() == base.keys()
+    last = {k[len("model.layers.1."):] for k in base if k.startswith("model.layers.1.")}
+    own = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+           "embed_tokens.weight"}
+    assert {k[len("model.layers.2."):] for k in mtp} == last | own
+    assert torch.equal(mtp["model.layers.2.self_attn.kv_b_proj.weight"], base["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert torch.equal(mtp["model.layers.2.shared_head.head.weight"], base["lm_head.weight"])
+    h = base["model.norm.weight"].shape[0]
+    assert mtp["model.layers.2.eh_proj.weight"].shape == (h, 2 * h)
+    assert torch.equal(mtp["model.layers.2.eh_proj.weight"][:, :h], torch.eye(h))
+    made = (m / "mtp.safetensors").stat().st_mtime_ns
+    assert cached_mtp(d) == m and (m / "mtp.safetensors").stat().st_mtime_ns == made  # reused
+    stamp = (m / "harness-mtp.json").read_text()
+    (m / "harness-mtp.json").write_text(stamp.replace('"seed": 0', '"seed": 7'))
+    cached_mtp(d)  # a stamp that is not the export's: made again
+    assert (m / "harness-mtp.json").read_text() == stamp
+    llama = load_suite(REPO / "suites" / "llama-3.1-8b.toml")
+    assert mtp_layers(json.loads((cached_export(llama, tmp_path, "float32")[0] / "config.json").read_text())) == 0

