@@ -211,8 +211,10 @@ def bisect(repo: Path, good: str, bad: str, items: list[str], run_args: list[str
 def _judge(label: str, point: str, subject: str, wanted: list[str] | None, verdicts: dict[str, str] | None,
            tail: str, msgs: dict[str, str]) -> Step:
     """One step's verdict: bad if a wanted item failed or errored, skip if one is missing or skipped
-    (or the run left no results), else good."""
-    if verdicts is None:
+    (or the run left no results, or ran no item), else good."""
+    if verdicts is None or not (wanted or verdicts):
+        # a run with no item in its results (pytest stopped before its first: a plugin that does not import,
+        # an unknown option in PYTEST_ADDOPTS) is no verdict, never "every item passed"
         return Step(label, point, subject, {}, "skip", tail)
     mine = {i: verdicts.get(i, "missing") for i in (wanted or verdicts)}
     v = ("bad" if any(o in BAD for o in mine.values()) else

@@ -265,3 +265,7 @@ def test_a_skipped_step_says_why():
         in s.line() and "the run said: 1 passed, 0 failed" in s.line(), s.line()
     s = _judge("step 2", "b" * 40, "subject", ["tiny::smoke[cpu-float32]"], None, "error: no such suite", {})
     assert s.line().endswith("skipped: the run left no results: error: no such suite"), s.line()
+    # the bad end (no items named yet) of a run whose pytest stopped before any item, its junit.xml empty: it
+    # read as "every item passed; nothing to bisect" (a PYTEST_ADDOPTS plugin the run's path did not have)
+    s = _judge("bad end", "c" * 40, "subject", None, {}, "error: the run did not start (pytest exit 4 before any item)", {})
+    assert s.verdict == "skip" and s.line().endswith("the run did not start (pytest exit 4 before any item)"), s.line()
