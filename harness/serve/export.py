@@ -251,7 +251,7 @@ def cached_draft(model_dir: str | Path, noise: float = DRAFT_NOISE, seed: int = 
 
 
 # The model's own multi-token-prediction (MTP) layers in the DeepSeek-V3 layout (``num_nextn_predict_layers``:
-# DeepSeek-V3/V3.2, Kimi-K2, GLM-4.5 and GLM-5): layer ``num_hidden_layers + i`` of the checkpoint holds
+# DeepSeek-V3/V3.2, GLM-4.5 and GLM-5; Kimi-K2's published config says 0): layer ``num_hidden_layers + i`` holds
 # enorm, hnorm, eh_proj [H, 2H] (the next token's embedding and the last hidden state, normed and joined),
 # a decoder layer of the model's own kind, and shared_head (norm, head) plus its embed_tokens.
 MTP_KEYS = ("num_nextn_predict_layers",)
@@ -267,10 +267,12 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
     """The export beside itself with its MTP layers' weights (``<export>-mtp``), for the engine's MTP
     speculative decoding. transformers builds no MTP module, so harness makes them from the export's own
     weights: the decoder layer a copy of the model's last one, shared_head the model's final norm and
-    lm_head, embed_tokens the model's, enorm and hnorm ones, and eh_proj seeded (N(0, 1/(2H))) - so the
-    MTP head proposes tokens the model sometimes takes and sometimes rejects, and every draft is verified
-    by the model's own forward: the served tokens stay the model's, judged against float64 as the plain
-    item's. The reference is the export itself (without these weights). Remade when the export is newer."""
+    lm_head, embed_tokens the model's, enorm and hnorm ones, and eh_proj the identity on the next token's
+    embedding plus ``MTP_MIX`` of the hidden state (seeded). Every draft is verified by the model's own
+    forward, so the served tokens stay the model's, judged against float64 as the plain item's (on the
+    exported models' flat distributions the drafts are rejected: docs/serving.md). The reference is the
+    export itself (without these weights). Remade when the export is newer. A sharded export's index
+    gets the MTP tensors too (an engine loads only the files its index names)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -295,6 +297,10 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
             save_file(tensors, dst, metadata={"format": "pt"})
         elif f.suffix in (".json", ".txt"):
             atomic.write_text(dst, f.read_text())
+    need = ("model.norm.weight", "model.embed_tokens.weight")
+    if missing := [k for k in need if k not in weights]:
+        raise ValueError(f"export {src} has no {', '.join(missing)}: harness makes MTP weights in the DeepSeek "
+                         "layout only")
     g = torch.Generator().manual_seed(seed)
     last = f"model.layers.{n_layers - 1}."
     h = int(cfg["hidden_size"])
@@ -314,6 +320,11 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
         mtp[p + "shared_head.head.weight"] = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).clone()
         mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     save_file(mtp, out / "mtp.safetensors", metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        idx = json.loads(index.read_text())
+        idx.setdefault("weight_map", {}).update(dict.fromkeys(mtp, "mtp.safetensors"))
+        atomic.write_text(index, json.dumps(idx, indent=2, sort_keys=True))
     atomic.write_text(stamp, json.dumps(want, sort_keys=True))
     return out
 

@@ -156,5 +156,9 @@ def test_mtp_weights_follow_the_deepseek_layout_and_are_remade_when_the_export_c
     (m / "harness-mtp.json").write_text(stamp.replace('"seed": 0', '"seed": 7'))
     cached_mtp(d)  # a stamp that is not the export's: made again
     assert (m / "harness-mtp.json").read_text() == stamp
+    # a sharded export: vLLM loads the files its index names, so the index names the MTP tensors' file too
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(base, "model.safetensors")}))
+    idx = json.loads((cached_mtp(d, seed=1) / "model.safetensors.index.json").read_text())["weight_map"]
+    assert idx["model.layers.2.eh_proj.weight"] == "mtp.safetensors" and idx["lm_head.weight"] == "model.safetensors"
     llama = load_suite(REPO / "suites" / "llama-3.1-8b.toml")
     assert mtp_layers(json.loads((cached_export(llama, tmp_path, "float32")[0] / "config.json").read_text())) == 0
