@@ -68,6 +68,10 @@ metrics.declare("serve_unordered_positions", "", "none", "positions whose refere
 metrics.declare("serve_clean_logprob_max_abs_diff", "nats", "none", "largest |float64 - harness's own run of the "
                 "export in the served dtype| log-probability of the reference's top-1 token (the budget takes "
                 "budget_k x this where it is above the dtype's floor)")
+metrics.declare("serve_clean_plain_logprob_max_abs_diff", "nats", "none", "the same on the plain run's sequences "
+                "with every router taking the experts the engine reported (an MoE model): the plain rows' budget")
+metrics.declare("serve_routes_taken_from_engine", "", "none", "(position, MoE layer) pairs where the engine routed "
+                "otherwise than the float64 reference and the plain run's reference took the engine's experts")
 metrics.declare("serve_greedy_mismatches", "", "lower", "decode steps whose greedy token is not the reference's "
                 "argmax beyond the tie margin")
 metrics.declare("serve_near_ties", "", "none", "decode steps whose greedy token differs from the reference's "
@@ -280,22 +284,22 @@ class ServeCheck(Check):
         st.probe_results = {p["name"]: p for p in st.result.get("probes", [])}
         seqs = [p + r["tokens"] for p, r in zip(st.prompts, st.result["results"], strict=True)]
         uniq = list(dict.fromkeys(map(tuple, seqs + sequences(st.probes, st.probe_results))))
-        routes = [] if st.moe else None
-        st.ref = dict(zip(uniq, reference_logprobs(st.model_dir, [list(q) for q in uniq], routes), strict=True))
+        routes, chosen = ([], []) if st.moe else (None, None)
+        st.ref = dict(zip(uniq, reference_logprobs(st.model_dir, [list(q) for q in uniq], routes, chosen), strict=True))
         st.ref_routes = dict(zip(uniq, routes, strict=True)) if st.moe else {}
         # harness's own run of the export in the served dtype on the same sequences: the budget takes k x its worst
         st.clean_worst = clean_worst(st.model_dir, st.ref, ctx.dtype)
         ctx.metric("serve_clean_logprob_max_abs_diff", st.clean_worst)
+        st.ref_plain, st.clean_plain = _plain(ctx, st, list(map(tuple, seqs)), dict(zip(uniq, chosen or [], strict=False)))
 
     def judge(self, ctx: CheckContext, st) -> None:
-        from harness.serve.judge import judge, measured_budget
+        from harness.serve.judge import judge
 
         cfg = ctx.config
-        st.budget, said = measured_budget(cfg.logprob_atol[ctx.dtype], st.clean_worst, cfg.budget_k, ctx.dtype)
+        st.budget, st.probe_budget = _budgets(ctx, st.clean_plain, st.clean_worst)
         st.tie = cfg.tie_margin[ctx.dtype]
-        ctx.notes.extend(said)
-        seqs = [tuple(p + r["tokens"]) for p, r in zip(st.prompts, st.result["results"], strict=True)]
-        st.verdict = judge(st.prompts, st.result["results"], [st.ref[q] for q in seqs], st.budget, st.tie, k=cfg.k)
+        refs = [st.ref_plain[tuple(p + r["tokens"])] for p, r in zip(st.prompts, st.result["results"], strict=True)]
+        st.verdict = judge(st.prompts, st.result["results"], refs, st.budget, st.tie, k=cfg.k)
         st.outcomes = []
 
     def record(self, ctx: CheckContext, st) -> None:
@@ -334,8 +338,8 @@ class ServeCheck(Check):
             ctx.detail(f"serve_probe_{name}", f"not applicable: {st.probe_results[name]['skipped']}")
             ctx.notes.append(f"probe {name} not applicable: the engine says {st.probe_results[name]['skipped']!r}")
             return
-        st.outcomes.append(judge_probe(spec, st.probe_results[name], st.ref, st.budget, st.tie, ctx.config.k))
-        record_probe(ctx, name, st.outcomes[-1], st.budget)
+        st.outcomes.append(judge_probe(spec, st.probe_results[name], st.ref, st.probe_budget, st.tie, ctx.config.k))
+        record_probe(ctx, name, st.outcomes[-1], st.probe_budget)
 
     def verdict(self, ctx: CheckContext, st) -> None:
         from harness.serve.verdict import failure
@@ -346,6 +350,37 @@ class ServeCheck(Check):
         if "position" in f:
             ctx.detail("first_divergent_position", str(f.pop("position")))
         raise CheckFailure(f.pop("message"), **f)
+
+
+def _budgets(ctx: CheckContext, plain: float, probes: float) -> tuple[float, float]:
+    """The plain run's budget and the probes' (``judge`` step), each max(the dtype's floor, budget_k x its
+    clean run's worst error), said where larger than the floor: the plain run's clean run takes the routes
+    the engine took, the probes' its own (the engine reports no routes for them)."""
+    from harness.serve.judge import measured_budget
+
+    cfg, floor = ctx.config, ctx.config.logprob_atol[ctx.dtype]
+    probe_budget, said = measured_budget(floor, probes, cfg.budget_k, ctx.dtype)
+    budget, said_plain = measured_budget(floor, plain, cfg.budget_k, ctx.dtype)
+    ctx.notes.extend(said if budget == probe_budget else [f"plain run: {n}" for n in said_plain] +
+                     [f"probes: {n}" for n in said])
+    return budget, probe_budget
+
+
+def _plain(ctx: CheckContext, st, seqs: list[tuple], chosen: dict) -> tuple[dict, float]:
+    """The plain run's reference and clean worst error (``reference`` step): the engine's own routes taken
+    (harness.serve.judge.plain_reference) where it returned them, else the unforced reference's."""
+    results = st.result["results"]
+    if not (st.moe and any(r.get("routed_experts") for r in results)):
+        return {q: st.ref[q] for q in seqs}, st.clean_worst
+    from harness.anatomy.moe import num_experts
+    from harness.models.build import model_config
+    from harness.serve.judge import plain_reference
+
+    ref, clean, moved = plain_reference(st.model_dir, seqs, results, st.ref, chosen, ctx.dtype,
+                                        num_experts(model_config(ctx.suite).config))
+    ctx.metric("serve_clean_plain_logprob_max_abs_diff", clean)
+    ctx.metric("serve_routes_taken_from_engine", moved)
+    return ref, clean
 
 
 def register(registry: CheckRegistry) -> None:

@@ -69,10 +69,13 @@ class Verdict:
         return max((r.err for r in self.rows if r.kind == kind and r.err is not None), default=0.0)
 
 
-def reference_logprobs(model_dir, sequences: list[list[int]], routes: list | None = None):
+def reference_logprobs(model_dir, sequences: list[list[int]], routes: list | None = None,
+                       chosen: list | None = None, force: list | None = None):
     """float64 log-probabilities [len(seq), vocab] for each sequence, from the checkpoint in
     ``model_dir`` through transformers (eager attention: the plainest float64 path). ``routes``: a
-    list that gets, per sequence, its routers' choices by layer (harness.serve.routes)."""
+    list that gets, per sequence, its routers' choices by layer (harness.serve.routes); ``chosen``: the
+    same by router name {router: [T, k]}. ``force``: per sequence, every router's experts {router: [T, k]}
+    to take instead of its own (``forced_logprobs``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,6 +83,8 @@ def reference_logprobs(model_dir, sequences: list[list[int]], routes: list | Non
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager", trust_remote_code=False)
     model.eval()
+    if force is not None:
+        return forced_logprobs(model, sequences, force)
     out = []
     capture = None
     if routes is not None:
@@ -93,13 +98,39 @@ def reference_logprobs(model_dir, sequences: list[list[int]], routes: list | Non
                 out.append(torch.log_softmax(logits, -1))
                 if capture is not None:
                     routes.append(capture.take())
+                    if chosen is not None:
+                        chosen.append(capture.chosen)
     finally:
         if capture is not None:
             capture.remove()
     return out
 
 
-def clean_logprobs(model_dir, sequences: list[list[int]], dtype: str):
+def forced_logprobs(model, sequences: list[list[int]], force: list) -> list:
+    """Log-probabilities (float64 from the model's logits) of each sequence with every router taking the
+    experts ``force[i]`` {router: [T, k]} gives it (harness.precision.routing.ForcedRouting); a router that
+    could not be forced raises, naming it."""
+    import torch
+
+    from harness.precision.routing import ForcedRouting
+
+    forced = ForcedRouting({}, phase="step")
+    handles = forced.attach(model)
+    out = []
+    try:
+        with torch.no_grad():
+            for seq, f in zip(sequences, force, strict=True):
+                forced.force = {"step": f}
+                out.append(torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), -1))
+    finally:
+        for h in handles:
+            h.remove()
+    if forced.unforced:
+        raise RuntimeError(f"router {forced.unforced[0]} could not be forced to the engine's routes")
+    return out
+
+
+def clean_logprobs(model_dir, sequences: list[list[int]], dtype: str, force: list | None = None):
     """Log-probabilities [len(seq), vocab] (float64 from the dtype's logits) of each sequence from harness's
     own run of the checkpoint in the served ``dtype``: transformers on the CPU, its default kernels. What a
     correct implementation in that dtype measures against float64 on exactly these tokens: the clean run
@@ -111,6 +142,8 @@ def clean_logprobs(model_dir, sequences: list[list[int]], dtype: str):
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), trust_remote_code=False)
     model.eval()
+    if force is not None:
+        return forced_logprobs(model, sequences, force)
     with torch.no_grad():
         return [torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), -1) for seq in sequences]
 
@@ -122,14 +155,59 @@ def clean_error(ref, clean) -> float:
     return float((clean.gather(-1, top) - ref.gather(-1, top)).abs().max())
 
 
-def clean_worst(model_dir, ref: dict, dtype: str) -> float:
+def clean_worst(model_dir, ref: dict, dtype: str, force: dict | None = None) -> float:
     """The worst ``clean_error`` of harness's own run in ``dtype`` over the reference's sequences (``ref``:
-    tuple(sequence) -> float64 log-probabilities); 0 for float64 itself."""
+    tuple(sequence) -> float64 log-probabilities); 0 for float64 itself. ``force``: tuple(sequence) ->
+    the experts {router: [T, k]} its routers take (the same the reference took)."""
     if dtype == "float64":
         return 0.0
     seqs = list(ref)
-    clean = clean_logprobs(model_dir, [list(q) for q in seqs], dtype)
+    clean = clean_logprobs(model_dir, [list(q) for q in seqs], dtype, [force[q] for q in seqs] if force else None)
     return max((clean_error(ref[q], c) for q, c in zip(seqs, clean, strict=True)), default=0.0)
+
+
+def engine_routed(chosen: dict, engine: list, n_experts: int) -> tuple[dict, int]:
+    """The reference's choices ``chosen`` {router: [T, k]} with the engine's own (``engine[p][layer]``:
+    the experts it reported at position p) wherever it reported a set of k valid experts: what the engine
+    routed, for a reference run forced to take the same (``forced_logprobs``). Also how many (position,
+    layer) pairs differ from the reference's own choice."""
+    import torch
+
+    from harness.serve.routes import layer_of
+
+    out, moved = {}, 0
+    for name, idx in chosen.items():
+        layer, t = layer_of(name), idx.clone()
+        for p in range(min(len(engine), t.shape[0])):
+            e = engine[p][layer] if layer is not None and layer < len(engine[p] or []) else None
+            if not e or len(e) != t.shape[1] or any(not 0 <= int(x) < n_experts for x in e):
+                continue  # not reported, or ids the router does not have (the route verdict names those)
+            if {int(x) for x in e} != set(t[p].tolist()):
+                t[p] = torch.tensor([int(x) for x in e], dtype=t.dtype)
+                moved += 1
+        out[name] = t
+    return out, moved
+
+
+def plain_reference(model_dir, seqs: list[tuple], results: list[dict], ref: dict, chosen: dict, dtype: str,
+                    n_experts: int) -> tuple[dict, float, int]:
+    """The plain run of an MoE model whose engine returned its routes, judged on the routes it took: the
+    engine's routers cannot be forced, and a near tie it rounds the other way (a note of the route verdict)
+    moves every later log-probability by more than rounding. Per sequence, the float64 reference forced to
+    the engine's experts (recomputed only where they differ from its own), and the worst error of the clean
+    ``dtype`` run forced the same (the plain rows' budget: the dtype's arithmetic alone, not harness's own
+    near-tie flips); and how many (position, layer) pairs the engine routed otherwise."""
+    force, moved, redo = {}, 0, []
+    for q, r in zip(seqs, results, strict=True):
+        force[q], m = engine_routed(chosen[q], r.get("routed_experts") or [], n_experts)
+        moved += m
+        if m:
+            redo.append(q)
+    out = {q: ref[q] for q in seqs}
+    if redo:
+        out.update(zip(redo, reference_logprobs(model_dir, [list(q) for q in redo], force=[force[q] for q in redo]),
+                       strict=True))
+    return out, clean_worst(model_dir, out, dtype, force), moved
 
 
 def measured_budget(floor: float, clean: float, k: float, dtype: str = "") -> tuple[float, list[str]]:

@@ -83,10 +83,14 @@ class ReferenceRoutes:
         self.capture.phase = "step"
         # the same routers RouterCapture hooks (harness.anatomy.moe.is_router), for their correction bias
         self.routers = {name: mod for name, mod in model.named_modules() if is_router(name)}
+        self.chosen: dict[str, torch.Tensor] = {}
 
     def take(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The last forward's routes by layer (and forget them)."""
+        """The last forward's routes by layer (and forget them); ``chosen``: the same forward's choices by
+        router name {router: [T, k]}, what a run forced to them takes (harness.precision.routing)."""
         out = {}
+        self.chosen = {name: calls[-1][0].reshape(-1, calls[-1][0].shape[-1])
+                       for name, calls in self.capture.calls["step"].items() if calls}
         for name, calls in self.capture.calls["step"].items():
             layer = layer_of(name)
             if layer is None or not calls:

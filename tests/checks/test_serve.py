@@ -297,7 +297,7 @@ def test_mla_suite_is_served_and_the_probes_the_engine_turns_off_say_why(mla_cle
     assert int(p["harness.detail.serve_probe_preempt"].split()[0]) >= 1, p["harness.detail.serve_probe_preempt"]
 
 
-def _first_routed(results, suite: str, expert: int) -> list[int]:
+def _first_routed(results, suite: str, expert: int, variant: str = "eager") -> list[int]:
     """Per prompt of the item, the first sequence position whose token the float64 reference routes to
     ``expert`` in any layer (the engine's tokens teacher-forced, the last one excluded: nothing judges what
     it predicts)."""
@@ -306,7 +306,9 @@ def _first_routed(results, suite: str, expert: int) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    run = results / "serve" / "runs" / f"{suite}-cpu-float32"
+    # the item's own run directory (a faulty item runs in the eager variant: the plain item's, read before, exists
+    # only where the clean MoE test ran in the same pytest worker first)
+    run = results / "serve" / "runs" / f"{suite}-cpu-float32-{variant}"
     req, res = (json.loads((run / f).read_text()) for f in ("request.json", "result.json"))
     model = AutoModelForCausalLM.from_pretrained(req["model"], dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager")
