@@ -273,7 +273,6 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
     exported models' flat distributions the drafts are rejected: docs/serving.md). The reference is the
     export itself (without these weights). Remade when the export is newer. A sharded export's index
     gets the MTP tensors too (an engine loads only the files its index names)."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     src, out = Path(model_dir), Path(f"{model_dir}-mtp")
@@ -282,7 +281,6 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
     cfg = json.loads((src / "config.json").read_text())
-    n_mtp, n_layers = mtp_layers(cfg), int(cfg["num_hidden_layers"])
     if out.exists():
         import shutil
 
@@ -297,28 +295,7 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
             save_file(tensors, dst, metadata={"format": "pt"})
         elif f.suffix in (".json", ".txt"):
             atomic.write_text(dst, f.read_text())
-    need = ("model.norm.weight", "model.embed_tokens.weight")
-    if missing := [k for k in need if k not in weights]:
-        raise ValueError(f"export {src} has no {', '.join(missing)}: harness makes MTP weights in the DeepSeek "
-                         "layout only")
-    g = torch.Generator().manual_seed(seed)
-    last = f"model.layers.{n_layers - 1}."
-    h = int(cfg["hidden_size"])
-    mtp = {}
-    for i in range(n_mtp):
-        p = f"model.layers.{n_layers + i}."
-        dt = weights["model.norm.weight"].dtype
-        mtp.update({name.replace(last, p, 1): t.clone() for name, t in weights.items() if name.startswith(last)})
-        mtp[p + "enorm.weight"] = torch.ones(h, dtype=dt)
-        mtp[p + "hnorm.weight"] = torch.ones(h, dtype=dt)
-        # [embedding | hidden] -> H: the next token's embedding (the identity) and a little of the last hidden
-        # state (seeded): the head then runs that token through a copy of the model's last layer and its head,
-        # roughly what the model itself will predict after it, the token after next
-        eh = torch.cat([torch.eye(h), torch.randn(h, h, generator=g) * (MTP_MIX / h ** 0.5)], dim=1)
-        mtp[p + "eh_proj.weight"] = eh.to(dt)
-        mtp[p + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
-        mtp[p + "shared_head.head.weight"] = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).clone()
-        mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    mtp = _mtp_tensors(weights, cfg, seed, src)
     save_file(mtp, out / "mtp.safetensors", metadata={"format": "pt"})
     index = out / "model.safetensors.index.json"
     if index.is_file():
@@ -346,3 +323,33 @@ def drafter(request: dict, model_dir: Path) -> dict:
     if spec["method"] == "mtp":
         return {"model": str(cached_mtp(model_dir).resolve())}
     return {"speculative": dict(spec, model=str(cached_draft(model_dir).resolve()))}
+
+
+def _mtp_tensors(weights: dict, cfg: dict, seed: int, src: Path) -> dict:
+    """The MTP layers' tensors (``cached_mtp``) made from the export's ``weights``, by checkpoint name."""
+    import torch
+
+    n_mtp, n_layers = mtp_layers(cfg), int(cfg["num_hidden_layers"])
+    need = ("model.norm.weight", "model.embed_tokens.weight")
+    if missing := [k for k in need if k not in weights]:
+        raise ValueError(f"export {src} has no {', '.join(missing)}: harness makes MTP weights in the DeepSeek "
+                         "layout only")
+    g = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n_layers - 1}."
+    h = int(cfg["hidden_size"])
+    mtp = {}
+    for i in range(n_mtp):
+        p = f"model.layers.{n_layers + i}."
+        dt = weights["model.norm.weight"].dtype
+        mtp.update({name.replace(last, p, 1): t.clone() for name, t in weights.items() if name.startswith(last)})
+        mtp[p + "enorm.weight"] = torch.ones(h, dtype=dt)
+        mtp[p + "hnorm.weight"] = torch.ones(h, dtype=dt)
+        # [embedding | hidden] -> H: the next token's embedding (the identity) and a little of the last hidden
+        # state (seeded): the head then runs that token through a copy of the model's last layer and its head,
+        # roughly what the model itself will predict after it, the token after next
+        eh = torch.cat([torch.eye(h), torch.randn(h, h, generator=g) * (MTP_MIX / h ** 0.5)], dim=1)
+        mtp[p + "eh_proj.weight"] = eh.to(dt)
+        mtp[p + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+        mtp[p + "shared_head.head.weight"] = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).clone()
+        mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    return mtp
