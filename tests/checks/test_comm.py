@@ -213,8 +213,8 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
     # is expected to be caught. A second try is left for a launch the machine made too noisy to
     # judge (its verdict "noisy"), and for one that caught only reduce_scatter, said as measured with
     # all_reduce (a fresh clone here: reduce_scatter +368 % at 4 KiB under the other worker's load,
-    # all_reduce's own 50 % within its noise in that launch: a detection miss, not a wrong name); any
-    # other collective named fails at once.
+    # all_reduce's own 50 % within its noise in that launch, not past the threshold: a detection miss, not
+    # a wrong name); any other collective named fails at once.
     ls = load_suite(write_suite("commar", COMM.format(prune=TINY_PRUNE).replace(
         '"commit"', '"commit"\ncollectives = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]')
         .replace("repeats = 8", "repeats = 12")))
@@ -239,5 +239,11 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
         held.append(json.loads(dict(ctx.properties)["harness.detail.comm_verdict"]))
     assert failure is not None, f"all_reduce 50% slower was not caught in two launches: {held}"
     first = failure.message.splitlines()[0]
-    assert first.startswith("collective all_reduce regressed"), failure.message
+    # all_reduce leads either confirmed on its own ("regressed") or as the root of reduce_scatter's confirmed
+    # regression, its own change past the threshold but its p-value short under the other worker's load (a
+    # fresh clone: "slower, +32.2 % at 4 KiB (p=0.021: unchanged on its own ...)"): both name the collective
+    # that was slowed first, which is what this test is for; any other lead fails
+    assert first.startswith(("collective all_reduce regressed", "collective all_reduce slower, +")), failure.message
+    if " slower, +" in first:
+        assert "reduce_scatter (measured on gloo as all_reduce + a slice) slower with it" in first, first
     assert failure.metric == "comm_all_reduce_busbw"
