@@ -24,6 +24,7 @@ non-zero gradient in every part (vision, projector, text); ``generate`` is left 
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -236,13 +237,16 @@ class SmokeCheck(Check):
             found, note = probe.tie_failure(cached, plain, scores, margin)
             _raise(ctx, found)
             ctx.notes.append(note)
-        self._cache_logits(ctx, cached, plain, cached_scores, scores)
+        self._cache_logits(ctx, st, cached, plain, cached_scores, scores)
 
-    def _cache_logits(self, ctx: CheckContext, cached, plain, cached_scores, scores) -> None:
+    def _cache_logits(self, ctx: CheckContext, st, cached, plain, cached_scores, scores) -> None:
         """Each step's logits [B, vocab] with the cache against recomputation, under the dtype's
         precision tolerance: a wrong cache shows in every decoded step's logits even where the
         greedy tokens happen to agree. Steps after the first token mismatch condition on other
-        tokens and are not compared (the mismatch step itself still shares its prefix)."""
+        tokens and are not compared (the mismatch step itself still shares its prefix). Where a step is
+        over the tolerance, the dtype's own error at that step is measured against float64 and sets
+        its budget if larger: at a published head size the dtype's own rounding can pass the fixed
+        tolerance (Gemma-4's 512-wide global attention, float32: 2-6e-5 against float64, 1e-5 allowed)."""
         from harness.precision.compare import tensor_metrics
         from harness.precision.tolerance import resolve
 
@@ -252,9 +256,16 @@ class SmokeCheck(Check):
             return
         budget = resolve(ctx.suite.suite.checks.precision, ctx.backend.name, ctx.backend.device_name(), ctx.dtype)[0][
             "rel_rmse"]
+        own = None
+        if max(errs) > budget:
+            ref, _ = build_model(ctx.suite, "float64", "cpu", seed=st.cfg.seed, mc=st.mc)
+            own = probe.own_errors(ref, st.ids, plain, scores, len(errs))
+            ctx.detail("generation_own_error_rel_rmse", json.dumps([o and float(f"{o:.3g}") for o in own]))
+        budgets = probe.cache_budgets(budget, own or [None] * len(errs))
+        worst = max(range(len(errs)), key=lambda t: errs[t] / budgets[t])
         ctx.metric("generation_cache_logits_rel_rmse", max(errs))
-        ctx.tolerance("generation_cache_logits_rel_rmse", budget)
-        _raise(ctx, probe.cache_logits_failure(errs, budget, ctx.dtype))
+        ctx.tolerance("generation_cache_logits_rel_rmse", budgets[worst])
+        _raise(ctx, probe.cache_logits_failure(errs, budget, ctx.dtype, own))
 
 
 def register(registry: CheckRegistry) -> None:

@@ -16,14 +16,17 @@ Nothing here lists models. Every rule reads the *shape* of the config.json:
 * **widths**: hidden 64; query/KV heads keep the published GQA ratio exactly (2 KV heads up to 4:1,
   else 1, up to 16:1; a larger ratio keeps 16:1), for every attention flavour the config has (``swa_num_attention_heads``...)
   and for every layer of a per-layer head list (``num_attention_heads_per_layer``: each layer's own ratio);
-  all head dims (``head_dim``, ``*_head_dim``, ``rotary_dim``, ``global_head_dim``) shrink by *one*
-  power-of-two factor so that rope/nope/value splits and ``qk_head_dim = nope + rope`` stay consistent,
+  the decoder's head dims (``head_dim``, ``*_head_dim``, ``rotary_dim``, ``global_head_dim``) and MLA's
+  ``kv_lora_rank`` are kept at their published sizes, since attention kernels choose their path by them
+  (a config with no ``head_dim`` key whose class reads one gets the published ``hidden / heads``); a
+  vision tower's shrink by *one* power-of-two factor so that rope/nope/value splits stay consistent,
   and ``mrope_section`` is rescaled to the new rotary half-width; every other published ratio a kernel
   groups heads by is kept exactly: the query heads' ratio to a per-layer-type KV count
   (``num_global_key_value_heads``) and to output groups (``o_groups``), linear-attention value:key heads,
   Mamba heads per group (``GROUP_RATIOS``); a ratio that cannot be kept is a ``ratio changed:`` line
   of the suite comment, from what to what and why, and `harness init` prints it. Other head counts
-  (indexer) shrink by one common factor; MLA/LoRA ranks 32; MLP widths 128 (dense) / 32 (experts);
+  (indexer) shrink by one common factor; other LoRA ranks (``q_lora_rank``) 32; MLP widths 128 (dense) / 32
+  (experts: the per-expert GEMMs at published width are the shapes check's, docs/precision.md);
   SSM state 16.
 * **MoE**: 8 routed experts (fewer if the model has fewer), top-2, 1 shared expert if it had any,
   group-limited routing kept as 4 groups / top-2 groups.
@@ -548,8 +551,20 @@ def _shrink_other_heads(d: dict, up: dict) -> None:
 
 
 def _shrink_head_dims(d: dict, up: dict, why: list[str], vision: bool) -> list[str]:
-    """Head dims: one power-of-two factor for all of them, so splits stay consistent. Returns their keys."""
+    """Head dims. A decoder's are kept at their published sizes (issue #47 item 4): attention kernels choose
+    their path by head size (FlashAttention and vLLM's CPU attention by head_dim, MLA by the latent width), so
+    the pruned model runs the real model's attention path, and its cost is in its widths and layers, not its
+    head size (hidden 64 with 8 query heads of 128: 64 x 1024 per projection). A vision tower's shrink by
+    one power-of-two factor, so its rope/nope/value splits stay consistent. Returns their keys."""
     hd_keys = _head_dim_keys(d)
+    if not vision:
+        for k in hd_keys:  # written as they are: the suite says what it kept (and its schema reads head_dim)
+            up[k] = d[k]
+        if hd_keys:
+            why.append("head dims kept at the published sizes (" + ", ".join(f"{k} {d[k]}" for k in hd_keys)
+                       + "): attention kernels choose their path by head size, so the pruned model runs the real "
+                       "model's")
+        return hd_keys
     explicit = [d[k] for k in hd_keys]
     implied = None
     if not explicit and d.get("hidden_size") and d.get("num_attention_heads"):
@@ -562,8 +577,6 @@ def _shrink_head_dims(d: dict, up: dict, why: list[str], vision: bool) -> list[s
         up[k] = _even(d[k] / s) if d[k] >= 2 else d[k]
     if {"qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim"} <= set(hd_keys):
         up["qk_head_dim"] = up["qk_nope_head_dim"] + up["qk_rope_head_dim"]
-    if hd_keys and not vision:
-        why.append("head dims / " + str(s) + ": " + ", ".join(f"{k} {d[k]} -> {up[k]}" for k in hd_keys))
     return hd_keys
 
 
@@ -583,7 +596,13 @@ def _rescale_mrope(d: dict, up: dict, why: list[str], width: int) -> None:
 
 def _shrink_size(k: str, v: int, up: dict, why: list[str], *, mlp: int, expert_mlp: int, vision: bool) -> None:
     """One positive integer not yet planned: ranks, MLP widths, SSM state, vocabulary, indexer top-k."""
-    if k.endswith("lora_rank"):
+    if k == "kv_lora_rank" and not vision:
+        up[k] = v
+        # MLA's latent: what the cache holds and the absorbed attention runs at (kv_lora_rank + qk_rope_head_dim,
+        # 576 in DeepSeek-V3: FlashMLA's and vLLM's MLA kernels dispatch on it); kept with the head dims
+        why.append(f"kv_lora_rank {v} kept (published): MLA kernels dispatch on the latent width kv_lora_rank + "
+                   "qk_rope_head_dim")
+    elif k.endswith("lora_rank"):
         up[k] = min(v, 32)
     elif "intermediate_size" in k or k.endswith(("ffn_dim", "ff_dim", "ffn_hidden_size", "expert_dim", "latent_size")):
         up[k] = min(v, expert_mlp if re.search(r"moe|expert|shared", k) else mlp)
@@ -1097,6 +1116,7 @@ def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
             "'your_package.module:build'")
     if part is None:
         plan = plan_config(raw)
+        _keep_implied_head_dim(plan, raw, getattr(cls, "config_class", None))
         plan.notes += notes
         return plan, arch
     text_mt = raw[part].get("model_type") or ""
@@ -1106,6 +1126,7 @@ def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
         decoder, label = text_arch, "causal-LM mapping"  # text_config names its own class (Kimi-K2.5)
     if decoder and label == "causal-LM mapping":
         plan = plan_config(raw, decoder_only=True)
+        _keep_implied_head_dim(plan, raw[part], getattr(getattr(tf, decoder, None), "config_class", None))
         plan.architecture = decoder
         plan.why.insert(1, f"wrapper {arch}: the suite builds its language decoder {decoder} from {part}")
     else:
@@ -1115,3 +1136,31 @@ def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
                            "the whole wrapper runs on text-only input with a tiny vision tower")
     plan.notes += notes
     return plan, arch
+
+
+def _keep_implied_head_dim(plan: Plan, d: dict, config_class) -> None:
+    """A decoder config with no head-size key (Llama-3.1, Mixtral) has ``hidden_size / num_attention_heads``:
+    the pruned model's would be 64 / its pruned heads. Where the config class takes ``head_dim`` (its
+    ``__init__`` declares it: transformers' Llama, Mistral, Mixtral do; Qwen2 and LFM2 do not, and would
+    ignore the key), the published one is written as ``head_dim``, as the explicit ones are kept."""
+    import inspect
+
+    if _head_dim_keys(d) or "head_dim" in plan.prune or config_class is None:
+        return
+    hidden, heads = d.get("hidden_size"), d.get("num_attention_heads")
+    if not (_pos_int(hidden) and _pos_int(heads)) or hidden % heads:
+        return
+    try:
+        takes = "head_dim" in inspect.signature(config_class.__init__).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        ov = plan.prune.pop("overrides", None)  # scalars before the sub-table, as _to_prune orders them
+        plan.prune["head_dim"] = hidden // heads
+        if ov is not None:
+            plan.prune["overrides"] = ov
+        plan.why.append(f"head_dim {hidden // heads} (published hidden_size / num_attention_heads) kept: attention "
+                        "kernels choose their path by head size")
+    else:
+        plan.why.append(f"head size {hidden // heads} (published hidden_size / num_attention_heads) not kept: "
+                        f"{config_class.__name__} takes no head_dim, its pruned model's is hidden_size / heads")

@@ -128,7 +128,9 @@ def test_pruned_model_is_tiny_on_meta(config):
     mc = build_config(raw, PruneSection.model_validate(plan.prune), architecture=plan.architecture or None)
     with torch.device("meta"):
         model = architecture_class(mc.architecture)(mc.config)
-    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    # the published head sizes are kept (issue #47 item 4): DeepSeek-V4-Flash's 16 query heads of 512 make
+    # the largest, 3.7M (q_b_proj and o_a_proj 32 x 8192 on each of 5 layers); init's own guard is 5M
+    assert sum(p.numel() for p in model.parameters()) < 4_000_000
 
 
 SHARED = REPO.parent / "shared" / "model-configs"

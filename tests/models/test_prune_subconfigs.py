@@ -52,7 +52,7 @@ def test_vision_tower_lists_and_projector_widths_of_a_2026_release_are_pruned():
     mc = build_config(raw, PruneSection.model_validate(plan.prune), architecture=plan.architecture or None)
     vc = mc.config.vision_config
     assert vc.num_hidden_layers == len(vc.layer_types) == 4  # transformers validates this: it refused before
-    assert _params_on_meta(mc) < 1_000_000  # 695,616 (the hand-fixed suite of the issue: 42.9M)
+    assert _params_on_meta(mc) < 2_500_000  # 1,924,416 with its head sizes kept at 128 (the hand-fixed suite of the issue: 42.9M)
 
 
 def _planted() -> dict:

@@ -129,7 +129,7 @@ def test_wrapper_variant_end_to_end(name, suites, variant):
     p = variant(name)
     for part in ("text", "vision", "projector"):
         assert p[f"metric.parameters_{part}"] > 0 and p[f"metric.grad_norm_{part}"] > 0, part
-    assert p["metric.parameters"] < 2_000_000  # tiny: a few layers, small widths
+    assert p["metric.parameters"] < 4_000_000  # a few layers, small widths (Gemma-4: 3.05M, its head sizes published)
     assert p["metric.image_tokens"] >= 4 and p["metric.image_logit_change"] > 0
     assert p["metric.loss_final"] < p["metric.loss_initial"] and p["metric.logits_bitwise_equal"] == 1.0
     # the wrapper's language model is the suite's own decoder, parameter for parameter (the default item

@@ -62,22 +62,34 @@ def test_unknown_suite_is_one_line(tmp_path, capsys):
     assert err.startswith("harness: error:") and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("config, kept", [
+@pytest.mark.parametrize("config, shrink, kept", [
     # its DSA indexer splits index_head_dim by qk_rope_head_dim: kept at the published 128 beside the MLA widths
     # (the pruned 32 - 64 failed the export: "split_sizes=[64, -32]")
-    ("DeepSeek-V3.2", "index_head_dim 128 (published"),
-    # head_dim varies by layer: transformers refuses a global one (the export raised
-    # AmbiguousGlobalPerLayerAttributeError); each layer kind's published head size is kept (the pruned 16
-    # was refused by vLLM's CPU attention: "Unsupported CPU attention configuration: head_dim=16")
-    ("gemma-4-26B-A4B", "per-layer head sizes head_dim 256, global_head_dim 512 (published; pruned 16, 32)"),
+    ("DeepSeek-V3.2", {}, "index_head_dim 128 (published"),
+    # init keeps the published head sizes (#47 item 4): the export has nothing to widen
+    ("gemma-4-26B-A4B", {}, "head sizes vary by layer in this config; the pruned model already has the published ones"),
+    ("MiMo-V2-Flash", {}, "head_dim 192 (the pruned model's is already the published one)"),
+    # a suite that says otherwise (its head sizes pruned, as init did before): head_dim varies by layer and
+    # transformers refuses a global one (the export raised AmbiguousGlobalPerLayerAttributeError); each layer
+    # kind's published head size is set back (the pruned 16 was refused by vLLM's CPU attention:
+    # "Unsupported CPU attention configuration: head_dim=16")
+    ("gemma-4-26B-A4B", {"head_dim": 16, "global_head_dim": 32},
+     "per-layer head sizes head_dim 256, global_head_dim 512 (published; pruned 16, 32)"),
     # swa_head_dim published equal to head_dim (192): vLLM builds the sliding layers from it, transformers
     # from head_dim; kept equal with it (left at the pruned 48, the engine built another model)
-    ("MiMo-V2-Flash", "swa_head_dim 192 (published equal to head_dim, kept equal)"),
+    ("MiMo-V2-Flash", {"head_dim": 48, "swa_head_dim": 48, "v_head_dim": 32, "swa_v_head_dim": 32},
+     "swa_head_dim 192 (published equal to head_dim, kept equal)"),
 ])
-def test_day0_configs_export_and_say_what_they_kept(tmp_path, config, kept):
+def test_day0_configs_export_and_say_what_they_kept(tmp_path, config, shrink, kept):
+    import tomlkit
+
     from harness.cli.init import init_suite
 
     path = init_suite(REPO / "tests" / "data" / "day0" / f"{config}.json", name="d0", suites_dir=tmp_path / "s")
+    doc = tomlkit.parse(path.read_text())
+    for k, v in shrink.items():
+        (doc["prune"] if k in doc["prune"] else doc["prune"]["overrides"])[k] = v
+    path.write_text(tomlkit.dumps(doc))
     out = tmp_path / "out"
     assert main(["export", str(path), str(out)]) == 0
     assert kept in (out / "README.txt").read_text()
