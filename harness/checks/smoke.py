@@ -259,13 +259,28 @@ class SmokeCheck(Check):
         own = None
         if max(errs) > budget:
             ref, _ = build_model(ctx.suite, "float64", "cpu", seed=st.cfg.seed, mc=st.mc)
-            own = probe.own_errors(ref, st.ids, plain, scores, len(errs))
+            own = _own_errors(ref, st.ids, plain, scores, len(errs))
             ctx.detail("generation_own_error_rel_rmse", json.dumps([o and float(f"{o:.3g}") for o in own]))
         budgets = probe.cache_budgets(budget, own or [None] * len(errs))
         worst = max(range(len(errs)), key=lambda t: errs[t] / budgets[t])
         ctx.metric("generation_cache_logits_rel_rmse", max(errs))
         ctx.tolerance("generation_cache_logits_rel_rmse", budgets[worst])
         _raise(ctx, probe.cache_logits_failure(errs, budget, ctx.dtype, own))
+
+
+def _own_errors(ref_model, ids: torch.Tensor, plain: torch.Tensor, scores, n: int) -> list[float | None]:
+    """Per decoded step t < ``n``: rel_rmse of the dtype run's uncached logits ``scores[t]`` [B, vocab] against
+    ``ref_model``'s (float64, the same seeded weights, on the CPU), generated the same way from ``ids`` [B, S];
+    None from the first step whose conditioning differs (float64 chose another token before it)."""
+    from harness.precision.compare import tensor_metrics
+
+    ref_model.eval()
+    ref_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref, ref_scores = probe.greedy(ref_model, ids.cpu(), n, False)
+    same = probe.shared_steps(ref, plain.cpu(), n)  # the first token mismatch still shares its prefix
+    return [tensor_metrics(scores[t].double().cpu(), ref_scores[t].double())["rel_rmse"] if t < same else None
+            for t in range(n)]
 
 
 def register(registry: CheckRegistry) -> None:

@@ -220,21 +220,6 @@ def shared_steps(cached: torch.Tensor, plain: torch.Tensor, n: int) -> int:
 OWN_ERROR_FACTOR = 3.0
 
 
-def own_errors(ref_model, ids: torch.Tensor, plain: torch.Tensor, scores, n: int) -> list[float | None]:
-    """Per decoded step t < ``n``: rel_rmse of the dtype run's uncached logits ``scores[t]`` [B, vocab] against
-    ``ref_model``'s (float64, the same seeded weights, on the CPU), generated the same way from ``ids`` [B, S];
-    None from the first step whose conditioning differs (float64 chose another token before it)."""
-    from harness.precision.compare import tensor_metrics
-
-    ref_model.eval()
-    ref_model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref, ref_scores = greedy(ref_model, ids.cpu(), n, False)
-    same = shared_steps(ref, plain.cpu(), n)  # the first token mismatch still shares its prefix
-    return [tensor_metrics(scores[t].double().cpu(), ref_scores[t].double())["rel_rmse"] if t < same else None
-            for t in range(n)]
-
-
 def cache_budgets(budget: float, own: list[float | None]) -> list[float]:
     """Each step's budget: the dtype's tolerance, or ``OWN_ERROR_FACTOR`` x its own error there if more."""
     return [max(budget, OWN_ERROR_FACTOR * o) if o is not None else budget for o in own]
@@ -244,7 +229,7 @@ def cache_logits_failure(errs: list[float], budget: float, dtype: str,
                          own: list[float | None] | None = None) -> Failure | None:
     """The first decoded step whose logits with the cache differ from recomputation beyond its budget: the
     dtype's tolerance ``budget``, or where ``own`` (the dtype's own error against float64 per step,
-    :func:`own_errors`) was measured, ``OWN_ERROR_FACTOR`` times it if that is more."""
+    ``harness.checks.smoke._own_errors``) was measured, ``OWN_ERROR_FACTOR`` times it if that is more."""
     own = own or [None] * len(errs)
     budgets = cache_budgets(budget, own)
     bad = next((t for t, e in enumerate(errs) if not e <= budgets[t]), None)
