@@ -222,32 +222,55 @@ def cached_draft(model_dir: str | Path, noise: float = DRAFT_NOISE, seed: int = 
     agrees with the model on some tokens and not on others - both the accepted drafts and the rejected
     ones (whose KV pages the engine must roll back) are taken. Remade when the export is newer."""
     import torch
-    from safetensors.torch import load_file, save_file
 
     src, out = Path(model_dir), Path(f"{model_dir}-draft")
-    stamp = out / "harness-draft.json"
     want = {"noise": noise, "seed": seed, "source": read_info(src)}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
+    if _up_to_date(out, out / "harness-draft.json", want):
         return out
+    g = torch.Generator().manual_seed(seed)
+
+    def perturb(tensors: dict) -> dict:
+        for name, t in sorted(tensors.items()):
+            if t.is_floating_point() and t.dim() >= 2:
+                e = torch.randn(t.shape, generator=g, dtype=torch.float32)
+                tensors[name] = (t.float() * (1 + noise * e)).to(t.dtype)
+        return tensors
+
+    _copy_export(src, out, perturb, texts=(".json",))
+    atomic.write_text(out / "harness-draft.json", json.dumps(want, sort_keys=True))
+    return out
+
+
+def _up_to_date(out: Path, stamp: Path, want: dict) -> bool:
+    """Whether ``out`` was made from the same inputs (its stamp file ``stamp`` says ``want``); where not, it is
+    emptied and made anew by the caller."""
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return True
     if out.exists():
         import shutil
 
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
+    return False
+
+
+def _copy_export(src: Path, out: Path, transform=None, texts: tuple[str, ...] = (".json", ".txt")) -> dict:
+    """The export's files into ``out``, one name each: its safetensors through ``transform`` (tensors ->
+    tensors; None: as they are), its text files of the suffixes ``texts`` as they are. Returns every tensor
+    written, by name."""
+    from safetensors.torch import load_file, save_file
+
+    written: dict = {}
     for f in sorted(src.iterdir()):
         dst = paths.join(out, f.name, source=str(src), field="export file")  # the export's own files, one name each
         if f.suffix == ".safetensors":
             tensors = load_file(f)
-            for name, t in sorted(tensors.items()):
-                if t.is_floating_point() and t.dim() >= 2:
-                    e = torch.randn(t.shape, generator=g, dtype=torch.float32)
-                    tensors[name] = (t.float() * (1 + noise * e)).to(t.dtype)
+            tensors = transform(tensors) if transform else tensors
+            written.update(tensors)
             save_file(tensors, dst, metadata={"format": "pt"})
-        elif f.suffix == ".json":
+        elif f.suffix in texts:
             atomic.write_text(dst, f.read_text())
-    atomic.write_text(stamp, json.dumps(want, sort_keys=True))
-    return out
+    return written
 
 
 # The model's own multi-token-prediction (MTP) layers in the DeepSeek-V3 layout (``num_nextn_predict_layers``:
@@ -273,28 +296,14 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
     exported models' flat distributions the drafts are rejected: docs/serving.md). The reference is the
     export itself (without these weights). Remade when the export is newer. A sharded export's index
     gets the MTP tensors too (an engine loads only the files its index names)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     src, out = Path(model_dir), Path(f"{model_dir}-mtp")
-    stamp = out / "harness-mtp.json"
     want = {"seed": seed, "source": read_info(src)}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
+    if _up_to_date(out, out / "harness-mtp.json", want):
         return out
     cfg = json.loads((src / "config.json").read_text())
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    weights: dict = {}
-    for f in sorted(src.iterdir()):
-        dst = paths.join(out, f.name, source=str(src), field="export file")
-        if f.suffix == ".safetensors":
-            tensors = load_file(f)
-            weights.update(tensors)
-            save_file(tensors, dst, metadata={"format": "pt"})
-        elif f.suffix in (".json", ".txt"):
-            atomic.write_text(dst, f.read_text())
+    weights = _copy_export(src, out)
     mtp = _mtp_tensors(weights, cfg, seed, src)
     save_file(mtp, out / "mtp.safetensors", metadata={"format": "pt"})
     index = out / "model.safetensors.index.json"
@@ -302,7 +311,7 @@ def cached_mtp(model_dir: str | Path, seed: int = 0) -> Path:
         idx = json.loads(index.read_text())
         idx.setdefault("weight_map", {}).update(dict.fromkeys(mtp, "mtp.safetensors"))
         atomic.write_text(index, json.dumps(idx, indent=2, sort_keys=True))
-    atomic.write_text(stamp, json.dumps(want, sort_keys=True))
+    atomic.write_text(out / "harness-mtp.json", json.dumps(want, sort_keys=True))
     return out
 
 
