@@ -1074,6 +1074,19 @@ class PlanRefused(Exception):
     """No suite can be planned for this config; ``str()`` is the one-line reason."""
 
 
+def _flat_wrapper_refusal(raw: dict, config: str, what: str, text_cls) -> str:
+    """A flat (remote-code format) config for a registered wrapper (Step-3.7's step3p7): transformers' text
+    config class reads other key names, so a suite would test its defaults, not this model. The reason."""
+    known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set()
+    unread = sorted(k for k in raw if k not in known and k not in ("architectures", "model_type", "auto_map",
+                                                                    "torch_dtype", "quantization_config"))
+    return (f"{config}: {what}, a multimodal wrapper whose text model "
+            f"({getattr(text_cls, '__name__', text_cls)}) does not read this flat, remote-code format config"
+            + (f" (keys it ignores: {', '.join(unread)})" if unread else "")
+            + ": set model.architecture to a transformers class that takes this config, or model.adapter = "
+            "'your_package.module:build'")
+
+
 def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
     """(what a suite for the published config ``raw`` builds and prunes, the class name it resolves
     to), or PlanRefused with the one-line reason: the one decision ``harness init`` writes and
@@ -1102,18 +1115,7 @@ def plan_for(raw: dict, config: str) -> tuple[Plan, str]:
     sub = getattr(getattr(cls, "config_class", None), "sub_configs", None) or {}
     part = next((k for k in ("text_config", "language_config", "llm_config") if isinstance(raw.get(k), dict)), None)
     if part is None and "text_config" in sub:
-        # A flat (remote-code format) config for a registered wrapper (Step-3.7's step3p7): transformers'
-        # text config class reads other key names, so a suite would test its defaults, not this model.
-        text_cls = sub["text_config"]
-        known = set(text_cls().to_dict()) if hasattr(text_cls, "to_dict") else set()
-        unread = sorted(k for k in raw if k not in known and k not in ("architectures", "model_type", "auto_map",
-                                                                        "torch_dtype", "quantization_config"))
-        raise PlanRefused(
-            f"{config}: {notes[0] if notes else arch}, a multimodal wrapper whose text model "
-            f"({getattr(text_cls, '__name__', text_cls)}) does not read this flat, remote-code format config"
-            + (f" (keys it ignores: {', '.join(unread)})" if unread else "")
-            + ": set model.architecture to a transformers class that takes this config, or model.adapter = "
-            "'your_package.module:build'")
+        raise PlanRefused(_flat_wrapper_refusal(raw, config, notes[0] if notes else arch, sub["text_config"]))
     if part is None:
         plan = plan_config(raw)
         _keep_implied_head_dim(plan, raw, getattr(cls, "config_class", None))
