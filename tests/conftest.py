@@ -11,10 +11,9 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# One intra-op thread per test process: `pytest -n 3` runs three processes on CI's two cores (one more
-# than the cores: a quarter of the suite's wall time was waiting - time limits, daemons, engine and rank
-# start-ups - with two) and the test models are tiny, so a second thread each only spin-waits
-# (tests/models: 151 s with the default of 2, 40 s with 1). Child processes (the harness CLI, torchrun ranks, isolated workers) inherit it; the
+# One intra-op thread per test process: `pytest -n 2` runs two processes on CI's two cores and the test
+# models are tiny, so a second thread each only spin-waits (tests/models: 151 s with the default of 2,
+# 40 s with 1). Child processes (the harness CLI, torchrun ranks, isolated workers) inherit it; the
 # checks on pruned models also set it themselves (harness.models.build.cpu_threads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
