@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -350,7 +351,7 @@ def _layout_verdict(ctx: CheckContext, st, lay, tol: dict) -> tuple:
     ref, routing = _routed_reference(ctx, st, lay, ranks, tol)
     v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
     _apply_routing(v, routing, st.order)
-    _compare_float64(v, st.ref64 if ref is st.ref else None, ranks, ctx.dtype)
+    _compare_float64(v, st.ref64 if ref is st.ref else None, ranks, ctx.dtype, st.order)
     return v, [rd.meta for rd in ranks], routing
 
 
@@ -619,10 +620,13 @@ def _float64_reference(ctx: CheckContext, st, ref: dict, ids: torch.Tensor) -> d
     return {k: (ref64[k], rel_err(ref[k], ref64[k])) for k in ref64 if k.startswith(("grad/", "weight/")) and k in ref}
 
 
-def _compare_float64(v, ref64: dict | None, ranks, dtype: str) -> None:
+def _compare_float64(v, ref64: dict | None, ranks, dtype: str, order: list[str]) -> None:
     """Every rank's full-shape gradient and weight against the float64 reference, under F64_K x the
-    single-process run's own error + the floor; the worst is named. Skipped (with a note) where the
+    single-process run's own error + the floor. The gradient over it met first walking backward leads
+    (``order``: the modules in forward order; a wrong backward kernel's own gradient, every one upstream
+    inheriting its error, is where it is met first), then the worst. Skipped (with a note) where the
     reference was rerun with the layout's near-tie routing (its float64 twin was not)."""
+    from harness.compiler.gradients import owner
     from harness.parallel.compare import rel_err
 
     if ref64 is None:
@@ -630,7 +634,7 @@ def _compare_float64(v, ref64: dict | None, ranks, dtype: str) -> None:
                                                           "the layout routed near ties otherwise"))
         return
     floor = F64_FLOORS.get(dtype, F64_FLOORS["float32"])
-    worst, worst_grad = ("", 0.0, 0.0, 0.0, []), 0.0
+    rows, worst_grad = [], 0.0  # (key, use, error, budget, ranks over)
     for key, (r64, clean) in ref64.items():
         errs = {rd.rank: rel_err(rd.tensors[key], r64) for rd in ranks if key in rd.tensors}
         if not errs:
@@ -638,16 +642,20 @@ def _compare_float64(v, ref64: dict | None, ranks, dtype: str) -> None:
         e, budget = max(errs.values()), F64_K * clean + floor
         if key.startswith("grad/"):
             worst_grad = max(worst_grad, e)
-        if e / budget > worst[1] or not worst[0]:
-            worst = (key, e / budget, e, budget, sorted(r for r, x in errs.items() if x > budget))
+        rows.append((key, e / budget, e, budget, sorted(r for r, x in errs.items() if x > budget)))
+    worst = max(rows, key=lambda r: r[1], default=("", 0.0, 0.0, 0.0, []))
     v.metrics["parallel_grad_error_f64"] = worst_grad
     v.metrics["parallel_f64_budget_use"] = worst[1]
-    if worst[1] > 1:
-        kind, _, name = worst[0].partition("/")
-        clean = ref64[worst[0]][1]
-        v.failed.append(f"{kind}s differ from the float64 reference: worst {name} (error {worst[2]:.3g} > budget "
-                        f"{worst[3]:.3g} = {F64_K:g} x the single-process {dtype} run's own {clean:.3g} + {floor:.3g}) "
-                        f"on rank(s) {worst[4]}: {_f64_cause(v, kind, dtype)}")
+    if worst[1] <= 1:
+        return
+    over = [r for r in rows if r[1] > 1 and r[0].startswith("grad/")]
+    first = max(over, key=lambda r: owner(r[0].partition("/")[2], order), default=worst)
+    said = lambda r: (f"{r[0].partition('/')[2]} (error {r[2]:.3g} > budget {r[3]:.3g} = {F64_K:g} x the "  # noqa: E731
+                      f"single-process {dtype} run's own {ref64[r[0]][1]:.3g} + {floor:.3g}) on rank(s) {r[4]}")
+    kind = first[0].partition("/")[0]
+    lead = (f"first over budget walking backward {said(first)}; worst {said(worst)}" if first is not worst
+            else f"worst {said(worst)}")
+    v.failed.append(f"{kind}s differ from the float64 reference: {lead}: {_f64_cause(v, kind, dtype)}")
 
 
 def _f64_cause(v, kind: str, dtype: str) -> str:
@@ -735,15 +743,21 @@ def _apply_routing(v, routing, order: list[str]) -> None:
         v.failed.extend(j.wide)
 
 
+_BACKTRACE = re.compile(r"frame #\d+: |<omitting python frames>|Exception raised from ")
+
+
 def _logs(d: Path | None) -> str | None:
     """The tail of the launch's rank logs, for the failure report."""
     if d is None:
         return None
     run_dir = d.parent
     out = []
-    for p in sorted(run_dir.glob("rank*.log")) + [run_dir / "torchrun.log"]:
+    for p in sorted(run_dir.glob("rank*.log")) + sorted(run_dir.glob("torchrun*.log")):
         if p.exists():
-            tail = p.read_text(errors="replace").strip().splitlines()[-6:]
+            # a C++ backtrace's frames say nothing a reader can act on; the line above them does
+            lines = [ln for ln in p.read_text(errors="replace").strip().splitlines()
+                     if ln.strip() and not _BACKTRACE.match(ln)]
+            tail = lines[-6:]
             if tail:
                 out.append(f"--- {p.name}\n" + "\n".join(tail))
     return "\n".join(out) or None

@@ -6,7 +6,9 @@ cluster the nodes share no folder, so each node's ranks write into a node-local 
 wrapper (``harness.launch.rank``) *publishes* what its rank wrote to a key-value store served by the
 coordinator; the coordinator *mirrors* the store back into its run folder, where the launcher reads
 the files exactly as on one host. The store is torch's ``TCPStore`` (the same server torchrun's
-rendezvous uses; one TCP connection per rank, values of megabytes are fine).
+rendezvous uses; one TCP connection per rank). Its server refuses a value over 8 MiB and drops the
+connection ("Invalid payload size ... max: 8388608": a tensor-parallel rank's results at the published
+head_dim are more, and the whole launch died with it), so a larger file goes as chunks (``put``/``get``).
 
 Keys (all under the launch's store):
 
@@ -38,6 +40,38 @@ from harness.files import atomic, paths
 
 LOG_TAIL_BYTES = 16384  # a rank's log is published as its tail: error messages quote the last lines
 PACKAGES = ("torch", "transformers", "safetensors", "harness")  # what every node must run alike
+# TCPStore's server (libuv backend) takes values up to 8 MiB; a file above CHUNK_BYTES is sent as chunks
+CHUNK_BYTES = 4 << 20
+# the value of a chunked file's key: this, then JSON {"gen", "n", "size"}; its chunks are ``<key>#<gen>/<i>``.
+# A file whose own bytes start so (none of harness's do: NUL first) is chunked too, so a value is never ambiguous
+CHUNKED = b"\0harness-chunked\0"
+
+
+def put(store, key: str, data: bytes, gen: int = 0) -> None:
+    """Set ``key`` to ``data``, in chunks when it is larger than the store takes (chunks first, then the
+    header: a reader never sees a header before its chunks).
+    ``gen`` tells one sending of a key from the last. An earlier sending's chunks stay: a reader that took
+    its header may still be reading them (a file goes again only when it changed; the files this large,
+    a layout's results, are written once)."""
+    if len(data) <= CHUNK_BYTES and not data.startswith(CHUNKED):
+        store.set(key, data)
+        return
+    n = -(-len(data) // CHUNK_BYTES)
+    for i in range(n):
+        store.set(f"{key}#{gen}/{i}", data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+    store.set(key, CHUNKED + json.dumps({"gen": gen, "n": n, "size": len(data)}).encode())
+
+
+def get(store, key: str, value: bytes | None = None) -> bytes:
+    """``key``'s content, its chunks joined (``value``: the key's value where already read)."""
+    value = store.get(key) if value is None else value
+    if not value.startswith(CHUNKED):
+        return value
+    h = json.loads(value[len(CHUNKED):])
+    data = b"".join(store.get(f"{key}#{h['gen']}/{i}") for i in range(h["n"]))
+    if len(data) != h["size"]:
+        raise OSError(f"launch store: {key} came as {len(data)} bytes of {h['size']}")
+    return data
 
 
 def versions() -> dict[str, str]:
@@ -86,7 +120,7 @@ class Coordinator:
         return self.store.port
 
     def stage(self, name: str, data: bytes) -> None:
-        self.store.set(f"stage/{name}", data)
+        put(self.store, f"stage/{name}", data)
         self.store.append("stage-index", name + "\n")
 
     def _names(self, rank: int) -> list[str]:
@@ -107,10 +141,11 @@ class Coordinator:
             marks = [x for x in names if x.endswith(".json")]
             # data before marks, as published (see the module's docstring)
             for name in [x for x in names if not x.endswith(".json")] + marks:
-                data = self.store.get(f"f/{name}")
-                if self._seen.get(name) == data:
+                value = self.store.get(f"f/{name}")  # a chunked file's header: new chunks, new header
+                if self._seen.get(name) == value:
                     continue
-                self._seen[name] = data
+                self._seen[name] = value
+                data = get(self.store, f"f/{name}", value)
                 try:  # a name another node sent: a relative path of plain names under the run folder
                     target = paths.join(self.run_dir, name, source="launch store", field=f"rank {r}'s file",
                                         plain=False)
@@ -152,6 +187,7 @@ class Publisher:
         self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         self.store.set(f"node/{rank}", f"{node}\t{socket.gethostname()}\t{json.dumps(versions())}")
         self._sent: dict[str, tuple[int, int]] = {}  # rel -> (mtime_ns, size) last sent
+        self._gen = 0  # one per chunked sending: its chunks' keys
         self._named: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,7 +199,7 @@ class Publisher:
         names = [n for n in self.store.get("stage-index").decode().splitlines() if n]
         for name in names:
             target = paths.join(self.run_dir, name, source="launch store", field="staged file")
-            atomic.write_bytes(target, self.store.get(f"stage/{name}"))
+            atomic.write_bytes(target, get(self.store, f"stage/{name}"))
         return names
 
     def _files(self) -> list[str]:
@@ -193,12 +229,15 @@ class Publisher:
                     data = f.read()
             except OSError:
                 continue
-            self.store.set(f"f/{rel}", data)
+            self._gen += 1
+            put(self.store, f"f/{rel}", data, self._gen)
             if rel not in self._named:
                 self._named.add(rel)
                 self.store.append(f"idx/{self.rank}", rel + "\n")
             self._sent[rel] = key
             n += 1
+        if n:  # TCPStore's set does not wait for the server: one round trip, and every value sent is there
+            self.store.check([f"idx/{self.rank}"])
         return n
 
     def start(self, interval_s: float = 0.1) -> None:

@@ -40,3 +40,33 @@ def test_a_ranks_files_are_published_and_mirrored(tmp_path):
                  if p.is_file())
     assert got == ["status-1", "tp2/rank1.json", "tp2/rank1.safetensors"], got
     assert coord.nodes[1][0] == 1 and coord.version_mismatch() == ""
+
+
+def test_a_file_larger_than_the_store_takes_arrives_whole(tmp_path):
+    """TCPStore's server drops a value over 8 MiB with the connection (a 2-node tp2 launch of a suite at the
+    published head_dim died so: its ranks' results are larger). Files go in chunks above CHUNK_BYTES, and
+    again when they change; a file whose bytes start like a chunk header is not mistaken for one."""
+    import os
+
+    from harness.launch.channel import CHUNK_BYTES, CHUNKED
+
+    coord = Coordinator(tmp_path / "coordinator", world=2, host="127.0.0.1")
+    coord.stage("big-spec.json", b"s" * (CHUNK_BYTES + 5))
+    node = tmp_path / "node1"
+    (node / "tp2").mkdir(parents=True)
+    pub = Publisher(f"127.0.0.1:{coord.port}", str(node), rank=1, node=1)
+    assert pub.fetch_stage() == ["big-spec.json"] and (node / "big-spec.json").stat().st_size == CHUNK_BYTES + 5
+    big = os.urandom(9 << 20) + os.urandom(1234)  # over the server's 8 MiB in one value
+    (node / "tp2" / "rank1.safetensors").write_bytes(big)
+    (node / "tp2" / "rank1.json").write_bytes(CHUNKED + b"not a header")
+    assert pub.publish() == 2
+    coord.sync()
+    mirrored = tmp_path / "coordinator" / "tp2"
+    assert (mirrored / "rank1.safetensors").read_bytes() == big
+    assert (mirrored / "rank1.json").read_bytes() == CHUNKED + b"not a header"
+    # rewritten (another size, so publish sees the change): the new content, not the first sending's chunks
+    again = os.urandom(3 * CHUNK_BYTES + 7)
+    (node / "tp2" / "rank1.safetensors").write_bytes(again)
+    assert pub.publish() == 1
+    coord.sync()
+    assert (mirrored / "rank1.safetensors").read_bytes() == again

@@ -121,7 +121,7 @@ def test_a_backward_fault_on_every_rank_is_caught_against_float64():
     """#25 item 4: aten::silu_backward 5% off on every rank (the forward exact) in bf16. The layouts
     agree with the single-process bf16 run within its tolerance (grads 2^-2); against the float64
     reference each gradient is held to 2 x the single-process run's own error + floor, and fails,
-    naming an MLP projection's gradient. The same layouts clean pass both comparisons."""
+    naming first the MLP projection whose gradient silu_backward feeds. The same layouts clean pass both comparisons."""
     # One launch: the clean layouts first, then the same layouts named *-silu with the fault (entered
     # at the first of them, for the rest of the launch; tests/parallel/faults.py) - a launch's start-up
     # is most of its time on 2 cores.
@@ -137,7 +137,10 @@ def test_a_backward_fault_on_every_rank_is_caught_against_float64():
     for v, (out, ctx) in res.items():
         assert isinstance(out, CheckFailure), v
         msg = str(out)
-        assert "grads differ from the float64 reference: worst model.layers." in msg and "mlp." in msg, msg
+        # led by the gradient silu_backward feeds first: the last layer's gate projection (down_proj's and
+        # up_proj's gradients do not pass it); the worst (at the published head_dim a norm upstream) follows
+        assert ("grads differ from the float64 reference: first over budget walking backward "
+                "model.layers.1.mlp.gate_proj.weight (error ") in msg and "; worst model.layers." in msg, msg
         assert "grads differ: worst" not in msg  # the same-dtype comparison alone would pass it
         m = metrics_of(ctx)
         assert m["parallel_grad_error"] < par.DEFAULT_TOLERANCES["bfloat16"]["grads"] < 1
@@ -294,10 +297,11 @@ def test_default_matrix_bfloat16_mla_moe():
 
 @pytest.mark.slow
 def test_bf16_moe_near_tie_routing_flips_pass_and_a_wrong_top_k_is_named_at_its_router():
-    # Seed 5: the tp2 attention's bf16 reduction order flips top-2 routing at near ties (4 tokens);
+    # Seed 4: the tp2 attention's bf16 reduction order flips top-2 routing at near ties (4 tokens; seeds
+    # 0-5 at the published head_dim flip 1, 3, 0, 1, 4, 0; at the pruned 16 seed 5 flipped 4);
     # compared with the reference's own routing, model.layers.1.mlp.gate.weight's gradient was off by
     # 0.74 (tolerance 0.25). ep2's rank 1 takes the 3rd-best expert for every second token.
-    ls = suite_with("qwen3-30b-a3b", configs=[{"tp": 2}, {"ep": 2}], seed=5)
+    ls = suite_with("qwen3-30b-a3b", configs=[{"tp": 2}, {"ep": 2}], seed=4)
     res = _run_all(ls, "bfloat16", fault="tests.parallel.faults:wrong_topk_ep2")
     out, ctx = res["tp2"]
     assert out is None, out
@@ -516,3 +520,20 @@ def test_a_rerun_in_the_same_process_launches_again():
         walls.append(o.launch_wall_s)
     assert dirs[0] != dirs[1] and all((d / "rank1.json").exists() for d in dirs)
     assert walls[1] > 1.0, walls  # ranks started, built and ran (a re-read took 0.1 s)
+
+
+def test_the_failure_report_quotes_log_lines_not_a_cpp_backtraces_frames(tmp_path):
+    # a rank or torchrun log ending in a C++ backtrace: the report once quoted only its last frames
+    # ("frame #22: __libc_start_main ..."), never the line that said what failed
+    from harness.checks.parallel import _logs
+
+    (tmp_path / "tp2").mkdir()
+    frames = "\n".join(f"frame #{i}: <unknown function> + 0x{i:x} (0x7ff in libtorch_python.so)" for i in range(24))
+    (tmp_path / "torchrun-node1.log").write_text(
+        "[W1207 TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=3): Connection reset by peer\n"
+        "Exception raised from sendBytes at Utils.hpp:758 (most recent call first):\n" + frames + "\n"
+        "<omitting python frames>\n\n")
+    (tmp_path / "rank0.log").write_text("RuntimeError: boom\n")
+    text = _logs(tmp_path / "tp2")
+    assert "--- rank0.log\nRuntimeError: boom" in text and "--- torchrun-node1.log" in text, text
+    assert "Connection reset by peer" in text and "frame #" not in text and "omitting" not in text, text
