@@ -59,9 +59,12 @@ def serving_config(ls):
             setattr(mc.config, k, getattr(pub, k))
         mc.config.qk_head_dim = pub.qk_nope_head_dim + pub.qk_rope_head_dim
         mc.config.head_dim = pub.qk_rope_head_dim
-        kept.append("MLA widths " + ", ".join(f"{k} {getattr(pub, k)}" for k in dims) + " (published; the "
-                    "pruned model's " + ", ".join(map(str, was.values())) + "): engines choose their MLA kernel "
-                    "by the latent and head widths")
+        widths = "MLA widths " + ", ".join(f"{k} {getattr(pub, k)}" for k in dims)
+        if all(was[k] == getattr(pub, k) for k in dims):
+            kept.append(widths + " (the pruned model's are already the published ones)")
+        else:
+            kept.append(widths + " (published; the pruned model's " + ", ".join(map(str, was.values())) + "): "
+                        "engines choose their MLA kernel by the latent and head widths")
         return mc, kept
     real = published_head_dim(pub)
     pruned = published_head_dim(mc.config)

@@ -290,6 +290,12 @@ def flip_compiled_routing(model):
     return model
 
 
+def load_golden_of(name: str):
+    from harness.golden.store import load_golden
+
+    return load_golden(suite(name))
+
+
 def test_moe_routing_flip_in_the_compiled_graph_is_judged_with_the_goldens_routing(monkeypatch):
     from harness.golden.store import Golden, load_golden
 
@@ -366,25 +372,39 @@ def test_compiler_under_test_raising_at_a_shape_fails_naming_it(no_length_1):
     assert str(f).startswith(f"the compiled model ({no_length_1}) raised at the decode step (length 1): "), str(f)
 
 
-def test_moe_fault_under_the_unforced_cap_is_caught_by_the_forced_budget():
-    """mixtral-8x7b in bfloat16: its draws' routing flips put the golden's unforced logits budget at
-    the tolerance's cap (0.04), the same draws with the routers forced measure 0.021 (golden
-    generate's ``logits_forced``). A compiled fault (silu 20 % high) that moves the logits by ~0.03
-    hides under the cap and is caught under the forced budget; the clean model passes it."""
-    from harness.golden.store import load_golden
+def test_moe_fault_under_the_unforced_cap_is_caught_by_the_forced_budget(monkeypatch):
+    """mixtral-8x7b in bfloat16, its golden's draws routed otherwise than the bfloat16 model (near-tie flips):
+    the unforced logits budget is then at the tolerance's cap (0.04; measured so on this suite at the
+    pruned head_dim 16, whose draws flipped), while the same draws with the routers forced measure ~0.02
+    (golden generate's ``logits_forced``). A compiled fault (silu 80 % high) that moves the logits by 0.03
+    hides under the cap and is caught under the forced budget; the clean model passes it. At the published
+    head_dim the suite's draws no longer flip (unforced 0.0207, forced 0.0193): the golden's unforced budget
+    is set to the cap here, as a golden whose draws flipped has it. (At head_dim 16 silu 20 % high moved the
+    logits 0.03; at 128 it moves them 0.014, 80 % high 0.030.)"""
+    from harness.golden.store import Golden
 
-    bud = load_golden(suite("mixtral-8x7b")).budgets("bfloat16")["propagated"]
+    orig = Golden.budgets
+
+    def flipped(self, dtype):
+        b = orig(self, dtype)
+        if dtype != "bfloat16":
+            return b
+        prop = b["propagated"]
+        return {**b, "propagated": {**prop, "logits": {**prop["logits"], "budget": 0.04}}}
+
+    monkeypatch.setattr(Golden, "budgets", flipped)
+    bud = Golden.budgets(load_golden_of("mixtral-8x7b"), "bfloat16")["propagated"]
     assert bud["logits"]["budget"] == 0.04 and bud["logits_forced"]["budget"] < 0.025, bud
 
-    def silu_20_percent_high():
-        return wrong_decomposition(torch.ops.aten.silu.default, lambda x: x / (1 + x.neg().exp()) * 1.2)
+    def silu_80_percent_high():
+        return wrong_decomposition(torch.ops.aten.silu.default, lambda x: x / (1 + x.neg().exp()) * 1.8)
 
     ls = compile_suite("mixtral-8x7b", backend="aot_eager_decomp_partition", gradients=False, prompt_lens=[],
                        decode_step=False, bisect=False)
     ctx, _, f = run(ls, dtype="bfloat16")
     assert f is None, str(f)
     assert metric(ctx, "compile_logits_budget_use") < 1
-    ctx, _, f = run(ls, dtype="bfloat16", context=silu_20_percent_high)
+    ctx, _, f = run(ls, dtype="bfloat16", context=silu_80_percent_high)
     assert isinstance(f, CheckFailure), f
     assert "compiled logits diverge" in str(f).splitlines()[0], str(f)
     observed = metric(ctx, "compile_logits_rel_rmse")

@@ -49,8 +49,8 @@ def test_a_one_signed_compiled_backward_error_inside_the_budget_fails_naming_the
     """The MLP of layer 1 gets a gradient 1 % high in the compiled backward only: its parameters'
     gradients use ~0.3 of their magnitude budget (and the forward is exact), so by size alone the item
     passed. Every row of those gradients is scaled up: the sign test names the MLP, at the parameter met
-    first walking backward (down_proj). Clean, the same item passes and its smallest p is far above the
-    limit."""
+    first walking backward (down_proj). Clean, the same item passes: its one-signed rounding stays under
+    the effect floor."""
     ls = compile_suite(NAME, backend="aot_eager", prompt_lens=[], decode_step=False)
     ctx, _, f = run(ls, dtype="bfloat16", transform=_compiled_only_backward_scale("model.layers.1.mlp"))
     assert f is not None, "a one-signed compiled backward error passed"
@@ -67,7 +67,12 @@ def test_a_one_signed_compiled_backward_error_inside_the_budget_fails_naming_the
 
     ctx, _, f = run(ls, dtype="bfloat16")
     assert f is None, str(f)
-    # measured clean (this item, deterministic on CPU): smallest p 2.6e-4 (layer 0's q_proj, 85 of 128
-    # rows) against a limit of 1e-4 / 42 tests
-    assert metric(ctx, "compile_grad_signed_min_p") > 1e-5
+    # measured clean (this item, deterministic on CPU): at the published head_dim (128) the compiled
+    # backward's own bf16 rounding is one-signed against eager's on some gradient (smallest p 2e-38; at the
+    # pruned 16 it was 2.6e-4), so the p-value alone cannot separate it: the effect floor does. The clean
+    # run's largest significant effect is 0.00114, 0.58 of the bf16 gradient floor (2^-9); the fault's 0.01
+    # is 5x the floor
+    from harness.precision.signed import GRAD_FLOORS
+
+    assert metric(ctx, "compile_grad_signed_max_effect") < 0.75 * GRAD_FLOORS["bfloat16"]
     assert metric(ctx, "compile_loss_signed_p") > 1e-3  # the loss's test is made and recorded

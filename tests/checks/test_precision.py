@@ -152,7 +152,8 @@ def test_quantization_budgets_from_the_golden_measurement(name):
     assert p["harness.detail.budget_source"].startswith("measured by golden generate")
     want = QUANT_K * meas["dtypes"]["bfloat16"]["rel_rmse_max"] + QUANT_FLOOR
     assert float(p["tolerance.quant_logits_rel_rmse"]) == pytest.approx(want)
-    assert float(p["metric.quant_logits_rel_rmse"]) <= meas["dtypes"]["bfloat16"]["rel_rmse_max"] + 1e-9
+    # the clean run is the measurement (the golden keeps it to 4 significant digits: 0.1254 for 0.12543)
+    assert float(p["metric.quant_logits_rel_rmse"]) <= meas["dtypes"]["bfloat16"]["rel_rmse_max"] * (1 + 1e-3)
     with pytest.raises(CheckFailure):
         QuantizationCheck().run(CheckContext(ls, get("cpu"), "bfloat16"), golden_root=GOLDEN,
                                 transform=_fnuz_decode(r"layers\.0\.self_attn\.o_proj"))

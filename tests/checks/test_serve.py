@@ -164,8 +164,8 @@ def test_clean_engine_run_passes(clean, results):
     assert float(p["metric.serve_greedy_mismatches"]) == 0
     assert p["harness.detail.serve_engine"].startswith("vllm 0.32")
     assert float(p["metric.serve_engine_generate_s"]) < float(p["metric.serve_engine_wall_s"])
-    # the export keeps the published head_dim (vLLM's CPU attention refuses the pruned 16)
-    assert any(n.startswith("head_dim 128 (published; the pruned model's is 16)") for n in ctx.notes), ctx.notes
+    # the suite keeps the published head_dim (vLLM's CPU attention refuses 16): the export is the suite's model
+    assert any(n.startswith("head_dim 128 (the pruned model's is already the published one)") for n in ctx.notes), ctx.notes
     assert (results / "serve" / "export" / "llama-3.1-8b-float32" / "model.safetensors").is_file()
     # vLLM's model-class inspection is shared by every run of the engine environment, not made per results folder
     cache = results / "serve" / "runs" / "vllm-cache" / "modelinfos"

@@ -44,9 +44,11 @@ def test_rerun_with_other_routing_follows_it_and_flips_are_judged_by_margin():
     own = layout_routing([RankData(0, {}, {f"route/{p}/{g}": t for p in routes for g, t in routes[p].items()})],
                          Layout(), sorted(routes["step"]))[1]
     margin = (logits[3, best[3, 1]] - logits[3, best[3, 2]]).item()
+    # layer 0's flip is judged by its margin; layer 1 routes the changed hidden state by itself, and a token
+    # of it may flip as a consequence (at the published head_dim one does, by less than either limit here)
     wide = judge(trace, own, order, {g: margin / 2 for g in routes["step"]})
-    assert wide.wide and wide.first_wide == gate and wide.wide_ranks == [0] and wide.near_tie == 0, wide
-    assert f"router {gate} (training forward): 1 token(s)" in wide.wide[0]
+    assert wide.wide and wide.first_wide == gate and wide.wide_ranks == [0] and wide.per_router[gate] == 0, wide
+    assert len(wide.wide) == 1 and f"router {gate} (training forward): 1 token(s)" in wide.wide[0]
     tie = judge(trace, own, order, {g: margin * 2 for g in routes["step"]})
-    assert not tie.wide and tie.near_tie == 1 and tie.per_router[gate] == 1
+    assert not tie.wide and tie.per_router[gate] == 1 and tie.near_tie == sum(tie.per_router.values()), tie
     assert set(router_limits(trace, 2**-18)) == set(routes["step"])

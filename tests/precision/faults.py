@@ -264,20 +264,22 @@ def route_rmsnorm(model):
 
 
 def rotary_low_precision(model):
-    """Rotary tables computed in the run dtype (angles, cos and sin in bf16/fp16 instead of float32),
-    as a port that builds the tables in the model dtype does. transformers computes them in float32
-    whatever the dtype, so on CPU no dispatcher kernel ever sees them in bf16: this one replaces the
-    rotary module's forward (the same formula, other precision)."""
+    """Rotary positions held in the run dtype (position ids cast to bf16/fp16 before the angles are
+    taken), as a port that casts every model input to the model dtype does. bf16 holds integers exactly
+    only up to 256 (fp16 to 2048), so at the golden's 16 positions the tables are exact and every
+    module matches: only the positions a deployment reaches (thousands, rounded to multiples of 16 and
+    more) show it, which is what the rotary probe (``<name>@positions``) is for. It does not depend on
+    head_dim: a table computed wholly in bf16 (angles too) is already off at 16 positions once head_dim
+    is the published 128 (64 frequencies, most not exact in bf16), and is caught there as any module is.
+    transformers computes the tables in float32 whatever the dtype, so on CPU no dispatcher kernel ever
+    sees them in bf16: this replaces the rotary module's forward (its own formula, rounded positions)."""
     rot = model.model.rotary_emb
     orig = rot.forward
 
     def fwd(x, position_ids=None, *a, **k):
-        if x.dtype not in LOW:
-            return orig(x, position_ids, *a, **k)
-        freqs = position_ids[..., None].to(x.dtype) * rot.inv_freq.to(x.dtype)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = getattr(rot, "attention_scaling", 1.0)
-        return emb.cos() * scale, emb.sin() * scale
+        if x.dtype in LOW and position_ids is not None:
+            position_ids = position_ids.to(x.dtype).to(position_ids.dtype)
+        return orig(x, position_ids, *a, **k)
     rot.forward = fwd
     return model
 
@@ -329,7 +331,6 @@ class WrongTopK:
 
 
 # --- biased rounding (the signed-error test, issue #25 item 3) -------------------------------------
-LOW = (torch.bfloat16, torch.float16)
 
 
 def _mm(rounding: str, backward_only: bool):

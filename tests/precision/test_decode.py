@@ -89,14 +89,18 @@ def test_left_padded_rows_decode_as_alone_in_float64(llama):
     assert dec.errors(blind, view)["hidden"][1].max().item() > 1e-2  # the padded row attends to its pads
 
 
-def test_budgets_are_measured_and_bf16_cache_reproduces_its_uncached_forward(llama):
+def test_budgets_are_measured_and_bf16_cache_is_within_a_rounding_of_its_uncached_forward(llama):
     ls, g = llama
     b = g.section("decode", dec.spec(ls)).entry["budgets"]
     ref = torch.tensor(b["bfloat16"]["dynamic"]["reference"]["hidden"])
     assert ref.shape == (8, 2) and 1e-3 < ref.max() < 4e-2
     assert torch.tensor(b["float32"]["dynamic"]["reference"]["hidden"]).max() < 1e-5
-    # on CPU the bf16 cached decode is bit-identical to the bf16 uncached forward (the witness' basis)
-    assert torch.tensor(b["bfloat16"]["dynamic"]["uncached"]["hidden"]).max() == 0.0
+    # the bf16 cached decode against its own bf16 uncached forward (the witness): at the published head_dim
+    # (128) a step's attention sums over its heads otherwise than the whole sequence's does, ~one bf16
+    # rounding apart (measured 0.0039 at most, the first layer exact in most steps; at the pruned 16 the two
+    # were bit-identical). Measured per step and layer, it is the witness' budget: well under the reference's
+    wit = torch.tensor(b["bfloat16"]["dynamic"]["uncached"]["hidden"])
+    assert wit.shape == ref.shape and wit.max() <= 2 ** -7 and (wit < ref / 2).all()
     # the fp8 cache's own error is its budget: an order of magnitude above the bf16 cache's
     assert torch.tensor(b["bfloat16"]["quantized-fp8"]["reference"]["hidden"]).max() > 3 * ref.max()
 

@@ -34,7 +34,7 @@ FAULTS = {
     "rmsnorm_bf16_acc": ({"transform": faults.route_rmsnorm, "context": lambda: faults.KernelFault("rmsnorm_bf16_acc")},
                          "model.layers.0.input_layernorm"),
     "residual_scale": ({"transform": faults.residual_scale(0, 0.01)}, "model.layers.0"),
-    # caught where a deployment's positions are (the golden's 16 positions alone do not show it)
+    # positions held in bf16: exact at the golden's 16, caught at the rotary probe's (thousands)
     "rotary_bf16": ({"transform": faults.rotary_low_precision}, "model.rotary_emb@positions"),
 }
 # kimi-k2: deepseek-v3's architecture (see the docstring)
