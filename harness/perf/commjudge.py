@@ -191,7 +191,8 @@ def lead(slow: dict[str, dict[str, Decision]], decisions: dict[str, Decision], b
 
 
 def collective_failure(slow: dict[str, dict[str, Decision]], decisions: dict[str, Decision], table: dict,
-                       n_sizes: int, threshold: float, baseline_why: str, backend: str) -> tuple[str, dict]:
+                       n_sizes: int, threshold: float, baseline_why: str, backend: str,
+                       remeasured: bool = False) -> tuple[str, dict]:
     """The failure's message (leading with :func:`lead`, said how it was measured) and its fields."""
     first = lead(slow, decisions, backend)
     mine = {k: d for k, d in decisions.items() if k.startswith(first + "/")}
@@ -215,8 +216,34 @@ def collective_failure(slow: dict[str, dict[str, Decision]], decisions: dict[str
             f"slower, {d.change:+.1%} at {_size(size)} (p={d.p_value:.2g}: {d.verdict} on its own; led with as "
             "what the slower collectives are measured as)")
     msg = (f"collective {label(first, backend)} {said} "
-           f"against the baseline of this machine class"
+           f"against the baseline of this machine class" + ("; confirmed on re-measure" if remeasured else "")
            + (f"; {', '.join(with_it)} slower with it" if with_it else "") + f"; slower: {names}")
     return msg, dict(metric=f"comm_{first}_busbw", expected=f"<= {1 + threshold:.2f}x baseline time",
                      observed=f"{d.ratio:.3f}x", tolerance=threshold,
                      details="\n".join(lines + ["", f"baseline: {baseline_why}"]))
+
+
+def slower(d: Decision) -> bool:
+    """Slower by the rule's size or more, with or without the evidence (a re-measure's own reading)."""
+    return d.verdict in ("regression", "noisy") or d.change > d.threshold
+
+
+def confirmed(first: dict[str, dict[str, Decision]], again: dict[str, Decision]) -> tuple[dict, list[str]]:
+    """The collectives regressed in the first launch that its re-measure (``again``: the second launch's
+    decisions) finds slower again at at least half their sizes, and what the first launch alone said (noted,
+    not filed). Why a second launch: one launch's samples share one load level (see :func:`judge`), so a
+    scheduler tick that held one collective for a whole launch reads as a large, significant slowdown
+    that a fresh launch does not repeat (CI: "collective broadcast regressed +271.5% at 4 KiB (p=0.001)"
+    in a launch where broadcast was untouched). Why "slower" and not a second regression: the evidence
+    was the first launch's; asking the second for the same p-value too took back 7 of 19 detections of
+    all_reduce 50 % slower at load 7.6, whose re-measures were past the threshold at 3 of 4 sizes but
+    held as noisy at 2 (benchmarks/bench_comm.py, docs/perf.md "Communication")."""
+    kept, gone = {}, []
+    said = lambda k, d: f"{d.change:+.1%} at {_size(int(k.split('/')[1]))} (p={d.p_value:.2g})"  # noqa: E731
+    for c, bad in first.items():
+        mine = [d for k, d in again.items() if k.startswith(c + "/")]
+        if mine and sum(map(slower, mine)) * 2 >= len(mine):
+            kept[c] = bad
+        else:
+            gone.append(f"{c} " + ", ".join(said(k, d) for k, d in sorted(bad.items())))
+    return kept, gone
