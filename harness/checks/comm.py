@@ -172,9 +172,12 @@ class CommCheck(Check):
             ctx.notes.append(f"comm: too noisy to judge {', '.join(noisy)} (sizes held: see the notes above)")
 
     @staticmethod
-    def _judge(st, base: dict) -> None:
-        st.decisions = commjudge.judge(st.raw["samples"], base, st.raw.get("backend", ""), threshold=st.cfg.threshold,
-                                       alpha=st.cfg.alpha, thin_margin=st.cfg.thin_margin)
+    def _decide(st, raw: dict, base: dict) -> dict:
+        return commjudge.judge(raw["samples"], base, raw.get("backend", ""), threshold=st.cfg.threshold,
+                               alpha=st.cfg.alpha, thin_margin=st.cfg.thin_margin)
+
+    def _judge(self, st, base: dict) -> None:
+        st.decisions = self._decide(st, st.raw, base)
         st.regressed = commjudge.regressed(st.decisions, st.cfg.collectives)
         st.slow_pairs = {k: d for k, d in st.decisions.items() if k.startswith("pair/") and d.verdict == "regression"}
 
@@ -183,8 +186,7 @@ class CommCheck(Check):
         (commjudge.confirmed). The failure is told from the first launch, the evidence; the second's
         samples go to the sidecar beside them."""
         raw, wall, _ = _launch(ctx, st)
-        again = commjudge.judge(raw["samples"], base, raw.get("backend", ""), threshold=st.cfg.threshold,
-                                alpha=st.cfg.alpha, thin_margin=st.cfg.thin_margin)
+        again = self._decide(st, raw, base)
         st.regressed, gone = commjudge.confirmed(st.regressed, again)
         kept = {k: d for k, d in st.slow_pairs.items() if k in again and commjudge.slower(again[k])}
         gone += [f"{k} {d.change:+.1%}" for k, d in st.slow_pairs.items() if k not in kept]

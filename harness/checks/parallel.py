@@ -753,13 +753,10 @@ def _logs(d: Path | None) -> str | None:
     run_dir = d.parent
     out = []
     for p in sorted(run_dir.glob("rank*.log")) + sorted(run_dir.glob("torchrun*.log")):
-        if p.exists():
-            # a C++ backtrace's frames say nothing a reader can act on; the line above them does
-            lines = [ln for ln in p.read_text(errors="replace").strip().splitlines()
-                     if ln.strip() and not _BACKTRACE.match(ln)]
-            tail = lines[-6:]
-            if tail:
-                out.append(f"--- {p.name}\n" + "\n".join(tail))
+        # a C++ backtrace's frames say nothing a reader can act on; the line above them does
+        tail = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip() and not _BACKTRACE.match(ln)][-6:]
+        if tail:
+            out.append(f"--- {p.name}\n" + "\n".join(tail))
     return "\n".join(out) or None
 
 

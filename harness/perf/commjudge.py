@@ -233,7 +233,7 @@ def confirmed(first: dict[str, dict[str, Decision]], again: dict[str, Decision])
     decisions) finds slower again at at least half their sizes, and what the first launch alone said (noted,
     not filed). Why a second launch: one launch's samples share one load level (see :func:`judge`), so a
     scheduler tick that held one collective for a whole launch reads as a large, significant slowdown
-    that a fresh launch does not repeat (CI: "collective broadcast regressed +271.5% at 4 KiB (p=0.001)"
+    that a fresh launch does not repeat (a full test run here: "collective broadcast regressed +271.5% at 4 KiB (p=0.001)"
     in a launch where broadcast was untouched). Why "slower" and not a second regression: the evidence
     was the first launch's; asking the second for the same p-value too took back 7 of 19 detections of
     all_reduce 50 % slower at load 7.6, whose re-measures were past the threshold at 3 of 4 sizes but

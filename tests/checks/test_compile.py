@@ -290,12 +290,6 @@ def flip_compiled_routing(model):
     return model
 
 
-def load_golden_of(name: str):
-    from harness.golden.store import load_golden
-
-    return load_golden(suite(name))
-
-
 def test_moe_routing_flip_in_the_compiled_graph_is_judged_with_the_goldens_routing(monkeypatch):
     from harness.golden.store import Golden, load_golden
 
@@ -381,7 +375,7 @@ def test_moe_fault_under_the_unforced_cap_is_caught_by_the_forced_budget(monkeyp
     head_dim the suite's draws no longer flip (unforced 0.0207, forced 0.0193): the golden's unforced budget
     is set to the cap here, as a golden whose draws flipped has it. (At head_dim 16 silu 20 % high moved the
     logits 0.03; at 128 it moves them 0.014, 80 % high 0.030.)"""
-    from harness.golden.store import Golden
+    from harness.golden.store import Golden, load_golden
 
     orig = Golden.budgets
 
@@ -393,7 +387,7 @@ def test_moe_fault_under_the_unforced_cap_is_caught_by_the_forced_budget(monkeyp
         return {**b, "propagated": {**prop, "logits": {**prop["logits"], "budget": 0.04}}}
 
     monkeypatch.setattr(Golden, "budgets", flipped)
-    bud = Golden.budgets(load_golden_of("mixtral-8x7b"), "bfloat16")["propagated"]
+    bud = load_golden(suite("mixtral-8x7b")).budgets("bfloat16")["propagated"]
     assert bud["logits"]["budget"] == 0.04 and bud["logits_forced"]["budget"] < 0.025, bud
 
     def silu_80_percent_high():

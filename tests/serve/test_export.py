@@ -17,14 +17,11 @@ from harness.suite.loader import load_suite
 from tests_support import REPO
 
 
-def _with_head_dim(tmp_path, suite: str, head_dim: int):
-    """The bundled suite with its ``[prune]`` head_dim set otherwise (a suite that says so), config absolute."""
-    text = (REPO / "suites" / f"{suite}.toml").read_text()
-    lines = [f"head_dim = {head_dim}" if ln.startswith("head_dim =") else ln for ln in text.splitlines()]
-    text = "\n".join(lines).replace('config = "configs/', f'config = "{REPO / "suites" / "configs"}/')
-    path = tmp_path / f"{suite}.toml"
-    path.write_text(text + "\n")
-    return path
+def _with_head_dim(write_suite, suite: str, head_dim: int):
+    """The bundled suite with its ``[prune]`` head_dim set otherwise (a suite that says so)."""
+    lines = (REPO / "suites" / f"{suite}.toml").read_text().splitlines()
+    return write_suite(suite, "\n".join(f"head_dim = {head_dim}" if ln.startswith("head_dim =") else ln
+                                        for ln in lines) + "\n")
 
 
 # the bundled suites keep the published head_dim (#47 item 4): nothing to widen; a suite that prunes it (as
@@ -32,9 +29,9 @@ def _with_head_dim(tmp_path, suite: str, head_dim: int):
 @pytest.mark.parametrize("suite, pruned_hd, kept", [
     ("llama-3.1-8b", None, "head_dim 128 (the pruned model's is already the published one)"),
     ("qwen3-8b", 16, "head_dim 128 (published; the pruned model's is 16)")])
-def test_export_keeps_head_dim_and_reloads_to_the_same_model(tmp_path, suite, pruned_hd, kept):
+def test_export_keeps_head_dim_and_reloads_to_the_same_model(tmp_path, write_suite, suite, pruned_hd, kept):
     out = tmp_path / suite
-    path = REPO / "suites" / f"{suite}.toml" if pruned_hd is None else _with_head_dim(tmp_path, suite, pruned_hd)
+    path = REPO / "suites" / f"{suite}.toml" if pruned_hd is None else _with_head_dim(write_suite, suite, pruned_hd)
     assert main(["export", str(path), str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
     ls = load_suite(path)
