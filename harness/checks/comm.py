@@ -108,9 +108,8 @@ class CommCheck(Check):
         # Options: results_dir / golden_root redirect files; delay {collective: seconds} slows one
         # collective inside the ranks (tests).
         # link_rate {node: Mbit/s}: that node's link of a multi-node rehearsal throttled (tests).
-        # delay_launches: the delay applies to that many launches only (a one-launch blip, tests).
-        return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None, delay_launches=None,
-                               launches=0, again_raw=None)
+        return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None,
+                               launches=0, again_raw=None, remeasure="")
 
     def setup(self, ctx: CheckContext, st) -> None:
         st.cfg = ctx.config
@@ -185,7 +184,16 @@ class CommCheck(Check):
         """A second launch, judged alike: what it does not find slower again is noted, not filed
         (commjudge.confirmed). The failure is told from the first launch, the evidence; the second's
         samples go to the sidecar beside them."""
-        raw, wall, _ = _launch(ctx, st)
+        try:
+            raw, wall, _ = _launch(ctx, st)
+        except CouldNotRun as e:
+            # the first launch's finding stands, filed unconfirmed: a second launch that died is no evidence
+            # either way, and turning the item into "could not run" lost what the first launch measured
+            st.remeasure = f"not re-measured: the second launch failed ({e.message.splitlines()[0]})"
+            ctx.detail("comm_remeasure", json.dumps({"failed": e.message}, separators=(",", ":")))
+            ctx.notes.append(f"comm: {st.remeasure}; filed on the first launch alone")
+            return
+        st.remeasure = "confirmed on re-measure"
         again = self._decide(st, raw, base)
         st.regressed, gone = commjudge.confirmed(st.regressed, again)
         kept = {k: d for k, d in st.slow_pairs.items() if k in again and commjudge.slower(again[k])}
@@ -277,7 +285,7 @@ class CommCheck(Check):
     def _collective_verdict(self, st) -> None:
         msg, fields = commjudge.collective_failure(st.regressed, st.decisions, st.table, len(st.cfg.sizes),
                                                    st.cfg.threshold, st.baseline_why, st.raw.get("backend", ""),
-                                                   st.again_raw is not None)
+                                                   st.remeasure)
         raise CheckFailure(msg, **fields)
 
 
@@ -293,8 +301,6 @@ def _launch(ctx: CheckContext, st) -> tuple[dict, float, str]:
                 "collectives": list(cfg.collectives), "sizes": list(cfg.sizes), "warmup": cfg.warmup,
                 "repeats": cfg.repeats, "out": "out/rank0.json", "delay": st.delay or {},
                 "pair_bytes": cfg.pair_bytes}
-        if st.delay_launches is not None and st.launches >= st.delay_launches:
-            spec["delay"] = {}  # tests: a slowdown of the first launch(es) only
         st.launches += 1
         atomic.write_json(Path(d) / "spec.json", spec)
         # Through the launch layer: at the time limit the whole tree is killed (torchrun puts its

@@ -122,6 +122,10 @@ class Coordinator:
     def stage(self, name: str, data: bytes) -> None:
         put(self.store, f"stage/{name}", data)
         self.store.append("stage-index", name + "\n")
+        # set and append do not wait for the server, and a node's wrapper reads over its own connection:
+        # without this round trip a wrapper that asked early found no stage-index (CI, a 4 MiB stage under
+        # load) and its rank ran without the spec. The reply comes after everything sent before it.
+        self.store.check(["stage-index"])
 
     def _names(self, rank: int) -> list[str]:
         key = f"idx/{rank}"

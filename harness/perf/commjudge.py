@@ -192,8 +192,9 @@ def lead(slow: dict[str, dict[str, Decision]], decisions: dict[str, Decision], b
 
 def collective_failure(slow: dict[str, dict[str, Decision]], decisions: dict[str, Decision], table: dict,
                        n_sizes: int, threshold: float, baseline_why: str, backend: str,
-                       remeasured: bool = False) -> tuple[str, dict]:
-    """The failure's message (leading with :func:`lead`, said how it was measured) and its fields."""
+                       remeasure: str = "") -> tuple[str, dict]:
+    """The failure's message (leading with :func:`lead`, said how it was measured) and its fields;
+    ``remeasure``: what a second launch said of it ("confirmed on re-measure"), put after the lead."""
     first = lead(slow, decisions, backend)
     mine = {k: d for k, d in decisions.items() if k.startswith(first + "/")}
     bad_first = slow.get(first) or {k: d for k, d in mine.items() if d.verdict == "regression"} \
@@ -216,7 +217,7 @@ def collective_failure(slow: dict[str, dict[str, Decision]], decisions: dict[str
             f"slower, {d.change:+.1%} at {_size(size)} (p={d.p_value:.2g}: {d.verdict} on its own; led with as "
             "what the slower collectives are measured as)")
     msg = (f"collective {label(first, backend)} {said} "
-           f"against the baseline of this machine class" + ("; confirmed on re-measure" if remeasured else "")
+           f"against the baseline of this machine class" + (f"; {remeasure}" if remeasure else "")
            + (f"; {', '.join(with_it)} slower with it" if with_it else "") + f"; slower: {names}")
     return msg, dict(metric=f"comm_{first}_busbw", expected=f"<= {1 + threshold:.2f}x baseline time",
                      observed=f"{d.ratio:.3f}x", tolerance=threshold,

@@ -252,39 +252,65 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
 
 
 @pytest.mark.slow
-def test_a_slowdown_one_launch_alone_shows_is_measured_again_and_not_filed(write_suite, tmp_path):
+def test_a_finding_a_second_launch_does_not_repeat_is_noted_and_one_it_could_not_measure_is_filed(
+        write_suite, tmp_path, monkeypatch):
     # CI: "collective broadcast regressed +271.5% at 4 KiB (p=0.001)" in a launch where broadcast was untouched:
     # one launch's samples share one load level, so a scheduler tick that held one collective for the whole
-    # launch reads as a large significant slowdown. The suspected regression is measured again by a second
-    # launch; here all_reduce is 3x slower in the first launch only (the delay stops after one launch),
-    # so it is noted and not filed, and both launches' samples are kept.
+    # launch reads as a large significant slowdown. A suspected regression is measured again by a second launch.
+    # The first launch here is live, 20 ms added to every all_reduce: a delay no load hides (a library call made 3x
+    # slower went unflagged in both tries of 4 tests of 12 beside two busy loops: the scheduler's ticks dwarf it).
+    # The second is a replay of the real clean launch the baseline was made of: a live one is at the mercy of the
+    # other pytest worker (stop 61's CI read a clean re-measure +3108 % at 4 KiB against the baseline and
+    # confirmed it, both tries), which is what the check must do on the exclusive machine it is run on, and no
+    # test of the path where the load went away.
+    # One baseline launch, not two: against two launches at different loads either of them can itself read
+    # slower at one size of two, which the lenient re-measure rule counts as "slower again".
+    from harness.checks import comm as commcheck
+    from harness.checks.outcomes import CouldNotRun
+
     ls = load_suite(write_suite("commblip", COMM.format(prune=TINY_PRUNE).replace(
         '"commit"', '"commit"\ncollectives = ["all_reduce", "all_gather", "broadcast"]')))
-    for i in range(2):
-        _run(ls, tmp_path / f"b{i}")
-    dirs = [str(tmp_path / f"b{i}" / "results") for i in range(2)]
-    assert main(["baseline", "update", *dirs, "--golden-dir", str(tmp_path / "golden")]) == 0
-    # a second try only for what the machine can do to a launch: a first launch that, under the other
-    # worker's load, did not flag the 3x slower all_reduce at all, or a re-measure whose clean all_reduce
-    # read slower (3 of 20 clean launches at load 7.6, benchmarks/bench_comm.py)
-    held = []
+    live, clean = commcheck._launch, []
+    monkeypatch.setattr(commcheck, "_launch", lambda ctx, st: clean.append(live(ctx, st)) or clean[-1])
+    _run(ls, tmp_path / "b0")
+    assert main(["baseline", "update", str(tmp_path / "b0" / "results"), "--golden-dir", str(tmp_path / "golden")]) == 0
+
+    def second(then):  # the first launch live and slowed, the second as given (st.launches: how many ran)
+        monkeypatch.setattr(commcheck, "_launch", lambda ctx, st: then(ctx, st) if st.launches else live(ctx, st))
+
+    def died(ctx, st):
+        st.launches += 1
+        raise CouldNotRun("the 2-rank launch failed: rank 1 exited 1 (SIGKILL)", step="launch")
+
+    second(lambda ctx, st: clean[0])
+    # a second try only when the first launch, under the other worker's load, flagged nothing at all
     for _ in range(2):
-        try:
-            ctx = _run(ls, tmp_path, delay={"all_reduce": "200%"}, delay_launches=1)
-        except CheckFailure as e:
-            held.append(e.message.splitlines()[0])
-            continue
+        ctx = _run(ls, tmp_path, delay={"all_reduce": 0.02})
         p = dict(ctx.properties)
         if "harness.detail.comm_remeasure" in p:
             break
-        held.append("the first launch flagged nothing")
     else:
-        raise AssertionError(f"no launch flagged and then cleared: {held}")
+        raise AssertionError(f"all_reduce 20 ms slower flagged nothing in two launches: {ctx.notes}")
     again = json.loads(p["harness.detail.comm_remeasure"])
-    assert again["confirmed"] == [] and again["not_repeated"][0].startswith("all_reduce +"), again
-    assert any(n.startswith("comm: slower in one launch, not on re-measure (not filed): all_reduce +")
+    assert again["confirmed"] == [] and any(g.startswith("all_reduce +") for g in again["not_repeated"]), again
+    assert any(n.startswith("comm: slower in one launch, not on re-measure (not filed): ") and "all_reduce +" in n
                for n in ctx.notes), ctx.notes
     side = json.loads(open(p["harness.detail.comm_samples"]).read())
-    assert set(side["remeasure_samples"]) == set(side["samples"])  # the re-measure's samples beside the first's
+    assert side["remeasure_samples"] == clean[0][0]["samples"]  # the re-measure's samples beside the first's
     slow = statistics.median(side["samples"]["all_reduce/4096"])
     assert slow > 2 * statistics.median(side["remeasure_samples"]["all_reduce/4096"])
+
+    # a second launch that died is no evidence either way: the first launch's finding is filed, said unconfirmed
+    second(died)
+    for _ in range(2):
+        ctx = CheckContext(ls, get("cpu"), "float32", "w2", check="comm")
+        try:
+            registry().get("comm").run(ctx, results_dir=tmp_path / "results", golden_root=tmp_path / "golden",
+                                       delay={"all_reduce": 0.02})
+        except CheckFailure as e:
+            failure = e.message
+            break
+    else:
+        raise AssertionError(f"all_reduce 20 ms slower flagged nothing in two launches: {ctx.notes}")
+    assert "; not re-measured: the second launch failed (the 2-rank launch failed: rank 1 exited 1" in failure, failure
+    assert any(n.endswith("; filed on the first launch alone") for n in ctx.notes), ctx.notes
