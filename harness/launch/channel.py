@@ -24,6 +24,13 @@ Keys (all under the launch's store):
 Publishing order matters for results: a rank writes ``<layout>/rank<r>.safetensors`` and then
 ``rank<r>.json`` (the launcher's "done" mark), so the publisher notes which marks exist *before* it
 reads the other files and sends those marks last: the coordinator never sees a mark before the data.
+
+What fails on the way is said where it will be read. A file the coordinator cannot bring back (a name
+that would leave the run folder, a chunked file whose chunks are not all there) costs no other file
+and is named by ``Coordinator.problems``, which the launch's ``infrastructure()`` reports: the
+results it lacks are then the launch's failure, not the model's. A rank that cannot publish (the
+store refused a value, the coordinator is gone) says so once on its wrapper's stderr, the node
+agent's log, which the launcher quotes when the rank's results never arrive.
 """
 
 from __future__ import annotations
@@ -63,12 +70,20 @@ def put(store, key: str, data: bytes, gen: int = 0) -> None:
 
 
 def get(store, key: str, value: bytes | None = None) -> bytes:
-    """``key``'s content, its chunks joined (``value``: the key's value where already read)."""
+    """``key``'s content, its chunks joined (``value``: the key's value where already read). A header
+    whose chunks are not all there (they are sent first) is an OSError at once: ``get`` of a missing
+    key would wait out the store's whole timeout."""
     value = store.get(key) if value is None else value
     if not value.startswith(CHUNKED):
         return value
-    h = json.loads(value[len(CHUNKED):])
-    data = b"".join(store.get(f"{key}#{h['gen']}/{i}") for i in range(h["n"]))
+    try:
+        h = json.loads(value[len(CHUNKED):])
+        keys = [f"{key}#{int(h['gen'])}/{i}" for i in range(int(h["n"]))]
+    except (ValueError, KeyError, TypeError) as e:
+        raise OSError(f"launch store: {key} has a malformed chunk header ({e})") from None
+    if not store.check(keys):
+        raise OSError(f"launch store: {key} announces {len(keys)} chunks that are not all there")
+    data = b"".join(store.get(k) for k in keys)
     if len(data) != h["size"]:
         raise OSError(f"launch store: {key} came as {len(data)} bytes of {h['size']}")
     return data
@@ -114,6 +129,7 @@ class Coordinator:
         self.versions: dict[int, dict[str, str]] = {}  # rank -> versions
         self.reference = versions()  # what every rank must run
         self.refused_names: list[str] = []  # published names that would have left the run folder
+        self.lost: dict[str, str] = {}  # published name -> why it could not be read from the store
 
     @property
     def port(self) -> int:
@@ -145,21 +161,34 @@ class Coordinator:
             marks = [x for x in names if x.endswith(".json")]
             # data before marks, as published (see the module's docstring)
             for name in [x for x in names if not x.endswith(".json")] + marks:
-                value = self.store.get(f"f/{name}")  # a chunked file's header: new chunks, new header
-                if self._seen.get(name) == value:
-                    continue
-                self._seen[name] = value
-                data = get(self.store, f"f/{name}", value)
-                try:  # a name another node sent: a relative path of plain names under the run folder
-                    target = paths.join(self.run_dir, name, source="launch store", field=f"rank {r}'s file",
-                                        plain=False)
-                except paths.PathRefused as e:
-                    self.refused_names.append(str(e))
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                atomic.write_bytes(target, data)
-                n += 1
+                n += self._mirror(r, name)
         return n
+
+    def _mirror(self, rank: int, name: str) -> int:
+        """Write one published file into the run folder when it changed: 1, else 0. A file that cannot
+        be read or placed is recorded (``problems``) and costs no other file."""
+        try:
+            value = self.store.get(f"f/{name}")  # a chunked file's header: new chunks, new header
+            if self._seen.get(name) == value:
+                return 0
+            data = get(self.store, f"f/{name}", value)
+            self._seen[name] = value  # after the read: a read that failed is tried again at the next sync
+        except (OSError, RuntimeError) as e:  # torch's store errors are RuntimeErrors
+            self.lost[name] = f"rank {rank}'s {name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            return 0
+        self.lost.pop(name, None)
+        try:  # a name another node sent: a relative path of plain names under the run folder
+            target = paths.join(self.run_dir, name, source="launch store", field=f"rank {rank}'s file", plain=False)
+        except paths.PathRefused as e:
+            self.refused_names.append(str(e))
+            return 0
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_bytes(target, data)
+        return 1
+
+    def problems(self) -> list[str]:
+        """What the ranks sent that did not reach the run folder, and why ([] when everything did)."""
+        return [*self.refused_names, *self.lost.values()]
 
     def version_mismatch(self) -> str:
         """'' while every rank heard from runs the coordinator's versions (it runs on node 0 and
@@ -195,6 +224,7 @@ class Publisher:
         self._named: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._said = False  # a failure to publish is said once (_say)
 
     def fetch_stage(self) -> list[str]:
         """Write the coordinator's staged files into the local run folder; their names."""
@@ -249,7 +279,8 @@ class Publisher:
             while not self._stop.wait(interval_s):
                 try:
                     self.publish()
-                except Exception:  # the coordinator went away: the launch is being torn down
+                except Exception as e:  # the coordinator went away (the launch is being torn down), or
+                    self._say(e)        # the store refused what was sent: said where the node's log shows it
                     return
 
         self._thread = threading.Thread(target=loop, name="launch-publisher", daemon=True)
@@ -262,8 +293,17 @@ class Publisher:
             self._thread.join(timeout=5)
         try:
             self.publish()
-        except Exception:
-            pass
+        except Exception as e:
+            self._say(e)
+
+    def _say(self, e: Exception) -> None:
+        """One line on the wrapper's stderr, which is the node agent's log: the coordinator heard nothing
+        more from this rank, and its report ("ranks exited before reporting") quotes that log's tail."""
+        if not self._said:
+            self._said = True
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"harness rank wrapper: rank {self.rank} could not publish its files to the launch store: {first}",
+                  file=sys.stderr, flush=True)
 
 
 def publisher_from_env(run_dir: str, rank: int) -> Publisher | None:

@@ -455,6 +455,9 @@ class NodeLaunch:
                            "wrote an exit record")
         late = [n for n in self.nodes.nodes if n.index not in self._started]
         why += [f"node {n.index} ({n.hostname}): its agent had not started" for n in late if why]
+        if lost := self.coord.problems():  # files a rank sent that never reached the run folder
+            why.append(f"the launch store could not bring back {len(lost)} file(s): " + "; ".join(lost[:3])
+                       + (f"; and {len(lost) - 3} more" if len(lost) > 3 else ""))
         return "; ".join(why)
 
 

@@ -3,6 +3,7 @@ folder and nowhere else, data before the marks that say it is complete."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -70,3 +71,43 @@ def test_a_file_larger_than_the_store_takes_arrives_whole(tmp_path):
     assert pub.publish() == 1
     coord.sync()
     assert (mirrored / "rank1.safetensors").read_bytes() == again
+
+
+def test_a_file_that_cannot_be_brought_back_is_named_and_costs_no_other(tmp_path):
+    """A header whose chunks never came (a rank killed between them, or a buggy sender) and a malformed
+    header: each named by ``problems`` at once (a ``get`` of a missing key waited out the store's whole
+    timeout), and the rank's other files still mirrored."""
+    import time
+
+    from harness.launch.channel import CHUNKED
+
+    coord = Coordinator(tmp_path / "run", world=1, host="127.0.0.1", timeout_s=30)
+    client = TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=10))
+    sent = {"tp2/rank0.safetensors": CHUNKED + json.dumps({"gen": 1, "n": 3, "size": 99}).encode(),
+            "tp2/rank0.log": CHUNKED + b"{not json", "status-0": b"0\ttp2\tforward\t\t"}
+    for name, data in sent.items():
+        client.set(f"f/{name}", data)
+        client.append("idx/0", name + "\n")
+    t0 = time.monotonic()
+    assert coord.sync() == 1 and time.monotonic() - t0 < 5
+    assert (tmp_path / "run" / "status-0").read_bytes() == sent["status-0"]
+    assert not (tmp_path / "run" / "tp2").exists()
+    problems = coord.problems()
+    assert len(problems) == 2, problems
+    assert any(p.startswith("rank 0's tp2/rank0.safetensors: ") and "3 chunks that are not all there" in p
+               for p in problems), problems
+    assert any(p.startswith("rank 0's tp2/rank0.log: ") and "malformed chunk header" in p for p in problems), problems
+
+
+def test_a_rank_that_cannot_publish_says_so_once_in_its_nodes_log(tmp_path, capfd):
+    coord = Coordinator(tmp_path / "coordinator", world=2, host="127.0.0.1")
+    node = tmp_path / "node1"
+    node.mkdir()
+    pub = Publisher(f"127.0.0.1:{coord.port}", str(node), rank=1, node=1, timeout_s=2)
+    coord.close()  # the coordinator's store is gone (as when its process died)
+    (node / "status-1").write_text("0\ttp2\tforward\t\t")
+    pub.stop()
+    (node / "status-1").write_text("1\ttp2\tbackward\t\t")
+    pub.stop()
+    err = capfd.readouterr().err
+    assert err.count("harness rank wrapper: rank 1 could not publish its files to the launch store: ") == 1, err

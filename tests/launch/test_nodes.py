@@ -131,6 +131,32 @@ def test_a_node_running_another_package_version_is_refused_before_any_result(tmp
     assert not (run / "out").exists() or len(list((run / "out").glob("*.json"))) < 4
 
 
+# SUM, and rank 3 (node 1) sends two files straight to the launch store as a buggy or hostile rank
+# program could: a name that leaves the run folder, and a chunked file whose chunks never come.
+SENDS_BAD_FILES = SUM + r"""
+if r == 3:
+    host, port = os.environ["HARNESS_LAUNCH_STORE"].rsplit(":", 1)
+    s = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    for name, data in (("../../escape.json", b"{}"),
+                       ("out/rank3.safetensors", b"\0harness-chunked\0" + b'{"gen": 7, "n": 2, "size": 5}')):
+        s.set("f/" + name, data)
+        s.append("idx/3", name + "\n")
+    s.check(["idx/3"])
+"""
+
+
+def test_files_a_rank_sent_that_never_reached_the_run_folder_are_named_as_the_launchs(tmp_path):
+    run = tmp_path / "coordinator"
+    with netns_nodes(2) as nodes, NodeLaunch(_spec(run, SENDS_BAD_FILES), nodes, join_timeout_s=120) as launch:
+        end = launch.wait(deadline_s=300)
+        why = launch.infrastructure()
+    assert end.ok, (end, why)
+    assert sorted(p.name for p in (run / "out").glob("rank*.json")) == [f"rank{r}.json" for r in range(4)]
+    assert not (tmp_path / "escape.json").exists() and not (run / "out" / "rank3.safetensors").exists()
+    assert why.startswith("the launch store could not bring back 2 file(s): "), why
+    assert "rank 3's out/rank3.safetensors: " in why and "escape.json" in why, why
+
+
 def _namespaces() -> list[str]:
     import subprocess
 
