@@ -93,19 +93,20 @@ LIBRARY_CALL = {"all_reduce": ("all_reduce",), "all_gather": ("all_gather_into_t
 
 def _slow_library(delay: dict) -> None:
     """Tests: ``{collective: "50%"}`` makes the library's call of that collective so much slower
-    (a sleep of that share of each call's own time), in this rank: whatever is built on the call
-    slows with it, as a slower library would (on gloo, reduce_scatter is measured as an all_reduce)."""
+    (a sleep of that share of each call's own time), ``{collective: "0.01s"}`` that many seconds
+    slower per call, in this rank: whatever is built on the call slows with it, as a slower library
+    would (on gloo, reduce_scatter is measured as an all_reduce)."""
     import torch.distributed as dist
 
     for coll, v in delay.items():
-        if not (isinstance(v, str) and v.endswith("%")):
+        if not (isinstance(v, str) and v.endswith(("%", "s"))):
             continue
-        share = float(v[:-1]) / 100
+        share, fixed = (float(v[:-1]) / 100, 0.0) if v.endswith("%") else (0.0, float(v[:-1]))
         for name in LIBRARY_CALL[coll]:
-            def slowed(*a, _fn=getattr(dist, name), _share=share, **k):
+            def slowed(*a, _fn=getattr(dist, name), _share=share, _fixed=fixed, **k):
                 t0 = time.perf_counter()
                 out = _fn(*a, **k)
-                time.sleep((time.perf_counter() - t0) * _share)
+                time.sleep((time.perf_counter() - t0) * _share + _fixed)
                 return out
 
             setattr(dist, name, slowed)

@@ -24,8 +24,9 @@ TESTS = Path(__file__).resolve().parent.parent
 # fsync after N whole lines fails as a full disk makes it fail, once; the reserve is then what the
 # summaries are written into, as on a real full disk.
 SITECUSTOMIZE = '''
-import errno, os
+import errno, os, time
 _after = int(os.environ.get("INJECT_ENOSPC_AFTER", "0"))
+_pause = os.environ.get("PAUSE_AFTER_JOURNAL_IN", "")
 _real, _seen = os.fsync, [0]
 def _fsync(fd):
     try:
@@ -34,10 +35,18 @@ def _fsync(fd):
         name = ""
     if name.endswith("journal.jsonl"):
         _seen[0] += 1
-        if _seen[0] == _after + 1:
+        if _after and _seen[0] == _after + 1:
             raise OSError(errno.ENOSPC, "No space left on device")
+        if _pause and _seen[0] == 1:  # the first item journaled: let the other writer fill the disk now
+            out = _real(fd)
+            open(os.path.join(_pause, "journaled"), "w").close()
+            for _ in range(600):
+                if os.path.exists(os.path.join(_pause, "filled")):
+                    break
+                time.sleep(0.1)
+            return out
     return _real(fd)
-if _after:
+if _after or _pause:
     os.fsync = _fsync
 '''
 
@@ -66,11 +75,12 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
     return r.returncode == 0
 
 
-def _fill_when_journaled(results: Path, stop: threading.Event) -> None:
-    """Another job fills the disk once the first item is journaled."""
-    journal = results / "journal.jsonl"
+def _fill_when_journaled(results: Path, signals: Path, stop: threading.Event) -> None:
+    """Another job fills the disk once the first item is journaled. The run waits for it there
+    (PAUSE_AFTER_JOURNAL_IN): watched from outside, the run's 3 other items (0.03 s each) and its
+    summaries were sometimes all written before the filler woke (a full test run, 2 workers)."""
     while not stop.is_set():
-        if journal.exists() and journal.stat().st_size > 0:
+        if (signals / "journaled").exists():
             with open(results.parent / "filler", "wb") as f:
                 try:
                     while True:
@@ -78,6 +88,7 @@ def _fill_when_journaled(results: Path, stop: threading.Event) -> None:
                         f.flush()
                         os.fsync(f.fileno())
                 except OSError:
+                    (signals / "filled").touch()  # outside the full file system
                     return
         time.sleep(0.01)
 
@@ -94,9 +105,9 @@ def test_a_disk_that_fills_mid_run_leaves_an_incomplete_readable_run(tmp_path, h
     if how == "tmpfs" and not mounted:
         pytest.skip("cannot mount a tmpfs here (not root); the injected case covers the same path")
     results = disk / "results"
-    env = _run_env(tmp_path, inject_enospc=not mounted)
+    env = _run_env(tmp_path, inject_enospc=not mounted, pause_in=tmp_path if mounted else None)
     stop = threading.Event()
-    filler = threading.Thread(target=_fill_when_journaled, args=(results, stop), daemon=True)
+    filler = threading.Thread(target=_fill_when_journaled, args=(results, tmp_path, stop), daemon=True)
     if mounted:
         filler.start()
     try:
@@ -104,6 +115,7 @@ def test_a_disk_that_fills_mid_run_leaves_an_incomplete_readable_run(tmp_path, h
         r = subprocess.run([str(exe), "run", "--check", "smoke", "--no-isolate", "--results", str(results)],
                            cwd=project, env=env, capture_output=True, text=True, timeout=240)
         stop.set()
+        assert not mounted or (tmp_path / "filled").exists(), r.stdout + r.stderr  # the disk was full meanwhile
         _assert_one_error_line(r)
         _assert_incomplete_results(results, how)
     finally:
@@ -112,16 +124,18 @@ def test_a_disk_that_fills_mid_run_leaves_an_incomplete_readable_run(tmp_path, h
             subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
-def _run_env(tmp_path: Path, inject_enospc: bool) -> dict[str, str]:
+def _run_env(tmp_path: Path, inject_enospc: bool, pause_in: Path | None = None) -> dict[str, str]:
     """The `harness run` environment; with ``inject_enospc`` the journal's fsync after one whole
-    line fails as a full disk makes it fail (SITECUSTOMIZE)."""
+    line fails as a full disk makes it fail; with ``pause_in`` the run waits after its first journal
+    line until the disk is full (SITECUSTOMIZE)."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "250",
                         "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if inject_enospc:
+    if inject_enospc or pause_in:
         inject = tmp_path / "inject"
         inject.mkdir()
         (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        env |= {"INJECT_ENOSPC_AFTER": "1", "PYTHONPATH": f"{inject}{os.pathsep}{env['PYTHONPATH']}"}
+        env |= {"PYTHONPATH": f"{inject}{os.pathsep}{env['PYTHONPATH']}"}
+        env |= {"INJECT_ENOSPC_AFTER": "1"} if inject_enospc else {"PAUSE_AFTER_JOURNAL_IN": str(pause_in)}
     return env
 
 
