@@ -276,7 +276,7 @@ class CommCheck(Check):
         k, d = slow[0]
         raise CheckFailure(
             f"slow link: {self._link(st, k)} round trips {d.change:+.1%} against the baseline (p={d.p_value:.2g}); "
-            f"{len(slow)} of {len(st.pairs)} pairs slower{where}"
+            f"{len(slow)} of {len(st.pairs)} pairs slower{where}" + (f"; {st.remeasure}" if st.remeasure else "")
             + (f"; collectives slower with it: {', '.join(st.regressed)}" if st.regressed else ""),
             metric="comm_pair_round_trip_s",
             expected=f"<= {1 + st.cfg.threshold:.2f}x baseline time", observed=f"{d.ratio:.3f}x",
