@@ -141,7 +141,7 @@ def test_the_slow_link_is_placed_from_the_pairs_slowed_like_the_worst():
     decisions = {k: decide(k, [v * f for v in base], base, threshold=0.25) for k, f in slowed.items()}
     st = SimpleNamespace(slow_pairs=decisions, pairs={**{k: 1e-4 * f for k, f in slowed.items()}, "pair/2-3": 1e-4},
                          raw={"hosts": ["vm", "vm", "node1", "node1"]}, regressed={},
-                         cfg=SimpleNamespace(threshold=0.25, fail_on_regression=True), baseline_why="b")
+                         cfg=SimpleNamespace(threshold=0.25, fail_on_regression=True), baseline_why="b", remeasure="")
     with pytest.raises(CheckFailure) as e:
         CommCheck().verdict(None, st)
     assert "5 of 6 pairs slower; every slow pair joins node1 and vm: the link between them" in e.value.message
