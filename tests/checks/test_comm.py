@@ -252,17 +252,12 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
 @pytest.mark.slow
 def test_a_finding_a_second_launch_does_not_repeat_is_noted_and_one_it_could_not_measure_is_filed(
         write_suite, tmp_path, monkeypatch):
-    # CI: "collective broadcast regressed +271.5% at 4 KiB (p=0.001)" in a launch where broadcast was untouched:
-    # one launch's samples share one load level, so a scheduler tick that held one collective for the whole
-    # launch reads as a large significant slowdown. A suspected regression is measured again by a second launch.
-    # The first launch here is live, 20 ms added to every all_reduce: a delay no load hides (a library call made 3x
-    # slower went unflagged in both tries of 4 tests of 12 beside two busy loops: the scheduler's ticks dwarf it).
-    # The second is a replay of the real clean launch the baseline was made of: a live one is at the mercy of the
-    # other pytest worker (stop 61's CI read a clean re-measure +3108 % at 4 KiB against the baseline and
-    # confirmed it, both tries), which is what the check must do on the exclusive machine it is run on, and no
-    # test of the path where the load went away.
-    # One baseline launch, not two: against two launches at different loads either of them can itself read
-    # slower at one size of two, which the lenient re-measure rule counts as "slower again".
+    # CI: "collective broadcast regressed +271.5% at 4 KiB (p=0.001)" with broadcast untouched: one launch's
+    # samples share one load level. A suspected regression is measured again by a second launch. The first here
+    # is live, 20 ms added to every all_reduce (a 3x slower call went unflagged in both tries of 4 tests of 12
+    # beside two busy loops). The second replays the real clean launch the baseline was made of: a live one is at
+    # the mercy of the other pytest worker (stop 61's CI: a clean re-measure +3108 % at 4 KiB, confirmed, both
+    # tries). One baseline launch: of two at different loads, either can itself read "slower again" at one size.
     from harness.checks import comm as commcheck
     from harness.checks.outcomes import CouldNotRun
 
