@@ -39,6 +39,7 @@ from harness.checks import (
     CouldNotRun,
     NotApplicable,
 )
+from harness.messages import first_line
 from harness.perf import baseline as store
 from harness.perf import commjudge, stats
 from harness.perf import fingerprint as fpmod
@@ -108,8 +109,8 @@ class CommCheck(Check):
         # Options: results_dir / golden_root redirect files; delay {collective: seconds} slows one
         # collective inside the ranks (tests).
         # link_rate {node: Mbit/s}: that node's link of a multi-node rehearsal throttled (tests).
-        return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None,
-                               launches=0, again_raw=None, remeasure="")
+        return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None, again_raw=None,
+                               remeasure="")
 
     def setup(self, ctx: CheckContext, st) -> None:
         st.cfg = ctx.config
@@ -189,7 +190,7 @@ class CommCheck(Check):
         except CouldNotRun as e:
             # the first launch's finding stands, filed unconfirmed: a second launch that died is no evidence
             # either way, and turning the item into "could not run" lost what the first launch measured
-            st.remeasure = f"not re-measured: the second launch failed ({e.message.splitlines()[0]})"
+            st.remeasure = f"not re-measured: the second launch failed ({first_line(e)})"
             ctx.detail("comm_remeasure", json.dumps({"failed": e.message}, separators=(",", ":")))
             ctx.notes.append(f"comm: {st.remeasure}; filed on the first launch alone")
             return
@@ -301,7 +302,6 @@ def _launch(ctx: CheckContext, st) -> tuple[dict, float, str]:
                 "collectives": list(cfg.collectives), "sizes": list(cfg.sizes), "warmup": cfg.warmup,
                 "repeats": cfg.repeats, "out": "out/rank0.json", "delay": st.delay or {},
                 "pair_bytes": cfg.pair_bytes}
-        st.launches += 1
         atomic.write_json(Path(d) / "spec.json", spec)
         # Through the launch layer: at the time limit the whole tree is killed (torchrun puts its
         # ranks in sessions of their own: killing torchrun alone, before, left ranks hung in a

@@ -44,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from harness.files import atomic, paths
+from harness.messages import first_line
 
 LOG_TAIL_BYTES = 16384  # a rank's log is published as its tail: error messages quote the last lines
 PACKAGES = ("torch", "transformers", "safetensors", "harness")  # what every node must run alike
@@ -174,7 +175,7 @@ class Coordinator:
             data = get(self.store, f"f/{name}", value)
             self._seen[name] = value  # after the read: a read that failed is tried again at the next sync
         except (OSError, RuntimeError) as e:  # torch's store errors are RuntimeErrors
-            self.lost[name] = f"rank {rank}'s {name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            self.lost[name] = f"rank {rank}'s {name}: {first_line(e) or type(e).__name__}"
             return 0
         self.lost.pop(name, None)
         try:  # a name another node sent: a relative path of plain names under the run folder
@@ -301,9 +302,8 @@ class Publisher:
         more from this rank, and its report ("ranks exited before reporting") quotes that log's tail."""
         if not self._said:
             self._said = True
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"harness rank wrapper: rank {self.rank} could not publish its files to the launch store: {first}",
-                  file=sys.stderr, flush=True)
+            print(f"harness rank wrapper: rank {self.rank} could not publish its files to the launch store: "
+                  f"{first_line(e) or type(e).__name__}", file=sys.stderr, flush=True)
 
 
 def publisher_from_env(run_dir: str, rank: int) -> Publisher | None:

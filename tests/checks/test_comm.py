@@ -249,6 +249,26 @@ def test_all_reduce_made_slower_in_the_library_is_named_as_all_reduce(write_suit
     assert failure.metric == "comm_all_reduce_busbw"
 
 
+def _second_launch(monkeypatch, live, then):
+    """The comm check's launches replaced: each item's first launch ``live``, its second ``then``."""
+    from harness.checks import comm as commcheck
+
+    seen = []  # the items' states, held: an id freed by one item could be another's
+
+    def launch(ctx, st):
+        if any(s is st for s in seen):
+            return then(ctx, st)
+        seen.append(st)
+        return live(ctx, st)
+    monkeypatch.setattr(commcheck, "_launch", launch)
+
+
+def _died(ctx, st):
+    from harness.checks.outcomes import CouldNotRun
+
+    raise CouldNotRun("the 2-rank launch failed: rank 1 exited 1 (SIGKILL)", step="launch")
+
+
 @pytest.mark.slow
 def test_a_finding_a_second_launch_does_not_repeat_is_noted_and_one_it_could_not_measure_is_filed(
         write_suite, tmp_path, monkeypatch):
@@ -259,7 +279,6 @@ def test_a_finding_a_second_launch_does_not_repeat_is_noted_and_one_it_could_not
     # the mercy of the other pytest worker (stop 61's CI: a clean re-measure +3108 % at 4 KiB, confirmed, both
     # tries). One baseline launch: of two at different loads, either can itself read "slower again" at one size.
     from harness.checks import comm as commcheck
-    from harness.checks.outcomes import CouldNotRun
 
     ls = load_suite(write_suite("commblip", COMM.format(prune=TINY_PRUNE).replace(
         '"commit"', '"commit"\ncollectives = ["all_reduce", "all_gather", "broadcast"]')))
@@ -268,14 +287,7 @@ def test_a_finding_a_second_launch_does_not_repeat_is_noted_and_one_it_could_not
     _run(ls, tmp_path / "b0")
     assert main(["baseline", "update", str(tmp_path / "b0" / "results"), "--golden-dir", str(tmp_path / "golden")]) == 0
 
-    def second(then):  # the first launch live and slowed, the second as given (st.launches: how many ran)
-        monkeypatch.setattr(commcheck, "_launch", lambda ctx, st: then(ctx, st) if st.launches else live(ctx, st))
-
-    def died(ctx, st):
-        st.launches += 1
-        raise CouldNotRun("the 2-rank launch failed: rank 1 exited 1 (SIGKILL)", step="launch")
-
-    second(lambda ctx, st: clean[0])
+    _second_launch(monkeypatch, live, lambda ctx, st: clean[0])
     # a second try only when the first launch, under the other worker's load, flagged nothing at all
     for _ in range(2):
         ctx = _run(ls, tmp_path, delay={"all_reduce": 0.02})
@@ -294,7 +306,7 @@ def test_a_finding_a_second_launch_does_not_repeat_is_noted_and_one_it_could_not
     assert slow > 2 * statistics.median(side["remeasure_samples"]["all_reduce/4096"])
 
     # a second launch that died is no evidence either way: the first launch's finding is filed, said unconfirmed
-    second(died)
+    _second_launch(monkeypatch, live, _died)
     for _ in range(2):
         ctx = CheckContext(ls, get("cpu"), "float32", "w2", check="comm")
         try:
