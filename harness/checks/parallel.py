@@ -23,11 +23,9 @@ volume is itself a regression signal.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -45,6 +43,7 @@ from harness.checks import (
     CouldNotRun,
     NotApplicable,
 )
+from harness.files import scratch
 
 metrics.declare("parallel_logits_error", "", "lower", "max |logits - reference| / max |reference| over ranks")
 metrics.declare("parallel_loss_error", "", "lower", "|loss - reference| / |reference|, worst rank")
@@ -229,10 +228,9 @@ def reset_launches() -> None:
 
 
 def _tmp_root() -> Path:
+    """This process's folder of launches (removed at exit; a killed process's, by the next one)."""
     if not _TMP:
-        p = Path(tempfile.mkdtemp(prefix="harness-parallel-"))
-        _TMP.append(p)
-        atexit.register(shutil.rmtree, p, True)
+        _TMP.append(scratch.scratch_dir("harness-parallel-"))
     return _TMP[0]
 
 
@@ -352,6 +350,11 @@ def _layout_verdict(ctx: CheckContext, st, lay, tol: dict) -> tuple:
     v = compare_layout(ref, st.order, st.ids, lay, ranks, tol)
     _apply_routing(v, routing, st.order)
     _compare_float64(v, st.ref64 if ref is st.ref else None, ranks, ctx.dtype, st.order)
+    # The verdict is kept (st.verdicts), so the layout's tensors are not read again: free them now.
+    # Kept until the process ends they added up (GBs over the test suite's launches, a full disk
+    # on a shared runner); the small rank records and logs stay for the launch's other items.
+    for r in range(lay.world):
+        (st.outcome.dir / f"rank{r}.safetensors").unlink(missing_ok=True)
     return v, [rd.meta for rd in ranks], routing
 
 

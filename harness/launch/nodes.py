@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import settings
-from harness.files import atomic
+from harness.files import atomic, scratch
 from harness.launch import agents, channel, ready
 from harness.launch.group import (
     Ended,
@@ -122,7 +122,8 @@ def netns_nodes(count: int, tmp_root: str | None = None) -> NodeSet:
     made: list[str] = []
     _sweep_orphans(tmp_root)
     tmp = Path(tempfile.mkdtemp(prefix="harness-nodes-", dir=tmp_root))
-    atomic.write_text(tmp / OWNER, f"{tag} {os.getpid()} {count}\n")
+    atomic.write_text(tmp / NODE_SET, f"{tag} {count}\n")
+    atomic.write_text(tmp / scratch.OWNER, scratch.owner_record())  # last: a set with an owner is a whole one
 
     def down() -> None:
         for ns in made:
@@ -155,20 +156,18 @@ def netns_nodes(count: int, tmp_root: str | None = None) -> NodeSet:
     return NodeSet("netns", count, nodes[0].addr, nodes, down)
 
 
-OWNER = "owner"  # "<tag> <pid> <count>" of a node set, in its temp folder
+NODE_SET = "node-set"  # "<tag> <count>" of a node set, in its temp folder (its owner: harness.files.scratch)
 
 
 def _sweep_orphans(tmp_root: str | None) -> list[str]:
     """Remove the node sets whose owning process is gone (it was SIGKILLed: no `finally` ran), with
     their namespaces, bridge and folders; their names, for the record."""
     gone = []
-    for owner in Path(tmp_root or tempfile.gettempdir()).glob(f"harness-nodes-*/{OWNER}"):
+    for owner in Path(tmp_root or tempfile.gettempdir()).glob(f"harness-nodes-*/{scratch.OWNER}"):
         try:
-            tag, pid, count = owner.read_text().split()
-            os.kill(int(pid), 0)
-            continue  # its owner lives
-        except ProcessLookupError:
-            pass
+            if not scratch.owner_gone(owner.read_text()):
+                continue
+            tag, count = (owner.parent / NODE_SET).read_text().split()
         except (OSError, ValueError):
             continue
         for k in range(1, int(count)):

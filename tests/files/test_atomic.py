@@ -155,6 +155,8 @@ _ALLOWED = {
     "harness/serve/engines/vllm_server.py": "runs in the engine's venv beside vllm_runner.py: its own temporary "
                                             "file and os.replace for the port and status files; the server's "
                                             "request file is written before the server that reads it starts",
+    "harness/files/scratch.py": "mkdtemp of a process's scratch folder, removed at its exit or by the next "
+                                "process's sweep of orphans",
     "harness/checks/parallel.py": "mkdtemp of scratch folders for launches, deleted after",
     "harness/launch/nodes.py": "mkdtemp of a rehearsal's node folders, removed with its node set",
     "harness/launch/agents.py": "mkdtemp of a node agent's launch folders, removed when it ends",
