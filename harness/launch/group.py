@@ -91,10 +91,14 @@ class LaunchSpec:
                 rdzv: list[str] | None = None) -> list[str]:
         """The agent's command; a multi-node launch (``harness.launch.nodes``) gives each node its
         own run folder and rendezvous arguments."""
-        return [sys.executable, "-m", "torch.distributed.run",
+        run_dir = run_dir or str(self.run_dir)
+        # --log-dir: torchrun's own folder per launch (torchelastic_*) goes in the run folder, not
+        # the system temp folder, where one was left behind by every launch (first: a
+        # --log-dir in HARNESS_TORCHRUN_ARGS, after it, wins)
+        return [sys.executable, "-m", "torch.distributed.run", "--log-dir", run_dir,
                 *(rdzv if rdzv is not None else self.rdzv.torchrun_args(nodes or self.nodes)),
                 "--nproc-per-node", str(self.procs_per_node), "--max-restarts", "0", "--monitor-interval", "0.1",
-                "-m", "harness.launch.rank", run_dir or str(self.run_dir), *self.args]
+                "-m", "harness.launch.rank", run_dir, *self.args]
 
 
 def rank_env() -> dict:

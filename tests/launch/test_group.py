@@ -98,16 +98,19 @@ def test_a_group_that_ends_on_its_own_has_its_strays_swept(tmp_path):
 def test_rendezvous_arguments_one_node_now_c10d_nodes_later(tmp_path):
     spec = LaunchSpec(["-m", "x"], tmp_path, procs_per_node=4)
     cmd = spec.command()
-    assert cmd[cmd.index("torch.distributed.run") + 1:][:5] == ["--standalone", "--nnodes", "1", "--nproc-per-node", "4"]
+    # torchrun's own log folder in the run folder (it left a torchelastic_* in /tmp per launch)
+    assert cmd[cmd.index("torch.distributed.run") + 1:][:7] == ["--log-dir", str(tmp_path), "--standalone", "--nnodes",
+                                                               "1", "--nproc-per-node", "4"]
     assert cmd[-4:] == ["harness.launch.rank", str(tmp_path), "-m", "x"] and spec.world == 4
     c10d = LaunchSpec(["-m", "x"], tmp_path, procs_per_node=8, nodes=2,
                       rdzv=Rendezvous("c10d", endpoint="node0:29400", run_id="nightly-7"))
-    assert c10d.world == 16 and c10d.command()[3:11] == [
+    assert c10d.world == 16 and c10d.command()[5:13] == [
         "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "nightly-7"]
     with pytest.raises(ValueError, match="standalone rendezvous is one node"):
         LaunchSpec(["x"], tmp_path, nodes=2).command()
     with pytest.raises(ValueError, match="needs an endpoint"):
         LaunchSpec(["x"], tmp_path, nodes=2, rdzv=Rendezvous("c10d")).command()
-    raw = Rendezvous.from_text("--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 'h:1'")
-    assert LaunchSpec(["x"], tmp_path, nodes=2, rdzv=raw).command()[3:9] == [
-        "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"]
+    raw = Rendezvous.from_text("--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 'h:1' --log-dir /var/log/t")
+    assert LaunchSpec(["x"], tmp_path, nodes=2, rdzv=raw).command()[3:13] == [
+        "--log-dir", str(tmp_path), "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1",
+        "--log-dir", "/var/log/t"]  # the user's verbatim arguments come after harness's: theirs wins
