@@ -194,6 +194,10 @@ def launch(spec: dict, layouts: list[Layout], world: int, run_root: Path, timeou
         rest = remaining[len(finished):]
         if not rest:
             _warn_teardown([outcomes[lay.label] for lay in finished], end)
+            if end.infra:  # every layout reported, yet a node or the launch store did not end well
+                for lay in finished:
+                    outcomes[lay.label].warnings.append(f"every layout reported, results kept; the launch's "
+                                                        f"nodes: {end.infra}")
             break
         if end.infra:
             # A node failed (lost, late, or running other packages): no layout left has a verdict on
