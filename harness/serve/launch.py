@@ -4,8 +4,8 @@ The runner runs as a ``harness.launch.ProcessGroup`` (its own session, death wit
 tree killed at the time limit, nothing left behind after it exits) and talks through two files in the
 run directory: ``request.json`` in, ``result.json`` out; its output goes to ``engine.log``, whose tail
 is in every error. What the engine puts in the temp folder (vLLM: its ``vllm_dist_*`` init file and
-its ZeroMQ sockets, one set per start, never removed) goes in a scratch folder of the run's, removed
-when the engine has ended (``harness.files.scratch``).
+its ZeroMQ sockets, one set per start, never removed) goes in a scratch folder of its own in the system
+temp folder, removed when the engine has ended (``harness.files.scratch``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def engine_env(run_dir: Path, engine: Engine | None = None, tmp: Path | None = N
     env = dict(os.environ)
     if tmp is not None:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
-        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(tmp)
+        env["TMPDIR"] = str(tmp)
+        env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
     for k, v in (engine.env if engine is not None else ()):
         env.setdefault(k, v)
     env["VLLM_CACHE_ROOT"] = str(run_dir.parent / "vllm-cache")
