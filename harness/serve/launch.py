@@ -3,22 +3,16 @@
 The runner runs as a ``harness.launch.ProcessGroup`` (its own session, death with the item, the whole
 tree killed at the time limit, nothing left behind after it exits) and talks through two files in the
 run directory: ``request.json`` in, ``result.json`` out; its output goes to ``engine.log``, whose tail
-is in every error. What the engine puts in the temp folder (vLLM: its ``vllm_dist_*`` init file and
-its ZeroMQ sockets, one set per start, never removed) goes in a scratch folder of its own in the system
-temp folder, removed when the engine has ended (``harness.files.scratch``).
+is in every error.
 """
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import re
-import shutil
-import tempfile
 from pathlib import Path
 
-from harness.files import atomic, scratch
+from harness.files import atomic
 from harness.launch.group import ProcessGroup
 from harness.launch.status import log_tail
 from harness.serve.engine import Engine, env_dir, python
@@ -40,21 +34,15 @@ class EngineUnsupported(EngineRunError):
     item is not applicable there."""
 
 
-def engine_env(run_dir: Path, engine: Engine | None = None, tmp: Path | None = None) -> dict:
+def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
     """The runner's environment: the build's own settings (vLLM on CPU: KV cache space in GiB, its
     OpenMP threads unbound; a vendor's: its runtime's), unless the user set them; then the engine core
     in this process (one process to supervise, and a preloaded file's patches apply to the model that
     runs), no usage statistics, the hub offline. Its caches live beside the run directory, shared by the
     runs of one results folder (never the user's ~/.cache), and its compile cache is off: a compiled graph
     from another run (made before a kernel changed, or with a fault injected) must never stand in for this
-    run's. vLLM's model-class inspection is shared wider (``share_inspection``). ``tmp``: the engine's temp
-    folder (TMPDIR, vLLM's socket folder); torch's inductor cache stays where it was (keyed by graph
-    and code, it is what makes the engine's warm-up compile 11 s rather than 24 s)."""
+    run's. vLLM's model-class inspection is shared wider (``share_inspection``)."""
     env = dict(os.environ)
-    if tmp is not None:
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
-        env["TMPDIR"] = str(tmp)
-        env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
     for k, v in (engine.env if engine is not None else ()):
         env.setdefault(k, v)
     env["VLLM_CACHE_ROOT"] = str(run_dir.parent / "vllm-cache")
@@ -66,16 +54,6 @@ def engine_env(run_dir: Path, engine: Engine | None = None, tmp: Path | None = N
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.pop("PYTHONPATH", None)  # harness's own path must not leak into the engine's venv
     return env
-
-
-def _inductor_cache_dir() -> str:
-    """torch's default inductor cache folder (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``,
-    private; the same rule), as it is before the engine's TMPDIR would move it."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):  # no passwd entry (a container's arbitrary uid)
-        user = f"uid_{os.getuid()}"
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def share_inspection(run_dir: Path, shared: Path) -> None:
@@ -119,18 +97,13 @@ def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: fl
     atomic.write_json(req, request)
     cmd = [str(python(engine, root)), str(engine.runner_path), str(req), str(res)]
     share_inspection(run_dir, env_dir(engine, root) / "cache" / "modelinfos")
-    # the system temp folder, not the run's: a ZeroMQ socket's path must fit in 107 bytes
-    tmp = scratch.scratch_dir("harness-engine-")
-    try:
-        with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir, engine, tmp), log_name="engine.log") as group:
-            ended = group.wait(deadline_s=timeout_s)
-            if not ended.ok or not res.is_file():
-                tail = " / ".join(log_tail(group.log, 4))
-                how = (f"killed at its time limit ({timeout_s:g} s){_during(group.log)}" if ended.how == "timeout"
-                       else f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
-                raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir, engine), log_name="engine.log") as group:
+        ended = group.wait(deadline_s=timeout_s)
+        if not ended.ok or not res.is_file():
+            tail = " / ".join(log_tail(group.log, 4))
+            how = (f"killed at its time limit ({timeout_s:g} s){_during(group.log)}" if ended.how == "timeout" else
+                   f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
+            raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
     out = json.loads(res.read_text())
     if out.get("unsupported"):
         raise EngineUnsupported(f"engine {engine.name} ({out.get('engine')} {out.get('version')}) does not serve this "

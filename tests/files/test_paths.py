@@ -179,8 +179,6 @@ CHECKED = {
     "RESERVE", "LOCK_NAME",
 }
 ALLOWED = {
-    ("harness/serve/launch.py", 'os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r\'[\\\\/:*?"<>|]\', "_", user))'):
-        "torch's own default inductor folder: the OS user name with path characters replaced, as torch does",
     ("harness/launch/channel.py", "os.path.join(base, f)"): "os.walk's own entries under the rank's run folder",
     ("harness/launch/channel.py", "os.path.join(self.run_dir, rel)"): "rel: a file os.walk found in the run folder",
     ("harness/launch/nodes.py", 'root / f"node{k}"'): "k is a node index (an int)",
