@@ -69,7 +69,8 @@ def launch(ls, tmp: Path, world: int, delay: dict | None = None, results: str = 
         fail = e
     props = dict(ctx.properties)
     verdict = json.loads(props.get("harness.detail.comm_verdict") or "{}")
-    verdict["samples"] = json.loads(Path(props["harness.detail.comm_samples"]).read_text())["samples"]
+    side = json.loads(Path(props["harness.detail.comm_samples"]).read_text())
+    verdict["samples"], verdict["remeasure_samples"] = side["samples"], side.get("remeasure_samples")
     verdict["remeasure"] = json.loads(props.get("harness.detail.comm_remeasure") or "null")
     return ctx, fail, verdict
 
@@ -125,8 +126,11 @@ def _main(args) -> int:
                 else ("confirmed" if named else "wrong" if fail else "noisy" if status == "noisy" else "missed")
             if not fail and (verdict.get("remeasure") or {}).get("not_repeated"):
                 outcome += " (first launch flagged it, the re-measure did not)"
+            if fail and (verdict.get("remeasure") or {}).get("pooled"):
+                outcome += " (on two launches pooled)"
             log.append({"kind": kind, "outcome": outcome, "status": status, "load": os.getloadavg()[0],
                         "wall_s": time.perf_counter() - t, "message": first[:300], "remeasure": verdict["remeasure"],
+                        "remeasure_samples": verdict["remeasure_samples"],
                         "decisions": {k: {f: d.get(f) for f in ("verdict", "change", "ratio", "p_value", "why")}
                                       for k, d in (verdict.get("decisions") or {}).items()
                                       if k.startswith(args.collective + "/")}, "samples": verdict["samples"]})

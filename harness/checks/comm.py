@@ -20,7 +20,6 @@ the measurement is the backend's, not a model's, so one suite carrying it is eno
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -80,7 +79,8 @@ class CommConfig(CheckConfig):
     remeasure: bool = Field(True, description="A suspected regression (a collective, or a link) is measured again "
                             "by a second launch and filed only where it is slower again: one launch's samples share "
                             "one load level, and a scheduler tick that held one collective for a whole launch is not "
-                            "repeated by the next (harness/perf/commjudge.py ``confirmed``).")
+                            "repeated by the next (harness/perf/commjudge.py ``confirmed``). A collective one launch "
+                            "was too noisy to judge is judged again on both launches pooled (``merge``).")
     fail_on_regression: bool = Field(True, description="A regression fails the item.")
 
     @field_validator("world_sizes", "sizes")
@@ -110,7 +110,7 @@ class CommCheck(Check):
         # collective inside the ranks (tests).
         # link_rate {node: Mbit/s}: that node's link of a multi-node rehearsal throttled (tests).
         return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None, again_raw=None,
-                               remeasure="")
+                               remeasure="", noisy=[])
 
     def setup(self, ctx: CheckContext, st) -> None:
         st.cfg = ctx.config
@@ -164,7 +164,8 @@ class CommCheck(Check):
             ctx.notes.extend(f"comm {k}: {d.why} (ranks on one host: no link; not a regression)"
                              for k, d in st.slow_pairs.items())
             st.slow_pairs = {}
-        if (st.regressed or st.slow_pairs) and st.cfg.remeasure:
+        st.noisy = [c for c in commjudge.noisy(st.decisions, st.cfg.collectives) if c not in st.regressed]
+        if (st.regressed or st.slow_pairs or st.noisy) and st.cfg.remeasure:
             self._remeasure(ctx, st, base)
         st.status = "regression" if st.regressed or st.slow_pairs else "unchanged"
         if st.status == "unchanged" and (noisy := commjudge.noisy(st.decisions, st.cfg.collectives)):
@@ -184,7 +185,8 @@ class CommCheck(Check):
     def _remeasure(self, ctx: CheckContext, st, base: dict) -> None:
         """A second launch, judged alike: what it does not find slower again is noted, not filed
         (commjudge.confirmed). The failure is told from the first launch, the evidence; the second's
-        samples go to the sidecar beside them."""
+        samples go to the sidecar beside them. A collective the first launch was too noisy to judge
+        is judged again on both launches pooled (``_pooled``)."""
         try:
             raw, wall, _ = _launch(ctx, st)
         except CouldNotRun as e:
@@ -197,13 +199,32 @@ class CommCheck(Check):
         st.remeasure = "confirmed on re-measure"
         again = self._decide(st, raw, base)
         st.regressed, gone = commjudge.confirmed(st.regressed, again)
+        pooled = self._pooled(ctx, st, base, raw, again)
         kept = {k: d for k, d in st.slow_pairs.items() if k in again and commjudge.slower(again[k])}
         gone += [f"{k} {d.change:+.1%}" for k, d in st.slow_pairs.items() if k not in kept]
         st.slow_pairs, st.again_raw = kept, raw
         ctx.detail("comm_remeasure", json.dumps({"launch_s": wall, "confirmed": sorted(st.regressed) + sorted(kept),
-                                                 "not_repeated": gone}, separators=(",", ":")))
+                                                 "not_repeated": gone, "pooled": pooled}, separators=(",", ":")))
         if gone:
             ctx.notes.append("comm: slower in one launch, not on re-measure (not filed): " + "; ".join(gone))
+
+    def _pooled(self, ctx: CheckContext, st, base: dict, raw: dict, again: dict) -> list[str]:
+        """The collectives the first launch was too noisy to judge, judged on both launches pooled and
+        filed as commjudge.pooled_findings says; their pooled decisions replace the first launch's."""
+        if not st.noisy:
+            return []
+        found, decisions = commjudge.pooled_findings([st.raw["samples"], raw["samples"]], again, st.noisy, base,
+                                                     st.raw.get("backend", ""), threshold=st.cfg.threshold,
+                                                     alpha=st.cfg.alpha, thin_margin=st.cfg.thin_margin)
+        if found and not st.regressed:  # every finding is a pooled one: the failure says so
+            st.remeasure = "regressed on two launches pooled (one alone too noisy to judge), slower in the second too"
+        st.decisions.update(decisions)
+        st.regressed.update(found)
+        if found:
+            ctx.notes.append("comm: too noisy to judge on one launch, regressed on two pooled: " + ", ".join(found))
+        if rest := [c for c in st.noisy if c not in found]:
+            ctx.notes.append("comm: too noisy to judge on one launch and on two pooled: " + ", ".join(rest))
+        return sorted(found)
 
     @staticmethod
     def _shape(st) -> dict:
@@ -217,11 +238,7 @@ class CommCheck(Check):
 
     @staticmethod
     def _link(st, key: str) -> str:
-        """``pair/1-2`` -> ``rank 1 (host a) - rank 2 (host b)``."""
-        hosts = st.raw.get("hosts") or []
-        i, j = (int(x) for x in key.split("/")[1].split("-"))
-        at = lambda r: f"rank {r}" + (f" ({hosts[r]})" if r < len(hosts) else "")  # noqa: E731
-        return f"{at(i)} - {at(j)}"
+        return commjudge.link_name(st.raw.get("hosts") or [], key)
 
     def record(self, ctx: CheckContext, st) -> None:
         verdict = {"status": st.status, "baseline": st.baseline_why, "class": fpmod.class_key(st.fp),
@@ -254,34 +271,9 @@ class CommCheck(Check):
             self._collective_verdict(st)
 
     def _link_verdict(self, st) -> None:
-        """Slower round trips between some pairs of ranks: the link they cross, named by its ranks and
-        hosts; when every slow pair shares one host, that host's link."""
-        slow = sorted(st.slow_pairs.items(), key=lambda kv: -kv[1].change)
-        hosts = st.raw.get("hosts") or []
-        # where: from the pairs slowed like the worst one, on a log scale: at least the geometric midpoint
-        # between unchanged and the worst (a throttled link's pairs at 100x and 290x both count; a pair
-        # inside one host at 2-5x on a loaded machine, beside them, does not hide the link)
-        cut = math.sqrt(1 + slow[0][1].change)
-        ends = [frozenset(hosts[int(r)] for r in k.split("/")[1].split("-")) if hosts else frozenset()
-                for k, d in slow if 1 + d.change >= cut]
-        common = frozenset.intersection(*ends) if ends else frozenset()
-        where = ""
-        if len(ends) > 1 and len(common) == 1:
-            where = f"; every slow pair crosses the link of {next(iter(common))}"
-        elif len(ends) > 1 and len(set(ends)) == 1 and len(common) == 2:
-            where = f"; every slow pair joins {' and '.join(sorted(common))}: the link between them"
-        lines = [f"{'pair':<10} {'link':<40} {'round trip':>12} {'change':>8} {'p':>8}"]
-        for k, d in slow:
-            lines.append(f"{k[5:]:<10} {self._link(st, k):<40} {st.pairs[k] * 1e3:>10.3f}ms {d.change:>+8.1%} "
-                         f"{d.p_value:>8.2g}")
-        k, d = slow[0]
-        raise CheckFailure(
-            f"slow link: {self._link(st, k)} round trips {d.change:+.1%} against the baseline (p={d.p_value:.2g}); "
-            f"{len(slow)} of {len(st.pairs)} pairs slower{where}" + (f"; {st.remeasure}" if st.remeasure else "")
-            + (f"; collectives slower with it: {', '.join(st.regressed)}" if st.regressed else ""),
-            metric="comm_pair_round_trip_s",
-            expected=f"<= {1 + st.cfg.threshold:.2f}x baseline time", observed=f"{d.ratio:.3f}x",
-            tolerance=st.cfg.threshold, details="\n".join(lines + ["", f"baseline: {st.baseline_why}"]))
+        msg, fields = commjudge.link_failure(st.slow_pairs, st.pairs, st.raw.get("hosts") or [], st.cfg.threshold,
+                                             st.baseline_why, st.remeasure, list(st.regressed))
+        raise CheckFailure(msg, **fields)
 
     def _collective_verdict(self, st) -> None:
         msg, fields = commjudge.collective_failure(st.regressed, st.decisions, st.table, len(st.cfg.sizes),

@@ -48,8 +48,8 @@ def _level(samples: dict[str, list[float]], refs: list[str]) -> float:
     return math.exp(sum(math.log(statistics.median(samples[r])) for r in refs) / len(refs))
 
 
-def judge(now: dict[str, list[float]], base: dict, backend: str, *, threshold: float, alpha: float,
-          thin_margin: float) -> dict[str, Decision]:
+def judge(now: dict[str, list[float]] | list[dict[str, list[float]]], base: dict, backend: str, *, threshold: float,
+          alpha: float, thin_margin: float) -> dict[str, Decision]:
     """One decision per key of ``now`` that the baseline has: the perf check's rule (decide.py) on
     each launch's fastest half, calibrated launch by launch, then judged against every baseline launch.
 
@@ -81,22 +81,26 @@ def judge(now: dict[str, list[float]], base: dict, backend: str, *, threshold: f
     launches at load 5-12 (benchmarks/bench_comm.py): 1 false alarm in 40, 27 of 40 caught. The
     price: a slowdown of every collective alike reads as load (as a uniformly slower machine does
     for the perf check's kernel ratio); a key without a reference (a pair of ranks, a lone
-    collective) is judged on its raw fastest half."""
+    collective) is judged on its raw fastest half.
+
+    ``now`` may be several launches of this run (a re-measure of what one launch was too noisy to
+    judge): they are judged as one, at the first launch's load level (:func:`merge`)."""
     launches = [fastest_half(b) for b in store.launches(base)]
-    now = fastest_half(now)
+    # the run's level, which calibrates it: the first launch's, at which merge puts the others
+    now, level_of = (merge(now, backend), fastest_half(now[0])) if isinstance(now, list) else (fastest_half(now),) * 2
     runs = max(store.runs(base), len(launches))
     out = {}
     for key, cur in now.items():
         if not base.get("samples", {}).get(key):
             continue
-        refs = [r for r in references(key, now, backend) if all(r in b and b[r] for b in launches)]
+        refs = [r for r in references(key, now, backend) if all(r in b and b[r] for b in launches) and level_of.get(r)]
         parts = [b for b in launches if b.get(key)]
         raw = min((b[key] for b in parts), key=statistics.median)  # the fastest launch, as measured
         if refs:
             levels = [_level(b, refs) for b in parts]
             mid = math.exp(sum(math.log(v) for v in levels) / len(levels))
             parts = [[v * mid / lv for v in b[key]] for b, lv in zip(parts, levels, strict=True)]
-            kr = _level(now, refs) / mid
+            kr = _level(level_of, refs) / mid
         else:
             parts, kr = [b[key] for b in parts], None
         pooled = [v for b in parts for v in b]
@@ -105,6 +109,25 @@ def judge(now: dict[str, list[float]], base: dict, backend: str, *, threshold: f
         if d.verdict == "regression" and len(parts) > 1:
             _against_each(d, cur, parts, kr or 1.0)
         out[key] = d
+    return out
+
+
+def merge(launches: list[dict[str, list[float]]], backend: str) -> dict[str, list[float]]:
+    """Launches of one run as one launch at the first's load level: each key's fastest half, a later
+    launch's scaled by the first launch's level over its own (the key's references at its size, as
+    :func:`judge` calibrates; a key without references is pooled raw). Why: a re-measure draws a second
+    load level for the run, as the baseline draws one per launch; judged alone, each launch's level is
+    one draw against the baseline's several (what ``_against_each`` holds as too noisy)."""
+    halves = [fastest_half(n) for n in launches]
+    first, out = halves[0], {}
+    for key, cur in first.items():
+        refs = [r for r in references(key, first, backend) if all(h.get(r) for h in halves)]
+        vals = list(cur)
+        for h in halves[1:]:
+            if h.get(key):
+                scale = _level(first, refs) / _level(h, refs) if refs else 1.0
+                vals += [v * scale for v in h[key]]
+        out[key] = vals
     return out
 
 
@@ -248,3 +271,55 @@ def confirmed(first: dict[str, dict[str, Decision]], again: dict[str, Decision])
         else:
             gone.append(f"{c} " + ", ".join(said(k, d) for k, d in sorted(bad.items())))
     return kept, gone
+
+
+def pooled_findings(launches: list[dict[str, list[float]]], again: dict[str, Decision], noisy: list[str], base: dict,
+                    backend: str, **rule) -> tuple[dict[str, dict[str, Decision]], dict[str, Decision]]:
+    """What a re-measure decides of the collectives one launch was too noisy to judge (``noisy``):
+    ``launches`` (the first and its re-measure) judged as one (:func:`merge`), a collective filed
+    where that is a regression by the whole rule at at least half its sizes *and* the second launch
+    alone (``again``) reads slower there too (:func:`confirmed`), as a first launch's finding must.
+    Returns those collectives' regressed decisions and all their pooled decisions. Why: at load 7.6 on
+    2 cores, 3 of 20 launches with all_reduce 50 % slower were held as too noisy on one launch
+    (benchmarks/bench_comm.py): the baseline has one load level per launch, the run had one draw."""
+    both = judge(launches, base, backend, **rule)
+    found, _ = confirmed(regressed(both, noisy), again)
+    return found, {k: d for k, d in both.items() if k.split("/")[0] in found}
+
+
+def link_name(hosts: list, key: str) -> str:
+    """``pair/1-2`` -> ``rank 1 (host a) - rank 2 (host b)``."""
+    i, j = (int(x) for x in key.split("/")[1].split("-"))
+    at = lambda r: f"rank {r}" + (f" ({hosts[r]})" if r < len(hosts) else "")  # noqa: E731
+    return f"{at(i)} - {at(j)}"
+
+
+def link_failure(slow_pairs: dict[str, Decision], pairs: dict[str, float], hosts: list, threshold: float,
+                 baseline_why: str, remeasure: str, regressed: list[str]) -> tuple[str, dict]:
+    """Slower round trips between some pairs of ranks (``pairs``: each pair's median round trip): the
+    failure naming the link they cross, by its ranks and hosts; when every slow pair shares one host,
+    that host's link."""
+    slow = sorted(slow_pairs.items(), key=lambda kv: -kv[1].change)
+    # where: from the pairs slowed like the worst one, on a log scale: at least the geometric midpoint
+    # between unchanged and the worst (a throttled link's pairs at 100x and 290x both count; a pair
+    # inside one host at 2-5x on a loaded machine, beside them, does not hide the link)
+    cut = math.sqrt(1 + slow[0][1].change)
+    ends = [frozenset(hosts[int(r)] for r in k.split("/")[1].split("-")) if hosts else frozenset()
+            for k, d in slow if 1 + d.change >= cut]
+    common = frozenset.intersection(*ends) if ends else frozenset()
+    where = ""
+    if len(ends) > 1 and len(common) == 1:
+        where = f"; every slow pair crosses the link of {next(iter(common))}"
+    elif len(ends) > 1 and len(set(ends)) == 1 and len(common) == 2:
+        where = f"; every slow pair joins {' and '.join(sorted(common))}: the link between them"
+    lines = [f"{'pair':<10} {'link':<40} {'round trip':>12} {'change':>8} {'p':>8}"]
+    for k, d in slow:
+        lines.append(f"{k[5:]:<10} {link_name(hosts, k):<40} {pairs[k] * 1e3:>10.3f}ms {d.change:>+8.1%} "
+                     f"{d.p_value:>8.2g}")
+    k, d = slow[0]
+    msg = (f"slow link: {link_name(hosts, k)} round trips {d.change:+.1%} against the baseline (p={d.p_value:.2g}); "
+           f"{len(slow)} of {len(pairs)} pairs slower{where}" + (f"; {remeasure}" if remeasure else "")
+           + (f"; collectives slower with it: {', '.join(regressed)}" if regressed else ""))
+    return msg, dict(metric="comm_pair_round_trip_s", expected=f"<= {1 + threshold:.2f}x baseline time",
+                     observed=f"{d.ratio:.3f}x", tolerance=threshold,
+                     details="\n".join(lines + ["", f"baseline: {baseline_why}"]))

@@ -126,3 +126,26 @@ def test_a_lone_collective_and_a_one_launch_baseline_are_judged_raw_with_the_thi
     assert d["all_gather/4096"].kernel_ratio == 1.0 and d["all_gather/4096"].verdict == "thin-baseline"
     d, _ = judge({k: [x * 3 for x in v] for k, v in base.items()}, pooled(base))
     assert d["all_gather/4096"].verdict == "regression"  # beyond the 100% margin of one launch
+
+
+def test_a_re_measure_is_pooled_at_the_first_launchs_level_and_decides_what_one_launch_could_not():
+    # the baseline's own launches differ (one read all_reduce 20 % slower on its own): the slowest of
+    # them is the bar past which a change must go (judge's step 3)
+    base = pooled(launch(1.0), launch(1.0, slower={"all_reduce": 1.2}), launch(1.0))
+    low = launch(1.0, slower={"all_reduce": 1.4})  # a true +50 %, read low in this launch: +17 % past the slowest
+    d, slow = judge(low, base)
+    assert d["all_reduce/4096"].verdict == "noisy" and commjudge.noisy(d, COLLS)[0] == "all_reduce" and not slow
+    # a second launch at 3x the load reads it +70 %: merged at the first launch's level, the two launches'
+    # all_reduce is ~+55 %, past the slowest baseline launch by more than the threshold
+    second = launch(3.0, slower={"all_reduce": 1.7})
+    merged = commjudge.merge([low, second], "gloo")
+    assert len(merged["all_reduce/4096"]) == 10 and max(merged["all_gather/4096"]) < 1.1 * max(low["all_gather/4096"])
+    d, slow = judge([low, second], base)
+    assert d["all_reduce/4096"].verdict == "regression" and list(slow)[0] == "all_reduce", d["all_reduce/4096"]
+    assert d["all_reduce/4096"].change == pytest.approx(0.55, abs=0.05)
+    # a clean second launch does not make it one: ~+20 % pooled, within the threshold
+    d, slow = judge([low, launch(3.0)], base)
+    assert not slow and d["all_reduce/4096"].verdict != "regression", d["all_reduce/4096"]
+    # nor does a second launch as low as the first (the baseline's spread, not the run's draw)
+    d, slow = judge([low, launch(2.0, slower={"all_reduce": 1.4})], base)
+    assert not slow, d["all_reduce/4096"]
