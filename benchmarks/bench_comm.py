@@ -32,6 +32,15 @@ spinners beside the launches, each in a session of its own):
 * ``--load 6`` (load 6.1-7.9), the re-measure asking for "slower again" (the shipped rule): 0 of 20 (one
   first-launch false alarm, all_reduce +133.6 %, taken back), 16 of 20 (3 too noisy, 1 missed).
 
+7 Dec 2026, later (``--load 6``, ``--out`` keeps every launch's re-measure samples too, so each rule can be
+replayed on a run's launches; docs/perf.md "Communication" has both runs with every rule):
+
+* 14:48-15:08 (load 6.0-7.9), too-noisy collectives re-measured and judged on two launches pooled (the shipped
+  rule): 1 false alarm in 20 (the lenient "slower again"), 19 of 20 confirmed;
+* 15:12-15:38 (load 6.2-7.9), "suspects" re-measured too (tried, taken back): 1 of 20 (filed on two launches
+  pooled), 13 of 20; the shipped rule replayed on it: 0 of 20, 12 of 20 - a baseline whose launches waited out
+  scheduler ticks at two sizes.
+
 Usage: python benchmarks/bench_comm.py [--baseline-runs 3] [--clean 20] [--slowed 20] [--shares 50]
        [--collective all_reduce] [--world 2] [--out results/bench_comm.json]
 """

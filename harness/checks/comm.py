@@ -80,8 +80,7 @@ class CommConfig(CheckConfig):
                             "by a second launch and filed only where it is slower again: one launch's samples share "
                             "one load level, and a scheduler tick that held one collective for a whole launch is not "
                             "repeated by the next (harness/perf/commjudge.py ``confirmed``). A collective one launch "
-                            "read slower but could not judge (too noisy, or short of the p-value at some sizes) is "
-                            "judged again on both launches pooled (``suspects``, ``merge``).")
+                            "was too noisy to judge is judged again on both launches pooled (``merge``).")
     fail_on_regression: bool = Field(True, description="A regression fails the item.")
 
     @field_validator("world_sizes", "sizes")
@@ -111,7 +110,7 @@ class CommCheck(Check):
         # collective inside the ranks (tests).
         # link_rate {node: Mbit/s}: that node's link of a multi-node rehearsal throttled (tests).
         return SimpleNamespace(results_dir=None, golden_root=None, delay=None, link_rate=None, again_raw=None,
-                               remeasure="", suspects=[])
+                               remeasure="", noisy=[])
 
     def setup(self, ctx: CheckContext, st) -> None:
         st.cfg = ctx.config
@@ -165,8 +164,8 @@ class CommCheck(Check):
             ctx.notes.extend(f"comm {k}: {d.why} (ranks on one host: no link; not a regression)"
                              for k, d in st.slow_pairs.items())
             st.slow_pairs = {}
-        st.suspects = commjudge.suspects(st.decisions, st.cfg.collectives)
-        if (st.regressed or st.slow_pairs or st.suspects) and st.cfg.remeasure:
+        st.noisy = [c for c in commjudge.noisy(st.decisions, st.cfg.collectives) if c not in st.regressed]
+        if (st.regressed or st.slow_pairs or st.noisy) and st.cfg.remeasure:
             self._remeasure(ctx, st, base)
         st.status = "regression" if st.regressed or st.slow_pairs else "unchanged"
         if st.status == "unchanged" and (noisy := commjudge.noisy(st.decisions, st.cfg.collectives)):
@@ -186,8 +185,8 @@ class CommCheck(Check):
     def _remeasure(self, ctx: CheckContext, st, base: dict) -> None:
         """A second launch, judged alike: what it does not find slower again is noted, not filed
         (commjudge.confirmed). The failure is told from the first launch, the evidence; the second's
-        samples go to the sidecar beside them. A collective the first launch read slower but could not
-        judge (commjudge.suspects) is judged again on both launches pooled (``_pooled``)."""
+        samples go to the sidecar beside them. A collective the first launch was too noisy to judge
+        is judged again on both launches pooled (``_pooled``)."""
         try:
             raw, wall, _ = _launch(ctx, st)
         except CouldNotRun as e:
@@ -210,21 +209,21 @@ class CommCheck(Check):
             ctx.notes.append("comm: slower in one launch, not on re-measure (not filed): " + "; ".join(gone))
 
     def _pooled(self, ctx: CheckContext, st, base: dict, raw: dict, again: dict) -> list[str]:
-        """The collectives the first launch could not judge (suspects), judged on both launches pooled and
+        """The collectives the first launch was too noisy to judge, judged on both launches pooled and
         filed as commjudge.pooled_findings says; their pooled decisions replace the first launch's."""
-        if not st.suspects:
+        if not st.noisy:
             return []
-        found, decisions = commjudge.pooled_findings([st.raw["samples"], raw["samples"]], again, st.suspects, base,
+        found, decisions = commjudge.pooled_findings([st.raw["samples"], raw["samples"]], again, st.noisy, base,
                                                      st.raw.get("backend", ""), threshold=st.cfg.threshold,
                                                      alpha=st.cfg.alpha, thin_margin=st.cfg.thin_margin)
         if found and not st.regressed:  # every finding is a pooled one: the failure says so
-            st.remeasure = "regressed on two launches pooled (one alone could not judge it), slower in the second too"
+            st.remeasure = "regressed on two launches pooled (one alone too noisy to judge), slower in the second too"
         st.decisions.update(decisions)
         st.regressed.update(found)
         if found:
-            ctx.notes.append("comm: not judged on one launch, regressed on two pooled: " + ", ".join(found))
-        if rest := [c for c in st.suspects if c not in found]:
-            ctx.notes.append("comm: slower on one launch, not a regression on two pooled: " + ", ".join(rest))
+            ctx.notes.append("comm: too noisy to judge on one launch, regressed on two pooled: " + ", ".join(found))
+        if rest := [c for c in st.noisy if c not in found]:
+            ctx.notes.append("comm: too noisy to judge on one launch and on two pooled: " + ", ".join(rest))
         return sorted(found)
 
     @staticmethod

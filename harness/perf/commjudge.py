@@ -163,22 +163,6 @@ def noisy(decisions: dict[str, Decision], collectives: list[str]) -> list[str]:
     return out
 
 
-def suspects(decisions: dict[str, Decision], collectives: list[str]) -> list[str]:
-    """Collectives one launch could not judge but must not pass over: slower by the rule's size
-    (:func:`slower`) at at least half their sizes, significantly or held as noisy at one at least,
-    and not regressed. Too noisy to judge (:func:`noisy`) is one kind; a change past the threshold
-    whose p-value fell short at some sizes is the other (bench_comm.py, load 7.5: all_reduce 50 %
-    slower read +64 % and +742 % at p=0.013 and +63 % at p=0.00045, at 3 of its 4 sizes, and went
-    unfiled). The re-measure judges them on two launches pooled (:func:`pooled_findings`)."""
-    out = []
-    for coll in collectives:
-        mine = [d for k, d in decisions.items() if k.startswith(coll + "/")]
-        some = any(d.verdict in ("regression", "noisy") for d in mine)
-        if mine and some and sum(map(slower, mine)) * 2 >= len(mine) and coll not in regressed(decisions, [coll]):
-            out.append(coll)
-    return out
-
-
 def regressed(decisions: dict[str, Decision], collectives: list[str]) -> dict[str, dict[str, Decision]]:
     """collective -> its regressed ``collective/size`` decisions, for the collectives slower at at
     least half their sizes (the collective, not one blip)."""
@@ -291,7 +275,7 @@ def confirmed(first: dict[str, dict[str, Decision]], again: dict[str, Decision])
 
 def pooled_findings(launches: list[dict[str, list[float]]], again: dict[str, Decision], noisy: list[str], base: dict,
                     backend: str, **rule) -> tuple[dict[str, dict[str, Decision]], dict[str, Decision]]:
-    """What a re-measure decides of the collectives one launch could not judge (``noisy``: :func:`suspects`):
+    """What a re-measure decides of the collectives one launch was too noisy to judge (``noisy``):
     ``launches`` (the first and its re-measure) judged as one (:func:`merge`), a collective filed
     where that is a regression by the whole rule at at least half its sizes *and* the second launch
     alone (``again``) reads slower there too (:func:`confirmed`), as a first launch's finding must.

@@ -349,7 +349,7 @@ def test_a_collective_too_noisy_to_judge_on_one_launch_is_judged_on_two_pooled(w
         _run(ls, tmp_path)
     first = e.value.message.splitlines()[0]
     assert first.startswith("collective all_reduce regressed +"), first
-    assert "regressed on two launches pooled (one alone could not judge it), slower in the second too" in first, first
+    assert "regressed on two launches pooled (one alone too noisy to judge), slower in the second too" in first, first
     assert not queue  # both launches used
 
     # a clean second launch: not filed, said too noisy on both
@@ -358,7 +358,7 @@ def test_a_collective_too_noisy_to_judge_on_one_launch_is_judged_on_two_pooled(w
     p = dict(ctx.properties)
     assert json.loads(p["harness.detail.comm_verdict"])["status"] == "noisy"
     assert json.loads(p["harness.detail.comm_remeasure"])["pooled"] == []
-    assert any(n.startswith("comm: slower on one launch, not a regression on two pooled: all_reduce") for n in ctx.notes)
+    assert any(n.startswith("comm: too noisy to judge on one launch and on two pooled: all_reduce") for n in ctx.notes)
     # what one launch judges alone is not re-measured for nothing: a clean launch is one launch
     queue[:] = [launch(1.0), launch(1.0)]
     _run(ls, tmp_path)
