@@ -94,15 +94,9 @@ def judge(now: dict[str, list[float]] | list[dict[str, list[float]]], base: dict
         if not base.get("samples", {}).get(key):
             continue
         refs = [r for r in references(key, now, backend) if all(r in b and b[r] for b in launches) and level_of.get(r)]
-        parts = [b for b in launches if b.get(key)]
-        raw = min((b[key] for b in parts), key=statistics.median)  # the fastest launch, as measured
-        if refs:
-            levels = [_level(b, refs) for b in parts]
-            mid = math.exp(sum(math.log(v) for v in levels) / len(levels))
-            parts = [[v * mid / lv for v in b[key]] for b, lv in zip(parts, levels, strict=True)]
-            kr = _level(level_of, refs) / mid
-        else:
-            parts, kr = [b[key] for b in parts], None
+        raw = min((b[key] for b in launches if b.get(key)), key=statistics.median)  # the fastest, as measured
+        parts, mid = _baseline_at(key, launches, refs)
+        kr = _level(level_of, refs) / mid if refs else None
         pooled = [v for b in parts for v in b]
         d = decide(f"comm {key}", cur, pooled, direction="lower", threshold=threshold, alpha=alpha,
                    kernel_ratio=kr, baseline_runs=runs, thin_margin=thin_margin, raw_baseline=raw if refs else None)
@@ -110,6 +104,18 @@ def judge(now: dict[str, list[float]] | list[dict[str, list[float]]], base: dict
             _against_each(d, cur, parts, kr or 1.0)
         out[key] = d
     return out
+
+
+def _baseline_at(key: str, launches: list[dict[str, list[float]]], refs: list[str]) -> tuple[list[list[float]], float]:
+    """The baseline launches' samples of ``key``, each brought to their common level (the geometric
+    mean of the launches' reference levels, returned; 1.0 and the samples as measured where ``key``
+    has no references)."""
+    parts = [b for b in launches if b.get(key)]
+    if not refs:
+        return [b[key] for b in parts], 1.0
+    levels = [_level(b, refs) for b in parts]
+    mid = math.exp(sum(math.log(v) for v in levels) / len(levels))
+    return [[v * mid / lv for v in b[key]] for b, lv in zip(parts, levels, strict=True)], mid
 
 
 def merge(launches: list[dict[str, list[float]]], backend: str) -> dict[str, list[float]]:
