@@ -10,6 +10,8 @@
 * ``ready``  - readiness of a server: a TCP port on 127.0.0.1 accepts, or a ready-line in its log;
 * ``nodes``  - a launch over several nodes: one agent per node (``netns`` rehearsal, ``srun``), a c10d
   rendezvous, the interface and address each node announces, nodes lost, late or running other packages;
+* ``noderun``- what each node runs for its share: its own run folder in its temp folder, made, named to
+  torchrun and the ranks (``@tmp/NAME``), removed after (orphans of a killed one swept by the next);
 * ``channel``- the coordinator's store: a multi-node launch's files published by the rank wrapper and
   mirrored into the coordinator's run folder (no shared folder);
 * ``agents`` - the pull model (Kubernetes, VMs): ``harness node-agent`` on each node takes its share of

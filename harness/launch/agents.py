@@ -46,6 +46,7 @@ from pathlib import Path
 
 from harness import settings
 from harness.files import atomic, paths
+from harness.launch import noderun
 from harness.launch.channel import LOG_TAIL_BYTES, versions
 from harness.launch.group import Ended, ProcessGroup, deadline
 from harness.launch.ready import NotReady
@@ -271,7 +272,7 @@ class Pool:
             settings.unset_env("HARNESS_LAUNCH_GROUP", names)
         req = {"node": node.index, "argv": [PYTHON if a == sys.executable else a for a in cmd], "env": send,
                "unset": sorted(gone),
-               "run": next((a[len("@tmp/"):] for a in cmd if a.startswith("@tmp/")), ""), "log": log_name}
+               "run": next((a[len(noderun.TMP):] for a in cmd if a.startswith(noderun.TMP)), ""), "log": log_name}
         seq = self.store.add("seq", 1)
         self.store.set(f"launch/{seq}", json.dumps(req))
         return RemoteGroup(self.store, node.index, seq, Path(run_dir), log_name, self.agents[node.index])

@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from harness import settings
 from harness.files import atomic, scratch
-from harness.launch import agents, channel, ready
+from harness.launch import agents, channel, noderun, ready
 from harness.launch.group import (
     Ended,
     LaunchSpec,
@@ -274,7 +275,7 @@ class NodeLaunch:
         self.join_timeout_s = join_timeout_s
         port = ready.free_port(nodes.coordinator)
         self.endpoint = f"{nodes.coordinator}:{port}"
-        self.run_id = f"harness-{secrets.token_hex(4)}"
+        self.run_id = f"{noderun.PREFIX}{secrets.token_hex(4)}"
         self.groups: list[ProcessGroup] = []
         self.t0 = time.monotonic()
         self.ended: Ended | None = None
@@ -288,8 +289,11 @@ class NodeLaunch:
         self._start_due()
 
     def _command(self, node: Node) -> list[str]:
-        local = f"@tmp/{self.run_id}"  # each node's own run folder, in its own temp folder
-        return [*node.prefix, *self.spec.command(run_dir=local, nodes=self.nodes.count, rdzv=self._rdzv(node))]
+        # each node's own run folder, in its own temp folder: made, named to torchrun and removed on the
+        # node by the node wrapper (harness.launch.noderun), the one that knows that folder
+        local = f"{noderun.TMP}{self.run_id}"
+        return [*node.prefix, sys.executable, "-m", "harness.launch.noderun", local, "--",
+                *self.spec.command(run_dir=local, nodes=self.nodes.count, rdzv=self._rdzv(node))]
 
     def _rdzv(self, node: Node) -> list[str]:
         args = ["--nnodes", str(self.nodes.count), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint,
@@ -385,7 +389,7 @@ class NodeLaunch:
             g.kill("rendezvous retry")
         self._retries += 1
         self.endpoint = f"{self.nodes.coordinator}:{ready.free_port(self.nodes.coordinator)}"
-        self.run_id = f"harness-{secrets.token_hex(4)}"
+        self.run_id = f"{noderun.PREFIX}{secrets.token_hex(4)}"
         self.groups, self._started = [], set()
         self._start_due()
         return True

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from harness.files import paths
@@ -28,9 +27,6 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     run_dir, args = argv[0], argv[1:]
     rank = int(os.environ.get("RANK", "0"))
-    if run_dir.startswith("@tmp/"):
-        run_dir = str(paths.join(tempfile.gettempdir(), run_dir[len("@tmp/"):], source="rank wrapper",
-                                 field="run folder"))
     os.makedirs(run_dir, exist_ok=True)
     pub = channel.publisher_from_env(run_dir, rank)
     if pub is not None:

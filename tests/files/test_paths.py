@@ -182,6 +182,7 @@ ALLOWED = {
     ("harness/launch/channel.py", "os.path.join(base, f)"): "os.walk's own entries under the rank's run folder",
     ("harness/launch/channel.py", "os.path.join(self.run_dir, rel)"): "rel: a file os.walk found in the run folder",
     ("harness/launch/nodes.py", 'root / f"node{k}"'): "k is a node index (an int)",
+    ("harness/launch/noderun.py", "Path(path) / scratch.OWNER"): "path passed paths.join in resolve(); OWNER a constant",
     ("harness/launch/nodes.py", "self.run_dir / name"): "name: LaunchSpec.stage, the caller's constant file names",
     ("harness/checks/comm.py", 'Path(d) / spec["out"]'): 'spec["out"] is the check\'s constant "out/rank0.json"',
     ("harness/perf/comm.py", 'os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), spec["out"])'):

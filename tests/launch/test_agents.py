@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def test_a_launch_over_two_nodes_through_the_agent_returns_every_ranks_files(tmp
         assert isinstance(remote, agents.RemoteGroup) and (run / "torchrun-node1.log").stat().st_size > 0
         assert all(tree.marked(t) == [] for t in tokens) and _ns_pids(n1) == {agent.pid}
         assert not list(Path(n1.tmp).glob("harness-*"))  # the agent removed its node-local run folder
+        # node 0 (this host) runs its share itself: its folder in this host's temp folder went with it
+        assert not (Path(tempfile.gettempdir()) / launch.run_id).exists() and not Path("@tmp").exists()
         served.close()  # the run's end: the agent says goodbye and exits 0
         assert agent.wait(within_s=15).ok, (tmp_path / "agent" / "agent.log").read_text()
     assert "the run ended; exiting" in (tmp_path / "agent" / "agent.log").read_text()

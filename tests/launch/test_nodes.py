@@ -57,10 +57,15 @@ def _spec(run: Path, prog: str) -> LaunchSpec:
     return LaunchSpec(["-c", prog, "@run/spec.json"], run, procs_per_node=2, nodes=2, stage=("spec.json",))
 
 
-def test_two_namespaced_nodes_run_one_job_and_results_come_back_through_the_store(tmp_path):
+def test_two_namespaced_nodes_run_one_job_and_results_come_back_through_the_store(tmp_path, monkeypatch):
     run = tmp_path / "coordinator"
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # torchrun once made ./@tmp/<run id>/ here, from its --log-dir
     with netns_nodes(2) as nodes, NodeLaunch(_spec(run, SUM), nodes, join_timeout_s=120) as launch:
         end = launch.wait(deadline_s=300)
+        # each node's own run folder went with its share (harness.launch.noderun); nothing in the working folder
+        assert [list(Path(n.tmp).iterdir()) for n in nodes.nodes] == [[], []]
+        assert list((tmp_path / "cwd").iterdir()) == []
         assert end.ok, (end, launch.infrastructure(), (run / "torchrun-node1.log").read_text()[-2000:])
         outs = {r: json.loads((run / "out" / f"rank{r}.json").read_text()) for r in range(4)}
         hosts = {r: o["host"] for r, o in outs.items()}

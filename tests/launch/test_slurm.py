@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +117,11 @@ def test_a_slurm_launched_nightly_parallel_run_of_one_suite_reaches_compare(slur
     from harness.cli.run_slurm import run_via_slurm
 
     results = tmp_path / "results"
+
+    def left() -> set:  # each node's run folder (harness.launch.noderun), and what torchrun once made in the cwd
+        return {*Path(tempfile.gettempdir()).glob("harness-launch-*"), *Path.cwd().glob("@tmp/*")}
+
+    before = left()
     args = build_parser().parse_args(["run", "llama-3.1-8b", "--check", "parallel", "--scope", "nightly", "-k",
                                       "cpu-float32-tp2]", "--nodes", "1", "--launcher", "slurm", "--results",
                                       str(results), "-n", "0"])
@@ -127,3 +134,4 @@ def test_a_slurm_launched_nightly_parallel_run_of_one_suite_reaches_compare(slur
     assert "parallel[cpu-float32-tp2]" in junit and "<failure" not in junit and "<skipped" not in junit \
         and "<error" not in junit, junit[-2000:]
     assert main(["compare", str(results), "--dry-run", "--out-dir", str(tmp_path / "compare")]) == 0, capsys.readouterr()
+    assert left() <= before, sorted(left() - before)  # the job's launches left no folder behind
