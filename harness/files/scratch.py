@@ -18,6 +18,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from harness.files import atomic
@@ -67,18 +68,33 @@ def owner_gone(record: str) -> bool:
     return ticks != "-" and _start_ticks(pid) not in ("", ticks)
 
 
+STALE_S = 86400.0  # a folder of the prefix without an owner record, untouched this long, is a remnant
+
+
 def sweep_orphans(prefix: str, root: str | Path | None = None) -> list[Path]:
     """Remove the scratch folders named ``<prefix>*`` under ``root`` (the temp folder) whose owner
-    is gone; the folders removed."""
+    is gone; the folders removed. Also those with no owner record left that nothing touched for a
+    day: an exit's removal that raced a child still making a subfolder took the record and left the
+    rest (CI saw ``harness-parallel-*/<key>/w2-launch0``), and nothing else would ever remove them."""
     gone = []
-    for owner in Path(root or tempfile.gettempdir()).glob(f"{prefix}*/{OWNER}"):
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{prefix}*"):
+        owner = folder / OWNER
         try:
             record = owner.read_text()
+        except FileNotFoundError:
+            try:
+                stale = folder.is_dir() and time.time() - folder.stat().st_mtime > STALE_S
+            except OSError:
+                continue
+            if stale:
+                shutil.rmtree(folder, ignore_errors=True)
+                gone.append(folder)
+            continue
         except OSError:
             continue
         if owner_gone(record):
-            shutil.rmtree(owner.parent, ignore_errors=True)
-            gone.append(owner.parent)
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
     return gone
 
 
@@ -88,5 +104,12 @@ def scratch_dir(prefix: str, root: str | Path | None = None) -> Path:
     sweep_orphans(prefix, root)
     p = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
     atomic.write_text(p / OWNER, owner_record())
-    atexit.register(shutil.rmtree, p, True)
+    atexit.register(_remove, p, os.getpid())
     return p
+
+
+def _remove(p: Path, pid: int) -> None:
+    # a forked child inherits the atexit handlers (an isolated item worker, `harness server`'s): only the
+    # folder's own process removes it, never a child that ends while its parent still uses it
+    if os.getpid() == pid:
+        shutil.rmtree(p, ignore_errors=True)

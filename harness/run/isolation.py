@@ -56,6 +56,18 @@ from harness.settings import env as setting
 from harness.settings import set_env
 
 STATUS_BYTES = 1024
+_STATUS_DIR: list[str] = []  # this process's folder of its children's status files (made on first use)
+
+
+def _status_dir() -> str:
+    """One scratch folder per parent for its children's status files: removed at its exit, and swept by
+    the next parent where this one was SIGKILLed (a lone ``harness-status-*`` file stayed in the temp
+    folder for every killed run)."""
+    if not _STATUS_DIR:
+        from harness.files import scratch
+
+        _STATUS_DIR.append(str(scratch.scratch_dir("harness-isolation-")))
+    return _STATUS_DIR[0]
 # How an item's error begins when its fresh child never became ready (confirm.py: the runner's fault)
 WORKER_DID_NOT_START = "the isolated worker did not start"
 metrics.declare("leaked_bytes", "bytes", "lower",
@@ -239,7 +251,7 @@ class Worker:
     def _start(self) -> None:
         cmd_r, cmd_w = os.pipe()
         res_r, res_w = os.pipe()
-        fd, self.status_path = tempfile.mkstemp(prefix="harness-status-")
+        fd, self.status_path = tempfile.mkstemp(prefix="status-", dir=_status_dir())
         os.write(fd, b" " * STATUS_BYTES)
         os.close(fd)
         env = dict(os.environ if self.env is None else self.env)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from harness.files import scratch
 
@@ -49,3 +50,28 @@ def test_an_owner_is_judged_gone_only_when_that_can_be_told():
     assert not scratch.owner_gone("not a record")
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     assert scratch.owner_gone(f"{p.stdout.strip()} - {ns}")  # ended (its pid is not reused so soon)
+
+
+def test_a_forked_child_ending_leaves_its_parents_folder_alone(tmp_path):
+    # an isolated item worker is forked from the parent that made the folder (its children's status files)
+    # and runs the atexit handlers it inherited when it ends: the folder is the parent's, and stays
+    code = ("import os, sys\nfrom harness.files.scratch import scratch_dir\nfrom harness.proc import run_exit_handlers\n"
+            "d = scratch_dir('harness-t-', sys.argv[1])\npid = os.fork()\n"
+            "if pid == 0:\n    run_exit_handlers()\n    os._exit(0)\n"
+            "os.waitpid(pid, 0)\nprint(d, os.path.isdir(d), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=60)
+    folder, kept = out.stdout.split()
+    assert kept == "True", out.stderr  # the child's exit left it
+    assert not os.path.exists(folder)  # the parent's own exit removed it
+
+
+def test_a_remnant_without_its_owner_record_goes_once_a_day_old_and_not_before(tmp_path):
+    # what an exit's removal left when a child was still making a subfolder: the record gone, a folder kept
+    old, fresh = tmp_path / "harness-t-old", tmp_path / "harness-t-fresh"
+    for f in (old, fresh):
+        (f / "key" / "w2-launch0").mkdir(parents=True)
+    day_ago = time.time() - scratch.STALE_S - 60
+    os.utime(old, (day_ago, day_ago))
+    assert scratch.sweep_orphans("harness-t-", tmp_path) == [old]
+    assert not old.exists() and fresh.is_dir()

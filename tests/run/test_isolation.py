@@ -322,6 +322,7 @@ def test_a_vendor_module_gets_a_child_that_ran_nothing_without_it(tmp_path):
     naming a module the child has not imported, after items without it, gets a fresh child; one
     whose module it already imported, or none, keeps it. (The items here are setup errors: a missing
     suite file, which the child answers without building a model.)"""
+    from harness.files import scratch
     from harness.run.isolation import Limits, Worker
 
     req = {"suite": str(tmp_path / "absent.toml"), "check": "smoke", "backend": "cpu", "dtype": "float32",
@@ -333,8 +334,15 @@ def test_a_vendor_module_gets_a_child_that_ran_nothing_without_it(tmp_path):
             r, _ = w.run(dict(req, module=module), Limits(timeout_s=120))
             assert r.outcome == "error" and "could not run in the isolated worker" in r.message, r.message
             pids.append(w.proc.pid)
+            # the children's status files live in this process's scratch folder (swept by the next parent if
+            # this one is SIGKILLed), which outlives every child that ended meanwhile
+            folder = Path(w.status_path).parent
+            assert folder.name.startswith("harness-isolation-") and Path(w.status_path).exists()
+            assert (folder / scratch.OWNER).read_text() == scratch.owner_record()
+        status = w.status_path
     finally:
         w.close()
+    assert not os.path.exists(status)
     # a new child for vendor_a (after two items without it), for vendor_b, and for vendor_a again
     # (that child never imported it)
     assert [pids[i] == pids[i - 1] for i in range(1, len(pids))] == [True, False, True, True, False, False]
