@@ -276,6 +276,7 @@ class ServeCheck(Check):
         ctx.detail("serve_engine", f"{st.result['engine']} {st.result['version']} on its {st.result.get('platform')} "
                    f"platform, model {st.result.get('model_impl')}, compilation {st.result.get('compilation')}"
                    + (f", api {st.result['api']}" if st.result.get("api") else ""))  # the server variant: openai
+        ctx.notes.extend(filter(None, [st.result.get("attention")]))  # a backend the runner named, and why
 
     def reference(self, ctx: CheckContext, st) -> None:
         from harness.serve.judge import clean_worst, reference_logprobs

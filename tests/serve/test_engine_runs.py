@@ -79,3 +79,33 @@ def test_the_model_class_inspection_is_shared_by_the_runs_of_one_engine_environm
     own.mkdir(parents=True)
     share_inspection(tmp_path / "c" / "runs" / "item", shared)
     assert not own.is_symlink() and not any(own.iterdir())
+
+
+@pytest.mark.slow
+def test_a_float32_mla_model_names_the_cpu_mla_backend_where_the_engines_own_choice_takes_no_float32(
+        vllm_build, tmp_path):
+    """vLLM's CPU platform picks AMX_MLA for an MLA model on a CPU with AMX tiles, and that backend takes no
+    float32 weights (the float32 item failed in the engine while loading). The runner, in the engine's own
+    venv, names CPU_MLA for float32 there and only there: bfloat16 and a dense model keep the engine's choice;
+    on a CPU without AMX every choice is the engine's."""
+    import json
+    import subprocess
+
+    models = {}
+    for name, config in (("mla", "DeepSeek-V3.json"), ("dense", "Llama-3.1-8B.json")):
+        models[name] = tmp_path / name
+        models[name].mkdir()
+        shutil.copyfile(REPO / "suites" / "configs" / config, models[name] / "config.json")  # published configs
+    reqs = [{"model": str(models[m]), "dtype": d} for m, d in (("mla", "float32"), ("mla", "bfloat16"),
+                                                                ("dense", "float32"))]
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import torch, vllm_runner as r; "
+            "print(json.dumps([torch.cpu._is_amx_tile_supported(), [r.attention_backend(q) for q in json.loads(sys.argv[2])]]))")
+    out = subprocess.run([str(eng.python(vllm_build)), "-c", code, str(REPO / "harness" / "serve" / "engines"), json.dumps(reqs)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    amx, got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got[1] == [None, ""] and got[2] == [None, ""], got
+    if amx:
+        assert got[0][0] == "CPU_MLA" and "AMX_MLA, takes no float32 weights" in got[0][1], got
+    else:
+        assert got[0] == [None, ""], got

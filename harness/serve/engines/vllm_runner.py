@@ -334,6 +334,27 @@ def _platform():
     return current_platform.device_type
 
 
+def attention_backend(req):
+    """(backend, why) where the runner must name vLLM's attention backend, else (None, ""). vLLM's CPU
+    platform prefers its AMX MLA backend for an MLA model on a CPU with AMX tiles, and that backend takes
+    no float32 weights ("expect weight to be bfloat16, float16, int8, ...": the engine failing while it
+    loads, on every float32 MLA item). Its CPU_MLA backend - the one it picks on a CPU without AMX -
+    serves float32, so the float32 item runs that one; bfloat16 keeps the engine's own choice."""
+    if req["dtype"] != "float32":
+        return None, ""
+    try:
+        with open(os.path.join(req["model"], "config.json")) as f:
+            mla = bool(json.load(f).get("kv_lora_rank"))
+    except (OSError, ValueError):
+        return None, ""
+    import torch
+
+    if not (mla and torch.cpu._is_amx_tile_supported() and _platform() == "cpu"):
+        return None, ""
+    return "CPU_MLA", ("attention backend CPU_MLA, named by harness: vLLM's choice on this CPU, AMX_MLA, takes no "
+                       "float32 weights")
+
+
 def _platform_refused(want):
     """A build declared for a platform (npu) whose plugin did not activate runs on vLLM's CPU platform
     without a word: refused before the model loads, naming the plugins vLLM can see."""
@@ -530,13 +551,14 @@ def run(req, work_dir=None):
     # block_size: the KV page (vLLM's CPU attention takes multiples of 32); prefix caching on (vLLM's
     # default, said out loud: the prefix probe depends on it; requests with prompt log-probabilities
     # never read it unless they ask, so the other runs are computed from scratch)
+    backend, backend_why = attention_backend(req)
     try:
         llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype=req["dtype"], seed=0,
                   gpu_memory_utilization=req.get("gpu_memory_utilization", 0.1),
                   max_model_len=req.get("max_model_len", 256), block_size=req.get("block_size", 32),
                   max_num_seqs=req.get("max_num_seqs") or max(1, len(req["prompts"])), enable_prefix_caching=True,
                   model_impl=req.get("model_impl", "auto"), enforce_eager=bool(req.get("enforce_eager", False)),
-                  speculative_config=_speculative_config(req))
+                  speculative_config=_speculative_config(req), **({"attention_backend": backend} if backend else {}))
     except Exception as e:  # noqa: BLE001 - sorted: the engine refusing what it was asked, or failing (raised on)
         why = _refusal(e, req)
         if why is None:
@@ -556,7 +578,7 @@ def run(req, work_dir=None):
             "model_impl": _model_impl(llm), "compilation": _compilation(llm),
             "generate_s": t_done - t_ready, "results": results, "probes": probes, "engine_said": said.lines,
             "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
-            **({"speculative": spec} if spec is not None else {})}
+            **({"speculative": spec} if spec is not None else {}), **({"attention": backend_why} if backend else {})}
 
 
 def main(argv):

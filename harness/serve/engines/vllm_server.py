@@ -288,7 +288,9 @@ def server_args(req, port=0):
             "--model-impl", req.get("model_impl", "auto"), "--host", HOST, "--port", str(port),
             # cached_tokens in the usage (the result's num_cached_tokens); stats every 10 s would fill the log
             "--enable-prompt-tokens-details", "--disable-log-stats"]
-    return args + (["--enforce-eager"] if req.get("enforce_eager") else [])
+    backend, _why = _runner().attention_backend(req)
+    return (args + (["--enforce-eager"] if req.get("enforce_eager") else [])
+            + (["--attention-backend", backend] if backend else []))
 
 
 class _Log:
@@ -488,7 +490,8 @@ def serve(req, work_dir, t0, version, platform):
     return {"engine": "vllm", "version": version, "platform": platform, "api": "openai", "start_s": t_ready - t0,
             "server_start_s": t_ready - t_spawn,
             "model_impl": server.log.arch, "compilation": server.log.compilation, "generate_s": t_done - t_ready, "results": results,
-            "probes": probes, "engine_said": [], "block_size": req.get("block_size", 32)}
+            "probes": probes, "engine_said": [], "block_size": req.get("block_size", 32),
+            **({"attention": why} if (why := _runner().attention_backend(req)[1]) else {})}
 
 
 def _concurrently(server, req, group):
