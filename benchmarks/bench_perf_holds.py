@@ -199,7 +199,8 @@ def judge(results: str, golden: Path, new: bool) -> set[str]:
     if new:
         c, base = perf_judge.first_decisions(rec["suite"], rec["key"], rec["fingerprint"], golden, rec["shape"],
                                              clock, cfg, rec["samples"], rec.get("reference"), cal)
-        assert base is not None, c.note
+        if base is None:  # not comparable (a calibration kernel past max_kernel_ratio): the check judges nothing
+            return set()
         return {m for m, d in c.decisions.items() if d.verdict == "regression"}
     base, why = store.find_baseline(rec["suite"], rec["key"], rec["fingerprint"], golden)
     assert base is not None, why
@@ -216,6 +217,38 @@ def judge(results: str, golden: Path, new: bool) -> set[str]:
     return bad
 
 
+def replay(results: str, golden: Path) -> dict[str, list[str]]:
+    """The check's decisions after its re-measure, replayed from one trial's sidecar (its first samples,
+    its re-measured samples and their reference kernel's) by two rules on the same samples: ``before``,
+    a first regression confirmed by the re-measure alone; ``now``, the check's (judge.confirm: a first
+    "too noisy to judge" re-measured too, and confirmed by a re-measure that is a regression by itself)."""
+    from harness.checks.perf import PerfConfig
+    from harness.perf import baseline as store
+    from harness.perf import judge as perf_judge
+    from harness.perf.measure import PHASE_OF, samples_key
+
+    cfg = PerfConfig()
+    ((_, rec),) = store.read_sidecars(results)
+    cal, clock = rec["calibration"], rec["calibration"].get("clock", "wall")
+    c, base = perf_judge.first_decisions(rec["suite"], rec["key"], rec["fingerprint"], golden, rec["shape"], clock,
+                                         cfg, rec["samples"], rec.get("reference"), cal)
+    if base is None:
+        return {"before": [], "now": [], "incomparable": [c.note or "not comparable"]}
+    again, kern = rec.get("remeasured") or {}, rec.get("reference_remeasured") or {}
+    out: dict[str, list[str]] = {"before": [], "now": []}
+    for m, first in list(c.decisions.items()):
+        k = samples_key(clock, m)
+        if first.verdict not in ("regression", "noisy") or f"{k}_remeasured" not in again:
+            continue
+        d = perf_judge.decide_again(c, m, base, clock, cfg, cal, again[f"{k}_remeasured"],
+                                    kern[f"{PHASE_OF[m]}_remeasured"])
+        if d.verdict == "regression":
+            out["now"].append(m)
+            if first.verdict == "regression":
+                out["before"].append(m)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -230,6 +263,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=str(REPO / "results" / "bench-perf-holds"), help="scratch folder (emptied)")
     ap.add_argument("--report", help="print the table of a saved trials.json")
+    ap.add_argument("--baseline-load", type=int, default=0, help="processes spinning on the CPU while the baseline "
+                    "processes run (each in a session of its own, as other users' jobs): other jobs' load, on purpose")
+    ap.add_argument("--load", type=int, default=0, help="the same, while the trials run")
     a = ap.parse_args()
     if a.report:
         report(json.loads(Path(a.report).read_text()), math.nan)
@@ -245,17 +281,51 @@ def main() -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     base = {"suite": a.suite, "phases": a.phases.split(",")}
-    dirs = []
-    for b in range(a.baseline_runs):  # one process each: the check's own run writes the sidecar
-        spawn({**base, "levels": [0.0], "results": str(work / f"base-{b}"), "golden": str(work / "none")},
-              work, f"base-{b}")
-        dirs.append(str(work / f"base-{b}" / "t0"))
+    dirs = _baselines(a, base, work, t0)
+    spin = _spinners(a.load)
     thin, pooled = work / "golden-thin", work / "golden-pooled"
     store.update(dirs[:1], thin)
     store.update(dirs, pooled)
     plan = [0.0] * a.clean + [0.2] * a.slow + [f"attn:{a.attn_share}"] * a.attn
     random.Random(a.seed).shuffle(plan)
     trials = []
+    try:
+        _trials(a, plan, base, work, pooled, thin, trials, t0)
+    finally:
+        _stop(spin)
+    (work / "trials.json").write_text(json.dumps(trials, indent=1))
+    report(trials, time.perf_counter() - t0)
+    return 0
+
+
+def _baselines(a, base: dict, work: Path, t0: float) -> list[str]:
+    dirs = []
+    spin = _spinners(a.baseline_load)
+    try:
+        for b in range(a.baseline_runs):  # one process each: the check's own run writes the sidecar
+            spawn({**base, "levels": [0.0], "results": str(work / f"base-{b}"), "golden": str(work / "none")},
+                  work, f"base-{b}")
+            dirs.append(str(work / f"base-{b}" / "t0"))
+            print(f"[{time.perf_counter() - t0:5.0f} s] baseline {b + 1}/{a.baseline_runs}, load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        _stop(spin)
+    return dirs
+
+
+def _spinners(n: int) -> list[subprocess.Popen]:
+    code = "import time\nend = time.monotonic() + 7200\nwhile time.monotonic() < end: pass\n"
+    # each in a session of its own, as other users' jobs are (autogroup scheduling: one session shares one share)
+    return [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(n)]
+
+
+def _stop(spin: list[subprocess.Popen]) -> None:
+    for p in spin:
+        p.kill()
+        p.wait()
+
+
+def _trials(a, plan: list, base: dict, work: Path, pooled: Path, thin: Path, trials: list, t0: float) -> None:
     for ci in range(0, len(plan), a.per_child):
         got = spawn({**base, "levels": plan[ci:ci + a.per_child], "results": str(work / f"trials-{ci}"),
                      "golden": str(pooled)}, work, f"trials-{ci}")
@@ -264,12 +334,13 @@ def main() -> int:
                 continue  # the phases' rules are not what the attention trials test
             t["judged"] = {f"{rule} {name}": sorted(judge(t["results"], g, rule == "new"))
                            for rule in ("old", "new") for name, g in (("thin", thin), ("pooled", pooled))}
+            t["remeasure"] = replay(t["results"], pooled)
+        for t in got:
+            t["load"] = os.getloadavg()[0]
         trials += got
         (work / "trials.json").write_text(json.dumps(trials, indent=1))  # a partial run reports too
-        print(f"[{time.perf_counter() - t0:5.0f} s] {len(trials)}/{len(plan)}", flush=True)
-    (work / "trials.json").write_text(json.dumps(trials, indent=1))
-    report(trials, time.perf_counter() - t0)
-    return 0
+        print(f"[{time.perf_counter() - t0:5.0f} s] {len(trials)}/{len(plan)}, load {os.getloadavg()[0]:.1f}",
+              flush=True)
 
 
 def report(trials: list[dict], seconds: float) -> None:
@@ -286,6 +357,16 @@ def report(trials: list[dict], seconds: float) -> None:
     det = sum(bool(t["confirmed"]) for t in slow)
     print(f"{'check phases':<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  "
           "(new rule, pooled, confirmed on re-measure)")
+    for rule, what in (("before", "a first regression the re-measure confirms"),
+                       ("now", "the check's: a first 'too noisy to judge' re-measured and confirmed too")):
+        have = [t for t in clean + slow if "remeasure" in t]
+        fa = sum(bool(t["remeasure"][rule]) for t in have if t["share"] == 0)
+        det = sum(bool(t["remeasure"][rule]) for t in have if t["share"] != 0)
+        print(f"{'re-measure ' + rule:<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  ({what}, replayed)")
+    odd = [t for t in clean + slow if (t.get("remeasure") or {}).get("incomparable")]
+    if odd:
+        print(f"not comparable (the check judges nothing: a calibration kernel past max_kernel_ratio): {len(odd)} "
+              f"trial(s), {sum(t['share'] == 0 for t in odd)} clean; first: {odd[0]['remeasure']['incomparable'][0][:120]}")
     fa = sum(bool(t["operators"]["confirmed"]) for t in clean)
     det = sum(bool(t["operators"]["confirmed"]) for t in slow)
     print(f"{'check operators':<16} {fa:>14} of {len(clean):<5} {det:>8} of {len(slow):<5}  (confirmed on re-profile)")

@@ -1,6 +1,7 @@
 """The perf check's judging steps as library functions (harness/checks/perf.py calls them): the
 comparison with the baseline of this suite and machine class (calibrated ratio + Mann-Whitney, a
-suspected regression re-measured once, interleaved with its calibration kernel), the tensor-memory
+suspected regression - or one too noisy to judge - re-measured once, interleaved with its calibration
+kernel), the tensor-memory
 peaks against the baseline's, the verdict and samples records, and the failure's message and table.
 """
 
@@ -66,7 +67,9 @@ def compare(suite: str, key: str, fp: dict, golden_root, shape: dict, clock: str
     c, base = first_decisions(suite, key, fp, golden_root, shape, clock, cfg, samples, ref, cal)
     if base is None:
         return c
-    suspected = [m for m, d in c.decisions.items() if d.verdict == "regression"]
+    # a regression by the rule, and one the rule held as too noisy to judge on one measurement: both get a
+    # second one (remeasure), which confirms either where it is a regression by itself
+    suspected = [m for m, d in c.decisions.items() if d.verdict in ("regression", "noisy")]
     if suspected:
         remeasure(c, suspected, base, clock, cfg, samples, ref, cal, wl, kernels)
     verdicts = {d.verdict for d in c.decisions.values()}
@@ -109,8 +112,8 @@ def first_decisions(suite: str, key: str, fp: dict, golden_root, shape: dict, cl
 def remeasure(c: Comparison, suspected: list[str], base: dict, clock: str, cfg, samples: dict, ref: dict, cal: dict,
               wl, kernels) -> None:
     """Once more, in this run: the phase's samples interleaved with its reference kernel's (a-b-a-b),
-    so a slow spell of the machine shows up in both. Only a regression that holds again is reported;
-    the first decision is kept beside it."""
+    so a slow spell of the machine shows up in both. Only a regression that holds again (``confirm``) is
+    reported; the first decision is kept beside it."""
     fns = phase_samplers(wl)
     for phase in dict.fromkeys(PHASE_OF[m] for m in suspected):
         if phase == "decode" and "prefill_s" not in samples:
@@ -122,16 +125,40 @@ def remeasure(c: Comparison, suspected: list[str], base: dict, clock: str, cfg, 
         for k, v in got.items():
             samples[f"{k}_remeasured"] = v
         for m in (x for x in suspected if PHASE_OF[x] == phase):
-            k = samples_key(clock, m)
-            r = (calib.kernel_ratio(m, cal, base.get("calibration") or {}, {phase: kern}, base.get("reference"), clock)
-                 if cfg.calibrate else None)
-            c.first[m] = c.decisions[m]
-            c.decided[m] = (f"{k}_remeasured", got[k], base["samples"][k])
-            c.spreads[m] = (calib.kernel_spread(m, cal, base.get("calibration") or {}, {phase: kern},
-                                                base.get("reference"), clock) if cfg.calibrate else None)
-            c.decisions[m] = d = _decide(m, got[k], base["samples"][k], cfg, r, c)
-            if d.verdict != "regression":
-                d.why = f"suspected ({c.first[m].why}) but not confirmed on re-measure: {d.why}"
+            decide_again(c, m, base, clock, cfg, cal, got[samples_key(clock, m)], kern)
+
+
+def decide_again(c: Comparison, m: str, base: dict, clock: str, cfg, cal: dict, again: list[float],
+                 kern: dict) -> Decision:
+    """A suspect's decision once measured again (``again``, with ``kern``: its reference kernel's samples
+    interleaved with it; ``confirm``); ``c`` gets the first decision beside it and what it read. Returns
+    the decision (benchmarks/bench_perf_holds.py replays it from a trial's sidecar)."""
+    phase, k = PHASE_OF[m], samples_key(clock, m)
+    bcal, then = base.get("calibration") or {}, base["samples"][k]
+    r = calib.kernel_ratio(m, cal, bcal, {phase: kern}, base.get("reference"), clock) if cfg.calibrate else None
+    c.first[m] = c.decisions[m]
+    c.spreads[m] = calib.kernel_spread(m, cal, bcal, {phase: kern}, base.get("reference"), clock) if cfg.calibrate else None
+    c.decisions[m] = d = confirm(c.first[m], _decide(m, again, then, cfg, r, c))
+    c.decided[m] = (f"{k}_remeasured", again, then)
+    return d
+
+
+def confirm(first: Decision, alone: Decision) -> Decision:
+    """The decision once a suspect was measured again (``alone``: the re-measure by itself, every hold
+    applied). A regression there confirms the first measurement's regression, as before, and also one the
+    first could only call too noisy to judge (past the threshold and significant, but held): two
+    measurements, each past the threshold with its own evidence, the second backed by its own interleaved
+    kernel. Else the first's regression was not confirmed, or its "too noisy" stands, said with what the
+    re-measure read."""
+    if alone.verdict == "regression":
+        if first.verdict == "noisy":
+            alone.why += f"; the first measurement was too noisy to judge ({first.why})"
+        return alone
+    if first.verdict == "regression":
+        alone.why = f"suspected ({first.why}) but not confirmed on re-measure: {alone.why}"
+        return alone
+    first.why += f"; re-measured: {alone.why}"
+    return first
 
 
 def memory_regressions(profile: dict, base_profile: dict, threshold: float) -> dict[str, dict]:
