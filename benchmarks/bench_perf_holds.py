@@ -238,7 +238,7 @@ def replay(results: str, golden: Path) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"before": [], "now": []}
     for m, first in list(c.decisions.items()):
         k = samples_key(clock, m)
-        if first.verdict not in ("regression", "noisy") or f"{k}_remeasured" not in again:
+        if not perf_judge.remeasured(first) or f"{k}_remeasured" not in again:
             continue
         d = perf_judge.decide_again(c, m, base, clock, cfg, cal, again[f"{k}_remeasured"],
                                     kern[f"{PHASE_OF[m]}_remeasured"])

@@ -76,6 +76,7 @@ class Decision:
     why: str = ""
     raw_p_value: float = math.nan  # one-sided in the bad direction, uncalibrated samples
     baseline_runs: int | None = None  # processes the baseline's samples come from (None: not known)
+    held_by: str = ""  # the hold that made a regression by the rule "noisy" or "thin-baseline": raw, spread, process, thin
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -155,17 +156,20 @@ def _hold(d: Decision, kernel_spread: float | None, thin_margin: float | None,
     leans = kernel_spread is not None and kernel_spread > d.threshold and raw <= d.threshold
     if raw <= 0 or not d.raw_p_value < 0.5:
         d.verdict = "noisy"
+        d.held_by = "raw"
         d.why = (f"too noisy to judge: {said} but the raw median is {d.ratio - 1:+.1%} (p={d.raw_p_value:.2g}): "
                  "only the calibration makes it worse; not a regression")
         return
     if leans and abs(d.change) <= d.threshold + kernel_spread:
         d.verdict = "noisy"
+        d.held_by = "spread"
         d.why = (f"too noisy to judge: {said} rests on a calibration kernel spread {kernel_spread:.0%} "
                  f"(IQR / median) wider than the {d.threshold:.0%} threshold, raw {d.ratio - 1:+.1%}, and is "
                  f"not past threshold + spread ({d.threshold + kernel_spread:.1%})")
         return
     if process_spread is not None and abs(d.change) <= d.threshold + process_spread:
         d.verdict = "noisy"
+        d.held_by = "process"
         d.why = (f"too noisy to judge: {said} is within the {d.threshold:.0%} threshold + the "
                  f"{process_spread:.1%} by which the baseline's {d.baseline_runs or 'several'} processes' levels "
                  "differ (half their range): one process's level can make it; not a regression")
@@ -176,6 +180,7 @@ def _hold(d: Decision, kernel_spread: float | None, thin_margin: float | None,
     if d.baseline_runs is not None and d.baseline_runs < 2 and thin_margin is not None:
         if abs(d.change) <= thin_margin:
             d.verdict = "thin-baseline"
+            d.held_by = "thin"
             d.why = (f"baseline too thin: {said} against samples of one process, whose level alone can be off "
                      f"by up to {thin_margin:.0%}; pool several runs (harness baseline update DIR1 DIR2 ..., or "
                      "--append); not a regression")
