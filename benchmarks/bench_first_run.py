@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 HARNESS = Path(sys.executable).with_name("harness")
 
 
-def _spinners(n: int) -> list[subprocess.Popen]:
-    code = "import time\nend = time.monotonic() + 1800\nwhile time.monotonic() < end: pass\n"
+def _spinners(n: int, lifetime_s: float = 1800) -> list[subprocess.Popen]:
+    code = f"import time\nend = time.monotonic() + {lifetime_s}\nwhile time.monotonic() < end: pass\n"
     # each in a session of its own, as other users' jobs are: with the kernel's autogroup scheduling
     # (on here) spinners sharing one session would share one CPU share and load the machine far less
     return [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(n)]

@@ -23,6 +23,7 @@ registered at its BackendSelect dispatch key), to be named by its operator verdi
 
 Usage: python benchmarks/bench_perf_holds.py [--suite llama-3.1-8b] [--clean 20] [--slow 20] [--attn 5]
        [--attn-share 0.4] [--baseline-runs 3] [--per-child 5] [--phases prefill,decode] [--work DIR]
+       [--baseline-load N] [--load N]   (N spinners beside the baseline processes / the trials)
        python benchmarks/bench_perf_holds.py --report DIR/trials.json   (a saved, even partial, run)
 
 Since these figures, two retunes (decide.py; docs/perf.md has both nights' tables): the
@@ -95,6 +96,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_first_run import _spinners  # noqa: E402  (other jobs' load: each spinner in a session of its own)
 
 
 def _detection():
@@ -282,7 +285,7 @@ def main() -> int:
     work.mkdir(parents=True)
     base = {"suite": a.suite, "phases": a.phases.split(",")}
     dirs = _baselines(a, base, work, t0)
-    spin = _spinners(a.load)
+    spin = _spinners(a.load, lifetime_s=7200)
     thin, pooled = work / "golden-thin", work / "golden-pooled"
     store.update(dirs[:1], thin)
     store.update(dirs, pooled)
@@ -300,7 +303,7 @@ def main() -> int:
 
 def _baselines(a, base: dict, work: Path, t0: float) -> list[str]:
     dirs = []
-    spin = _spinners(a.baseline_load)
+    spin = _spinners(a.baseline_load, lifetime_s=7200)
     try:
         for b in range(a.baseline_runs):  # one process each: the check's own run writes the sidecar
             spawn({**base, "levels": [0.0], "results": str(work / f"base-{b}"), "golden": str(work / "none")},
@@ -311,12 +314,6 @@ def _baselines(a, base: dict, work: Path, t0: float) -> list[str]:
     finally:
         _stop(spin)
     return dirs
-
-
-def _spinners(n: int) -> list[subprocess.Popen]:
-    code = "import time\nend = time.monotonic() + 7200\nwhile time.monotonic() < end: pass\n"
-    # each in a session of its own, as other users' jobs are (autogroup scheduling: one session shares one share)
-    return [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(n)]
 
 
 def _stop(spin: list[subprocess.Popen]) -> None:

@@ -20,6 +20,34 @@ def die_with_parent() -> None:
         pass
 
 
+def die_with(parent: int):
+    """A ``preexec_fn``: ``die_with_parent`` in the child, which also ends at once where ``parent`` (the
+    pid that forked it) died between the fork and the request - no signal would ever come then."""
+    def preexec() -> None:
+        die_with_parent()
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
+
+
+def wait_forwarding(proc) -> tuple[int, str | None]:
+    """Wait for ``proc`` (a ``subprocess.Popen``), passing it every SIGTERM and SIGINT this process gets
+    meanwhile (a launcher's stop reaches the child through its wrapper); its exit code and the first
+    signal passed on, by name (None: none)."""
+    stopped: list[str] = []
+
+    def forward(signum, _frame):
+        stopped.append(signal_name(signum))
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return proc.wait(), (stopped[0] if stopped else None)
+
+
 def signal_name(n: int) -> str:
     """``9`` -> ``SIGKILL``; an unknown number as ``signal <n>``."""
     try:

@@ -12,8 +12,9 @@ on a perf-sized model (harness/perf/workload.py: the suite's architecture at hid
 ``train``      one optimizer step (forward, backward, AdamW);
 ``roofline``   MFU / MBU of each phase from harness.inspect's FLOPs and bytes and the peaks;
 ``compare``    against the baseline of this suite and machine class: calibrated ratio + Mann-Whitney;
-               a suspected regression (or one too noisy to judge) is re-measured once, interleaved with
-               the calibration kernels, and filed where the re-measure alone is a regression;
+               a suspected regression (or one too noisy to judge for a spell of the machine) is
+               re-measured once, interleaved with the calibration kernels, and filed where the re-measure
+               alone is a regression;
 ``record``     samples sidecar (results/perf/), summaries and verdicts as JUnit details;
 ``verdict``    a confirmed regression fails the item (``fail_on_regression``).
 

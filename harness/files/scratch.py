@@ -78,24 +78,23 @@ def sweep_orphans(prefix: str, root: str | Path | None = None) -> list[Path]:
     rest (CI saw ``harness-parallel-*/<key>/w2-launch0``), and nothing else would ever remove them."""
     gone = []
     for folder in Path(root or tempfile.gettempdir()).glob(f"{prefix}*"):
-        owner = folder / OWNER
-        try:
-            record = owner.read_text()
-        except FileNotFoundError:
-            try:
-                stale = folder.is_dir() and time.time() - folder.stat().st_mtime > STALE_S
-            except OSError:
-                continue
-            if stale:
-                shutil.rmtree(folder, ignore_errors=True)
-                gone.append(folder)
-            continue
-        except OSError:
-            continue
-        if owner_gone(record):
+        if _orphaned(folder):
             shutil.rmtree(folder, ignore_errors=True)
             gone.append(folder)
     return gone
+
+
+def _orphaned(folder: Path) -> bool:
+    """Its owner is gone, or it has no owner record and is a day old (False where that cannot be read)."""
+    try:
+        return owner_gone((folder / OWNER).read_text())
+    except FileNotFoundError:
+        try:
+            return folder.is_dir() and time.time() - folder.stat().st_mtime > STALE_S
+        except OSError:
+            return False
+    except OSError:
+        return False
 
 
 def scratch_dir(prefix: str, root: str | Path | None = None) -> Path:

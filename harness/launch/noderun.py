@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from harness.files import atomic, paths, scratch
-from harness.proc import die_with_parent
+from harness.proc import die_with, wait_forwarding
 
 TMP = "@tmp/"
 # the node folders' names (NodeLaunch.run_id): the prefix whose orphans a wrapper sweeps
@@ -52,15 +51,6 @@ def make_folder(path: str) -> bool:
     return True
 
 
-def _die_with(parent: int):
-    """The child's preexec: it dies with this wrapper, also where the wrapper died before the request took."""
-    def preexec() -> None:
-        die_with_parent()
-        if os.getppid() != parent:  # killed between the fork and the prctl: no signal will ever come
-            os._exit(1)
-    return preexec
-
-
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m harness.launch.noderun @tmp/NAME -- ARGV...", file=sys.stderr)
@@ -74,23 +64,15 @@ def main(argv: list[str]) -> int:
     ours = make_folder(folder)
     args = [folder if a == spec else a for a in args]
     try:
-        proc = subprocess.Popen(args, preexec_fn=_die_with(os.getpid()))
+        proc = subprocess.Popen(args, preexec_fn=die_with(os.getpid()))
     except OSError as e:
         if ours:
             shutil.rmtree(folder, ignore_errors=True)
         print(f"node wrapper: cannot start {args[0]}: {e}", file=sys.stderr)
         return 127
 
-    def forward(signum, _frame):
-        # srun and the launcher's kill say SIGTERM first: torchrun stops its ranks, then this removes the folder
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    code = proc.wait()
+    # srun and the launcher's kill say SIGTERM first: torchrun stops its ranks, then this removes the folder
+    code, _stopped = wait_forwarding(proc)
     if ours:
         shutil.rmtree(folder, ignore_errors=True)
     return 128 - code if code < 0 else code

@@ -12,7 +12,6 @@ from torchrun (stopping the other ranks after one failed) is passed on to the ra
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import time
 from harness.files import paths
 from harness.launch import channel
 from harness.launch.status import log_path, write_exit
-from harness.proc import die_with_parent, signal_name
+from harness.proc import die_with, die_with_parent, signal_name, wait_forwarding
 
 
 def main(argv: list[str]) -> int:
@@ -38,22 +37,11 @@ def main(argv: list[str]) -> int:
     # PR_SET_PDEATHSIG set before exec (preexec_fn): the rank dies with this wrapper even while it is
     # still importing torch, long before its own code could ask for it.
     proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    stopped = []
-
-    def forward(signum, _frame):
-        stopped.append(signal_name(signum))
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    code = proc.wait()
+                            stdin=subprocess.DEVNULL, preexec_fn=die_with(os.getpid()))
+    code, stopped = wait_forwarding(proc)
     write_exit(run_dir, rank, {"rank": rank, "code": code, "time": time.time(), "pid": proc.pid,
                                "signal": signal_name(-code) if code < 0 else None,
-                               "stopped_by_launcher": stopped[0] if stopped else None})
+                               "stopped_by_launcher": stopped})
     if pub is not None:
         log.flush()
         pub.stop()

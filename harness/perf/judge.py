@@ -1,8 +1,8 @@
 """The perf check's judging steps as library functions (harness/checks/perf.py calls them): the
 comparison with the baseline of this suite and machine class (calibrated ratio + Mann-Whitney, a
-suspected regression - or one too noisy to judge - re-measured once, interleaved with its calibration
-kernel), the tensor-memory
-peaks against the baseline's, the verdict and samples records, and the failure's message and table.
+suspected regression - or one too noisy to judge for a spell of the machine - re-measured once,
+interleaved with its calibration kernel), the tensor-memory peaks against the baseline's, the verdict
+and samples records, and the failure's message and table.
 """
 
 from __future__ import annotations

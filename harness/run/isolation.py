@@ -68,6 +68,8 @@ def _status_dir() -> str:
 
         _STATUS_DIR.append(str(scratch.scratch_dir("harness-isolation-")))
     return _STATUS_DIR[0]
+
+
 # How an item's error begins when its fresh child never became ready (confirm.py: the runner's fault)
 WORKER_DID_NOT_START = "the isolated worker did not start"
 metrics.declare("leaked_bytes", "bytes", "lower",
