@@ -95,7 +95,8 @@ metrics.declare("compile_grad_signed_min_p", "", "higher", "compile: smallest si
                 "effect above the dtype's floor)")
 metrics.declare("compile_grad_signed_max_effect", "", "lower", "compile: largest |scale or mean row offset| of a "
                 "parameter gradient against eager's among the sign tests below the limit (fails above the dtype's "
-                "floor, harness.precision.signed.GRAD_FLOORS; 0: none below it)")
+                "floor, harness.precision.signed.GRAD_FLOORS, unless in half precision the compiled gradient is the "
+                "closer to the same weights' float32 backward; 0: none below it)")
 
 
 TOL_GOLDEN = metrics.tolerance_property("compile_logits_rel_rmse", 0.0)[0]

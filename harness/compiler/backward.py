@@ -36,7 +36,9 @@ class Backward:
 def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, grad_k: float) -> Backward:
     """One compiled forward + backward of the LM loss against the golden's sketches under grad_k x the
     training check's budgets. In half precision, a compiler that can emulate eager's rounding
-    (``dyn.can_emulate_precision``) gets a second try with precision casts before anything fails."""
+    (``dyn.can_emulate_precision``) gets a second try with precision casts before anything fails, and a
+    gradient one-signed against eager is then held against the same weights' float32 backward: where it
+    is closer than eager's to that, eager's rounding is the one-signed one (gradients.toward_truth)."""
     # deferred, as the backward's library is: only an item that compares gradients loads it
     from harness.compiler import gradients as grd
 
@@ -63,6 +65,13 @@ def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, 
             out.notes.append(f"compile: {text}")
             (out.rows, grads), bad, one = emulated, [], []
             out.signed = grd.signed_tests(ref, grads, eager)
+    if one and not bad and dtype in ("bfloat16", "float16"):
+        # is eager the one that is one-signed, against the same weights' float32 backward?
+        one, explained = grd.toward_truth(one, compiled, eager, grd.truth_grads(ref, model))
+        if explained:
+            text = grd.toward_truth_text(explained)
+            out.details["compile_grad_toward_float32"] = text
+            out.notes.append(f"compile: {text}")
     if bad:
         out.failure = grd.failure(grd.in_backward_order(bad, ref.order))
     elif one:

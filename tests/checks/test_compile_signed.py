@@ -18,16 +18,17 @@ NAME = "llama-3.1-8b"
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward passes ``factor`` x the gradient (a backward kernel 1 % high)."""
+    """Identity forward; the backward passes ``factor`` x the gradient (a backward kernel 1 % high), only
+    a gradient of dtype ``only`` where one is given."""
 
     @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
+    def forward(ctx, x, factor, only=None):
+        ctx.factor, ctx.only = factor, only
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.factor, None
+        return (grad * ctx.factor if ctx.only in (None, grad.dtype) else grad), None, None
 
 
 def _compiled_only_backward_scale(path: str, factor: float = 1.01):
@@ -76,3 +77,36 @@ def test_a_one_signed_compiled_backward_error_inside_the_budget_fails_naming_the
 
     assert metric(ctx, "compile_grad_signed_max_effect") < 0.75 * GRAD_FLOORS["bfloat16"]
     assert metric(ctx, "compile_loss_signed_p") > 1e-3  # the loss's test is made and recorded
+
+
+def _eager_only_bf16_scale(path: str, factor: float = 0.98):
+    """Eager's bfloat16 backward into ``path`` scaled by ``factor``: a shared factor eager rounds one way in
+    bfloat16, which the compiled graph (and the same weights in float32) do not."""
+    def transform(model):
+        mod = model.get_submodule(path)
+
+        def forward(*args, _orig=mod.forward, **kw):
+            out = _orig(*args, **kw)
+            return out if torch.compiler.is_compiling() else _ScaleGrad.apply(out, factor, torch.bfloat16)
+
+        mod.forward = forward
+        return model
+    return transform
+
+
+def test_a_compiled_gradient_closer_to_float32_than_eagers_passes_and_says_why():
+    """Eager's bfloat16 backward into layer 1's MLP 2 % low, compiled exact (Llama-4-Scout's clean items,
+    bfloat16, measured: eager's attention gradients -0.9 to -1.2 % against float32, compiled -0.6 to -0.8 %):
+    compiled against eager is one-signed at +2 %, twice the planted fault's size, but it is the closer to the
+    same weights' float32 backward. The item passes and says so; the fault above, compiled 1 % high with
+    eager exact, still fails (it moves away from the float32 backward). At 1 % low the MLP's matrices are
+    explained too, but the norm's weight (a vector of 128 rows) reads eager against float32 at p=5.9e-5,
+    not below the limit for 5 gradients (2e-5): that item still fails (gradients.toward_truth)."""
+    ls = compile_suite(NAME, backend="aot_eager", prompt_lens=[], decode_step=False)
+    ctx, _, f = run(ls, dtype="bfloat16", transform=_eager_only_bf16_scale("model.layers.1.mlp"))
+    assert f is None, str(f)
+    assert metric(ctx, "compile_grad_signed_min_p") < 1e-30 and metric(ctx, "compile_grad_signed_max_effect") > 0.019
+    said = dict(ctx.properties)["harness.detail.compile_grad_toward_float32"]
+    assert said.startswith("4 parameter gradient(s) one-signed against eager, each closer than eager's to the "
+                           "same weights' float32 backward (first model.layers.1."), said
+    assert any("not a compiler fault" in n for n in ctx.notes)
