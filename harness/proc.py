@@ -1,5 +1,6 @@
 """Process plumbing shared by every child harness starts (isolated items, torchrun ranks, the
-comparator's prefetch): standard library only, so that a wrapper importing it starts in milliseconds."""
+comparator's prefetch), and by the ``harness`` command itself (a stdout whose reader went away):
+standard library only, so that a wrapper importing it starts in milliseconds."""
 
 from __future__ import annotations
 
@@ -84,6 +85,57 @@ def run_exit_handlers() -> None:
             f.flush()
         except (OSError, ValueError):  # a closed pipe (`harness ... | head`), a closed stream
             pass
+
+
+# --- a reader that goes away -----------------------------------------------------------------------
+class OutlivesReader:
+    """``sys.stdout`` that outlives its reader: ``harness run ... | head`` closes the pipe after a few
+    lines, and the next write raised BrokenPipeError wherever it happened. rich's console answers that
+    with SystemExit(1) (its ``on_broken_pipe``), which stopped the run at its next progress line: 16 of
+    18 items never ran and the results said "running". Here the first write to a closed reader points
+    the file descriptor at /dev/null (what rich and Python's own note on SIGPIPE do) and the process
+    carries on; results go to the results folder, never only to stdout. Everything else is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())  # children started later inherit /dev/null too
+        finally:
+            os.close(devnull)
+
+    def write(self, s):
+        try:
+            return self._stream.write(s)
+        except BrokenPipeError:
+            self._gone()
+            return len(s)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+            self._stream.flush()  # what was buffered goes to /dev/null now
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def outlive_reader() -> None:
+    """Install OutlivesReader as ``sys.stdout`` (a command's first step; once)."""
+    if not isinstance(sys.stdout, OutlivesReader) and sys.stdout is not None:
+        try:
+            sys.stdout.fileno()
+        except (OSError, ValueError, AttributeError):  # no descriptor to point elsewhere (a test's capture)
+            return
+        sys.stdout = OutlivesReader(sys.stdout)
 
 
 # --- memory ---------------------------------------------------------------------------------------

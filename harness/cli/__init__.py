@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 def entry() -> None:
     """The ``harness`` command (``main`` is what tests call in-process)."""
     from harness.cli.server import forward
-    from harness.proc import exit_now
+    from harness.proc import exit_now, outlive_reader
 
+    outlive_reader()  # `harness run ... | head`: a reader that goes away costs no item (harness.proc)
     rc = forward(sys.argv[1:])  # a warm `harness server` for this environment runs it, if one runs
     exit_now(main() if rc is None else rc)
 

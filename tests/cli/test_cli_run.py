@@ -55,6 +55,26 @@ def test_run_writes_results_and_prints_a_table(project):
     assert (project / "results" / "summary.txt").exists()
 
 
+def test_a_reader_that_goes_away_costs_no_item(project):
+    """`harness run ... | head -1`: the reader closes the pipe after the first progress line. The next
+    write used to end the run (rich's SystemExit(1) on BrokenPipeError: 1 of 18 items of llama-3.1-8b's
+    smoke, precision and decode run, exit 1);
+    now the rest of the output goes to /dev/null and every item runs and is recorded."""
+    (project / "suites" / "tiny.toml").write_text('dtypes = ["float32", "bfloat16"]\n' + TINY)
+    exe = Path(sys.executable).with_name("harness")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    p = subprocess.Popen([str(exe), "run", "tiny", "--check", "smoke"], cwd=project, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = p.stdout.readline()
+    p.stdout.close()  # what head does after its line
+    err = p.stderr.read()
+    assert p.wait(timeout=600) == 0, first + err
+    assert first.startswith("[1/"), first
+    assert "BrokenPipe" not in err and "INTERNALERROR" not in err and "Traceback" not in err, err
+    summary = json.loads((project / "results" / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["counts"]["passed"] == 2, summary["counts"]
+
+
 def test_run_with_a_malformed_suite_reports_it_and_runs_the_rest(project, capsys, monkeypatch):
     (project / "suites" / "tiny.toml").write_text('dtypes = ["float32"]\n' + TINY)
     (project / "suites" / "bad.toml").write_text(TINY.replace("hidden_size = 32", "hidden_size = -3"))
