@@ -1,7 +1,8 @@
 """One engine run: the runner script in the engine's venv, supervised.
 
 The runner runs as a ``harness.launch.ProcessGroup`` (its own session, death with the item, the whole
-tree killed at the time limit, nothing left behind after it exits) and talks through two files in the
+tree killed at the time limit, nothing left behind after it exits, its temporary files in a folder of
+harness's removed after it) and talks through two files in the
 run directory: ``request.json`` in, ``result.json`` out; its output goes to ``engine.log``, whose tail
 is in every error.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from harness.files import atomic
+from harness.files.scratch import scratch_dir
 from harness.launch.group import ProcessGroup
 from harness.launch.status import log_tail
 from harness.serve.engine import Engine, env_dir, python
@@ -34,15 +37,24 @@ class EngineUnsupported(EngineRunError):
     item is not applicable there."""
 
 
-def engine_env(run_dir: Path, engine: Engine | None = None) -> dict:
+ENGINE_TMP = "harness-engine-"  # prefix of an engine run's temporary folder (scratch_dir: swept if orphaned)
+
+
+def engine_env(run_dir: Path, engine: Engine | None = None, tmp: Path | None = None) -> dict:
     """The runner's environment: the build's own settings (vLLM on CPU: KV cache space in GiB, its
     OpenMP threads unbound; a vendor's: its runtime's), unless the user set them; then the engine core
     in this process (one process to supervise, and a preloaded file's patches apply to the model that
     runs), no usage statistics, the hub offline. Its caches live beside the run directory, shared by the
     runs of one results folder (never the user's ~/.cache), and its compile cache is off: a compiled graph
     from another run (made before a kernel changed, or with a fault injected) must never stand in for this
-    run's. vLLM's model-class inspection is shared wider (``share_inspection``)."""
+    run's. vLLM's model-class inspection is shared wider (``share_inspection``). ``tmp``: the engine's
+    temporary folder (TMPDIR), harness's, removed after the run: vLLM puts its file:// rendezvous
+    (``vllm_dist_<hex>``) and its ZMQ sockets in the system's, and an engine killed at its time limit or
+    by a fault left them there (18 in this machine's /tmp in one day). A short path: a socket's is
+    limited to 107 bytes, which a results folder's depth would pass."""
     env = dict(os.environ)
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
     for k, v in (engine.env if engine is not None else ()):
         env.setdefault(k, v)
     env["VLLM_CACHE_ROOT"] = str(run_dir.parent / "vllm-cache")
@@ -97,13 +109,17 @@ def run_engine(engine: Engine, request: dict, run_dir: str | Path, timeout_s: fl
     atomic.write_json(req, request)
     cmd = [str(python(engine, root)), str(engine.runner_path), str(req), str(res)]
     share_inspection(run_dir, env_dir(engine, root) / "cache" / "modelinfos")
-    with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir, engine), log_name="engine.log") as group:
-        ended = group.wait(deadline_s=timeout_s)
-        if not ended.ok or not res.is_file():
-            tail = " / ".join(log_tail(group.log, 4))
-            how = (f"killed at its time limit ({timeout_s:g} s){_during(group.log)}" if ended.how == "timeout" else
-                   f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
-            raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
+    tmp = scratch_dir(ENGINE_TMP)
+    try:
+        with ProcessGroup.start(cmd, run_dir, env=engine_env(run_dir, engine, tmp), log_name="engine.log") as group:
+            ended = group.wait(deadline_s=timeout_s)
+            if not ended.ok or not res.is_file():
+                tail = " / ".join(log_tail(group.log, 4))
+                how = (f"killed at its time limit ({timeout_s:g} s){_during(group.log)}" if ended.how == "timeout"
+                       else f"exited with code {ended.code} and no result" if ended.how == "exited" else ended.how)
+                raise EngineRunError(f"engine {engine.name} {how}" + (f"; engine.log: {tail}" if tail else ""))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the group is gone: nothing of the engine still writes there
     out = json.loads(res.read_text())
     if out.get("unsupported"):
         raise EngineUnsupported(f"engine {engine.name} ({out.get('engine')} {out.get('version')}) does not serve this "

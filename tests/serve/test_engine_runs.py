@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from harness.files.scratch import OWNER, owner_record
 from harness.serve import engine as eng
-from harness.serve.launch import EngineUnsupported, run_engine
+from harness.serve.launch import ENGINE_TMP, EngineUnsupported, run_engine
 from tests_support import REPO
 
 CONFIG = REPO / "tests" / "data" / "day0" / "MiniMax-M3.json"
@@ -45,10 +48,33 @@ def test_an_architecture_the_engine_lacks_comes_back_in_the_engines_words(vllm_b
            "platform": "cpu", "model_impl": impl}
     with pytest.raises(EngineUnsupported) as e:
         run_engine(vllm_build, req, tmp_path / "run", timeout_s=300)
+    # the engine's temporary folder was harness's (launch.engine_env) and is gone with the run: none of this
+    # process's is left (other test workers' engines may be running beside it)
+    mine = owner_record()
+    left = [p for p in Path(tempfile.gettempdir()).glob(f"{ENGINE_TMP}*") if _owner(p) == mine]
+    assert not left, left
     msg = str(e.value)
     assert msg.startswith("engine vllm (vllm 0.32.0) does not serve this model: "), msg
     assert says in msg and "\n" not in msg, msg
     assert "Loading" not in (tmp_path / "run" / "engine.log").read_text()  # asked before any model code ran
+
+
+def _owner(folder: Path) -> str | None:
+    try:
+        return (folder / OWNER).read_text()
+    except OSError:
+        return None
+
+
+def test_the_engines_temporary_folder_is_harness_s(tmp_path):
+    """TMPDIR of the engine: a harness scratch folder with a short path (a ZMQ socket's path is limited to
+    107 bytes), never the system's temporary folder where vLLM's rendezvous files outlived killed engines."""
+    from harness.serve.launch import engine_env
+
+    tmp = tmp_path / f"{ENGINE_TMP}x"
+    assert engine_env(tmp_path / "run", None, tmp)["TMPDIR"] == str(tmp)
+    assert "TMPDIR" not in engine_env(tmp_path / "run") or engine_env(tmp_path / "run")["TMPDIR"] == os.environ.get(
+        "TMPDIR")
 
 
 def test_a_time_limit_names_the_probe_that_had_started_and_not_finished(tmp_path):
