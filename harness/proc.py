@@ -91,8 +91,8 @@ def run_exit_handlers() -> None:
 class OutlivesReader:
     """``sys.stdout`` that outlives its reader: ``harness run ... | head`` closes the pipe after a few
     lines, and the next write raised BrokenPipeError wherever it happened. rich's console answers that
-    with SystemExit(1) (its ``on_broken_pipe``), which stopped the run at its next progress line: 16 of
-    18 items never ran and the results said "running". Here the first write to a closed reader points
+    with SystemExit(1) (its ``on_broken_pipe``), which stopped the run at its next progress line (pytest's
+    INTERNALERROR): 17 of 18 items never ran. Here the first write to a closed reader points
     the file descriptor at /dev/null (what rich and Python's own note on SIGPIPE do) and the process
     carries on; results go to the results folder, never only to stdout. Everything else is the stream's."""
 
