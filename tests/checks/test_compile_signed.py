@@ -31,19 +31,24 @@ class _ScaleGrad(torch.autograd.Function):
         return (grad * ctx.factor if ctx.only in (None, grad.dtype) else grad), None, None
 
 
-def _compiled_only_backward_scale(path: str, factor: float = 1.01):
-    """While dynamo traces ``path``'s forward, its output goes through _ScaleGrad: the compiled
-    backward scales the gradient flowing into the module by ``factor``; the forward and eager are exact."""
+def _backward_scale(path: str, factor: float, compiled: bool = True, only=None):
+    """``path``'s output through _ScaleGrad in one path only: the compiled one (while dynamo traces it:
+    the compiled backward scales the gradient flowing into the module by ``factor``, the forward and eager
+    exact), or eager's (``compiled`` False; ``only``: a gradient of that dtype alone)."""
     def transform(model):
         mod = model.get_submodule(path)
 
         def forward(*args, _orig=mod.forward, **kw):
             out = _orig(*args, **kw)
-            return _ScaleGrad.apply(out, factor) if torch.compiler.is_compiling() else out
+            return _ScaleGrad.apply(out, factor, only) if torch.compiler.is_compiling() == compiled else out
 
         mod.forward = forward
         return model
     return transform
+
+
+def _compiled_only_backward_scale(path: str, factor: float = 1.01):
+    return _backward_scale(path, factor)
 
 
 def test_a_one_signed_compiled_backward_error_inside_the_budget_fails_naming_the_module():
@@ -82,16 +87,7 @@ def test_a_one_signed_compiled_backward_error_inside_the_budget_fails_naming_the
 def _eager_only_bf16_scale(path: str, factor: float = 0.98):
     """Eager's bfloat16 backward into ``path`` scaled by ``factor``: a shared factor eager rounds one way in
     bfloat16, which the compiled graph (and the same weights in float32) do not."""
-    def transform(model):
-        mod = model.get_submodule(path)
-
-        def forward(*args, _orig=mod.forward, **kw):
-            out = _orig(*args, **kw)
-            return out if torch.compiler.is_compiling() else _ScaleGrad.apply(out, factor, torch.bfloat16)
-
-        mod.forward = forward
-        return model
-    return transform
+    return _backward_scale(path, factor, compiled=False, only=torch.bfloat16)
 
 
 def test_a_compiled_gradient_closer_to_float32_than_eagers_passes_and_says_why():
