@@ -289,7 +289,7 @@ class CompileCheck(Check):
         """The compiled backward against the golden's training section (harness/compiler/backward.py)."""
         if ctx.variant != SPEED and st.cfg.gradients:
             st.grad = backward.judge(st.g, ctx.suite, ctx.dtype, st.model, ctx.device, st.compile_kw, st.compiler,
-                                     st.cfg.grad_k)
+                                     st.cfg.grad_k, st.n_breaks)
             self._said(ctx, st, st.grad)
 
     def speed(self, ctx: CheckContext, st) -> None:

@@ -33,12 +33,15 @@ class Backward:
                 "compile_backward_time_s": self.seconds} | signed_figures(self.signed)
 
 
-def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, grad_k: float) -> Backward:
+def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, grad_k: float,
+          forward_breaks: int | None = None) -> Backward:
     """One compiled forward + backward of the LM loss against the golden's sketches under grad_k x the
     training check's budgets. In half precision, a compiler that can emulate eager's rounding
     (``dyn.can_emulate_precision``) gets a second try with precision casts before anything fails, and a
     gradient one-signed against eager is then held against the same weights' float32 backward: where it
-    is closer than eager's to that, eager's rounding is the one-signed one (gradients.toward_truth)."""
+    is closer than eager's to that, eager's rounding is the one-signed one (gradients.toward_truth).
+    ``forward_breaks``: the forward compile's graph breaks; more elsewhere than the forced routers here
+    are said (gradients.graph_breaks)."""
     # deferred, as the backward's library is: only an item that compares gradients loads it
     from harness.compiler import gradients as grd
 
@@ -51,8 +54,13 @@ def judge(g, suite, dtype: str, model, device, compile_kw: dict, compiler: str, 
     eager = grd.eager_grads(ref, model)
     k = suite.suite.checks.training.budget_k
     t0 = time.perf_counter()
-    compiled = grd.compiled_grads(ref, model, compile_kw)
+    compiled, breaks = grd.compiled_grads(ref, model, compile_kw)
     out.seconds = time.perf_counter() - t0
+    detail, note = grd.graph_breaks(breaks, forward_breaks)
+    if detail:
+        out.details["compile_grad_graph_breaks"] = detail
+    if note:
+        out.notes.append(note)
     out.rows = grd.rows(ref, compiled, eager, dtype, k, grad_k)
     # the direction beside the size: each gradient against eager's (the clean run), a one-signed error
     # well inside the budget fails too

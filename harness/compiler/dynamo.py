@@ -131,6 +131,13 @@ def break_counter() -> Counter:
     return out
 
 
+def break_reasons() -> Counter:
+    """Dynamo's graph-break counter now, by whole reason (it names the function a break skips)."""
+    from torch._dynamo.utils import counters
+
+    return Counter(counters["graph_break"])
+
+
 def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 

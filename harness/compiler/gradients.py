@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,12 +79,57 @@ def eager_grads(ref: BackwardReference, model: torch.nn.Module) -> dict[str, tor
         return param_grads(ref, model)
 
 
+class Compiled(NamedTuple):
+    grads: dict[str, torch.Tensor]  # parameter -> its gradient through the compiled model
+    breaks: Counter  # the graph breaks of that compile, by dynamo's whole reason
+
+
 def compiled_grads(ref: BackwardReference, model: torch.nn.Module, compile_kw: dict,
-                   emulate: bool = False) -> dict[str, torch.Tensor]:
-    """The gradients of a fresh compile of ``model`` (``emulate``: with inductor's precision casts)."""
+                   emulate: bool = False) -> Compiled:
+    """The gradients of a fresh compile of ``model`` (``emulate``: with inductor's precision casts), and
+    the graph breaks of that compile (a forced router is one by design; ``graph_breaks``)."""
     with routed(model, ref.routes), dyn.fresh():
+        before = dyn.break_reasons()
         with dyn.emulated_precision() if emulate else contextlib.nullcontext():
-            return param_grads(ref, dyn.compile_module(model, **compile_kw))
+            grads = param_grads(ref, dyn.compile_module(model, **compile_kw))
+        return Compiled(grads, dyn.break_reasons() - before)
+
+
+def graph_breaks(breaks: Counter, forward_breaks: int | None) -> tuple[str | None, str | None]:
+    """(detail, note) on the gradients step's graph breaks. A forced router is kept out of the graph by
+    design (its wrapper is named ``FORCED_MARK``): its backward is eager's, and that is said. Breaks
+    elsewhere, beyond the forward's own (``forward_breaks``, which the ``breaks`` step judges), mean that
+    more of the model ran outside the compiled graph here than the forward step saw: the note says the
+    compiled backward was not compared there. (Until 2026-12-07 every module with an instance forward was
+    kept out with the routers, and nothing said so.)"""
+    from harness.precision.routing import FORCED_MARK
+
+    routers = sum(n for r, n in breaks.items() if FORCED_MARK in r)
+    other = Counter({dyn.first(r) + _skipped(r): n for r, n in breaks.items() if FORCED_MARK not in r})
+    n_other = sum(other.values())
+    if not routers and not n_other:
+        return None, None
+    said = []
+    if routers:
+        said.append(f"{routers} at the forced routers (kept out of the graph by design: their backward is eager's)")
+    if n_other:
+        said.append(f"{n_other} elsewhere (" + "; ".join(f"{n} x {r}" for r, n in other.most_common(3)) + ")")
+    detail = f"{routers + n_other} graph break(s) in the compiled forward and backward: " + ", ".join(said)
+    note = None
+    if n_other > (forward_breaks or 0):
+        reason, _ = other.most_common(1)[0]
+        note = (f"compile: the gradients step's compile broke the graph {n_other} time(s) outside the forced "
+                f"routers, the forward's compile {forward_breaks or 0} (first: {reason}): what a break skips ran "
+                "eagerly there, and its compiled backward was not compared")
+    return detail, note
+
+
+def _skipped(reason: str) -> str:
+    """The function a "Skip calling ..." break names (dynamo's second line), else nothing."""
+    import re
+
+    m = re.search(r"Skip calling function `<function (\S+)", reason)
+    return f" ({m.group(1)})" if m else ""
 
 
 def rows(ref: BackwardReference, compiled: dict, eager: dict, dtype: str, k: float, grad_k: float) -> list[GradRow]:
@@ -272,7 +318,7 @@ def with_precision_casts(ref: BackwardReference, model: torch.nn.Module, compile
     budget (and one-signed) either way; only a divergence that the emulation removes is explained (and
     said), never silently passed. Returns the rows and the gradients with the casts emulated and what to
     say where that explains ``bad`` and ``one``, else (None, None)."""
-    grads = compiled_grads(ref, model, compile_kw, emulate=True)
+    grads = compiled_grads(ref, model, compile_kw, emulate=True).grads
     emulated = rows(ref, grads, eager, dtype, k, grad_k)
     if over_budget(emulated) or one_signed(signed_tests(ref, grads, eager), emulated, dtype):
         return None, None

@@ -39,10 +39,11 @@ def forced_routing(model: torch.nn.Module, routes: dict[str, torch.Tensor]):
     from harness.precision.routing import ForcedRouting
 
     forced = ForcedRouting({"step": routes}, phase="step")
-    handles = forced.attach(model)
-    for mod in model.modules():
-        if "forward" in mod.__dict__:
-            mod.forward = torch._dynamo.disable(mod.forward)  # recursive: the router and all it calls
+    # The routers alone out of the graph. Until 2026-12-07 every module with an instance forward was
+    # disabled here, and never put back: a forward patched on an instance (a vendor's kernel swap, a
+    # planted fault) ran eagerly in the gradients step and after it, so its compiled backward was never
+    # compared (Llama-4-Scout: a patched shared expert traced 0 times there).
+    handles = forced.attach(model, eager=True)
     try:
         yield forced
     finally:

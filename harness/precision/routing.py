@@ -40,6 +40,9 @@ from harness.anatomy.capture import EXPERTS_SUFFIX, router_outputs
 from harness.anatomy.moe import is_router
 
 PHASES = ("step", "after")
+# The name a forced router's wrapper carries (its ``__qualname__``): dynamo names the function it skips
+# in a graph break's reason, so the compile check tells its own router breaks from the model's.
+FORCED_MARK = "harness_forced_router"
 
 
 def _indices(out) -> torch.Tensor | None:
@@ -164,9 +167,13 @@ class ForcedRouting:
     calls: dict[str, dict[str, ForcedCall]] = field(default_factory=lambda: {p: {} for p in PHASES})
     unforced: list[str] = field(default_factory=list)  # routers whose top-k could not be replaced
 
-    def attach(self, model: torch.nn.Module) -> list:
+    def attach(self, model: torch.nn.Module, eager: bool = False) -> list:
         """Wrap every router's forward (an instance attribute; ``.remove()`` on each returned handle
-        restores it). The top-k mode is entered around the call, so an exception cannot leave it on."""
+        restores it). The top-k mode is entered around the call, so an exception cannot leave it on.
+        ``eager``: the wrapped router is also kept out of any compiled graph (``torch._dynamo.disable``,
+        recursive: the router and all it calls; dynamo does not trace the top-k mode), and nothing else
+        is: the rest of the model, an instance forward someone else set included, is compiled as it
+        would be unforced."""
         handles = []
         for name, mod in model.named_modules():
             if is_router(name):
@@ -179,6 +186,8 @@ class ForcedRouting:
                         m.forward = prev
 
                 mod.forward = self._wrap(name, mod, mod.forward)
+                if eager:
+                    mod.forward = torch._dynamo.disable(mod.forward)
                 handles.append(SimpleNamespace(remove=remove))
         return handles
 
@@ -206,6 +215,7 @@ class ForcedRouting:
                                                           tuple(keep(a) for a in args),
                                                           {k: keep(v) for k, v in kwargs.items()})
             return out
+        wrapped.__name__ = wrapped.__qualname__ = f"{FORCED_MARK}[{name}]"
         return wrapped
 
 

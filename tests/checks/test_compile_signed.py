@@ -106,3 +106,21 @@ def test_a_compiled_gradient_closer_to_float32_than_eagers_passes_and_says_why()
     assert said.startswith("4 parameter gradient(s) one-signed against eager, each closer than eager's to the "
                            "same weights' float32 backward (first model.layers.1."), said
     assert any("not a compiler fault" in n for n in ctx.notes)
+
+
+def test_a_compiled_only_fault_in_a_patched_moe_module_is_compiled_with_the_routers_forced():
+    """qwen3-30b-a3b, bfloat16: the gradients step forces the routers to the golden's choices and keeps
+    them (alone) out of the compiled graph. Until 2026-12-07 it kept *every* module with an instance
+    forward out too: a forward patched on an instance (a vendor's kernel swap; here the planted fault)
+    ran eagerly there, so its compiled backward was never compared, and this item passed (Llama-4-Scout:
+    the same fault in the shared expert, traced 0 times by the compiled step). Now the fault is in the
+    graph and named, and the step says which of its graph breaks are the routers'."""
+    ls = compile_suite("qwen3-30b-a3b", backend="aot_eager", prompt_lens=[], decode_step=False)
+    ctx, _, f = run(ls, dtype="bfloat16", transform=_compiled_only_backward_scale("model.layers.1.mlp.experts"))
+    assert f is not None, "a compiled-only backward fault in a patched MoE module passed"
+    line = str(f).splitlines()[0]
+    assert line.startswith("model.layers.1.mlp.experts: compiled backward against eager: gradient of "
+                           "model.layers.1.mlp.experts."), line
+    said = dict(ctx.properties)["harness.detail.compile_grad_graph_breaks"]
+    assert "at the forced routers (kept out of the graph by design" in said and "elsewhere" not in said, said
+    assert not any("outside the forced routers" in n for n in ctx.notes), ctx.notes

@@ -134,3 +134,36 @@ def test_a_compiled_gradient_closer_than_eagers_to_the_float32_backward_is_eager
     # the same direction as eager's own error: away
     failing, explained = grd.toward_truth(_one(eager * 0.996, eager), {"w": eager * 0.996}, {"w": eager}, {"w": truth})
     assert explained == [] and len(failing) == 1
+
+
+def test_the_gradients_step_tells_the_forced_routers_breaks_from_the_models():
+    """Dynamo's own break reasons (a real compile): a function carrying the forced router's name is the
+    check's break by design and only said; a function kept out of the graph otherwise, beyond the
+    forward's own breaks, gets a note that its compiled backward was not compared."""
+    from harness.compiler import dynamo as dyn
+    from harness.precision.routing import FORCED_MARK
+
+    def router(x):
+        return x * 2
+
+    def vendor_kernel(x):
+        return x + 1
+
+    router.__name__ = router.__qualname__ = f"{FORCED_MARK}[model.layers.0.mlp.gate]"
+    router, vendor_kernel = torch.compiler.disable(router), torch.compiler.disable(vendor_kernel)
+
+    def f(x):
+        return vendor_kernel(router(x).sin()).cos()
+
+    with dyn.fresh():
+        before = dyn.break_reasons()
+        torch.compile(f, backend="eager")(torch.randn(4))
+        breaks = dyn.break_reasons() - before
+    detail, note = grd.graph_breaks(breaks, forward_breaks=0)
+    assert detail.startswith("2 graph break(s) in the compiled forward and backward: 1 at the forced routers "
+                             "(kept out of the graph by design: their backward is eager's), 1 elsewhere (1 x Skip "
+                             "calling `torch.compiler.disable()`d function ("), detail
+    assert "vendor_kernel" in detail and note.startswith("compile: the gradients step's compile broke the graph 1 "
+                                                         "time(s) outside the forced routers, the forward's compile 0"), note
+    assert grd.graph_breaks(breaks, forward_breaks=1)[1] is None  # the forward broke there too: the breaks step's
+    assert grd.graph_breaks(type(breaks)(), forward_breaks=0) == (None, None)
