@@ -531,6 +531,24 @@ def _release_memory() -> None:
 
 
 
+# torch.compile(module) warns at every compiled call while any global module hook exists ("this will
+# cause the hooks to fire an extra time for the OptimizedModule"). In an isolated item the status hook
+# below is one, always: the warning then says nothing about the model and was listed with every compile
+# item (26 in each Llama-4-Scout compile item). Its effect on this hook is one more status write.
+GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+def status_hook(status):
+    """The global forward pre-hook that keeps ``status``'s last module entered, and the ignore for the
+    warning it alone causes (LibraryWarnings keeps an ignore). Returns the hook's handle."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", message=GLOBAL_HOOK_WARNING, category=UserWarning)
+    return torch.nn.modules.module.register_module_forward_pre_hook(status.enter)
+
+
 def _child_main() -> int:
     die_with_parent()
     cmd_fd, res_fd = (int(x) for x in setting("HARNESS_ISOLATION_FDS").split(","))
@@ -557,7 +575,7 @@ def _child_main() -> int:
     # collection first: it would cost ~85 ms on every run's critical path to free the few cycles
     # imports leave behind.
     gc.freeze()
-    torch.nn.modules.module.register_module_forward_pre_hook(status.enter)
+    status_hook(status)
     add_phase_listener(status.set_phase)
     if setting("HARNESS_NUM_THREADS"):
         torch.set_num_threads(setting("HARNESS_NUM_THREADS"))

@@ -316,6 +316,42 @@ def test_the_status_hook_of_an_isolated_item_is_no_graph_break(tmp_path):
         torch._dynamo.reset()
 
 
+def test_the_status_hook_adds_no_warning_to_a_compiled_items_record(tmp_path):
+    """torch.compile(module) warns at each compiled call while a global module hook exists; in an
+    isolated item the status hook is always one, so the warning was counted with every compile item
+    (26 in a Llama-4-Scout item). Installed by the child's own ``status_hook``, it is not; the same
+    compile with a global hook of someone else's is still recorded."""
+    import warnings
+
+    import torch
+
+    from harness.run.execute import LibraryWarnings
+    from harness.run.isolation import STATUS_BYTES, _Status, status_hook
+
+    path = tmp_path / "status"
+    path.write_bytes(b" " * STATUS_BYTES)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+
+    def compiled_call_warnings() -> list[str]:
+        torch._dynamo.reset()
+        with LibraryWarnings() as lw:
+            torch.compile(model, backend="eager")(torch.ones(1, 4))
+        return [r["message"] for r in lw.records() if "global hooks" in r["message"]]
+
+    with warnings.catch_warnings():
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+        try:
+            assert compiled_call_warnings(), "torch no longer warns: the ignore is no longer needed"
+        finally:
+            handle.remove()
+        handle = status_hook(_Status(str(path)))
+        try:
+            assert compiled_call_warnings() == []
+        finally:
+            handle.remove()
+            torch._dynamo.reset()
+
+
 def test_a_vendor_module_gets_a_child_that_ran_nothing_without_it(tmp_path):
     """torch's autograd engine sizes its device queues at the first backward: a PrivateUse1 module
     imported by a child after a CPU item's backward fails every backward on its device. A request
