@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -105,13 +106,16 @@ def graph_breaks(breaks: Counter, forward_breaks: int | None) -> tuple[str | Non
     from harness.precision.routing import FORCED_MARK
 
     routers = sum(n for r, n in breaks.items() if FORCED_MARK in r)
+    # dynamo counts a break each time it traces past one (a restarted frame again): say how many routers
+    names = {m for r in breaks for m in re.findall(re.escape(FORCED_MARK) + r"\[([^\]]+)\]", r)}
     other = Counter({dyn.first(r) + _skipped(r): n for r, n in breaks.items() if FORCED_MARK not in r})
     n_other = sum(other.values())
     if not routers and not n_other:
         return None, None
     said = []
     if routers:
-        said.append(f"{routers} at the forced routers (kept out of the graph by design: their backward is eager's)")
+        at = f"the {len(names)} forced router(s)" if names else "the forced routers"
+        said.append(f"{routers} at {at} (kept out of the graph by design: their backward is eager's)")
     if n_other:
         said.append(f"{n_other} elsewhere (" + "; ".join(f"{n} x {r}" for r, n in other.most_common(3)) + ")")
     detail = f"{routers + n_other} graph break(s) in the compiled forward and backward: " + ", ".join(said)
@@ -126,8 +130,6 @@ def graph_breaks(breaks: Counter, forward_breaks: int | None) -> tuple[str | Non
 
 def _skipped(reason: str) -> str:
     """The function a "Skip calling ..." break names (dynamo's second line), else nothing."""
-    import re
-
     m = re.search(r"Skip calling function `<function (\S+)", reason)
     return f" ({m.group(1)})" if m else ""
 

@@ -160,7 +160,7 @@ def test_the_gradients_step_tells_the_forced_routers_breaks_from_the_models():
         torch.compile(f, backend="eager")(torch.randn(4))
         breaks = dyn.break_reasons() - before
     detail, note = grd.graph_breaks(breaks, forward_breaks=0)
-    assert detail.startswith("2 graph break(s) in the compiled forward and backward: 1 at the forced routers "
+    assert detail.startswith("2 graph break(s) in the compiled forward and backward: 1 at the 1 forced router(s) "
                              "(kept out of the graph by design: their backward is eager's), 1 elsewhere (1 x Skip "
                              "calling `torch.compiler.disable()`d function ("), detail
     assert "vendor_kernel" in detail and note.startswith("compile: the gradients step's compile broke the graph 1 "
