@@ -529,8 +529,6 @@ def _release_memory() -> None:
         pass
 
 
-
-
 # torch.compile(module) warns at every compiled call while any global module hook exists ("this will
 # cause the hooks to fire an extra time for the OptimizedModule"). In an isolated item the status hook
 # below is one, always: the warning then says nothing about the model and was listed with every compile
