@@ -84,24 +84,25 @@ def test_a_one_signed_compiled_backward_error_inside_the_budget_fails_naming_the
     assert metric(ctx, "compile_loss_signed_p") > 1e-3  # the loss's test is made and recorded
 
 
-def _eager_only_bf16_scale(path: str, factor: float = 0.98):
+def _eager_only_bf16_scale(path: str, factor: float = 0.99):
     """Eager's bfloat16 backward into ``path`` scaled by ``factor``: a shared factor eager rounds one way in
     bfloat16, which the compiled graph (and the same weights in float32) do not."""
     return _backward_scale(path, factor, compiled=False, only=torch.bfloat16)
 
 
 def test_a_compiled_gradient_closer_to_float32_than_eagers_passes_and_says_why():
-    """Eager's bfloat16 backward into layer 1's MLP 2 % low, compiled exact (Llama-4-Scout's clean items,
+    """Eager's bfloat16 backward into layer 1's MLP 1 % low, compiled exact (Llama-4-Scout's clean items,
     bfloat16, measured: eager's attention gradients -0.9 to -1.2 % against float32, compiled -0.6 to -0.8 %):
-    compiled against eager is one-signed at +2 %, twice the planted fault's size, but it is the closer to the
-    same weights' float32 backward. The item passes and says so; the fault above, compiled 1 % high with
-    eager exact, still fails (it moves away from the float32 backward). At 1 % low the MLP's matrices are
-    explained too, but the norm's weight (a vector of 128 rows) reads eager against float32 at p=5.9e-5,
-    not below the limit for 5 gradients (2e-5): that item still fails (gradients.toward_truth)."""
+    compiled against eager is one-signed at +1 %, the planted fault's size, but it is the closer to the same
+    weights' float32 backward. The item passes and says so; the fault above, compiled 1 % high with eager
+    exact, still fails (it moves away from the float32 backward). The norm's weight (a vector of 119 rows
+    that vary) reads eager against float32 at p=5.9e-5: until 2026-12-07 the limit was ALPHA / the gradients
+    asked about (2e-5 for 5) and this item failed on it ("model.layers.1.post_attention_layernorm: ... 99 of
+    119 rows ... +1.10%"); the plant was 2 % to pass (gradients.toward_truth)."""
     ls = compile_suite(NAME, backend="aot_eager", prompt_lens=[], decode_step=False)
     ctx, _, f = run(ls, dtype="bfloat16", transform=_eager_only_bf16_scale("model.layers.1.mlp"))
     assert f is None, str(f)
-    assert metric(ctx, "compile_grad_signed_min_p") < 1e-30 and metric(ctx, "compile_grad_signed_max_effect") > 0.019
+    assert metric(ctx, "compile_grad_signed_min_p") < 1e-30 and metric(ctx, "compile_grad_signed_max_effect") > 0.0095
     said = dict(ctx.properties)["harness.detail.compile_grad_toward_float32"]
     assert said.startswith("4 parameter gradient(s) one-signed against eager, each closer than eager's to the "
                            "same weights' float32 backward (first model.layers.1."), said
