@@ -5,9 +5,9 @@ it as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``. ``sh
 rank r's ``E / ep`` experts (``[r*E/ep, (r+1)*E/ep)``) and replaces the module's forward with
 ``ep_forward``: every (token, choice) pair is sent to the rank owning its expert
 (``all_to_all_single``, differentiable), the owner runs the architecture's *own* expert code on
-what it received (the original forward with local expert ids and unit weights), the outputs come
-back by the inverse ``all_to_all_single`` and are combined with the routing weights where the
-reference combines them.
+what it received (the module's forward as it was, an instance's own included, with local expert ids
+and unit weights), the outputs come back by the inverse ``all_to_all_single`` and are combined with
+the routing weights where the reference combines them.
 
 ``capacity_factor`` > 0 caps every expert at ``ceil(cf * T * k / E)`` assignments per rank (the
 rest are dropped, as capacity-bounded MoE training does); 0 is dropless. Dropped and received
@@ -81,7 +81,7 @@ def ep_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     if len(ids_recv):
         STATS.max_expert_load = max(STATS.max_expert_load, int(torch.bincount(ids_recv).max()))
     ones = torch.ones(len(ids_recv), 1, dtype=top_k_weights.dtype, device=hidden.device)
-    y_recv = cfg["forward"](self, x_recv, ids_recv[:, None], ones)  # the architecture's own expert code
+    y_recv = cfg["forward"](x_recv, ids_recv[:, None], ones)  # the module's own expert code, as it was
     y_back = a2a_autograd(hidden.new_empty(len(sel), hidden.shape[1]), y_recv, send_l, recv_l, group=group)
     y_back = y_back * flat_w[sel, None]  # promoted as the reference promotes it
     return torch.zeros_like(hidden).index_add(0, flat_t[sel], y_back.to(hidden.dtype))
@@ -100,8 +100,11 @@ def shard_experts(model: torch.nn.Module, num_experts: int, group, capacity_fact
             if p.shape[0] == num_experts:
                 setattr(mod, pname, torch.nn.Parameter(p.detach()[lo:lo + e_local].clone(),
                                                        requires_grad=p.requires_grad))
+        # The forward the module had, not its class's: a forward set on the instance (a vendor's fused-MoE
+        # kernel swapped in) is what the reference runs, and what each owner rank must run on its experts.
+        # The class's, until 2026-12-07: an EP layout then ran other kernels than the reference, silently.
         mod._harness_ep = {"group": group, "ep": ep, "num_experts": num_experts, "local": e_local,
-                           "capacity_factor": capacity_factor, "forward": type(mod).forward, "offset": lo}
+                           "capacity_factor": capacity_factor, "forward": mod.forward, "offset": lo}
         mod.num_experts = e_local
         mod.forward = types.MethodType(ep_forward, mod)
         names.append(name)
