@@ -126,3 +126,29 @@ def test_a_compiled_only_fault_in_a_patched_moe_module_is_compiled_with_the_rout
     # every break the routers' (qwen3-30b-a3b's pruned model: one router per layer, both MoE)
     assert " at the 2 forced router(s) (kept out of the graph by design" in said and "elsewhere" not in said, said
     assert not any("outside the forced routers" in n for n in ctx.notes), ctx.notes
+
+
+def test_a_model_without_a_float32_path_keeps_its_finding_and_says_why_it_was_not_explained():
+    """The float32 backward is harness's own diagnostic: a model that runs in its dtype only (a vendor's
+    kernel without float32, here layer 0's MLP refusing float32 input) keeps the one-signed finding it
+    had, with a note saying why it was not explained - not an error from the diagnostic."""
+    ls = compile_suite(NAME, backend="aot_eager", prompt_lens=[], decode_step=False)
+    eager_low = _eager_only_bf16_scale("model.layers.1.mlp")
+
+    def bf16_only(model):
+        mod = eager_low(model).get_submodule("model.layers.0.mlp")
+
+        def forward(x, _orig=mod.forward):
+            if x.dtype == torch.float32:
+                raise RuntimeError("vendor_mlp: float32 is not supported")
+            return _orig(x)
+
+        mod.forward = forward
+        return model
+
+    ctx, _, f = run(ls, dtype="bfloat16", transform=bf16_only)
+    assert f is not None and str(f).startswith("model.layers.1."), f
+    assert "one-signed scale error" in str(f).splitlines()[0], f
+    assert any(n.startswith("compile: the same weights' float32 backward (to tell eager's own rounding from the "
+                            "compiler's) could not run: RuntimeError: vendor_mlp: float32 is not supported")
+               for n in ctx.notes), ctx.notes
