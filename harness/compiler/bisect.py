@@ -15,6 +15,7 @@ decoder layer, and the model's other children (the LM head), in forward order.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ class Region:
     name: str
     rel_rmse: float  # logits with only this region compiled, against the eager logits
     diverges: bool
+    raised: str = ""  # compiled alone, the region raised (type: first line); not descended into
 
 
 @dataclass
@@ -81,8 +83,17 @@ def localize(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
     for _ in range(depth):
         hit = None
         for name in names:
-            with fresh(), compiled_only(model.get_submodule(name), compile_kw):
-                got = forward(model)
+            try:
+                with fresh(), compiled_only(model.get_submodule(name), compile_kw):
+                    got = forward(model)
+            except Exception as e:
+                # Compiled alone a region can take paths the whole-model compile did not (its own graph
+                # inputs, other guards). The bisection is a diagnostic of a finding already made: a region
+                # that raises is said and passed over, and the finding keeps its place.
+                from harness.messages import first_line
+
+                out.tried.append(Region(name, math.nan, False, f"{type(e).__name__}: {first_line(e, 200)}"))
+                continue
             err = tensor_metrics(got, reference)["rel_rmse"]
             r = Region(name, err, diverges(got) if diverges is not None else not err <= budget)
             out.tried.append(r)
@@ -101,7 +112,8 @@ def localize(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
 def describe(b: Bisection) -> str:
     """Every region tried, in order, with its logits' distance from eager (the check's detail)."""
     return "bisection, one region compiled at a time, logits against eager:\n" + "\n".join(
-        f"  {r.name}: rel_rmse {r.rel_rmse:.3g}" + (" (diverges)" if r.diverges else "") for r in b.tried)
+        f"  {r.name}: " + (f"raised compiled alone ({r.raised}): passed over" if r.raised else
+                           f"rel_rmse {r.rel_rmse:.3g}" + (" (diverges)" if r.diverges else "")) for r in b.tried)
 
 
 def where(b: Bisection | None, eager_budget: float) -> str:

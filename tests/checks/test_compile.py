@@ -185,6 +185,28 @@ def test_lowering_fault_fails_compiled_localized_while_eager_passes(tmp_path):
     assert pf is None, str(pf)
 
 
+def test_a_region_that_raises_compiled_alone_is_passed_over_and_the_finding_kept():
+    """The bisection is a diagnostic of a finding already made (the compiled logits diverge): a region
+    whose compile alone raises (its own graph inputs and guards, paths the whole-model compile did not
+    take; here layer 0's ``compile``) is said in the bisection's detail and passed over. It ended the item
+    on that error in step ``bisect`` before, the divergence unsaid. The silu fault is in every layer:
+    layer 1 is where it is found now."""
+    def layer0_raises(model):
+        def compile_(**kw):
+            raise RuntimeError("vendor layer: no graph of its own")
+
+        model.get_submodule("model.layers.0").compile = compile_
+        return model
+
+    ctx, _, f = run(compile_suite(backend="aot_eager_decomp_partition", gradients=False), transform=layer0_raises,
+                    context=wrong_silu_decomposition)
+    assert isinstance(f, CheckFailure), f
+    line = str(f).splitlines()[0]
+    assert line.startswith("model.layers.1.mlp.act_fn compiled alone diverges from eager"), line
+    said = dict(ctx.properties)["harness.detail.compile_bisection"]
+    assert "  model.layers.0: raised compiled alone (RuntimeError: vendor layer: no graph of its own): passed over" in said
+
+
 def wrong_silu_backward_decomposition():
     """The compiled backward only: aten.silu_backward's decomposition 5% high (forward and eager untouched)."""
     def silu_backward(grad, x):
