@@ -118,8 +118,22 @@ def test_a_slurm_launched_nightly_parallel_run_of_one_suite_reaches_compare(slur
 
     results = tmp_path / "results"
 
-    def left() -> set:  # each node's run folder (harness.launch.noderun), and what torchrun once made in the cwd
-        return {*Path(tempfile.gettempdir()).glob("harness-launch-*"), *Path.cwd().glob("@tmp/*")}
+    def left() -> set:
+        """Each node's run folder (harness.launch.noderun) whose owner is gone, and what torchrun once made in
+        the cwd. Only orphans: under xdist another test's launch may have its folder in /tmp right now, alive
+        and not this job's (CI, 8 Dec 2026: a concurrent launch's folder failed this test)."""
+        from harness.files.scratch import OWNER, owner_gone
+
+        def orphan(p: Path) -> bool:
+            try:
+                return owner_gone((p / OWNER).read_text())
+            except FileNotFoundError:  # no record: a removal that left the rest behind (or a folder this instant)
+                return p.exists()
+            except OSError:
+                return False
+
+        return {p for p in Path(tempfile.gettempdir()).glob("harness-launch-*") if orphan(p)} | set(
+            Path.cwd().glob("@tmp/*"))
 
     before = left()
     args = build_parser().parse_args(["run", "llama-3.1-8b", "--check", "parallel", "--scope", "nightly", "-k",
