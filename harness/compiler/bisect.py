@@ -23,6 +23,7 @@ import torch
 
 from harness.anatomy.layers import decoder_layers
 from harness.compiler.dynamo import fresh
+from harness.messages import first_line
 from harness.precision.compare import tensor_metrics
 
 
@@ -86,12 +87,10 @@ def localize(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
             try:
                 with fresh(), compiled_only(model.get_submodule(name), compile_kw):
                     got = forward(model)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - said in the bisection's detail, the finding kept
                 # Compiled alone a region can take paths the whole-model compile did not (its own graph
                 # inputs, other guards). The bisection is a diagnostic of a finding already made: a region
                 # that raises is said and passed over, and the finding keeps its place.
-                from harness.messages import first_line
-
                 out.tried.append(Region(name, math.nan, False, f"{type(e).__name__}: {first_line(e, 200)}"))
                 continue
             err = tensor_metrics(got, reference)["rel_rmse"]
